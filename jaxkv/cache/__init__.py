@@ -1,0 +1,16 @@
+"""The ragged paged KV state, its page allocator, and the writes into it."""
+
+from jaxkv.cache.allocator import PageAllocator, allocate, release
+from jaxkv.cache.state import KVState, PagePool, PoolExhaustedError
+from jaxkv.cache.writes import attend_and_write, write_tokens
+
+__all__ = [
+    "KVState",
+    "PageAllocator",
+    "PagePool",
+    "PoolExhaustedError",
+    "allocate",
+    "attend_and_write",
+    "release",
+    "write_tokens",
+]

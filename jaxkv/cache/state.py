@@ -1,0 +1,125 @@
+"""The ragged paged KV state: one physical page pool shared by all layers, sequences and KV heads.
+
+Every (layer, sequence, KV head) owns its own list of pages. A page holds `page_size` tokens of one
+KV head. Because the pool is shared, a head or layer that keeps fewer tokens holds fewer pages,
+and the pages it gives back serve any other head: non-uniform budgets save real memory.
+
+Keys are stored after RoPE at their original positions, so order inside the cache does not matter
+to attention; `token_positions` keeps each token's original position for policies (recency, sinks).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache.allocator import PageAllocator
+
+
+@flax.struct.dataclass
+class PagePool:
+    """Physical storage and its allocator.
+
+    Attributes:
+      k_pages, v_pages: [P, p, H] keys (post-RoPE) and values.
+      token_positions: int32 [P, p] original position of each stored token.
+      allocator: the free-page stack.
+      overflow: bool []; set when a write did not fit in the pool (the write was dropped whole).
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    token_positions: jax.Array
+    allocator: PageAllocator
+    overflow: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page holds: its keys, values and per-token metadata."""
+        p, h = self.k_pages.shape[1:]
+        return p * h * (self.k_pages.dtype.itemsize + self.v_pages.dtype.itemsize) + p * 4
+
+
+@flax.struct.dataclass
+class KVState:
+    """Paged KV cache for L layers, B sequences, K KV heads, at most M pages per head.
+
+    Attributes:
+      pool: the physical pages and allocator, shared by all layers.
+      page_table: int32 [L, B, K, M]; page ids in token order, -1 where unallocated.
+      lengths: int32 [L, B, K]; tokens stored per (layer, sequence, KV head).
+    """
+
+    pool: PagePool
+    page_table: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def create(cls, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
+               max_tokens: int, page_size: int, num_pages: int, dtype=jnp.bfloat16) -> KVState:
+        """An empty state with room for `max_tokens` per head and a pool of `num_pages` pages."""
+        for name, value in (("num_layers", num_layers), ("batch", batch),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("max_tokens", max_tokens), ("page_size", page_size),
+                            ("num_pages", num_pages)):
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be > 0")
+        max_pages = -(-max_tokens // page_size)
+        pool = PagePool(
+            k_pages=jnp.zeros((num_pages, page_size, head_dim), dtype),
+            v_pages=jnp.zeros((num_pages, page_size, head_dim), dtype),
+            token_positions=jnp.full((num_pages, page_size), -1, jnp.int32),
+            allocator=PageAllocator.create(num_pages),
+            overflow=jnp.zeros((), bool),
+        )
+        return cls(
+            pool=pool,
+            page_table=jnp.full((num_layers, batch, num_kv_heads, max_pages), -1, jnp.int32),
+            lengths=jnp.zeros((num_layers, batch, num_kv_heads), jnp.int32),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def max_tokens_per_head(self) -> int:
+        return self.page_table.shape[-1] * self.pool.page_size
+
+    def pages_in_use(self) -> jax.Array:
+        return self.pool.allocator.pages_in_use()
+
+    def memory_bytes(self) -> int:
+        """Bytes of the pages really held (keys, values and per-token metadata); host-side int."""
+        return int(np.asarray(self.pages_in_use())) * self.pool.page_bytes
+
+    def positions(self, layer: int) -> jax.Array:
+        """int32 [B, K, M * p]: original positions of the tokens kept per head, -1 padded."""
+        table = self.page_table[layer]
+        gathered = self.pool.token_positions[jnp.maximum(table, 0)]
+        b, k, m, p = gathered.shape
+        gathered = gathered.reshape(b, k, m * p)
+        held = jnp.arange(m * p) < self.lengths[layer][..., None]
+        return jnp.where(held, gathered, -1)
+
+    def check(self) -> None:
+        """Raises on the host if a write ran out of pages (call after a jitted step)."""
+        if bool(np.asarray(self.pool.overflow)):
+            raise PoolExhaustedError(
+                f"the KV page pool (num_pages={self.pool.num_pages}, page_size="
+                f"{self.pool.page_size}) ran out of pages; the write was not performed. "
+                "Give generate() a larger num_pages or a tighter cache policy.")
+
+
+class PoolExhaustedError(ValueError):
+    """A write needed more pages than the pool had free."""

@@ -1,0 +1,94 @@
+"""Writing tokens into the paged state, and the per-layer attend-then-write step of the models."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import attention as attention_ops
+from jaxkv.cache.allocator import allocate
+from jaxkv.cache.state import PagePool
+
+
+def _ceil_div(x, d):
+    return (x + d - 1) // d
+
+
+def write_tokens(pool: PagePool, page_table: jax.Array, lengths: jax.Array, k: jax.Array,
+                 v: jax.Array, positions: jax.Array, write_mask: jax.Array):
+    """Appends the masked tokens of a chunk to each (sequence, KV head) of one layer.
+
+    Args:
+      pool: the shared page pool.
+      page_table: int32 [B, K, M]; lengths: int32 [B, K] (this layer's).
+      k, v: [B, K, C, H] new keys (post-RoPE) and values.
+      positions: int32 [B, C] original positions of the chunk's tokens.
+      write_mask: bool [B, K, C]; which tokens each head stores (admission).
+    Returns:
+      (pool, page_table, lengths). If the pages needed do not fit in the pool or in the page
+      table, nothing is written and `pool.overflow` is set.
+    """
+    b, num_kv, c, h = k.shape
+    p = pool.page_size
+    max_pages = page_table.shape[-1]
+    new_lengths = lengths + jnp.sum(write_mask, axis=-1, dtype=jnp.int32)
+    pages_held = _ceil_div(lengths, p)
+    pages_needed = _ceil_div(new_lengths, p)
+    max_new_pages = _ceil_div(c, p) + 1
+    allocator, new_pages, ok = allocate(
+        pool.allocator, (pages_needed - pages_held).reshape(-1), max_new_pages)
+    ok = ok & jnp.all(pages_needed <= max_pages)
+    new_pages = jnp.where(ok, new_pages, -1).reshape(b, num_kv, max_new_pages)
+    allocator = jax.tree.map(lambda new, old: jnp.where(ok, new, old), allocator, pool.allocator)
+
+    table_slot = pages_held[..., None] + jnp.arange(max_new_pages)
+    table_slot = jnp.where(new_pages >= 0, table_slot, max_pages)  # out of range: dropped
+    bi, ki = jnp.indices((b, num_kv))
+    page_table = page_table.at[bi[..., None], ki[..., None], table_slot].set(new_pages, mode="drop")
+
+    # Destination of each written token: its rank among the head's written tokens.
+    rank = lengths[..., None] + jnp.cumsum(write_mask, axis=-1) - 1
+    page = jnp.take_along_axis(page_table, jnp.clip(rank // p, 0, max_pages - 1), axis=-1)
+    destination = page * p + rank % p
+    destination = jnp.where(write_mask & ok, destination, pool.num_pages * p).reshape(-1)
+
+    def scatter(pages, values):
+        flat = pages.reshape(-1, *pages.shape[2:])
+        flat = flat.at[destination].set(values.reshape(-1, *values.shape[3:]).astype(flat.dtype),
+                                        mode="drop")
+        return flat.reshape(pages.shape)
+
+    token_positions = jnp.broadcast_to(positions[:, None, :], (b, num_kv, c))
+    pool = dataclasses.replace(
+        pool,
+        k_pages=scatter(pool.k_pages, k),
+        v_pages=scatter(pool.v_pages, v),
+        token_positions=scatter(pool.token_positions, token_positions),
+        allocator=allocator,
+        overflow=pool.overflow | ~ok,
+    )
+    return pool, page_table, jnp.where(ok, new_lengths, lengths)
+
+
+def attend_and_write(pool: PagePool, page_table, lengths, q, k, v, positions, *, layer,
+                     sm_scale: float, policy, backend: str):
+    """One layer's attention for a chunk: over the cached tokens and the chunk itself, then write.
+
+    q [B, N, C, H], k, v [B, K, C, H], positions [B, C] (-1 = padding). The chunk's queries see
+    every cached token of their head plus the chunk's earlier tokens, whether or not the policy
+    admits those to the cache. Returns (attn [B, N, C, H] in q.dtype, pool, page_table, lengths).
+    """
+    cached_out, cached_lse = attention_ops.paged_attention(
+        q, pool.k_pages, pool.v_pages, page_table, lengths, sm_scale=sm_scale, backend=backend)
+    chunk_out, chunk_lse = attention_ops.chunk_attention(
+        q, k, v, positions, sm_scale=sm_scale, backend=backend)
+    out, _ = attention_ops.merge_partials(cached_out, cached_lse, chunk_out, chunk_lse)
+
+    write_mask = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
+    admitted = policy.admit(layer=layer, k=k, v=v, positions=positions)
+    if admitted is not None:
+        write_mask = write_mask & admitted
+    pool, page_table, lengths = write_tokens(pool, page_table, lengths, k, v, positions, write_mask)
+    return out.astype(q.dtype), pool, page_table, lengths

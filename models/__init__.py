@@ -1,0 +1,25 @@
+"""Functional Llama / Qwen decoders, their configs, checkpoints and tokenizers."""
+
+from models.configs import Family, ModelConfig, RopeScaling, from_hf_config, preset, to_hf_config
+from models.decoder import Model, forward, forward_cached, init_model, init_params
+from models.hf_loading import load_hf_checkpoint, save_hf_checkpoint
+from models.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
+
+__all__ = [
+    "Family",
+    "Model",
+    "ModelConfig",
+    "RopeScaling",
+    "Tokenizer",
+    "byte_tokenizer",
+    "forward",
+    "forward_cached",
+    "from_hf_config",
+    "init_model",
+    "init_params",
+    "load_hf_checkpoint",
+    "load_tokenizer",
+    "preset",
+    "save_hf_checkpoint",
+    "to_hf_config",
+]

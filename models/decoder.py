@@ -1,0 +1,181 @@
+"""The decoder shared by Llama 2/3/3.1+, Qwen2/2.5 and Qwen3, as pure functions over a params pytree.
+
+The families differ only by config flags (q/k/v bias, q/k RMSNorm, RoPE scaling, tied embeddings),
+so one implementation serves all of them. Layer parameters are stacked on a leading axis [L, ...]
+and the layers run under `lax.scan`, which keeps compile time independent of depth.
+
+Params layout (D hidden, N query heads, K KV heads, H head dim, F MLP width, V vocab):
+  embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied);
+  layers: attn_norm [L, D]; wq [L, D, N, H]; wk, wv [L, D, K, H]; wo [L, N, H, D];
+          bq [L, N, H], bk, bv [L, K, H] (qkv_bias); q_norm, k_norm [L, H] (qk_norm);
+          mlp_norm [L, D]; w_gate, w_up [L, D, F]; w_down [L, F, D].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxkv import attention as attention_ops
+from jaxkv.cache import KVState, attend_and_write
+from models import layers
+from models.configs import ModelConfig
+
+Params = dict[str, Any]
+
+
+@flax.struct.dataclass
+class Model:
+    """A configuration with its parameters; a pytree whose only leaves are the params.
+
+    Attributes:
+      config: static ModelConfig.
+      params: the params pytree (layout in this module's docstring).
+    """
+
+    config: ModelConfig = flax.struct.field(pytree_node=False)
+    params: Params
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """Shapes of every parameter, in the layout of this module's docstring."""
+    d, n, k, h, f, num_layers = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                 cfg.intermediate_size, cfg.num_layers)
+    stacked = {
+        "attn_norm": (d,), "wq": (d, n, h), "wk": (d, k, h), "wv": (d, k, h), "wo": (n, h, d),
+        "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
+    }
+    if cfg.qkv_bias:
+        stacked |= {"bq": (n, h), "bk": (k, h), "bv": (k, h)}
+    if cfg.qk_norm:
+        stacked |= {"q_norm": (h,), "k_norm": (h,)}
+    shapes: Params = {
+        "embed": (cfg.vocab_size, d),
+        "final_norm": (d,),
+        "layers": {name: (num_layers, *shape) for name, shape in stacked.items()},
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, cfg.vocab_size)
+    return shapes
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm")
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+    """Random parameters: normal(0, scale) weights, zero biases, unit norms."""
+    shapes = param_shapes(cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for (path, shape), leaf_key in zip(flat, keys, strict=True):
+        name = path[-1].key
+        if _is_norm(name):
+            leaves.append(jnp.ones(shape, dtype))
+        elif name.startswith("b"):
+            leaves.append(jnp.zeros(shape, dtype))
+        else:
+            leaves.append((scale * jax.random.normal(leaf_key, shape, jnp.float32)).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Model:
+    return Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(seed), dtype))
+
+
+def _rope_for(cfg: ModelConfig, positions: jax.Array):
+    """cos/sin for positions [B, T]; padding positions (-1) get an arbitrary but finite rotation."""
+    return layers.rope_cos_sin(cfg, jnp.maximum(positions, 0))
+
+
+def attention_inputs(lp: Params, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """q [B, N, T, H], k, v [B, K, T, H] (q and k rotated) from the residual stream x [B, T, D]."""
+    h = layers.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dnh->bnth", h, lp["wq"])
+    k = jnp.einsum("btd,dkh->bkth", h, lp["wk"])
+    v = jnp.einsum("btd,dkh->bkth", h, lp["wv"])
+    if cfg.qkv_bias:
+        q = q + lp["bq"][:, None]
+        k = k + lp["bk"][:, None]
+        v = v + lp["bv"][:, None]
+    if cfg.qk_norm:
+        q = layers.rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = layers.rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    return layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin), v
+
+
+def attention_output_and_mlp(lp: Params, cfg: ModelConfig, x: jax.Array, attn: jax.Array):
+    """Output projection of attn [B, N, T, H], residual add, then the MLP block; returns x."""
+    x = x + jnp.einsum("bnth,nhd->btd", attn.astype(x.dtype), lp["wo"])
+    h = layers.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    return x + layers.swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def final_hidden(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    return layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def logits_from_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """f32 logits [..., V] from final-normed hidden states [..., D]."""
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
+
+
+def forward(model: Model, tokens: jax.Array, *, backend: str = "xla") -> jax.Array:
+    """Causal forward over whole sequences without a cache: logits [B, T, V] (f32)."""
+    cfg, params = model.config, model.params
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    cos, sin = _rope_for(cfg, positions)
+
+    def layer(x, lp):
+        q, k, v = attention_inputs(lp, cfg, x, cos, sin)
+        attn = attention_ops.causal_attention(q, k, v, sm_scale=cfg.head_dim**-0.5,
+                                              backend=backend)
+        return attention_output_and_mlp(lp, cfg, x, attn), None
+
+    x, _ = jax.lax.scan(layer, embed(params, tokens), params["layers"])
+    return logits_from_hidden(params, cfg, final_hidden(params, cfg, x))
+
+
+def forward_cached(model: Model, tokens: jax.Array, positions: jax.Array, kv: KVState, *,
+                   policy, backend: str = "xla") -> tuple[jax.Array, KVState]:
+    """One chunk (prefill chunk or decode step) through the paged KV state.
+
+    Args:
+      tokens: int32 [B, C]; positions: int32 [B, C] original positions, -1 marks padding
+        (not attended from, never written).
+      kv: the KV state holding everything before this chunk.
+      policy: the cache policy (static); decides admission at write time.
+    Returns:
+      final-normed hidden states [B, C, D] and the KV state with the chunk written.
+    """
+    cfg, params = model.config, model.params
+    cos, sin = _rope_for(cfg, positions)
+
+    def layer(carry, xs):
+        x, pool = carry
+        lp, page_table, lengths, layer_index = xs
+        q, k, v = attention_inputs(lp, cfg, x, cos, sin)
+        attn, pool, page_table, lengths = attend_and_write(
+            pool, page_table, lengths, q, k, v, positions, layer=layer_index,
+            sm_scale=cfg.head_dim**-0.5, policy=policy, backend=backend)
+        return (attention_output_and_mlp(lp, cfg, x, attn), pool), (page_table, lengths)
+
+    xs = (params["layers"], kv.page_table, kv.lengths, jnp.arange(cfg.num_layers))
+    (x, pool), (page_table, lengths) = jax.lax.scan(layer, (embed(params, tokens), kv.pool), xs)
+    kv = dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
+    return final_hidden(params, cfg, x), kv
