@@ -1,0 +1,90 @@
+"""The `jaxkv` command line: `jaxkv generate ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = "tiny-random"
+DEFAULT_PROMPT = "The KV cache grows with every token; a paged cache frees what a policy drops."
+
+
+def _load(model_arg: str, dtype: str, seed: int):
+    """A checkpoint directory, or the name of a built-in preset (random weights)."""
+    from models import byte_tokenizer, init_model, load_hf_checkpoint, load_tokenizer, preset
+    from models.configs import PRESETS, dtype_from_name
+
+    path = Path(model_arg)
+    if path.is_dir():
+        model = load_hf_checkpoint(path, dtype=dtype)
+        has_tokenizer = (path / "tokenizer.json").exists()
+        return model, load_tokenizer(path) if has_tokenizer else byte_tokenizer()
+    if model_arg in PRESETS:
+        model = init_model(preset(model_arg), seed=seed, dtype=dtype_from_name(dtype or "float32"))
+        return model, byte_tokenizer()
+    raise SystemExit(f"--model {model_arg!r}: neither a checkpoint directory nor a preset "
+                     f"({', '.join(sorted(PRESETS))})")
+
+
+def _generate(args) -> int:
+    import jax
+
+    import jaxkv
+    from jaxkv import policies
+
+    model, tokenizer = _load(args.model, args.dtype, args.seed)
+    policy = policies.get(args.policy)
+    sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompt_ids = tokenizer.encode(args.prompt)
+    stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    out = jaxkv.generate(model, [prompt_ids], max_new_tokens=args.max_new_tokens, policy=policy,
+                         sampler=sampler, key=jax.random.PRNGKey(args.seed), stop_tokens=stop,
+                         pad_id=tokenizer.pad_id, page_size=args.page_size)
+    n = int(out.num_tokens[0])
+    report = {
+        "model": args.model,
+        "policy": args.policy,
+        "prompt_tokens": len(prompt_ids),
+        "generated_tokens": n,
+        "pages_in_use_after_prefill": int(out.pages_in_use[0]),
+        "pages_in_use_final": int(out.pages_in_use[-1]),
+        "kv_bytes_final": int(out.memory_bytes[-1]),
+    }
+    print(f"prompt: {args.prompt!r}")
+    print(f"output: {tokenizer.decode(out.tokens[0, :n])!r}")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text through the paged KV cache")
+    gen.add_argument("--model", default=DEFAULT_MODEL,
+                     help="checkpoint directory (Hugging Face format) or preset name")
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--policy", default="full", help="cache policy name")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--page-size", type=int, default=16)
+    gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    gen.set_defaults(run=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, KeyError) as error:
+        print(f"jaxkv {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
