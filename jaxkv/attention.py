@@ -35,7 +35,8 @@ def resolve_backend(backend: str | Backend) -> Backend:
     if resolved is not Backend.XLA:
         raise NotImplementedError(
             f"backend={resolved.value!r}: the Pallas kernels are not part of this build yet; "
-            "use backend='xla'")
+            "use backend='xla'"
+        )
     return resolved
 
 
@@ -77,8 +78,9 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     w_b = jnp.exp(lse_b - m)[..., None]
     total = w_a + w_b
     out = (w_a * out_a + w_b * out_b) / jnp.where(total > 0, total, 1.0)
-    lse = jnp.where(total[..., 0] > 0, m + jnp.log(jnp.where(total[..., 0] > 0, total[..., 0], 1.0)),
-                    -jnp.inf)
+    lse = jnp.where(
+        total[..., 0] > 0, m + jnp.log(jnp.where(total[..., 0] > 0, total[..., 0], 1.0)), -jnp.inf
+    )
     return out, lse
 
 
@@ -91,8 +93,9 @@ def causal_attention(q, k, v, *, sm_scale: float, backend: str = "xla") -> jax.A
     return out.astype(q.dtype)
 
 
-def block_mask_from_lists(kv_block_idx, kv_block_cnt, num_tokens: int, block_q: int,
-                          block_k: int) -> jax.Array:
+def block_mask_from_lists(
+    kv_block_idx, kv_block_cnt, num_tokens: int, block_q: int, block_k: int
+) -> jax.Array:
     """Token mask [B, ., T, T] (causal) from per-query-block lists of key blocks.
 
     kv_block_idx [B, M, nq, nk] lists key blocks (valid entries first), kv_block_cnt [B, M, nq]
@@ -102,15 +105,26 @@ def block_mask_from_lists(kv_block_idx, kv_block_cnt, num_tokens: int, block_q: 
     valid_entry = jnp.arange(nk) < kv_block_cnt[..., None]
     num_kv_blocks = -(-num_tokens // block_k)
     listed = jnp.any(
-        (kv_block_idx[..., None] == jnp.arange(num_kv_blocks)) & valid_entry[..., None], axis=-2)
+        (kv_block_idx[..., None] == jnp.arange(num_kv_blocks)) & valid_entry[..., None], axis=-2
+    )
     token_q_block = jnp.arange(num_tokens) // block_q
     token_k_block = jnp.arange(num_tokens) // block_k
     mask = listed[..., token_q_block, :][..., token_k_block]
     return mask & jnp.tril(jnp.ones((num_tokens, num_tokens), bool))
 
 
-def block_sparse_attention(q, k, v, kv_block_idx, kv_block_cnt, *, sm_scale: float, block_q: int,
-                           block_k: int, backend: str = "xla") -> jax.Array:
+def block_sparse_attention(
+    q,
+    k,
+    v,
+    kv_block_idx,
+    kv_block_cnt,
+    *,
+    sm_scale: float,
+    block_q: int,
+    block_k: int,
+    backend: str = "xla",
+) -> jax.Array:
     """Causal attention restricted to listed (query block, key block) pairs; [B, N, T, H].
 
     Block lists are given per query head ([B, N, nq, nk]) or per KV head ([B, K, nq, nk]).
@@ -125,7 +139,9 @@ def block_sparse_attention(q, k, v, kv_block_idx, kv_block_cnt, *, sm_scale: flo
     elif mask.shape[1] == num_kv_heads:
         mask = mask[:, :, None]
     else:
-        raise ValueError(f"kv_block_idx has {mask.shape[1]} heads: expected N={n} or K={num_kv_heads}")
+        raise ValueError(
+            f"kv_block_idx has {mask.shape[1]} heads: expected N={n} or K={num_kv_heads}"
+        )
     out, _ = masked_attention(q, k, v, mask, sm_scale)
     return out.astype(q.dtype)
 
@@ -133,7 +149,8 @@ def block_sparse_attention(q, k, v, kv_block_idx, kv_block_cnt, *, sm_scale: flo
 def chunk_attention(q, k, v, positions, *, sm_scale: float, backend: str = "xla"):
     """Causal attention within a chunk by original positions; -1 marks padding keys.
 
-    q [B, N, C, H], k, v [B, K, C, H], positions [B, C]. Returns out f32 [B, N, C, H], lse [B, N, C].
+    q [B, N, C, H], k, v [B, K, C, H], positions [B, C].
+    Returns out f32 [B, N, C, H], lse [B, N, C].
     """
     resolve_backend(backend)
     key_pos = positions[:, None, None, None, :]
@@ -149,8 +166,9 @@ def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
     return gathered.reshape(b, k, m * p, h)
 
 
-def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float,
-                    backend: str = "xla"):
+def paged_attention(
+    q, k_pages, v_pages, page_table, lengths, *, sm_scale: float, backend: str = "xla"
+):
     """Attention of q [B, N, C, H] over each (sequence, KV head)'s first `lengths` cached tokens.
 
     k_pages, v_pages [P, p, H]; page_table int32 [B, K, M] (-1 = unallocated); lengths [B, K].

@@ -24,8 +24,10 @@ def _load(model_arg: str, dtype: str, seed: int):
     if model_arg in PRESETS:
         model = init_model(preset(model_arg), seed=seed, dtype=dtype_from_name(dtype or "float32"))
         return model, byte_tokenizer()
-    raise SystemExit(f"--model {model_arg!r}: neither a checkpoint directory nor a preset "
-                     f"({', '.join(sorted(PRESETS))})")
+    raise SystemExit(
+        f"--model {model_arg!r}: neither a checkpoint directory nor a preset "
+        f"({', '.join(sorted(PRESETS))})"
+    )
 
 
 def _generate(args) -> int:
@@ -39,9 +41,17 @@ def _generate(args) -> int:
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompt_ids = tokenizer.encode(args.prompt)
     stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    out = jaxkv.generate(model, [prompt_ids], max_new_tokens=args.max_new_tokens, policy=policy,
-                         sampler=sampler, key=jax.random.PRNGKey(args.seed), stop_tokens=stop,
-                         pad_id=tokenizer.pad_id, page_size=args.page_size)
+    out = jaxkv.generate(
+        model,
+        [prompt_ids],
+        max_new_tokens=args.max_new_tokens,
+        policy=policy,
+        sampler=sampler,
+        key=jax.random.PRNGKey(args.seed),
+        stop_tokens=stop,
+        pad_id=tokenizer.pad_id,
+        page_size=args.page_size,
+    )
     n = int(out.num_tokens[0])
     report = {
         "model": args.model,
@@ -62,8 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text through the paged KV cache")
-    gen.add_argument("--model", default=DEFAULT_MODEL,
-                     help="checkpoint directory (Hugging Face format) or preset name")
+    gen.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint directory (Hugging Face format) or preset name",
+    )
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--policy", default="full", help="cache policy name")
     gen.add_argument("--max-new-tokens", type=int, default=32)

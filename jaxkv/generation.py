@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.attention import resolve_backend
 from jaxkv.cache import KVState
 from jaxkv.policies import FullCache, Policy
 from jaxkv.sampling import Sampler
@@ -88,7 +89,9 @@ def _prepare_prompts(model: Model, prompts, prefill_chunk: int) -> _Prompts:
         raise ValueError(f"prefill_chunk={prefill_chunk} must be > 0")
     lengths = np.array([len(p) for p in prompts], np.int32)
     if np.any(lengths == 0):
-        raise ValueError(f"prompt {int(np.argmin(lengths))} is empty: every prompt needs >= 1 token")
+        raise ValueError(
+            f"prompt {int(np.argmin(lengths))} is empty: every prompt needs >= 1 token"
+        )
     vocab = model.config.vocab_size
     for i, p in enumerate(prompts):
         ids = np.asarray(p)
@@ -103,7 +106,9 @@ def _prepare_prompts(model: Model, prompts, prefill_chunk: int) -> _Prompts:
     return _Prompts(tokens=tokens, lengths=lengths, chunk=chunk)
 
 
-def _full_cache_pages(model: Model, lengths: np.ndarray, max_new_tokens: int, page_size: int) -> int:
+def _full_cache_pages(
+    model: Model, lengths: np.ndarray, max_new_tokens: int, page_size: int
+) -> int:
     """Pages a keep-everything cache needs for these prompts and generation length."""
     cfg = model.config
     # The last sampled token is never written, hence max_new_tokens - 1.
@@ -111,8 +116,15 @@ def _full_cache_pages(model: Model, lengths: np.ndarray, max_new_tokens: int, pa
     return int(cfg.num_layers * cfg.num_kv_heads * per_head.sum())
 
 
-def _create_state(model: Model, prompts: _Prompts, max_new_tokens: int, policy: Policy,
-                  page_size: int, num_pages: int | None, kv_dtype) -> KVState:
+def _create_state(
+    model: Model,
+    prompts: _Prompts,
+    max_new_tokens: int,
+    policy: Policy,
+    page_size: int,
+    num_pages: int | None,
+    kv_dtype,
+) -> KVState:
     cfg = model.config
     if page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a positive power of two")
@@ -120,21 +132,32 @@ def _create_state(model: Model, prompts: _Prompts, max_new_tokens: int, policy: 
     if max_tokens > cfg.max_position_embeddings:
         raise ValueError(
             f"prompt length {int(prompts.lengths.max())} + max_new_tokens={max_new_tokens} = "
-            f"{max_tokens} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}")
+            f"{max_tokens} exceeds the model's "
+            f"max_position_embeddings={cfg.max_position_embeddings}"
+        )
     full_need = _full_cache_pages(model, prompts.lengths, max_new_tokens, page_size)
     if num_pages is None:
         num_pages = full_need
     elif isinstance(policy, FullCache) and num_pages < full_need:
-        raise ValueError(f"num_pages={num_pages} is too small: the full cache needs {full_need} "
-                         f"pages of {page_size} tokens for these prompts")
+        raise ValueError(
+            f"num_pages={num_pages} is too small: the full cache needs {full_need} "
+            f"pages of {page_size} tokens for these prompts"
+        )
     return KVState.create(
-        num_layers=cfg.num_layers, batch=len(prompts.lengths), num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, max_tokens=max_tokens, page_size=page_size, num_pages=num_pages,
-        dtype=kv_dtype if kv_dtype is not None else model.dtype)
+        num_layers=cfg.num_layers,
+        batch=len(prompts.lengths),
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_tokens=max_tokens,
+        page_size=page_size,
+        num_pages=num_pages,
+        dtype=kv_dtype if kv_dtype is not None else model.dtype,
+    )
 
 
-def _prefill(model: Model, tokens, lengths, kv: KVState, *, chunk: int, policy: Policy,
-             backend: str):
+def _prefill(
+    model: Model, tokens, lengths, kv: KVState, *, chunk: int, policy: Policy, backend: str
+):
     """Chunked prefill; returns (kv, final-normed hidden state of each prompt's last token)."""
     b, padded = tokens.shape
     starts = jnp.arange(0, padded, chunk)
@@ -145,8 +168,9 @@ def _prefill(model: Model, tokens, lengths, kv: KVState, *, chunk: int, policy: 
         chunk_tokens, start = xs
         index = start + jnp.arange(chunk)
         positions = jnp.where(index < lengths[:, None], index, -1)
-        hidden, kv = forward_cached(model, chunk_tokens, positions, kv, policy=policy,
-                                    backend=backend)
+        hidden, kv = forward_cached(
+            model, chunk_tokens, positions, kv, policy=policy, backend=backend
+        )
         is_last = index == lengths[:, None] - 1
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
         last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, last_hidden)
@@ -159,16 +183,31 @@ def _prefill(model: Model, tokens, lengths, kv: KVState, *, chunk: int, policy: 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv",))
 def _prefill_and_compress(model, tokens, lengths, kv, *, chunk, policy, backend):
-    kv, last_hidden = _prefill(model, tokens, lengths, kv, chunk=chunk, policy=policy,
-                               backend=backend)
+    kv, last_hidden = _prefill(
+        model, tokens, lengths, kv, chunk=chunk, policy=policy, backend=backend
+    )
     return policy.compress(kv), last_hidden
 
 
-def _decode_step(model: Model, state: GenState, *, policy: Policy, sampler: Sampler,
-                 stop_tokens, pad_id: int, backend: str) -> GenState:
+def _decode_step(
+    model: Model,
+    state: GenState,
+    *,
+    policy: Policy,
+    sampler: Sampler,
+    stop_tokens,
+    pad_id: int,
+    backend: str,
+) -> GenState:
     positions = jnp.where(state.done, -1, state.prompt_lengths + state.step - 1)
-    hidden, kv = forward_cached(model, state.last_token[:, None], positions[:, None], state.kv,
-                                policy=policy, backend=backend)
+    hidden, kv = forward_cached(
+        model,
+        state.last_token[:, None],
+        positions[:, None],
+        state.kv,
+        policy=policy,
+        backend=backend,
+    )
     kv = policy.on_decode(kv)
     logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
     token = sampler(logits, jax.random.fold_in(state.key, state.step))
@@ -179,42 +218,85 @@ def _record(state: GenState, kv: KVState, token, stop_tokens, pad_id: int) -> Ge
     token = jnp.where(state.done, pad_id, token)
     done = state.done | jnp.any(token[:, None] == stop_tokens[None, :], axis=-1)
     return dataclasses.replace(
-        state, kv=kv, tokens=state.tokens.at[:, state.step].set(token), last_token=token,
-        done=done, step=state.step + 1,
-        pages_in_use=state.pages_in_use.at[state.step].set(kv.pages_in_use()))
+        state,
+        kv=kv,
+        tokens=state.tokens.at[:, state.step].set(token),
+        last_token=token,
+        done=done,
+        step=state.step + 1,
+        pages_in_use=state.pages_in_use.at[state.step].set(kv.pages_in_use()),
+    )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("max_new_tokens", "chunk", "policy", "sampler", "pad_id", "backend"),
-    donate_argnames=("kv",))
-def _generate(model, tokens, lengths, kv, key, stop_tokens, *, max_new_tokens, chunk, policy,
-              sampler, pad_id, backend) -> GenState:
-    kv, last_hidden = _prefill(model, tokens, lengths, kv, chunk=chunk, policy=policy,
-                               backend=backend)
+    jax.jit,
+    static_argnames=("max_new_tokens", "chunk", "policy", "sampler", "pad_id", "backend"),
+    donate_argnames=("kv",),
+)
+def _generate(
+    model,
+    tokens,
+    lengths,
+    kv,
+    key,
+    stop_tokens,
+    *,
+    max_new_tokens,
+    chunk,
+    policy,
+    sampler,
+    pad_id,
+    backend,
+) -> GenState:
+    kv, last_hidden = _prefill(
+        model, tokens, lengths, kv, chunk=chunk, policy=policy, backend=backend
+    )
     kv = policy.compress(kv)
     logits = logits_from_hidden(model.params, model.config, last_hidden)
     b = tokens.shape[0]
     state = GenState(
-        kv=kv, tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32),
-        last_token=jnp.zeros((b,), jnp.int32), prompt_lengths=lengths,
-        done=jnp.zeros((b,), bool), step=jnp.zeros((), jnp.int32),
-        pages_in_use=jnp.zeros((max_new_tokens,), jnp.int32), key=key)
+        kv=kv,
+        tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32),
+        last_token=jnp.zeros((b,), jnp.int32),
+        prompt_lengths=lengths,
+        done=jnp.zeros((b,), bool),
+        step=jnp.zeros((), jnp.int32),
+        pages_in_use=jnp.zeros((max_new_tokens,), jnp.int32),
+        key=key,
+    )
     state = _record(state, kv, sampler(logits, jax.random.fold_in(key, 0)), stop_tokens, pad_id)
 
     def keep_going(state: GenState):
         return (state.step < max_new_tokens) & ~jnp.all(state.done) & ~state.kv.pool.overflow
 
-    step = functools.partial(_decode_step, model, policy=policy, sampler=sampler,
-                             stop_tokens=stop_tokens, pad_id=pad_id, backend=backend)
+    step = functools.partial(
+        _decode_step,
+        model,
+        policy=policy,
+        sampler=sampler,
+        stop_tokens=stop_tokens,
+        pad_id=pad_id,
+        backend=backend,
+    )
     return jax.lax.while_loop(keep_going, step, state)
 
 
-def generate(model: Model, prompt_ids, *, max_new_tokens: int, policy: Policy | None = None,
-             sampler: Sampler | None = None, key: jax.Array | None = None,
-             stop_tokens: Sequence[int] | None = None, pad_id: int = 0,
-             page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_dtype=None,
-             backend: str = "xla") -> GenerateOutput:
+def generate(
+    model: Model,
+    prompt_ids,
+    *,
+    max_new_tokens: int,
+    policy: Policy | None = None,
+    sampler: Sampler | None = None,
+    key: jax.Array | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    pad_id: int = 0,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    num_pages: int | None = None,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    kv_dtype=None,
+    backend: str = "xla",
+) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens for a batch of prompts of different lengths.
 
     Args:
@@ -229,6 +311,7 @@ def generate(model: Model, prompt_ids, *, max_new_tokens: int, policy: Policy | 
     Raises:
       ValueError on bad input before compiling; PoolExhaustedError if the pool runs out.
     """
+    resolve_backend(backend)
     policy = FullCache() if policy is None else policy
     sampler = Sampler() if sampler is None else sampler
     if max_new_tokens < 1:
@@ -240,31 +323,59 @@ def generate(model: Model, prompt_ids, *, max_new_tokens: int, policy: Policy | 
     stop_tokens = model.config.eos_token_ids if stop_tokens is None else tuple(stop_tokens)
     prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
     kv = _create_state(model, prompts, max_new_tokens, policy, page_size, num_pages, kv_dtype)
-    state = _generate(model, prompts.tokens, prompts.lengths, kv, key,
-                      jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
-                      max_new_tokens=max_new_tokens, chunk=prompts.chunk, policy=policy,
-                      sampler=sampler, pad_id=pad_id, backend=backend)
+    state = _generate(
+        model,
+        prompts.tokens,
+        prompts.lengths,
+        kv,
+        key,
+        jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
+        max_new_tokens=max_new_tokens,
+        chunk=prompts.chunk,
+        policy=policy,
+        sampler=sampler,
+        pad_id=pad_id,
+        backend=backend,
+    )
     state.kv.check()
     tokens = np.asarray(state.tokens)
     steps = int(state.step)
     is_stop = np.isin(tokens, np.asarray(stop_tokens, np.int32))
     num_tokens = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, steps)
     pages = np.asarray(state.pages_in_use)[:steps]
-    return GenerateOutput(tokens=tokens, num_tokens=num_tokens.astype(np.int32),
-                          pages_in_use=pages,
-                          memory_bytes=pages.astype(np.int64) * state.kv.pool.page_bytes,
-                          state=state.kv)
+    return GenerateOutput(
+        tokens=tokens,
+        num_tokens=num_tokens.astype(np.int32),
+        pages_in_use=pages,
+        memory_bytes=pages.astype(np.int64) * state.kv.pool.page_bytes,
+        state=state.kv,
+    )
 
 
-def compress_prompt(model: Model, prompt_ids, policy: Policy | None = None, *,
-                    page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
-                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_dtype=None,
-                    backend: str = "xla") -> KVState:
+def compress_prompt(
+    model: Model,
+    prompt_ids,
+    policy: Policy | None = None,
+    *,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    num_pages: int | None = None,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    kv_dtype=None,
+    backend: str = "xla",
+) -> KVState:
     """Prefills the prompts and applies the policy's compression; returns the KV state."""
+    resolve_backend(backend)
     policy = FullCache() if policy is None else policy
     prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
     kv = _create_state(model, prompts, 0, policy, page_size, num_pages, kv_dtype)
-    kv, _ = _prefill_and_compress(model, prompts.tokens, prompts.lengths, kv,
-                                  chunk=prompts.chunk, policy=policy, backend=backend)
+    kv, _ = _prefill_and_compress(
+        model,
+        prompts.tokens,
+        prompts.lengths,
+        kv,
+        chunk=prompts.chunk,
+        policy=policy,
+        backend=backend,
+    )
     kv.check()
     return kv

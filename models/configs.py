@@ -70,13 +70,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
@@ -105,7 +114,9 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         )
     if kind == "linear":
         return theta, RopeScaling(kind="linear", factor=float(scaling["factor"]))
-    raise ValueError(f"rope_type={kind!r} in config.json is not supported: use default, llama3, linear")
+    raise ValueError(
+        f"rope_type={kind!r} in config.json is not supported: use default, llama3, linear"
+    )
 
 
 def _as_tuple(value) -> tuple[int, ...]:
@@ -121,7 +132,9 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         family = Family(model_type)
     except ValueError:
         allowed = ", ".join(f.value for f in Family)
-        raise KeyError(f"model_type={model_type!r} in config.json: supported are {allowed}") from None
+        raise KeyError(
+            f"model_type={model_type!r} in config.json: supported are {allowed}"
+        ) from None
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
     if hf.get("mlp_bias", False):
@@ -155,8 +168,11 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
 
 def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """The `config.json` dictionary for `cfg`, in the form both transformers v4 and v5 read."""
-    architectures = {Family.LLAMA: "LlamaForCausalLM", Family.QWEN2: "Qwen2ForCausalLM",
-                     Family.QWEN3: "Qwen3ForCausalLM"}
+    architectures = {
+        Family.LLAMA: "LlamaForCausalLM",
+        Family.QWEN2: "Qwen2ForCausalLM",
+        Family.QWEN3: "Qwen3ForCausalLM",
+    }
     hf: dict[str, Any] = {
         "architectures": [architectures[cfg.family]],
         "model_type": cfg.family.value,
@@ -184,8 +200,11 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         s = cfg.rope_scaling
         scaling: dict[str, Any] = {"rope_type": s.kind, "factor": s.factor}
         if s.kind == "llama3":
-            scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                           original_max_position_embeddings=s.original_max_position_embeddings)
+            scaling.update(
+                low_freq_factor=s.low_freq_factor,
+                high_freq_factor=s.high_freq_factor,
+                original_max_position_embeddings=s.original_max_position_embeddings,
+            )
         hf["rope_scaling"] = scaling
     return hf
 
@@ -193,9 +212,18 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
 PRESETS: dict[str, ModelConfig] = {
     # The demo model of the README until the bundled reference model lands: random weights.
     "tiny-random": ModelConfig(
-        family=Family.QWEN3, vocab_size=264, hidden_size=128, intermediate_size=384,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=100000.0,
-        qk_norm=True, tie_word_embeddings=True, max_position_embeddings=4096,
+        family=Family.QWEN3,
+        vocab_size=264,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=100000.0,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
     ),
 }
 

@@ -1,4 +1,4 @@
-"""The decoder shared by Llama 2/3/3.1+, Qwen2/2.5 and Qwen3, as pure functions over a params pytree.
+"""The decoder shared by Llama 2/3/3.1+, Qwen2/2.5 and Qwen3: pure functions over a params tree.
 
 The families differ only by config flags (q/k/v bias, q/k RMSNorm, RoPE scaling, tied embeddings),
 so one implementation serves all of them. Layer parameters are stacked on a leading axis [L, ...]
@@ -47,11 +47,24 @@ class Model:
 
 def param_shapes(cfg: ModelConfig) -> Params:
     """Shapes of every parameter, in the layout of this module's docstring."""
-    d, n, k, h, f, num_layers = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                 cfg.intermediate_size, cfg.num_layers)
+    d, n, k, h, f, num_layers = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.num_layers,
+    )
     stacked = {
-        "attn_norm": (d,), "wq": (d, n, h), "wk": (d, k, h), "wv": (d, k, h), "wo": (n, h, d),
-        "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
+        "attn_norm": (d,),
+        "wq": (d, n, h),
+        "wk": (d, k, h),
+        "wv": (d, k, h),
+        "wo": (n, h, d),
+        "mlp_norm": (d,),
+        "w_gate": (d, f),
+        "w_up": (d, f),
+        "w_down": (f, d),
     }
     if cfg.qkv_bias:
         stacked |= {"bq": (n, h), "bk": (k, h), "bv": (k, h)}
@@ -75,7 +88,8 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     """Random parameters: normal(0, scale) weights, zero biases, unit norms."""
     shapes = param_shapes(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda x: isinstance(x, tuple))
+        shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
     keys = jax.random.split(key, len(flat))
     leaves = []
     for (path, shape), leaf_key in zip(flat, keys, strict=True):
@@ -143,16 +157,22 @@ def forward(model: Model, tokens: jax.Array, *, backend: str = "xla") -> jax.Arr
 
     def layer(x, lp):
         q, k, v = attention_inputs(lp, cfg, x, cos, sin)
-        attn = attention_ops.causal_attention(q, k, v, sm_scale=cfg.head_dim**-0.5,
-                                              backend=backend)
+        attn = attention_ops.causal_attention(q, k, v, sm_scale=cfg.head_dim**-0.5, backend=backend)
         return attention_output_and_mlp(lp, cfg, x, attn), None
 
     x, _ = jax.lax.scan(layer, embed(params, tokens), params["layers"])
     return logits_from_hidden(params, cfg, final_hidden(params, cfg, x))
 
 
-def forward_cached(model: Model, tokens: jax.Array, positions: jax.Array, kv: KVState, *,
-                   policy, backend: str = "xla") -> tuple[jax.Array, KVState]:
+def forward_cached(
+    model: Model,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv: KVState,
+    *,
+    policy,
+    backend: str = "xla",
+) -> tuple[jax.Array, KVState]:
     """One chunk (prefill chunk or decode step) through the paged KV state.
 
     Args:
@@ -171,8 +191,18 @@ def forward_cached(model: Model, tokens: jax.Array, positions: jax.Array, kv: KV
         lp, page_table, lengths, layer_index = xs
         q, k, v = attention_inputs(lp, cfg, x, cos, sin)
         attn, pool, page_table, lengths = attend_and_write(
-            pool, page_table, lengths, q, k, v, positions, layer=layer_index,
-            sm_scale=cfg.head_dim**-0.5, policy=policy, backend=backend)
+            pool,
+            page_table,
+            lengths,
+            q,
+            k,
+            v,
+            positions,
+            layer=layer_index,
+            sm_scale=cfg.head_dim**-0.5,
+            policy=policy,
+            backend=backend,
+        )
         return (attention_output_and_mlp(lp, cfg, x, attn), pool), (page_table, lengths)
 
     xs = (params["layers"], kv.page_table, kv.lengths, jnp.arange(cfg.num_layers))

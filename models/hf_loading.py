@@ -29,8 +29,13 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def _layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], Callable, Callable]]:
     """Per-layer parameter -> (HF suffix, HF shape, HF->ours, ours->HF)."""
-    d, n, k, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                     cfg.intermediate_size)
+    d, n, k, h, f = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    )
     same = (lambda w: w, lambda w: w)
 
     def in_proj(heads):  # torch Linear [heads*H, D] <-> ours [D, heads, H]
@@ -45,8 +50,12 @@ def _layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], Ca
         "wq": ("self_attn.q_proj.weight", (n * h, d), *in_proj(n)),
         "wk": ("self_attn.k_proj.weight", (k * h, d), *in_proj(k)),
         "wv": ("self_attn.v_proj.weight", (k * h, d), *in_proj(k)),
-        "wo": ("self_attn.o_proj.weight", (d, n * h),
-               lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T),
+        "wo": (
+            "self_attn.o_proj.weight",
+            (d, n * h),
+            lambda w: w.T.reshape(n, h, d),
+            lambda w: w.reshape(n * h, d).T,
+        ),
         "mlp_norm": ("post_attention_layernorm.weight", (d,), *same),
         "w_gate": ("mlp.gate_proj.weight", (f, d), *transpose),
         "w_up": ("mlp.up_proj.weight", (f, d), *transpose),
@@ -64,8 +73,10 @@ def _layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], Ca
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name a checkpoint for `cfg` must hold, with its shape."""
-    names = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
-             "model.norm.weight": (cfg.hidden_size,)}
+    names = {
+        "model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+        "model.norm.weight": (cfg.hidden_size,),
+    }
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     for i in range(cfg.num_layers):
@@ -121,19 +132,28 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=None) -> Model:
     expected = expected_tensors(cfg)
     missing = [name for name in expected if name not in files]
     if missing:
-        raise KeyError(f"checkpoint {path} lacks tensor {missing[0]!r} "
-                       f"({len(missing)} missing in all)")
-    unexpected = [name for name in files if name not in expected
-                  and not name.endswith(_IGNORED_SUFFIXES)
-                  and not (cfg.tie_word_embeddings and name == "lm_head.weight")]
+        raise KeyError(
+            f"checkpoint {path} lacks tensor {missing[0]!r} ({len(missing)} missing in all)"
+        )
+    unexpected = [
+        name
+        for name in files
+        if name not in expected
+        and not name.endswith(_IGNORED_SUFFIXES)
+        and not (cfg.tie_word_embeddings and name == "lm_head.weight")
+    ]
     if unexpected:
-        raise ValueError(f"checkpoint {path} has tensor {unexpected[0]!r} that the config "
-                         f"({cfg.family.value}) does not use")
+        raise ValueError(
+            f"checkpoint {path} has tensor {unexpected[0]!r} that the config "
+            f"({cfg.family.value}) does not use"
+        )
     tensors = _read_tensors(files, expected)
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, "
-                             f"the config implies {shape}")
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                f"the config implies {shape}"
+            )
     return Model(config=cfg, params=_to_params(cfg, tensors, dtype))
 
 
@@ -143,11 +163,15 @@ def _to_params(cfg: ModelConfig, tensors: dict, dtype) -> dict:
 
     layers = {}
     for ours, (suffix, _, to_ours, _) in _layer_tensors(cfg).items():
-        per_layer = [to_ours(cast(tensors[f"model.layers.{i}.{suffix}"]))
-                     for i in range(cfg.num_layers)]
+        per_layer = [
+            to_ours(cast(tensors[f"model.layers.{i}.{suffix}"])) for i in range(cfg.num_layers)
+        ]
         layers[ours] = jnp.stack(per_layer)
-    params = {"embed": cast(tensors["model.embed_tokens.weight"]),
-              "final_norm": cast(tensors["model.norm.weight"]), "layers": layers}
+    params = {
+        "embed": cast(tensors["model.embed_tokens.weight"]),
+        "final_norm": cast(tensors["model.norm.weight"]),
+        "layers": layers,
+    }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = cast(tensors["lm_head.weight"]).T
     return params
@@ -155,8 +179,10 @@ def _to_params(cfg: ModelConfig, tensors: dict, dtype) -> dict:
 
 def _to_hf_tensors(model: Model) -> dict:
     cfg, params = model.config, model.params
-    tensors = {"model.embed_tokens.weight": params["embed"],
-               "model.norm.weight": params["final_norm"]}
+    tensors = {
+        "model.embed_tokens.weight": params["embed"],
+        "model.norm.weight": params["final_norm"],
+    }
     if not cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = params["lm_head"].T
     for ours, (suffix, _, _, to_hf) in _layer_tensors(cfg).items():
@@ -166,8 +192,9 @@ def _to_hf_tensors(model: Model) -> dict:
     return {name: jnp.asarray(np.ascontiguousarray(np.asarray(t))) for name, t in tensors.items()}
 
 
-def save_hf_checkpoint(model: Model, path: str | os.PathLike, *,
-                       max_shard_bytes: int | None = None) -> None:
+def save_hf_checkpoint(
+    model: Model, path: str | os.PathLike, *, max_shard_bytes: int | None = None
+) -> None:
     """Writes config.json and safetensors weights that `transformers` and this loader read.
 
     With `max_shard_bytes`, weights are split into shards plus a `model.safetensors.index.json`.
@@ -176,7 +203,8 @@ def save_hf_checkpoint(model: Model, path: str | os.PathLike, *,
     path.mkdir(parents=True, exist_ok=True)
     dtype_name = jnp.dtype(model.dtype).name
     (path / "config.json").write_text(
-        json.dumps(to_hf_config(model.config, dtype_name), indent=2) + "\n")
+        json.dumps(to_hf_config(model.config, dtype_name), indent=2) + "\n"
+    )
     tensors = _to_hf_tensors(model)
     if max_shard_bytes is None:
         save_file(tensors, path / SINGLE_FILE, metadata={"format": "pt"})
@@ -195,5 +223,6 @@ def save_hf_checkpoint(model: Model, path: str | os.PathLike, *,
         save_file(shard, path / file, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, file)
     total = sum(t.nbytes for t in tensors.values())
-    (path / INDEX_FILE).write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    (path / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )

@@ -26,7 +26,8 @@ def _scaled_inv_freq(inv_freq: jax.Array, scaling: RopeScaling) -> jax.Array:
     wavelen = 2 * math.pi / inv_freq
     scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
     smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return jnp.where(is_medium, smoothed, scaled)
@@ -42,7 +43,7 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [..., H] (f32) for integer `positions` [...], in Hugging Face's half-split layout."""
+    """cos, sin [..., H] (f32) for integer `positions` [...], in HF's half-split layout."""
     angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)

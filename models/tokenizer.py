@@ -1,4 +1,4 @@
-"""Tokenizers: any `tokenizer.json` through the `tokenizers` library, and the project's byte-level one.
+"""Tokenizers: any `tokenizer.json` via the `tokenizers` library, and the built-in byte-level one.
 
 The byte-level tokenizer maps byte b to id b (0-255) and appends special tokens. It is built with
 the `tokenizers` library itself, so that it saves to a `tokenizer.json` that Hugging Face
@@ -54,8 +54,11 @@ def byte_tokenizer() -> Tokenizer:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (the ByteLevel pre-tokenizer's)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     mapping = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -79,5 +82,9 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     bos = first_present("<|bos|>", "<|begin_of_text|>", "<s>")
     eos = first_present("<|eos|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
     pad = first_present("<|pad|>", "<pad>", "<|finetune_right_pad_id|>")
-    return Tokenizer(backend=backend, bos_id=bos, eos_id=eos,
-                     pad_id=pad if pad is not None else (eos if eos is not None else 0))
+    return Tokenizer(
+        backend=backend,
+        bos_id=bos,
+        eos_id=eos,
+        pad_id=pad if pad is not None else (eos if eos is not None else 0),
+    )

@@ -6,20 +6,45 @@ import torch
 import transformers
 
 # Each case: (name, transformers config class, config kwargs). All GQA (4 query heads, 2 KV heads).
-_COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+_COMMON = dict(
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 CASES = {
-    "llama3-rope-scaling-untied": (transformers.LlamaConfig, dict(
-        _COMMON, head_dim=16, rope_theta=500000.0, tie_word_embeddings=False,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                          high_freq_factor=4.0, original_max_position_embeddings=32))),
-    "llama2-tied": (transformers.LlamaConfig, dict(
-        _COMMON, rope_theta=10000.0, tie_word_embeddings=True)),
-    "qwen2-bias-tied": (transformers.Qwen2Config, dict(
-        _COMMON, rope_theta=1000000.0, tie_word_embeddings=True)),
-    "qwen3-qknorm-untied": (transformers.Qwen3Config, dict(
-        _COMMON, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "llama3-rope-scaling-untied": (
+        transformers.LlamaConfig,
+        dict(
+            _COMMON,
+            head_dim=16,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
+    "llama2-tied": (
+        transformers.LlamaConfig,
+        dict(_COMMON, rope_theta=10000.0, tie_word_embeddings=True),
+    ),
+    "qwen2-bias-tied": (
+        transformers.Qwen2Config,
+        dict(_COMMON, rope_theta=1000000.0, tie_word_embeddings=True),
+    ),
+    "qwen3-qknorm-untied": (
+        transformers.Qwen3Config,
+        dict(_COMMON, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False),
+    ),
 }
 
 
@@ -28,7 +53,8 @@ def build(case: str, seed: int = 0) -> transformers.PreTrainedModel:
     config_cls, kwargs = CASES[case]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        config_cls(**kwargs), attn_implementation="eager", dtype=torch.float32)
+        config_cls(**kwargs), attn_implementation="eager", dtype=torch.float32
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -19,7 +19,9 @@ operations = st.lists(
         st.tuples(st.just("admit"), st.lists(st.integers(0, MAX_COUNT), min_size=3, max_size=3)),
         st.tuples(st.just("free"), st.lists(st.integers(0, 1000), min_size=0, max_size=6)),
     ),
-    min_size=1, max_size=25)
+    min_size=1,
+    max_size=25,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -55,31 +57,54 @@ def test_random_admit_free_sequences_never_double_allocate(num_pages, ops):
 
 
 @settings(max_examples=25, deadline=None)
-@given(page_size=st.sampled_from([1, 2, 4, 8]), chunks=st.lists(st.integers(0, 9), min_size=1,
-                                                                 max_size=6))
+@given(
+    page_size=st.sampled_from([1, 2, 4, 8]),
+    chunks=st.lists(st.integers(0, 9), min_size=1, max_size=6),
+)
 def test_memory_bytes_is_pages_in_use_times_page_bytes(page_size, chunks):
-    kv = KVState.create(num_layers=1, batch=2, num_kv_heads=2, head_dim=8, max_tokens=64,
-                        page_size=page_size, num_pages=200, dtype=jnp.bfloat16)
+    kv = KVState.create(
+        num_layers=1,
+        batch=2,
+        num_kv_heads=2,
+        head_dim=8,
+        max_tokens=64,
+        page_size=page_size,
+        num_pages=200,
+        dtype=jnp.bfloat16,
+    )
     pool, table, lengths = kv.pool, kv.page_table[0], kv.lengths[0]
     written = np.zeros((2, 2), int)
     for n in chunks:
         k = jnp.ones((2, 2, 9, 8), jnp.bfloat16)
         mask = jnp.arange(9)[None, None] < jnp.asarray([[n, n // 2], [0, n]])[..., None]
-        pool, table, lengths = write_tokens(pool, table, lengths, k, k,
-                                            jnp.zeros((2, 9), jnp.int32), mask)
+        pool, table, lengths = write_tokens(
+            pool, table, lengths, k, k, jnp.zeros((2, 9), jnp.int32), mask
+        )
         written += np.array([[n, n // 2], [0, n]])
     np.testing.assert_array_equal(np.asarray(lengths), written)
     pages = int(np.sum(-(-written // page_size)))
     state = KVState(pool=pool, page_table=table[None], lengths=lengths[None])
     assert int(state.pages_in_use()) == pages
-    assert state.memory_bytes() == pages * pool.page_bytes == pages * (page_size * 8 * 4 + page_size * 4)
+    assert (
+        state.memory_bytes()
+        == pages * pool.page_bytes
+        == pages * (page_size * 8 * 4 + page_size * 4)
+    )
     held = np.asarray(table)[np.asarray(table) >= 0]
     assert len(set(held.tolist())) == len(held)
 
 
 def test_exhausted_pool_sets_flag_and_writes_nothing():
-    kv = KVState.create(num_layers=1, batch=1, num_kv_heads=2, head_dim=4, max_tokens=32,
-                        page_size=4, num_pages=3, dtype=jnp.float32)
+    kv = KVState.create(
+        num_layers=1,
+        batch=1,
+        num_kv_heads=2,
+        head_dim=4,
+        max_tokens=32,
+        page_size=4,
+        num_pages=3,
+        dtype=jnp.float32,
+    )
     pool, table, lengths = kv.pool, kv.page_table[0], kv.lengths[0]
     k = jnp.arange(2 * 8 * 4, dtype=jnp.float32).reshape(1, 2, 8, 4)
     positions = jnp.arange(8)[None]

@@ -30,10 +30,16 @@ def test_greedy_generation_matches_transformers(hf_and_ours):
     hf, ours = hf_and_ours
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, hf.config.vocab_size, n).tolist() for n in (7, 19)]
-    out = jaxkv.generate(ours, prompts, max_new_tokens=32, stop_tokens=(), page_size=8,
-                         prefill_chunk=8)
+    out = jaxkv.generate(
+        ours, prompts, max_new_tokens=32, stop_tokens=(), page_size=8, prefill_chunk=8
+    )
     for row, prompt in enumerate(prompts):
         with torch.no_grad():
-            expected = hf.generate(torch.as_tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                   min_new_tokens=32, pad_token_id=0)
-        np.testing.assert_array_equal(out.tokens[row], expected[0, len(prompt):].numpy())
+            expected = hf.generate(
+                torch.as_tensor([prompt]),
+                max_new_tokens=32,
+                do_sample=False,
+                min_new_tokens=32,
+                pad_token_id=0,
+            )
+        np.testing.assert_array_equal(out.tokens[row], expected[0, len(prompt) :].numpy())

@@ -27,8 +27,10 @@ class PageAllocator:
     @classmethod
     def create(cls, num_pages: int) -> PageAllocator:
         # Reversed so that the first pages handed out are 0, 1, 2, ... (easier to read in tests).
-        return cls(free_stack=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
-                   num_free=jnp.asarray(num_pages, jnp.int32))
+        return cls(
+            free_stack=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
+            num_free=jnp.asarray(num_pages, jnp.int32),
+        )
 
     @property
     def num_pages(self) -> int:

@@ -65,13 +65,28 @@ class KVState:
     lengths: jax.Array
 
     @classmethod
-    def create(cls, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
-               max_tokens: int, page_size: int, num_pages: int, dtype=jnp.bfloat16) -> KVState:
+    def create(
+        cls,
+        *,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_tokens: int,
+        page_size: int,
+        num_pages: int,
+        dtype=jnp.bfloat16,
+    ) -> KVState:
         """An empty state with room for `max_tokens` per head and a pool of `num_pages` pages."""
-        for name, value in (("num_layers", num_layers), ("batch", batch),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("max_tokens", max_tokens), ("page_size", page_size),
-                            ("num_pages", num_pages)):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("batch", batch),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("max_tokens", max_tokens),
+            ("page_size", page_size),
+            ("num_pages", num_pages),
+        ):
             if value <= 0:
                 raise ValueError(f"{name}={value} must be > 0")
         max_pages = -(-max_tokens // page_size)
@@ -118,7 +133,8 @@ class KVState:
             raise PoolExhaustedError(
                 f"the KV page pool (num_pages={self.pool.num_pages}, page_size="
                 f"{self.pool.page_size}) ran out of pages; the write was not performed. "
-                "Give generate() a larger num_pages or a tighter cache policy.")
+                "Give generate() a larger num_pages or a tighter cache policy."
+            )
 
 
 class PoolExhaustedError(ValueError):

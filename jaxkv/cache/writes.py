@@ -16,8 +16,15 @@ def _ceil_div(x, d):
     return (x + d - 1) // d
 
 
-def write_tokens(pool: PagePool, page_table: jax.Array, lengths: jax.Array, k: jax.Array,
-                 v: jax.Array, positions: jax.Array, write_mask: jax.Array):
+def write_tokens(
+    pool: PagePool,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    write_mask: jax.Array,
+):
     """Appends the masked tokens of a chunk to each (sequence, KV head) of one layer.
 
     Args:
@@ -38,7 +45,8 @@ def write_tokens(pool: PagePool, page_table: jax.Array, lengths: jax.Array, k: j
     pages_needed = _ceil_div(new_lengths, p)
     max_new_pages = _ceil_div(c, p) + 1
     allocator, new_pages, ok = allocate(
-        pool.allocator, (pages_needed - pages_held).reshape(-1), max_new_pages)
+        pool.allocator, (pages_needed - pages_held).reshape(-1), max_new_pages
+    )
     ok = ok & jnp.all(pages_needed <= max_pages)
     new_pages = jnp.where(ok, new_pages, -1).reshape(b, num_kv, max_new_pages)
     allocator = jax.tree.map(lambda new, old: jnp.where(ok, new, old), allocator, pool.allocator)
@@ -56,8 +64,9 @@ def write_tokens(pool: PagePool, page_table: jax.Array, lengths: jax.Array, k: j
 
     def scatter(pages, values):
         flat = pages.reshape(-1, *pages.shape[2:])
-        flat = flat.at[destination].set(values.reshape(-1, *values.shape[3:]).astype(flat.dtype),
-                                        mode="drop")
+        flat = flat.at[destination].set(
+            values.reshape(-1, *values.shape[3:]).astype(flat.dtype), mode="drop"
+        )
         return flat.reshape(pages.shape)
 
     token_positions = jnp.broadcast_to(positions[:, None, :], (b, num_kv, c))
@@ -72,8 +81,20 @@ def write_tokens(pool: PagePool, page_table: jax.Array, lengths: jax.Array, k: j
     return pool, page_table, jnp.where(ok, new_lengths, lengths)
 
 
-def attend_and_write(pool: PagePool, page_table, lengths, q, k, v, positions, *, layer,
-                     sm_scale: float, policy, backend: str):
+def attend_and_write(
+    pool: PagePool,
+    page_table,
+    lengths,
+    q,
+    k,
+    v,
+    positions,
+    *,
+    layer,
+    sm_scale: float,
+    policy,
+    backend: str,
+):
     """One layer's attention for a chunk: over the cached tokens and the chunk itself, then write.
 
     q [B, N, C, H], k, v [B, K, C, H], positions [B, C] (-1 = padding). The chunk's queries see
@@ -81,9 +102,11 @@ def attend_and_write(pool: PagePool, page_table, lengths, q, k, v, positions, *,
     admits those to the cache. Returns (attn [B, N, C, H] in q.dtype, pool, page_table, lengths).
     """
     cached_out, cached_lse = attention_ops.paged_attention(
-        q, pool.k_pages, pool.v_pages, page_table, lengths, sm_scale=sm_scale, backend=backend)
+        q, pool.k_pages, pool.v_pages, page_table, lengths, sm_scale=sm_scale, backend=backend
+    )
     chunk_out, chunk_lse = attention_ops.chunk_attention(
-        q, k, v, positions, sm_scale=sm_scale, backend=backend)
+        q, k, v, positions, sm_scale=sm_scale, backend=backend
+    )
     out, _ = attention_ops.merge_partials(cached_out, cached_lse, chunk_out, chunk_lse)
 
     write_mask = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])

@@ -43,8 +43,9 @@ class Policy:
 
     name: ClassVar[str] = "base"
 
-    def admit(self, *, layer: jax.Array, k: jax.Array, v: jax.Array,
-              positions: jax.Array) -> jax.Array | None:
+    def admit(
+        self, *, layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
+    ) -> jax.Array | None:
         """bool [B, K, C] tokens to store, or None to store every valid token.
 
         layer: int32 [] index of the layer; k, v [B, K, C, H]; positions [B, C] (-1 = padding).
