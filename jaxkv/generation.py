@@ -183,6 +183,7 @@ def _prefill(
 
 @functools.partial(jax.jit, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv",))
 def _prefill_and_compress(model, tokens, lengths, kv, *, chunk, policy, backend):
+    """Prefill then the policy's compression; donates `kv`."""
     kv, last_hidden = _prefill(
         model, tokens, lengths, kv, chunk=chunk, policy=policy, backend=backend
     )
@@ -248,6 +249,8 @@ def _generate(
     pad_id,
     backend,
 ) -> GenState:
+    """Prefill, compress, then decode in a `lax.while_loop` until max_new_tokens, all sequences
+    stopped, or the pool overflowed; donates `kv`."""
     kv, last_hidden = _prefill(
         model, tokens, lengths, kv, chunk=chunk, policy=policy, backend=backend
     )

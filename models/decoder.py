@@ -164,6 +164,24 @@ def forward(model: Model, tokens: jax.Array, *, backend: str = "xla") -> jax.Arr
     return logits_from_hidden(params, cfg, final_hidden(params, cfg, x))
 
 
+def _check_chunk_shapes(cfg: ModelConfig, tokens, positions, kv: KVState) -> None:
+    """Static shape checks, raised while tracing (before compilation)."""
+    if tokens.ndim != 2 or tokens.shape != positions.shape:
+        raise ValueError(
+            f"tokens {tokens.shape} and positions {positions.shape} must both be [B, C]"
+        )
+    expected = (cfg.num_layers, tokens.shape[0], cfg.num_kv_heads)
+    if kv.page_table.shape[:3] != expected:
+        raise ValueError(
+            f"kv state is for [L, B, K] = {kv.page_table.shape[:3]}, "
+            f"the model and tokens need {expected}"
+        )
+    if kv.pool.k_pages.shape[-1] != cfg.head_dim:
+        raise ValueError(
+            f"kv pages have head dim {kv.pool.k_pages.shape[-1]}, the model {cfg.head_dim}"
+        )
+
+
 def forward_cached(
     model: Model,
     tokens: jax.Array,
@@ -184,6 +202,7 @@ def forward_cached(
       final-normed hidden states [B, C, D] and the KV state with the chunk written.
     """
     cfg, params = model.config, model.params
+    _check_chunk_shapes(cfg, tokens, positions, kv)
     cos, sin = _rope_for(cfg, positions)
 
     def layer(carry, xs):
