@@ -88,7 +88,7 @@ def test_memory_bytes_is_pages_in_use_times_page_bytes(page_size, chunks):
     assert (
         state.memory_bytes()
         == pages * pool.page_bytes
-        == pages * (page_size * 8 * 4 + page_size * 4)
+        == pages * (page_size * 8 * 4 + page_size * 8)
     )
     held = np.asarray(table)[np.asarray(table) >= 0]
     assert len(set(held.tolist())) == len(held)

@@ -25,6 +25,7 @@ class PagePool:
     Attributes:
       k_pages, v_pages: [P, p, H] keys (post-RoPE) and values.
       token_positions: int32 [P, p] original position of each stored token.
+      token_scores: f32 [P, p] per-token policy score (accumulated attention mass for H2O).
       allocator: the free-page stack.
       overflow: bool []; set when a write did not fit in the pool (the write was dropped whole).
     """
@@ -32,6 +33,7 @@ class PagePool:
     k_pages: jax.Array
     v_pages: jax.Array
     token_positions: jax.Array
+    token_scores: jax.Array
     allocator: PageAllocator
     overflow: jax.Array
 
@@ -47,7 +49,10 @@ class PagePool:
     def page_bytes(self) -> int:
         """Bytes one page holds: its keys, values and per-token metadata."""
         p, h = self.k_pages.shape[1:]
-        return p * h * (self.k_pages.dtype.itemsize + self.v_pages.dtype.itemsize) + p * 4
+        kv_bytes = p * h * (self.k_pages.dtype.itemsize + self.v_pages.dtype.itemsize)
+        return kv_bytes + p * (
+            self.token_positions.dtype.itemsize + self.token_scores.dtype.itemsize
+        )
 
 
 @flax.struct.dataclass
@@ -94,6 +99,7 @@ class KVState:
             k_pages=jnp.zeros((num_pages, page_size, head_dim), dtype),
             v_pages=jnp.zeros((num_pages, page_size, head_dim), dtype),
             token_positions=jnp.full((num_pages, page_size), -1, jnp.int32),
+            token_scores=jnp.zeros((num_pages, page_size), jnp.float32),
             allocator=PageAllocator.create(num_pages),
             overflow=jnp.zeros((), bool),
         )

@@ -24,6 +24,7 @@ def write_tokens(
     v: jax.Array,
     positions: jax.Array,
     write_mask: jax.Array,
+    scores: jax.Array | None = None,
 ):
     """Appends the masked tokens of a chunk to each (sequence, KV head) of one layer.
 
@@ -33,6 +34,7 @@ def write_tokens(
       k, v: [B, K, C, H] new keys (post-RoPE) and values.
       positions: int32 [B, C] original positions of the chunk's tokens.
       write_mask: bool [B, K, C]; which tokens each head stores (admission).
+      scores: f32 [B, K, C] initial per-token scores (default 0).
     Returns:
       (pool, page_table, lengths). If the pages needed do not fit in the pool or in the page
       table, nothing is written and `pool.overflow` is set.
@@ -70,11 +72,13 @@ def write_tokens(
         return flat.reshape(pages.shape)
 
     token_positions = jnp.broadcast_to(positions[:, None, :], (b, num_kv, c))
+    scores = jnp.zeros((b, num_kv, c), jnp.float32) if scores is None else scores
     pool = dataclasses.replace(
         pool,
         k_pages=scatter(pool.k_pages, k),
         v_pages=scatter(pool.v_pages, v),
         token_positions=scatter(pool.token_positions, token_positions),
+        token_scores=scatter(pool.token_scores, scores),
         allocator=allocator,
         overflow=pool.overflow | ~ok,
     )
@@ -107,11 +111,37 @@ def attend_and_write(
     chunk_out, chunk_lse = attention_ops.chunk_attention(
         q, k, v, positions, sm_scale=sm_scale, backend=backend
     )
-    out, _ = attention_ops.merge_partials(cached_out, cached_lse, chunk_out, chunk_lse)
+    out, lse = attention_ops.merge_partials(cached_out, cached_lse, chunk_out, chunk_lse)
 
+    new_scores = None
+    if policy.accumulates_attention:
+        pool = _accumulate_cached_mass(
+            pool, page_table, lengths, q, lse, positions, sm_scale, backend
+        )
+        new_scores = attention_ops.chunk_attention_mass(
+            q, k, positions, lse, sm_scale=sm_scale, backend=backend
+        )
     write_mask = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
     admitted = policy.admit(layer=layer, k=k, v=v, positions=positions)
     if admitted is not None:
         write_mask = write_mask & admitted
-    pool, page_table, lengths = write_tokens(pool, page_table, lengths, k, v, positions, write_mask)
+    pool, page_table, lengths = write_tokens(
+        pool, page_table, lengths, k, v, positions, write_mask, new_scores
+    )
     return out.astype(q.dtype), pool, page_table, lengths
+
+
+def _accumulate_cached_mass(
+    pool: PagePool, page_table, lengths, q, lse, positions, sm_scale, backend
+):
+    """Adds the attention mass the chunk's queries gave each cached token to its score."""
+    mass = attention_ops.paged_attention_mass(
+        q, pool.k_pages, page_table, lengths, lse, positions, sm_scale=sm_scale, backend=backend
+    )
+    p = pool.page_size
+    slots = jnp.arange(mass.shape[-1])
+    page = jnp.take_along_axis(page_table, slots // p + jnp.zeros_like(mass, jnp.int32), axis=-1)
+    held = slots < lengths[..., None]
+    flat = jnp.where(held, page * p + slots % p, pool.num_pages * p).reshape(-1)
+    scores = pool.token_scores.reshape(-1).at[flat].add(mass.reshape(-1), mode="drop")
+    return dataclasses.replace(pool, token_scores=scores.reshape(pool.token_scores.shape))

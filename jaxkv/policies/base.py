@@ -42,6 +42,8 @@ class Policy:
     """Base class of cache policies; every hook defaults to keeping everything."""
 
     name: ClassVar[str] = "base"
+    # Whether every token's received attention mass is accumulated into its score (H2O).
+    accumulates_attention: ClassVar[bool] = False
 
     def admit(
         self, *, layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
