@@ -14,6 +14,7 @@ import numpy as np
 from jaxkv.attention import resolve_backend
 from jaxkv.cache import KVState
 from jaxkv.policies import FullCache, Policy
+from jaxkv.policies.base import DecodeContext, PrefillObservations
 from jaxkv.sampling import Sampler
 from models.decoder import Model, forward_cached, logits_from_hidden
 
@@ -30,6 +31,7 @@ class GenState:
       tokens: int32 [B, max_new_tokens] generated tokens (pad after a stop token).
       last_token: int32 [B] the newest token, fed to the next step.
       prompt_lengths: int32 [B].
+      budget_tokens: int32 [B] tokens per head the policy may keep.
       done: bool [B] sequence hit a stop token.
       step: int32 [] tokens generated so far.
       pages_in_use: int32 [max_new_tokens] pages held after prefill (entry 0) and each step.
@@ -40,6 +42,7 @@ class GenState:
     tokens: jax.Array
     last_token: jax.Array
     prompt_lengths: jax.Array
+    budget_tokens: jax.Array
     done: jax.Array
     step: jax.Array
     pages_in_use: jax.Array
@@ -155,39 +158,107 @@ def _create_state(
     )
 
 
+def _record_window_queries(window, queries, positions, lengths):
+    """Stores the chunk's queries that fall in each prompt's last w positions.
+
+    window [L, B, N, w, H]; queries [L, B, N, C, H]; positions [B, C]; lengths [B].
+    """
+    w = window.shape[3]
+    slot = positions - (lengths[:, None] - w)
+    slot = jnp.where((positions >= 0) & (slot >= 0), slot, w)  # w is out of range: dropped
+    rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
+    updates = queries.transpose(1, 3, 0, 2, 4).astype(window.dtype)  # [B, C, L, N, H]
+    return window.at[:, rows, :, slot].set(updates, mode="drop")
+
+
 def _prefill(
-    model: Model, tokens, lengths, kv: KVState, *, chunk: int, policy: Policy, backend: str
+    model: Model,
+    tokens,
+    lengths,
+    budget_tokens,
+    kv: KVState,
+    key,
+    *,
+    chunk: int,
+    policy: Policy,
+    backend: str,
 ):
-    """Chunked prefill; returns (kv, final-normed hidden state of each prompt's last token)."""
+    """Chunked prefill.
+
+    Returns (kv, final-normed hidden state of each prompt's last token [B, D], the
+    PrefillObservations the policy asked for).
+    """
+    cfg = model.config
     b, padded = tokens.shape
+    w = policy.observation_window
+    stats = policy.needs_input_stats
     starts = jnp.arange(0, padded, chunk)
     chunks = tokens.reshape(b, -1, chunk).transpose(1, 0, 2)
 
     def step(carry, xs):
-        kv, last_hidden = carry
+        kv, last_hidden, window, sums = carry
         chunk_tokens, start = xs
         index = start + jnp.arange(chunk)
         positions = jnp.where(index < lengths[:, None], index, -1)
-        hidden, kv = forward_cached(
-            model, chunk_tokens, positions, kv, policy=policy, backend=backend
+        hidden, kv, collected = forward_cached(
+            model,
+            chunk_tokens,
+            positions,
+            kv,
+            policy=policy,
+            backend=backend,
+            collect_queries=w > 0,
+            collect_input_stats=stats,
         )
         is_last = index == lengths[:, None] - 1
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
         last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, last_hidden)
-        return (kv, last_hidden), None
+        if w:
+            window = _record_window_queries(window, collected["queries"], positions, lengths)
+        if stats:
+            sums = (sums[0] + collected["input_sum"], sums[1] + collected["input_sq_sum"])
+        return (kv, last_hidden, window, sums), None
 
-    init_hidden = jnp.zeros((b, model.config.hidden_size), model.dtype)
-    (kv, last_hidden), _ = jax.lax.scan(step, (kv, init_hidden), (chunks, starts))
-    return kv, last_hidden
-
-
-@functools.partial(jax.jit, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv",))
-def _prefill_and_compress(model, tokens, lengths, kv, *, chunk, policy, backend):
-    """Prefill then the policy's compression; donates `kv`."""
-    kv, last_hidden = _prefill(
-        model, tokens, lengths, kv, chunk=chunk, policy=policy, backend=backend
+    shape = (cfg.num_layers, b, cfg.num_heads, w, cfg.head_dim)
+    window = jnp.zeros(shape, model.dtype) if w else None
+    zeros = jnp.zeros((cfg.num_layers, b, cfg.hidden_size), jnp.float32)
+    sums = (zeros, zeros) if stats else None
+    init = (kv, jnp.zeros((b, cfg.hidden_size), model.dtype), window, sums)
+    (kv, last_hidden, window, sums), _ = jax.lax.scan(step, init, (chunks, starts))
+    mean = var = None
+    if stats:
+        n = lengths[None, :, None].astype(jnp.float32)
+        mean = sums[0] / n
+        var = jnp.maximum(sums[1] - n * mean * mean, 0.0) / jnp.maximum(n - 1, 1)
+    obs = PrefillObservations(
+        prompt_lengths=lengths,
+        budget_tokens=budget_tokens,
+        queries=window,
+        input_mean=mean,
+        input_var=var,
+        key=key,
     )
-    return policy.compress(kv), last_hidden
+    return kv, last_hidden, obs
+
+
+def _prefill_compressed(model, tokens, lengths, budget_tokens, kv, key, *, chunk, policy, backend):
+    kv, last_hidden, obs = _prefill(
+        model,
+        tokens,
+        lengths,
+        budget_tokens,
+        kv,
+        key,
+        chunk=chunk,
+        policy=policy,
+        backend=backend,
+    )
+    return policy.compress(kv, obs, model), last_hidden
+
+
+_compress_prompt_jit = functools.partial(
+    jax.jit, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv",)
+)(_prefill_compressed)
 
 
 def _decode_step(
@@ -201,7 +272,7 @@ def _decode_step(
     backend: str,
 ) -> GenState:
     positions = jnp.where(state.done, -1, state.prompt_lengths + state.step - 1)
-    hidden, kv = forward_cached(
+    hidden, kv, _ = forward_cached(
         model,
         state.last_token[:, None],
         positions[:, None],
@@ -209,7 +280,10 @@ def _decode_step(
         policy=policy,
         backend=backend,
     )
-    kv = policy.on_decode(kv)
+    ctx = DecodeContext(
+        prompt_lengths=state.prompt_lengths, budget_tokens=state.budget_tokens, positions=positions
+    )
+    kv = policy.on_decode(kv, ctx)
     logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
     token = sampler(logits, jax.random.fold_in(state.key, state.step))
     return _record(state, kv, token, stop_tokens, pad_id)
@@ -238,6 +312,7 @@ def _generate(
     model,
     tokens,
     lengths,
+    budget_tokens,
     kv,
     key,
     stop_tokens,
@@ -251,10 +326,18 @@ def _generate(
 ) -> GenState:
     """Prefill, compress, then decode in a `lax.while_loop` until max_new_tokens, all sequences
     stopped, or the pool overflowed; donates `kv`."""
-    kv, last_hidden = _prefill(
-        model, tokens, lengths, kv, chunk=chunk, policy=policy, backend=backend
+    policy_key, key = jax.random.split(key)
+    kv, last_hidden = _prefill_compressed(
+        model,
+        tokens,
+        lengths,
+        budget_tokens,
+        kv,
+        policy_key,
+        chunk=chunk,
+        policy=policy,
+        backend=backend,
     )
-    kv = policy.compress(kv)
     logits = logits_from_hidden(model.params, model.config, last_hidden)
     b = tokens.shape[0]
     state = GenState(
@@ -262,6 +345,7 @@ def _generate(
         tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32),
         last_token=jnp.zeros((b,), jnp.int32),
         prompt_lengths=lengths,
+        budget_tokens=budget_tokens,
         done=jnp.zeros((b,), bool),
         step=jnp.zeros((), jnp.int32),
         pages_in_use=jnp.zeros((max_new_tokens,), jnp.int32),
@@ -325,17 +409,19 @@ def generate(
         key = jax.random.PRNGKey(0)
     stop_tokens = model.config.eos_token_ids if stop_tokens is None else tuple(stop_tokens)
     prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
+    budget_tokens = policy.budget_tokens(prompts.lengths)
     kv = _create_state(model, prompts, max_new_tokens, policy, page_size, num_pages, kv_dtype)
     state = _generate(
         model,
         prompts.tokens,
         prompts.lengths,
+        budget_tokens,
         kv,
         key,
         jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
         max_new_tokens=max_new_tokens,
         chunk=prompts.chunk,
-        policy=policy,
+        policy=policy.static(),
         sampler=sampler,
         pad_id=pad_id,
         backend=backend,
@@ -364,20 +450,27 @@ def compress_prompt(
     num_pages: int | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     kv_dtype=None,
+    key: jax.Array | None = None,
     backend: str = "xla",
 ) -> KVState:
-    """Prefills the prompts and applies the policy's compression; returns the KV state."""
+    """Prefills the prompts and applies the policy's compression; returns the KV state.
+
+    `key` seeds stochastic policies (GVote); the same key gives the same result.
+    """
     resolve_backend(backend)
     policy = FullCache() if policy is None else policy
     prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
+    budget_tokens = policy.budget_tokens(prompts.lengths)
     kv = _create_state(model, prompts, 0, policy, page_size, num_pages, kv_dtype)
-    kv, _ = _prefill_and_compress(
+    kv, _ = _compress_prompt_jit(
         model,
         prompts.tokens,
         prompts.lengths,
+        budget_tokens,
         kv,
+        jax.random.PRNGKey(0) if key is None else key,
         chunk=prompts.chunk,
-        policy=policy,
+        policy=policy.static(),
         backend=backend,
     )
     kv.check()

@@ -112,20 +112,37 @@ def _rope_for(cfg: ModelConfig, positions: jax.Array):
     return layers.rope_cos_sin(cfg, jnp.maximum(positions, 0))
 
 
-def attention_inputs(lp: Params, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    """q [B, N, T, H], k, v [B, K, T, H] (q and k rotated) from the residual stream x [B, T, D]."""
-    h = layers.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+def attention_input(lp: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """The normed hidden state [B, T, D] the q/k/v projections read."""
+    return layers.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+
+
+def project_queries(lp: Params, cfg: ModelConfig, h: jax.Array, cos, sin) -> jax.Array:
+    """Rotated queries [B, N, T, H] from attention inputs h [B, T, D]."""
     q = jnp.einsum("btd,dnh->bnth", h, lp["wq"])
+    if cfg.qkv_bias:
+        q = q + lp["bq"][:, None]
+    if cfg.qk_norm:
+        q = layers.rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+    return layers.apply_rope(q, cos, sin)
+
+
+def project_keys_values(lp: Params, cfg: ModelConfig, h: jax.Array, cos, sin):
+    """Rotated keys and values [B, K, T, H] from attention inputs h [B, T, D]."""
     k = jnp.einsum("btd,dkh->bkth", h, lp["wk"])
     v = jnp.einsum("btd,dkh->bkth", h, lp["wv"])
     if cfg.qkv_bias:
-        q = q + lp["bq"][:, None]
         k = k + lp["bk"][:, None]
         v = v + lp["bv"][:, None]
     if cfg.qk_norm:
-        q = layers.rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = layers.rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin), v
+    return layers.apply_rope(k, cos, sin), v
+
+
+def attention_inputs(lp: Params, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """q [B, N, T, H], k, v [B, K, T, H] (q and k rotated) from the residual stream x [B, T, D]."""
+    h = attention_input(lp, cfg, x)
+    return (project_queries(lp, cfg, h, cos, sin), *project_keys_values(lp, cfg, h, cos, sin))
 
 
 def attention_output_and_mlp(lp: Params, cfg: ModelConfig, x: jax.Array, attn: jax.Array):
@@ -190,7 +207,9 @@ def forward_cached(
     *,
     policy,
     backend: str = "xla",
-) -> tuple[jax.Array, KVState]:
+    collect_queries: bool = False,
+    collect_input_stats: bool = False,
+) -> tuple[jax.Array, KVState, dict[str, jax.Array]]:
     """One chunk (prefill chunk or decode step) through the paged KV state.
 
     Args:
@@ -198,17 +217,24 @@ def forward_cached(
         (not attended from, never written).
       kv: the KV state holding everything before this chunk.
       policy: the cache policy (static); decides admission at write time.
+      collect_queries: also return every layer's rotated queries, "queries" [L, B, N, C, H].
+      collect_input_stats: also return per-layer sums over the valid tokens of the attention
+        input and of its square, "input_sum" and "input_sq_sum" f32 [L, B, D].
     Returns:
-      final-normed hidden states [B, C, D] and the KV state with the chunk written.
+      final-normed hidden states [B, C, D], the KV state with the chunk written, and the
+      collected per-layer values (an empty dict when nothing is collected).
     """
     cfg, params = model.config, model.params
     _check_chunk_shapes(cfg, tokens, positions, kv)
     cos, sin = _rope_for(cfg, positions)
+    valid = (positions >= 0)[..., None]
 
     def layer(carry, xs):
         x, pool = carry
         lp, page_table, lengths, layer_index = xs
-        q, k, v = attention_inputs(lp, cfg, x, cos, sin)
+        h = attention_input(lp, cfg, x)
+        q = project_queries(lp, cfg, h, cos, sin)
+        k, v = project_keys_values(lp, cfg, h, cos, sin)
         attn, pool, page_table, lengths = attend_and_write(
             pool,
             page_table,
@@ -222,9 +248,19 @@ def forward_cached(
             policy=policy,
             backend=backend,
         )
-        return (attention_output_and_mlp(lp, cfg, x, attn), pool), (page_table, lengths)
+        collected = {}
+        if collect_queries:
+            collected["queries"] = q
+        if collect_input_stats:
+            h32 = jnp.where(valid, h.astype(jnp.float32), 0.0)
+            collected["input_sum"] = jnp.sum(h32, axis=1)
+            collected["input_sq_sum"] = jnp.sum(h32 * h32, axis=1)
+        x = attention_output_and_mlp(lp, cfg, x, attn)
+        return (x, pool), (page_table, lengths, collected)
 
     xs = (params["layers"], kv.page_table, kv.lengths, jnp.arange(cfg.num_layers))
-    (x, pool), (page_table, lengths) = jax.lax.scan(layer, (embed(params, tokens), kv.pool), xs)
+    (x, pool), (page_table, lengths, collected) = jax.lax.scan(
+        layer, (embed(params, tokens), kv.pool), xs
+    )
     kv = dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
-    return final_hidden(params, cfg, x), kv
+    return final_hidden(params, cfg, x), kv, collected

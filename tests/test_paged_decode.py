@@ -54,7 +54,7 @@ def _empty_state(batch, max_tokens, page_size, num_pages, seed=None):
 
 @functools.partial(jax.jit, donate_argnames=("kv",))
 def _chunk_logits(model, tokens, positions, kv):
-    hidden, kv = forward_cached(model, tokens, positions, kv, policy=FullCache())
+    hidden, kv, _ = forward_cached(model, tokens, positions, kv, policy=FullCache())
     return logits_from_hidden(model.params, model.config, hidden), kv
 
 

@@ -1,4 +1,4 @@
-"""The one eviction mechanism: keep-mask -> compact kept tokens into the first pages -> free the rest.
+"""The one eviction mechanism: keep-mask -> compact kept tokens to the first pages -> free the rest.
 
 Every eviction policy ends here. A keep-mask covers each (layer, sequence, KV head)'s token slots
 in cache order (slot s of a head is page `page_table[s // p]`, offset `s % p`). Kept tokens move

@@ -1,11 +1,12 @@
 """The cache-policy protocol: small frozen strategy objects, static under jit.
 
 A policy may implement any hook; the defaults keep everything:
-  admit(...)      at write time, which new tokens each (sequence, KV head) stores;
-  compress(...)   after prefill, which cached tokens to keep (eviction);
-  on_decode(...)  after each decode step.
-Values that vary per request (budgets, thresholds) are passed as arrays, never as fields that
-would force a recompile.
+  admit(...)            at write time, which new tokens each (sequence, KV head) stores;
+  compress(kv, obs, m)  after prefill, which cached tokens to keep (eviction);
+  on_decode(kv, ctx)    after each decode step.
+Budgets vary per request, so they never reach jit as static fields: `generate` turns a policy's
+`budget` into an int32 array [B] of tokens per head (`budget_tokens`) and compiles the policy with
+its budget stripped (`static()`), so changing the budget does not recompile.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import flax.struct
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -27,7 +31,7 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 
 def get(name: str, **kwargs) -> Policy:
-    """Builds a registered policy by name, e.g. `get("full")`."""
+    """Builds a registered policy by name, e.g. `get("snapkv", budget=0.3)`."""
     if name not in _REGISTRY:
         raise KeyError(f"policy={name!r}: registered policies are {sorted(_REGISTRY)}")
     return _REGISTRY[name](**kwargs)
@@ -38,12 +42,105 @@ def registered() -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Budget:
+    """Tokens kept per (layer, sequence, KV head): a ratio of the prompt or a token count."""
+
+    ratio: float | None = None
+    tokens: int | None = None
+
+    def __post_init__(self):
+        if (self.ratio is None) == (self.tokens is None):
+            raise ValueError("a Budget needs exactly one of ratio= or tokens=")
+        if self.ratio is not None and not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"budget ratio={self.ratio} must be in (0, 1]")
+        if self.tokens is not None and self.tokens < 1:
+            raise ValueError(f"budget tokens={self.tokens} must be >= 1")
+
+    @classmethod
+    def parse(cls, value: Budget | float | int) -> Budget:
+        """A float is a ratio of the prompt, an int a token count."""
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float | np.integer):
+            raise ValueError(f"budget={value!r}: give a ratio in (0, 1] or a token count >= 1")
+        if isinstance(value, float):
+            return cls(ratio=value)
+        return cls(tokens=int(value))
+
+    def tokens_for(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        """int32 [B] tokens per head; never more than the prompt (keeping all is the most)."""
+        lengths = np.asarray(prompt_lengths)
+        if self.ratio is not None:
+            kept = np.maximum(1, np.floor(self.ratio * lengths)).astype(np.int32)
+        else:
+            kept = np.full(lengths.shape, self.tokens, np.int32)
+        return np.minimum(kept, lengths).astype(np.int32)
+
+
+@flax.struct.dataclass
+class PrefillObservations:
+    """What prefill recorded for `compress` (fields a policy does not ask for are None).
+
+    Attributes:
+      prompt_lengths: int32 [B].
+      budget_tokens: int32 [B] tokens per head the policy may keep.
+      queries: [L, B, N, w, H] post-RoPE queries of each prompt's last w tokens (slot i holds
+        position prompt_length - w + i; slots before position 0 are zero).
+      input_mean, input_var: f32 [L, B, D] per-channel mean and unbiased variance of each
+        layer's attention input (normed hidden state) over the prompt.
+      key: PRNG key for stochastic policies.
+    """
+
+    prompt_lengths: jax.Array
+    budget_tokens: jax.Array
+    queries: jax.Array | None
+    input_mean: jax.Array | None
+    input_var: jax.Array | None
+    key: jax.Array
+
+    def query_positions(self) -> jax.Array:
+        """int32 [B, w] the observed queries' positions, -1 for empty slots."""
+        w = self.queries.shape[3]
+        positions = self.prompt_lengths[:, None] - w + jnp.arange(w)
+        return jnp.where(positions >= 0, positions, -1)
+
+
+@flax.struct.dataclass
+class DecodeContext:
+    """Per-step values for `on_decode`.
+
+    Attributes:
+      prompt_lengths, budget_tokens: int32 [B].
+      positions: int32 [B] position of the token just written (-1 for finished sequences).
+    """
+
+    prompt_lengths: jax.Array
+    budget_tokens: jax.Array
+    positions: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
 class Policy:
     """Base class of cache policies; every hook defaults to keeping everything."""
 
     name: ClassVar[str] = "base"
     # Whether every token's received attention mass is accumulated into its score (H2O).
     accumulates_attention: ClassVar[bool] = False
+    # Whether prefill records per-layer attention-input statistics (GVote).
+    needs_input_stats: ClassVar[bool] = False
+
+    @property
+    def observation_window(self) -> int:
+        """How many of each prompt's last queries prefill records per layer for `compress`."""
+        return 0
+
+    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        """int32 [B] tokens per head; checks the budget against the prompts (host side)."""
+        return np.asarray(prompt_lengths, np.int32)
+
+    def static(self) -> Policy:
+        """This policy with per-request values removed: what jit sees."""
+        return self
 
     def admit(
         self, *, layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
@@ -55,12 +152,14 @@ class Policy:
         del layer, k, v, positions
         return None
 
-    def compress(self, kv):
+    def compress(self, kv, obs: PrefillObservations, model):
         """The state after prefill, compressed; identity by default."""
+        del obs, model
         return kv
 
-    def on_decode(self, kv):
+    def on_decode(self, kv, ctx: DecodeContext):
         """The state after a decode step; identity by default."""
+        del ctx
         return kv
 
 
