@@ -70,6 +70,23 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     return out.reshape(b, n, t, h), lse.reshape(b, n, t)
 
 
+def attention_probabilities(q, k, mask, sm_scale: float) -> jax.Array:
+    """Softmax probabilities f32 [B, N, T, S] under a mask (fully masked rows are 0).
+
+    q [B, N, T, H], k [B, K, S, H], mask bool broadcastable to [B, K, G, T, S]. Plain jnp: used
+    by policies that score keys from a few observation queries.
+    """
+    b, n, t, _ = q.shape
+    qg = _group_queries(q, k.shape[1])
+    scores = jnp.einsum("bkgth,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask, scores * sm_scale, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    return probs.reshape(b, n, t, k.shape[2])
+
+
 def merge_partials(out_a, lse_a, out_b, lse_b):
     """Combines attention over two disjoint key sets from their outputs and logsumexps."""
     m = jnp.maximum(lse_a, lse_b)

@@ -281,7 +281,10 @@ def _decode_step(
         backend=backend,
     )
     ctx = DecodeContext(
-        prompt_lengths=state.prompt_lengths, budget_tokens=state.budget_tokens, positions=positions
+        prompt_lengths=state.prompt_lengths,
+        budget_tokens=state.budget_tokens,
+        positions=positions,
+        group_size=model.config.group_size,
     )
     kv = policy.on_decode(kv, ctx)
     logits = logits_from_hidden(model.params, model.config, hidden[:, 0])

@@ -48,8 +48,11 @@ CASES = {
 }
 
 
-def build(case: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A random fp32 causal LM for `case`, with non-trivial norms and biases."""
+def build(case: str, seed: int = 0, scale: float = 0.08) -> transformers.PreTrainedModel:
+    """A random fp32 causal LM for `case`, with non-trivial norms and biases.
+
+    `scale` is the weights' standard deviation; larger values give peakier attention.
+    """
     config_cls, kwargs = CASES[case]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
@@ -62,5 +65,5 @@ def build(case: str, seed: int = 0) -> transformers.PreTrainedModel:
             elif name.endswith("bias"):
                 param.copy_(0.5 * torch.randn_like(param))
             else:
-                param.copy_(0.08 * torch.randn_like(param))
+                param.copy_(scale * torch.randn_like(param))
     return model.eval()

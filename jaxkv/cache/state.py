@@ -124,14 +124,23 @@ class KVState:
         """Bytes of the pages really held (keys, values and per-token metadata); host-side int."""
         return int(np.asarray(self.pages_in_use())) * self.pool.page_bytes
 
-    def positions(self, layer: int) -> jax.Array:
-        """int32 [B, K, M * p]: original positions of the tokens kept per head, -1 padded."""
-        table = self.page_table[layer]
-        gathered = self.pool.token_positions[jnp.maximum(table, 0)]
-        b, k, m, p = gathered.shape
-        gathered = gathered.reshape(b, k, m * p)
-        held = jnp.arange(m * p) < self.lengths[layer][..., None]
-        return jnp.where(held, gathered, -1)
+    def _per_slot(self, per_token: jax.Array, layer: int | None, empty) -> jax.Array:
+        """A page-aligned pool field [P, p] viewed per head slot, `empty` past each length."""
+        table = self.page_table if layer is None else self.page_table[layer]
+        lengths = self.lengths if layer is None else self.lengths[layer]
+        gathered = per_token[jnp.maximum(table, 0)]
+        gathered = gathered.reshape(*table.shape[:-1], -1)
+        held = jnp.arange(gathered.shape[-1]) < lengths[..., None]
+        return jnp.where(held, gathered, empty)
+
+    def positions(self, layer: int | None = None) -> jax.Array:
+        """int32 [B, K, M * p] (or [L, B, K, M * p] for all layers): original positions of the
+        tokens kept per head, in cache order, -1 padded."""
+        return self._per_slot(self.pool.token_positions, layer, -1)
+
+    def token_scores(self, layer: int | None = None) -> jax.Array:
+        """f32 per head slot like `positions`: the policy scores of the kept tokens, 0 padded."""
+        return self._per_slot(self.pool.token_scores, layer, 0.0)
 
     def check(self) -> None:
         """Raises on the host if a write ran out of pages (call after a jitted step)."""

@@ -1,5 +1,49 @@
 """Cache policies (admission, eviction, selection) over the paged KV state."""
 
-from jaxkv.policies.base import FullCache, Policy, get, register, registered
+from jaxkv.policies.base import (
+    Budget,
+    DecodeContext,
+    FullCache,
+    Policy,
+    PrefillObservations,
+    get,
+    register,
+    registered,
+)
+from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView
+from jaxkv.policies.gvote import GVote
+from jaxkv.policies.sage import SageKV
+from jaxkv.policies.scorers import (
+    H2O,
+    TOVA,
+    AdaKV,
+    Knorm,
+    ObservedAttention,
+    PyramidKV,
+    SnapKV,
+    StreamingLLM,
+)
 
-__all__ = ["FullCache", "Policy", "get", "register", "registered"]
+__all__ = [
+    "H2O",
+    "TOVA",
+    "AdaKV",
+    "Budget",
+    "DecodeContext",
+    "DecodeEviction",
+    "EvictionPolicy",
+    "FullCache",
+    "GVote",
+    "Knorm",
+    "LayerView",
+    "ObservedAttention",
+    "Policy",
+    "PrefillObservations",
+    "PyramidKV",
+    "SageKV",
+    "SnapKV",
+    "StreamingLLM",
+    "get",
+    "register",
+    "registered",
+]

@@ -112,11 +112,13 @@ class DecodeContext:
     Attributes:
       prompt_lengths, budget_tokens: int32 [B].
       positions: int32 [B] position of the token just written (-1 for finished sequences).
+      group_size: static G, query heads per KV head.
     """
 
     prompt_lengths: jax.Array
     budget_tokens: jax.Array
     positions: jax.Array
+    group_size: int = flax.struct.field(pytree_node=False, default=1)
 
 
 @dataclasses.dataclass(frozen=True)

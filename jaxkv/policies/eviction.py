@@ -1,0 +1,214 @@
+"""Score-and-evict policies: the shared machinery every eviction policy builds on.
+
+A policy scores each cached token of each (layer, sequence, KV head), the shared mechanism keeps
+the protected tokens (sinks, recent window, observation window) plus the best-scored others up to
+the budget, and `compact` frees the pages left empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import attention as attention_ops
+from jaxkv.cache import KVState
+from jaxkv.cache.eviction import compact, keep_top_per_head
+from jaxkv.policies.base import Budget, DecodeContext, Policy, PrefillObservations
+
+
+@flax.struct.dataclass
+class LayerView:
+    """One layer's cache and prefill observations, as a scorer sees them (S = slots per head).
+
+    Attributes:
+      keys: [B, K, S, H] post-RoPE keys in cache order (arbitrary past each head's length).
+      positions: int32 [B, K, S] original positions, -1 past each head's length.
+      token_scores: f32 [B, K, S] accumulated scores (H2O), 0 past each length.
+      queries: [B, N, w, H] observed queries (None when the policy observes none).
+      query_positions: int32 [B, w] their positions, -1 for empty slots.
+      prompt_lengths: int32 [B].
+      input_mean, input_var: f32 [B, D] attention-input statistics (None unless requested).
+      params: the layer's parameters; layer: int32 [] its index; key: PRNG key for the layer.
+    """
+
+    keys: jax.Array
+    positions: jax.Array
+    token_scores: jax.Array
+    queries: jax.Array | None
+    query_positions: jax.Array | None
+    prompt_lengths: jax.Array
+    input_mean: jax.Array | None
+    input_var: jax.Array | None
+    params: Any
+    layer: jax.Array
+    key: jax.Array
+
+    @property
+    def held(self) -> jax.Array:
+        return self.positions >= 0
+
+    def window_probabilities(self) -> jax.Array:
+        """f32 [B, N, w, S]: each observed query's causal attention over the cached keys."""
+        visible = (
+            self.held[:, :, None, None, :]
+            & (self.positions[:, :, None, None, :] <= self.query_positions[:, None, None, :, None])
+            & (self.query_positions >= 0)[:, None, None, :, None]
+        )
+        sm_scale = self.keys.shape[-1] ** -0.5
+        return attention_ops.attention_probabilities(self.queries, self.keys, visible, sm_scale)
+
+
+def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn):
+    """Stacks `layer_fn(LayerView)` over the layers, one layer's view in memory at a time."""
+    query_positions = obs.query_positions() if obs.queries is not None else None
+
+    def one_layer(xs):
+        page_table, lengths, queries, mean, var, params, layer = xs
+        layer_kv = dataclasses.replace(kv, page_table=page_table[None], lengths=lengths[None])
+        view = LayerView(
+            keys=attention_ops.gather_pages(kv.pool.k_pages, page_table),
+            positions=layer_kv.positions(0),
+            token_scores=layer_kv.token_scores(0),
+            queries=queries,
+            query_positions=query_positions,
+            prompt_lengths=obs.prompt_lengths,
+            input_mean=mean,
+            input_var=var,
+            params=params,
+            layer=layer,
+            key=jax.random.fold_in(obs.key, layer),
+        )
+        return layer_fn(view)
+
+    xs = (
+        kv.page_table,
+        kv.lengths,
+        obs.queries,
+        obs.input_mean,
+        obs.input_var,
+        model.params["layers"],
+        jnp.arange(kv.num_layers),
+    )
+    return jax.lax.map(one_layer, xs)
+
+
+def group_mean(per_query_head: jax.Array, num_kv_heads: int) -> jax.Array:
+    """[B, N, S] -> [B, K, S]: the mean over each KV head's query heads."""
+    b, n, s = per_query_head.shape
+    return per_query_head.reshape(b, num_kv_heads, n // num_kv_heads, s).mean(axis=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionPolicy(Policy):
+    """A scorer plus the shared keep-top-k eviction.
+
+    Attributes:
+      budget: tokens kept per (layer, sequence, KV head): a ratio of the prompt (float) or a
+        count (int). Stripped (None) in the copy jit sees; the budget travels as an array.
+      sinks: the first `sinks` positions are always kept.
+      recent: the newest `recent` positions are always kept.
+    """
+
+    budget: Budget | float | int | None = None
+    sinks: int = 0
+    recent: int = 0
+
+    def __post_init__(self):
+        if self.budget is not None:
+            object.__setattr__(self, "budget", Budget.parse(self.budget))
+        for name in ("sinks", "recent"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+
+    @property
+    def protected_recent(self) -> int:
+        """Newest positions always kept: the recent window and the observation window."""
+        return max(self.recent, self.observation_window)
+
+    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        if self.budget is None:
+            raise ValueError(f"policy {self.name!r} needs budget= (a ratio or a token count)")
+        lengths = np.asarray(prompt_lengths)
+        if self.observation_window >= lengths.min():
+            raise ValueError(
+                f"policy {self.name!r}: window={self.observation_window} must be smaller than the "
+                f"prompt (shortest prompt: {int(lengths.min())} tokens)"
+            )
+        tokens = self.budget.tokens_for(lengths)
+        protected = self.sinks + self.protected_recent
+        too_small = (tokens < protected) & (tokens < lengths)
+        if np.any(too_small):
+            raise ValueError(
+                f"policy {self.name!r}: budget of {int(tokens[too_small][0])} tokens is smaller "
+                f"than sinks + window = {self.sinks} + {self.protected_recent}"
+            )
+        return tokens
+
+    def static(self) -> EvictionPolicy:
+        return dataclasses.replace(self, budget=None)
+
+    # --- scoring -------------------------------------------------------------------------
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        """f32 [B, K, S] importance of each cached token (higher is kept)."""
+        raise NotImplementedError
+
+    def scores(self, kv: KVState, obs: PrefillObservations, model) -> jax.Array:
+        """f32 [L, B, K, S]: `layer_scores` of every layer."""
+        return map_layers(kv, obs, model, self.layer_scores)
+
+    # --- selection -----------------------------------------------------------------------
+
+    def layer_budgets(self, budget_tokens, prompt_lengths, num_layers: int) -> jax.Array:
+        """int32 [L, B] tokens per head in each layer; uniform by default."""
+        del prompt_lengths
+        return jnp.broadcast_to(budget_tokens, (num_layers, *budget_tokens.shape))
+
+    def protected(self, positions: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
+        """bool like positions [L, B, K, S]: sinks and the newest positions of each prompt."""
+        newest = positions >= prompt_lengths[:, None, None] - self.protected_recent
+        return (positions >= 0) & ((positions < self.sinks) | newest)
+
+    def select(self, scores, budgets, held, protected) -> jax.Array:
+        """bool [L, B, K, S] keep-mask; per-head top-k by default."""
+        return keep_top_per_head(scores, budgets[..., None], held, protected)
+
+    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
+        positions = kv.positions()
+        scores = self.scores(kv, obs, model)
+        protected = self.protected(positions, obs.prompt_lengths)
+        budgets = self.layer_budgets(obs.budget_tokens, obs.prompt_lengths, kv.num_layers)
+        return compact(kv, self.select(scores, budgets, positions >= 0, protected))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeEviction(EvictionPolicy):
+    """An eviction policy that also evicts during decode whenever a head exceeds its budget.
+
+    During decode, the protected window is the newest `recent` positions before the current one
+    (plus the sinks), and `decode_scores` ranks the rest.
+    """
+
+    def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
+        """f32 [L, B, K, S] scores during decode."""
+        raise NotImplementedError
+
+    def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
+        budget = ctx.budget_tokens[None, :, None]
+
+        def evict(kv: KVState) -> KVState:
+            positions = kv.positions()
+            newest = positions > ctx.positions[None, :, None, None] - self.recent
+            protected = (positions >= 0) & ((positions < self.sinks) | newest)
+            budgets = jnp.broadcast_to(budget, kv.lengths.shape)
+            keep = keep_top_per_head(
+                self.decode_scores(kv, positions), budgets, positions >= 0, protected
+            )
+            return compact(kv, keep)
+
+        return jax.lax.cond(jnp.any(kv.lengths > budget), evict, lambda kv: kv, kv)

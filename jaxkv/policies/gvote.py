@@ -1,0 +1,102 @@
+"""GVote: the budget comes from the request itself, by voting of sampled future queries.
+
+After prefill, per layer and query head: the last query's attention fixes a step budget b (the
+number of keys holding `nucleus` of its mass). Hidden states h ~ N(mu, sigma) are sampled from
+per-channel statistics of the layer's attention input over the prompt, projected to queries and
+rotated with cos/sin averaged over the next `future_positions` positions; each sampled query of
+each query head votes for its top-b keys by logit; a KV head keeps the union of its group's
+votes. Budgets differ per request, layer and head, and the pages they leave are freed.
+
+Two choices differ from the paper's listing, both to follow the model: the sampled queries go
+through the model's own projection (with its bias and Qwen3's q-norm) and its own RoPE layout
+(half-split, not interleaved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache import KVState
+from jaxkv.cache.eviction import compact
+from jaxkv.policies import base
+from jaxkv.policies.eviction import LayerView, map_layers
+
+
+def nucleus_budget(probs: jax.Array, nucleus: float) -> jax.Array:
+    """int32 [...]: how many of the largest probabilities [..., S] reach `nucleus` of the mass."""
+    sorted_probs = jnp.sort(probs, axis=-1)[..., ::-1]
+    return jnp.sum(jnp.cumsum(sorted_probs, axis=-1) < nucleus, axis=-1) + 1
+
+
+def sample_hidden_states(key, mean, var, num_samples: int) -> jax.Array:
+    """[B, S, D] draws of N(mean, var) with mean, var [B, D]."""
+    noise = jax.random.normal(key, (mean.shape[0], num_samples, mean.shape[1]), jnp.float32)
+    return mean[:, None] + jnp.sqrt(var)[:, None] * noise
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class GVote(base.Policy):
+    """Adaptive-budget eviction by Gaussian-sampled query voting (no budget to set).
+
+    Attributes:
+      nucleus: attention mass the step budget covers (p_nuc).
+      num_samples: sampled future hidden states S.
+      future_positions: n_f positions after the prompt whose RoPE is averaged.
+    """
+
+    name: ClassVar[str] = "gvote"
+    needs_input_stats: ClassVar[bool] = True
+    nucleus: float = 0.95
+    num_samples: int = 8
+    future_positions: int = 16
+
+    def __post_init__(self):
+        if not 0.0 < self.nucleus <= 1.0:
+            raise ValueError(f"nucleus={self.nucleus} must be in (0, 1]")
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples={self.num_samples} must be >= 1")
+        if self.future_positions < 1:
+            raise ValueError(f"future_positions={self.future_positions} must be >= 1")
+
+    @property
+    def observation_window(self) -> int:
+        return 1
+
+    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        if np.asarray(prompt_lengths).min() < 2:
+            raise ValueError("policy 'gvote' needs prompts of at least 2 tokens")
+        return np.asarray(prompt_lengths, np.int32)
+
+    def keep_mask(self, view: LayerView, cfg) -> jax.Array:
+        """bool [B, K, S]: the union of the votes of one layer."""
+        # models builds on jaxkv, so it is imported here rather than at module load.
+        from models.decoder import project_queries
+        from models.layers import rope_cos_sin
+
+        step_budget = nucleus_budget(view.window_probabilities()[:, :, 0], self.nucleus)  # [B, N]
+        hidden = sample_hidden_states(view.key, view.input_mean, view.input_var, self.num_samples)
+        future = view.prompt_lengths[:, None] + jnp.arange(self.future_positions)
+        cos, sin = rope_cos_sin(cfg, future)
+        cos = jnp.broadcast_to(cos.mean(axis=1, keepdims=True), (*hidden.shape[:2], cos.shape[-1]))
+        sin = jnp.broadcast_to(sin.mean(axis=1, keepdims=True), cos.shape)
+        hidden = hidden.astype(view.keys.dtype)
+        queries = project_queries(view.params, cfg, hidden, cos, sin)  # [B, N, S_samples, H]
+        b, num_kv, s, h = view.keys.shape
+        group = queries.shape[1] // num_kv
+        qg = queries.reshape(b, num_kv, group, self.num_samples, h)
+        logits = jnp.einsum("bkgxh,bksh->bkgxs", qg, view.keys, preferred_element_type=jnp.float32)
+        logits = jnp.where(view.held[:, :, None, None, :], logits, -jnp.inf)
+        order = jnp.argsort(-logits, axis=-1, stable=True)
+        rank = jnp.argsort(order, axis=-1, stable=True)
+        votes = rank < step_budget.reshape(b, num_kv, group)[..., None, None]
+        return jnp.any(votes, axis=(2, 3)) & view.held
+
+    def compress(self, kv: KVState, obs: base.PrefillObservations, model) -> KVState:
+        keep = map_layers(kv, obs, model, lambda view: self.keep_mask(view, model.config))
+        return compact(kv, keep)

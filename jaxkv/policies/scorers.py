@@ -1,0 +1,218 @@
+"""The standard eviction baselines, with kvpress 0.5.5 semantics (see shared METHODS.md).
+
+StreamingLLM, SnapKV, PyramidKV, TOVA, Knorm, H2O, ObservedAttention and the AdaKV wrapper. All
+share the budget, protection and compaction of `EvictionPolicy`; each only says how it scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.cache import KVState
+from jaxkv.cache.eviction import keep_top_across_heads
+from jaxkv.policies import base
+from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView, group_mean
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM(DecodeEviction):
+    """Attention sinks plus the most recent tokens; the window slides during decode."""
+
+    name: ClassVar[str] = "streaming_llm"
+    sinks: int = 4
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        return view.positions.astype(jnp.float32)
+
+    def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
+        return positions.astype(jnp.float32)
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class SnapKV(EvictionPolicy):
+    """Mean attention of the last `window` queries, average-pooled, averaged over the group.
+
+    The observation window itself is always kept.
+    """
+
+    name: ClassVar[str] = "snapkv"
+    window: int = 64
+    kernel: int = 5
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.window < 1:
+            raise ValueError(f"window={self.window} must be >= 1")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel={self.kernel} must be a positive odd number")
+
+    @property
+    def observation_window(self) -> int:
+        return self.window
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        probs = view.window_probabilities().sum(axis=2) / self.window  # [B, N, S]
+        group = probs.shape[1] // view.positions.shape[1]
+        # Pooling sees only the keys before the window (kvpress scores the window apart).
+        before_window = view.held & (
+            view.positions < view.prompt_lengths[:, None, None] - self.window
+        )
+        probs = jnp.where(jnp.repeat(before_window, group, axis=1), probs, 0.0)
+        pooled = (
+            jax.lax.reduce_window(
+                probs,
+                0.0,
+                jax.lax.add,
+                (1, 1, self.kernel),
+                (1, 1, 1),
+                ((0, 0), (0, 0), (self.kernel // 2, self.kernel // 2)),
+            )
+            / self.kernel
+        )
+        return group_mean(pooled, view.keys.shape[1])
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class PyramidKV(SnapKV):
+    """SnapKV scores with per-layer budgets falling linearly with depth (kvpress's formula).
+
+    With per-head budget b, prompt length T and window w: min = b / beta, max = 2b - min (capped
+    at T - w), layer l keeps round(max - l (max - min) / (L - 1)); when T >= max >= min >= w does
+    not hold, every layer keeps b (SnapKV).
+    """
+
+    name: ClassVar[str] = "pyramidkv"
+    beta: float = 20.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta < 1:
+            raise ValueError(f"beta={self.beta} must be >= 1")
+
+    def layer_budgets(self, budget_tokens, prompt_lengths, num_layers: int) -> jax.Array:
+        return pyramid_budgets(budget_tokens, prompt_lengths, num_layers, self.window, self.beta)
+
+
+def pyramid_budgets(budget_tokens, prompt_lengths, num_layers: int, window: int, beta: float):
+    """int32 [L, B] per-layer budgets (see PyramidKV)."""
+    b = budget_tokens.astype(jnp.float32)
+    t = prompt_lengths.astype(jnp.float32)
+    min_num = b / beta
+    max_num = 2 * b - min_num
+    capped = max_num >= t - window
+    max_num = jnp.where(capped, t - window, max_num)
+    min_num = jnp.where(capped, 2 * b - max_num, min_num)
+    valid = (t >= max_num) & (max_num >= min_num) & (min_num >= window)
+    steps = (max_num - min_num) / max(num_layers - 1, 1)
+    layer = jnp.arange(num_layers, dtype=jnp.float32)[:, None]
+    pyramid = jnp.round(max_num - layer * steps).astype(jnp.int32)
+    return jnp.where(valid, pyramid, budget_tokens[None]).astype(jnp.int32)
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class TOVA(EvictionPolicy):
+    """The last query's attention averaged over all query heads: one ranking for every head."""
+
+    name: ClassVar[str] = "tova"
+
+    @property
+    def observation_window(self) -> int:
+        return 1
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        last = view.window_probabilities()[:, :, 0]  # [B, N, S]
+        return jnp.broadcast_to(last.mean(axis=1, keepdims=True), view.positions.shape)
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class Knorm(EvictionPolicy):
+    """Keep the keys with the smallest L2 norm."""
+
+    name: ClassVar[str] = "knorm"
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        return -jnp.linalg.norm(view.keys.astype(jnp.float32), axis=-1)
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class H2O(DecodeEviction):
+    """Heavy hitters: attention received, summed over every query, averaged over the group.
+
+    Prefill scores come from accumulating the attention of every prompt query; during decode the
+    new queries keep adding to them and a head over its budget evicts its lowest-scored tokens
+    (outside the sinks and the `recent` window).
+    """
+
+    name: ClassVar[str] = "h2o"
+    accumulates_attention: ClassVar[bool] = True
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        return view.token_scores
+
+    def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
+        return kv.token_scores()
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class ObservedAttention(EvictionPolicy):
+    """Attention received, averaged over the queries that can see the key (prefill only)."""
+
+    name: ClassVar[str] = "observed_attention"
+    accumulates_attention: ClassVar[bool] = True
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        seen_by = view.prompt_lengths[:, None, None] - view.positions
+        return view.token_scores / jnp.maximum(seen_by, 1)
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class AdaKV(EvictionPolicy):
+    """Any scorer with AdaKV's non-uniform head budgets.
+
+    The layer keeps K x budget tokens chosen across its heads by score, each head keeping at least
+    `safeguard` of its uniform share; heads that keep fewer tokens hold fewer pages.
+    `inner` is a scorer policy or its registered name (its budget is this policy's).
+    """
+
+    name: ClassVar[str] = "adakv"
+    inner: EvictionPolicy | str = "snapkv"
+    safeguard: float = 0.2
+
+    def __post_init__(self):
+        super().__post_init__()
+        inner = base.get(self.inner) if isinstance(self.inner, str) else self.inner
+        if not isinstance(inner, EvictionPolicy) or isinstance(inner, AdaKV):
+            raise ValueError(f"inner={self.inner!r} must be a scoring eviction policy")
+        object.__setattr__(self, "inner", dataclasses.replace(inner, budget=None))
+        if not 0.0 <= self.safeguard <= 1.0:
+            raise ValueError(f"safeguard={self.safeguard} must be in [0, 1]")
+
+    @property
+    def observation_window(self) -> int:
+        return self.inner.observation_window
+
+    @property
+    def protected_recent(self) -> int:
+        return max(self.recent, self.inner.protected_recent)
+
+    @property
+    def accumulates_attention(self) -> bool:  # type: ignore[override]
+        return self.inner.accumulates_attention
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        return self.inner.layer_scores(view)
+
+    def select(self, scores, budgets, held, protected) -> jax.Array:
+        return keep_top_across_heads(scores, budgets, held, protected, self.safeguard)
