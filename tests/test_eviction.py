@@ -1,0 +1,276 @@
+"""The shared eviction mechanism: real memory savings, intact kept tokens, decode-time eviction."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import attention, generation, policies
+from jaxkv.cache.eviction import compact
+from models import ModelConfig, init_model
+from models.configs import Family
+from models.decoder import (
+    attention_inputs,
+    attention_output_and_mlp,
+    embed,
+    final_hidden,
+    forward_cached,
+    init_params,
+    logits_from_hidden,
+)
+from models.layers import rope_cos_sin
+
+CONFIG = ModelConfig(
+    family=Family.QWEN3,
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qk_norm=True,
+    max_position_embeddings=4096,
+)
+PAGE_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    params = init_params(CONFIG, jax.random.PRNGKey(1), jnp.float32, scale=0.3)
+    return dataclasses.replace(init_model(CONFIG), params=params)
+
+
+BUDGETED = {
+    "streaming_llm": lambda: policies.StreamingLLM(budget=0.25),
+    "snapkv": lambda: policies.SnapKV(budget=0.25),
+    "pyramidkv": lambda: policies.PyramidKV(budget=0.25, window=16),
+    "tova": lambda: policies.TOVA(budget=0.25),
+    "knorm": lambda: policies.Knorm(budget=0.25),
+    "h2o": lambda: policies.H2O(budget=0.25),
+    "observed_attention": lambda: policies.ObservedAttention(budget=0.25),
+    "adakv": lambda: policies.AdaKV(inner=policies.SnapKV(), budget=0.25),
+    "sage_kv": lambda: policies.SageKV(budget=0.25),
+}
+
+
+@pytest.fixture(scope="module")
+def long_prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (2048, 1500)]
+
+
+@pytest.fixture(scope="module")
+def full_state(model, long_prompts):
+    return jaxkv.compress_prompt(model, long_prompts, page_size=PAGE_SIZE)
+
+
+def _pages_for(state):
+    return int(np.sum(-(-np.asarray(state.lengths) // PAGE_SIZE)))
+
+
+@pytest.mark.parametrize("name", [*sorted(BUDGETED), "gvote"])
+def test_compression_really_frees_pages(model, long_prompts, full_state, name):
+    # Random tokens on a random model spread attention thinly: a lower nucleus makes GVote prune.
+    gvote = policies.GVote(nucleus=0.5, num_samples=2)
+    policy = BUDGETED[name]() if name != "gvote" else gvote
+    state = jaxkv.compress_prompt(model, long_prompts, policy, page_size=PAGE_SIZE)
+    # Pages held are exactly what the kept lengths need: nothing held beyond a partial last page.
+    assert int(state.pages_in_use()) == _pages_for(state)
+    assert state.memory_bytes() == _pages_for(state) * state.pool.page_bytes
+    heads = CONFIG.num_layers * len(long_prompts) * CONFIG.num_kv_heads
+    if name != "gvote":
+        bound = 0.25 * full_state.memory_bytes() + heads * state.pool.page_bytes
+        assert state.memory_bytes() <= bound
+    else:
+        assert state.memory_bytes() < full_state.memory_bytes()
+    free = np.asarray(state.pool.allocator.free_stack)[: int(state.pool.allocator.num_free)]
+    held = np.asarray(state.page_table)[np.asarray(state.page_table) >= 0]
+    assert sorted(free.tolist() + held.tolist()) == list(range(state.pool.num_pages))
+
+
+def test_kept_tokens_are_unchanged_and_in_order(model, long_prompts, full_state):
+    state = jaxkv.compress_prompt(
+        model,
+        long_prompts,
+        policies.AdaKV(inner=policies.SnapKV(), budget=0.25),
+        page_size=PAGE_SIZE,
+    )
+    full_keys = jax.vmap(lambda t: attention.gather_pages(full_state.pool.k_pages, t))(
+        full_state.page_table
+    )
+    kept_keys = jax.vmap(lambda t: attention.gather_pages(state.pool.k_pages, t))(state.page_table)
+    positions = np.asarray(state.positions())
+    for index in np.ndindex(positions.shape[:3]):
+        kept = positions[index][positions[index] >= 0]
+        assert np.all(np.diff(kept) > 0)
+        np.testing.assert_array_equal(
+            np.asarray(kept_keys[index])[: len(kept)], np.asarray(full_keys[index])[kept]
+        )
+
+
+def _dense_step_logits(model, token, position, keys, values):
+    """One decode step where each head attends to exactly the given keys/values plus itself.
+
+    keys/values: per layer, per sequence, per KV head, arrays [n, H] (numpy).
+    """
+    cfg, params = model.config, model.params
+    positions = jnp.asarray(position)[:, None]
+    cos, sin = rope_cos_sin(cfg, positions)
+    x = embed(params, jnp.asarray(token)[:, None])
+    for layer in range(cfg.num_layers):
+        lp = jax.tree.map(lambda a, i=layer: a[i], params["layers"])
+        q, k, v = (np.asarray(a) for a in attention_inputs(lp, cfg, x, cos, sin))
+        out = np.zeros(q.shape, np.float64)
+        for b in range(q.shape[0]):
+            for n in range(cfg.num_heads):
+                kv_head = n // cfg.group_size
+                all_k = np.concatenate([keys[layer][b][kv_head], k[b, kv_head]], axis=0)
+                all_v = np.concatenate([values[layer][b][kv_head], v[b, kv_head]], axis=0)
+                s = all_k @ q[b, n, 0] / np.sqrt(cfg.head_dim)
+                p = np.exp(s - s.max())
+                out[b, n, 0] = (p / p.sum()) @ all_v
+        x = attention_output_and_mlp(lp, cfg, x, jnp.asarray(out, jnp.float32))
+    return np.asarray(logits_from_hidden(params, cfg, final_hidden(params, cfg, x)))[:, 0]
+
+
+def test_decode_on_a_compressed_cache_attends_to_exactly_the_kept_tokens(model):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (200, 150)]
+    state = jaxkv.compress_prompt(
+        model, prompts, policies.SnapKV(budget=0.3, window=8), page_size=8
+    )
+    positions = np.asarray(state.positions())
+    keys, values = [], []
+    for layer in range(CONFIG.num_layers):
+        k = np.asarray(attention.gather_pages(state.pool.k_pages, state.page_table[layer]))
+        v = np.asarray(attention.gather_pages(state.pool.v_pages, state.page_table[layer]))
+        n = np.asarray(state.lengths[layer])
+        keys.append([[k[b, h, : n[b, h]] for h in range(2)] for b in range(2)])
+        values.append([[v[b, h, : n[b, h]] for h in range(2)] for b in range(2)])
+    token = np.array([5, 9], np.int32)
+    position = np.array([200, 150], np.int32)
+    expected = _dense_step_logits(model, token, position, keys, values)
+    hidden, _, _ = jax.jit(
+        lambda m, kv: forward_cached(
+            m,
+            jnp.asarray(token)[:, None],
+            jnp.asarray(position)[:, None],
+            kv,
+            policy=policies.FullCache(),
+        )
+    )(model, state)
+    got = np.asarray(logits_from_hidden(model.params, CONFIG, hidden))[:, 0]
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert positions.max() < 200
+
+
+def test_streaming_llm_window_slides_during_decode(model):
+    prompts = [list(range(1, 61)), list(range(2, 42))]
+    out = jaxkv.generate(
+        model,
+        prompts,
+        max_new_tokens=12,
+        stop_tokens=(),
+        policy=policies.StreamingLLM(budget=20),
+        page_size=4,
+    )
+    positions = np.asarray(out.state.positions())
+    for b, length in enumerate((60, 40)):
+        last = length + 12 - 2  # the newest written position (the last token is never written)
+        expected = list(range(4)) + list(range(last - 15, last + 1))
+        for index in np.ndindex(positions.shape[0], positions.shape[2]):
+            kept = positions[index[0], b, index[1]]
+            assert kept[kept >= 0].tolist() == expected
+    assert np.all(out.pages_in_use == out.pages_in_use[0])
+
+
+def test_h2o_decode_keeps_budget_and_recent_window(model):
+    prompts = [np.random.default_rng(4).integers(0, 64, 80).tolist()]
+    policy = policies.H2O(budget=24, recent=6, sinks=2)
+    out = jaxkv.generate(
+        model, prompts, max_new_tokens=10, stop_tokens=(), policy=policy, page_size=4
+    )
+    lengths = np.asarray(out.state.lengths)
+    assert np.all(lengths == 24)
+    positions = np.asarray(out.state.positions())
+    last = 80 + 10 - 2
+    for index in np.ndindex(lengths.shape):
+        kept = set(positions[index][positions[index] >= 0].tolist())
+        assert set(range(last - 5, last + 1)) <= kept and {0, 1} <= kept
+
+
+def test_sage_kv_recent_window_slides(model):
+    prompts = [np.random.default_rng(5).integers(0, 64, 100).tolist()]
+    budget = 32  # sinks 8, top-k 4 per query head (G = 2), recent 32 - 8 - 8 = 16
+    state = jaxkv.compress_prompt(model, prompts, policies.SageKV(budget=budget), page_size=4)
+    out = jaxkv.generate(
+        model,
+        prompts,
+        max_new_tokens=9,
+        stop_tokens=(),
+        policy=policies.SageKV(budget=budget),
+        page_size=4,
+    )
+    before, after = np.asarray(state.positions()), np.asarray(out.state.positions())
+    last = 100 + 9 - 2
+    for index in np.ndindex(before.shape[:3]):
+        kept_before = before[index][before[index] >= 0]
+        selected = kept_before[kept_before < 100 - 16]
+        expected = sorted(set(selected.tolist()) | set(range(last - 15, last + 1)))
+        assert after[index][after[index] >= 0].tolist() == expected
+
+
+def test_budget_changes_do_not_recompile(model, long_prompts):
+    short = [p[:300] for p in long_prompts]
+    jaxkv.compress_prompt(model, short, policies.SnapKV(budget=0.3, window=8), page_size=PAGE_SIZE)
+    size = generation._compress_prompt_jit._cache_size()
+    state = jaxkv.compress_prompt(
+        model, short, policies.SnapKV(budget=0.1, window=8), page_size=PAGE_SIZE
+    )
+    assert generation._compress_prompt_jit._cache_size() == size
+    assert np.all(np.asarray(state.lengths) == 30)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: policies.SnapKV(budget=0.0), r"ratio=0.0 must be in \(0, 1\]"),
+        (lambda: policies.SnapKV(budget=1.5), r"ratio=1.5 must be in \(0, 1\]"),
+        (lambda: policies.SnapKV(budget=-3), "tokens=-3 must be >= 1"),
+        (lambda: policies.get("nope"), "policy='nope'"),
+        (lambda: policies.SnapKV(budget=0.3, kernel=4), "kernel=4"),
+        (lambda: policies.GVote(nucleus=1.5), "nucleus=1.5"),
+    ],
+)
+def test_bad_policy_arguments(make, match):
+    with pytest.raises((ValueError, KeyError), match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("policy", "length", "match"),
+    [
+        (
+            policies.SnapKV(budget=40),
+            100,
+            r"budget of 40 tokens is smaller than sinks \+ window = 0 \+ 64",
+        ),
+        (policies.SnapKV(budget=0.5, window=64), 60, "window=64 must be smaller than the prompt"),
+        (policies.StreamingLLM(budget=3), 60, r"sinks \+ window = 4 \+ 0"),
+        (policies.SnapKV(), 100, "needs budget="),
+    ],
+)
+def test_budgets_checked_against_prompts_before_compiling(model, policy, length, match):
+    prompts = [[i % 64 for i in range(length)], [i % 64 for i in range(length - 10)]]
+    with pytest.raises(ValueError, match=match):
+        jaxkv.compress_prompt(model, prompts, policy)
+
+
+def test_compact_with_keep_all_is_identity(full_state):
+    kept = compact(full_state, jnp.ones(full_state.positions().shape, bool))
+    np.testing.assert_array_equal(np.asarray(kept.lengths), np.asarray(full_state.lengths))
+    assert int(kept.pages_in_use()) == int(full_state.pages_in_use())
