@@ -79,7 +79,7 @@ def compact(kv: KVState, keep: jax.Array) -> KVState:
     return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
 
 
-def _rank_descending(scores: jax.Array) -> jax.Array:
+def rank_descending(scores: jax.Array) -> jax.Array:
     """Rank of each entry along the last axis by descending score (ties: lower index first)."""
     order = jnp.argsort(-scores, axis=-1, stable=True)
     return jnp.argsort(order, axis=-1, stable=True)
@@ -92,7 +92,7 @@ def keep_top_per_head(scores, budget, held, protected) -> jax.Array:
     """
     ranked = jnp.where(protected, jnp.inf, scores)
     ranked = jnp.where(held, ranked, -jnp.inf)
-    return (_rank_descending(ranked) < budget[..., None]) & held
+    return (rank_descending(ranked) < budget[..., None]) & held
 
 
 def keep_top_across_heads(scores, budget_per_head, held, protected, safeguard: float):
@@ -105,5 +105,5 @@ def keep_top_across_heads(scores, budget_per_head, held, protected, safeguard: f
     forced = keep_top_per_head(scores, guaranteed[..., None], held, protected) | protected
     ranked = jnp.where(forced, jnp.inf, jnp.where(held, scores, -jnp.inf))
     *lead, k, s = ranked.shape
-    flat_rank = _rank_descending(ranked.reshape(*lead, k * s)).reshape(*lead, k, s)
+    flat_rank = rank_descending(ranked.reshape(*lead, k * s)).reshape(*lead, k, s)
     return (flat_rank < (k * budget_per_head)[..., None, None]) & held

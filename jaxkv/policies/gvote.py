@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache import KVState
-from jaxkv.cache.eviction import compact
+from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.policies import base
 from jaxkv.policies.eviction import LayerView, map_layers
 
@@ -92,9 +92,7 @@ class GVote(base.Policy):
         qg = queries.reshape(b, num_kv, group, self.num_samples, h)
         logits = jnp.einsum("bkgxh,bksh->bkgxs", qg, view.keys, preferred_element_type=jnp.float32)
         logits = jnp.where(view.held[:, :, None, None, :], logits, -jnp.inf)
-        order = jnp.argsort(-logits, axis=-1, stable=True)
-        rank = jnp.argsort(order, axis=-1, stable=True)
-        votes = rank < step_budget.reshape(b, num_kv, group)[..., None, None]
+        votes = rank_descending(logits) < step_budget.reshape(b, num_kv, group)[..., None, None]
         return jnp.any(votes, axis=(2, 3)) & view.held
 
     def compress(self, kv: KVState, obs: base.PrefillObservations, model) -> KVState:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache import KVState
-from jaxkv.cache.eviction import compact
+from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.policies import base
 from jaxkv.policies.eviction import EvictionPolicy, LayerView
 
@@ -25,11 +25,6 @@ def sage_split(budget_tokens: jax.Array, group_size: int):
     sinks = budget_tokens // 4
     per_head = budget_tokens // (4 * group_size)
     return sinks, per_head, budget_tokens - sinks - group_size * per_head
-
-
-def _rank_descending(scores: jax.Array) -> jax.Array:
-    order = jnp.argsort(-scores, axis=-1, stable=True)
-    return jnp.argsort(order, axis=-1, stable=True)
 
 
 @base.register
@@ -65,7 +60,7 @@ class SageKV(EvictionPolicy):
         candidate = (positions >= 0) & ~is_sink & ~is_recent
         candidate_per_query_head = jnp.repeat(candidate, group, axis=2)
         ranked = jnp.where(candidate_per_query_head, scores, -jnp.inf)
-        chosen = (_rank_descending(ranked) < per_head) & candidate_per_query_head
+        chosen = (rank_descending(ranked) < per_head) & candidate_per_query_head
         num_layers, batch, _, slots = chosen.shape
         union = jnp.any(chosen.reshape(num_layers, batch, num_kv_heads, group, slots), axis=3)
         return compact(kv, is_sink | is_recent | union)
