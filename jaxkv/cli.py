@@ -30,6 +30,13 @@ def _load(model_arg: str, dtype: str, seed: int):
     )
 
 
+def _budget_kwargs(budget: str | None) -> dict:
+    """--budget 0.3 is a ratio of the prompt, --budget 256 a token count."""
+    if budget is None:
+        return {}
+    return {"budget": float(budget) if "." in budget else int(budget)}
+
+
 def _generate(args) -> int:
     import jax
 
@@ -37,7 +44,7 @@ def _generate(args) -> int:
     from jaxkv import policies
 
     model, tokenizer = _load(args.model, args.dtype, args.seed)
-    policy = policies.get(args.policy)
+    policy = policies.get(args.policy, **_budget_kwargs(args.budget))
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompt_ids = tokenizer.encode(args.prompt)
     stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
@@ -56,6 +63,7 @@ def _generate(args) -> int:
     report = {
         "model": args.model,
         "policy": args.policy,
+        "budget": args.budget,
         "prompt_tokens": len(prompt_ids),
         "generated_tokens": n,
         "pages_in_use_after_prefill": int(out.pages_in_use[0]),
@@ -79,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--policy", default="full", help="cache policy name")
+    gen.add_argument(
+        "--budget", default=None, help="KV budget per head: a ratio (0.3) or a token count (256)"
+    )
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=None)

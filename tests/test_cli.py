@@ -39,3 +39,23 @@ def test_bad_arguments_exit_with_a_message(capsys):
     assert "policy='nope'" in capsys.readouterr().err
     assert cli.main(["generate", "--max-new-tokens", "0"]) == 2
     assert "max_new_tokens=0" in capsys.readouterr().err
+
+
+def test_generate_with_a_compression_policy(capsys):
+    argv = [
+        "generate",
+        "--policy",
+        "snapkv",
+        "--budget",
+        "0.5",
+        "--max-new-tokens",
+        "3",
+        "--page-size",
+        "4",
+        "--prompt",
+        "x" * 150,
+    ]
+    assert cli.main(argv) == 0
+    report = _report(capsys)
+    # 151 prompt tokens -> 75 kept per head, 2 layers x 2 KV heads, pages of 4 tokens.
+    assert report["pages_in_use_after_prefill"] == 2 * 2 * 19
