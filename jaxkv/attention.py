@@ -199,11 +199,12 @@ def paged_attention(
     return masked_attention(q, k, v, held[:, :, None, None, :], sm_scale)
 
 
-def _attention_mass(q, k, mask, lse, sm_scale: float):
-    """Attention each key receives, summed over queries and averaged over the group's heads.
+def _attention_mass(q, k, mask, lse, query_weights, sm_scale: float):
+    """Attention each key receives, weighted over queries and averaged over the group's heads.
 
     q [B, N, T, H], k [B, K, S, H], mask bool broadcastable to [B, K, G, T, S], lse [B, N, T]
-    (the logsumexp over all keys the queries attend to). Returns f32 [B, K, S].
+    (the logsumexp over all keys the queries attend to), query_weights f32 [B, T].
+    Returns f32 [B, K, S].
     """
     b, n, t, _ = q.shape
     num_kv_heads = k.shape[1]
@@ -211,24 +212,26 @@ def _attention_mass(q, k, mask, lse, sm_scale: float):
     scores = jnp.einsum("bkgth,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
     lse = lse.reshape(b, num_kv_heads, n // num_kv_heads, t, 1)
     probs = jnp.where(mask & jnp.isfinite(lse), jnp.exp(scores * sm_scale - lse), 0.0)
+    probs = probs * query_weights[:, None, None, :, None]
     return jnp.sum(probs, axis=(2, 3)) / (n // num_kv_heads)
 
 
 def paged_attention_mass(
-    q, k_pages, page_table, lengths, lse, query_positions, *, sm_scale: float, backend: str = "xla"
+    q, k_pages, page_table, lengths, lse, query_weights, *, sm_scale: float, backend: str = "xla"
 ):
-    """Per cached slot [B, K, M * p]: attention mass from the valid queries (positions >= 0)."""
+    """Per cached slot [B, K, M * p]: attention mass received, queries weighted [B, T]."""
     resolve_backend(backend)
     k = gather_pages(k_pages, page_table)
     held = jnp.arange(k.shape[2]) < lengths[..., None]
-    valid_query = (query_positions >= 0)[:, None, None, :, None]
-    return _attention_mass(q, k, held[:, :, None, None, :] & valid_query, lse, sm_scale)
+    return _attention_mass(q, k, held[:, :, None, None, :], lse, query_weights, sm_scale)
 
 
-def chunk_attention_mass(q, k, positions, lse, *, sm_scale: float, backend: str = "xla"):
-    """Per chunk token [B, K, C]: attention mass from the chunk's own (causal, valid) queries."""
+def chunk_attention_mass(
+    q, k, positions, lse, query_weights, *, sm_scale: float, backend: str = "xla"
+):
+    """Per chunk token [B, K, C]: attention mass from the chunk's own causal queries, weighted."""
     resolve_backend(backend)
     key_pos = positions[:, None, None, None, :]
     query_pos = positions[:, None, None, :, None]
     mask = (key_pos >= 0) & (key_pos <= query_pos)
-    return _attention_mass(q, k, mask, lse, sm_scale)
+    return _attention_mass(q, k, mask, lse, query_weights, sm_scale)

@@ -31,7 +31,7 @@ class GenState:
       tokens: int32 [B, max_new_tokens] generated tokens (pad after a stop token).
       last_token: int32 [B] the newest token, fed to the next step.
       prompt_lengths: int32 [B].
-      budget_tokens: int32 [B] tokens per head the policy may keep.
+      budget_tokens: int32 [B] (or [B, n]) tokens per head the policy may keep.
       done: bool [B] sequence hit a stop token.
       step: int32 [] tokens generated so far.
       pages_in_use: int32 [max_new_tokens] pages held after prefill (entry 0) and each step.
@@ -280,14 +280,15 @@ def _decode_step(
         policy=policy,
         backend=backend,
     )
+    logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
     ctx = DecodeContext(
         prompt_lengths=state.prompt_lengths,
         budget_tokens=state.budget_tokens,
         positions=positions,
+        logits=logits,
         group_size=model.config.group_size,
     )
     kv = policy.on_decode(kv, ctx)
-    logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
     token = sampler(logits, jax.random.fold_in(state.key, state.step))
     return _record(state, kv, token, stop_tokens, pad_id)
 

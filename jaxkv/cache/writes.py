@@ -115,11 +115,12 @@ def attend_and_write(
 
     new_scores = None
     if policy.accumulates_attention:
+        decay, query_weights = policy.mass_weights(positions)
         pool = _accumulate_cached_mass(
-            pool, page_table, lengths, q, lse, positions, sm_scale, backend
+            pool, page_table, lengths, q, lse, decay, query_weights, sm_scale, backend
         )
         new_scores = attention_ops.chunk_attention_mass(
-            q, k, positions, lse, sm_scale=sm_scale, backend=backend
+            q, k, positions, lse, query_weights, sm_scale=sm_scale, backend=backend
         )
     write_mask = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
     admitted = policy.admit(layer=layer, k=k, v=v, positions=positions)
@@ -132,16 +133,26 @@ def attend_and_write(
 
 
 def _accumulate_cached_mass(
-    pool: PagePool, page_table, lengths, q, lse, positions, sm_scale, backend
+    pool: PagePool, page_table, lengths, q, lse, decay, query_weights, sm_scale, backend
 ):
-    """Adds the attention mass the chunk's queries gave each cached token to its score."""
+    """score <- decay * score + (weighted attention mass the chunk's queries gave the token)."""
     mass = attention_ops.paged_attention_mass(
-        q, pool.k_pages, page_table, lengths, lse, positions, sm_scale=sm_scale, backend=backend
+        q,
+        pool.k_pages,
+        page_table,
+        lengths,
+        lse,
+        query_weights,
+        sm_scale=sm_scale,
+        backend=backend,
     )
     p = pool.page_size
     slots = jnp.arange(mass.shape[-1])
     page = jnp.take_along_axis(page_table, slots // p + jnp.zeros_like(mass, jnp.int32), axis=-1)
     held = slots < lengths[..., None]
     flat = jnp.where(held, page * p + slots % p, pool.num_pages * p).reshape(-1)
-    scores = pool.token_scores.reshape(-1).at[flat].add(mass.reshape(-1), mode="drop")
+    old = pool.token_scores.reshape(-1)
+    held_old = old[jnp.minimum(flat, old.shape[0] - 1)].reshape(mass.shape)
+    new = decay[:, None, None] * held_old + mass
+    scores = old.at[flat].set(new.reshape(-1), mode="drop")  # each held slot is one head's
     return dataclasses.replace(pool, token_scores=scores.reshape(pool.token_scores.shape))

@@ -10,6 +10,7 @@ from jaxkv.policies.base import (
     register,
     registered,
 )
+from jaxkv.policies.confkv import ConfidenceWeights, ConfKV, confidence
 from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.sage import SageKV
@@ -29,6 +30,8 @@ __all__ = [
     "TOVA",
     "AdaKV",
     "Budget",
+    "ConfKV",
+    "ConfidenceWeights",
     "DecodeContext",
     "DecodeEviction",
     "EvictionPolicy",
@@ -43,6 +46,7 @@ __all__ = [
     "SageKV",
     "SnapKV",
     "StreamingLLM",
+    "confidence",
     "get",
     "register",
     "registered",

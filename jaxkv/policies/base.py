@@ -83,7 +83,7 @@ class PrefillObservations:
 
     Attributes:
       prompt_lengths: int32 [B].
-      budget_tokens: int32 [B] tokens per head the policy may keep.
+      budget_tokens: int32 [B] (or [B, n] for policies with several budgets) tokens per head.
       queries: [L, B, N, w, H] post-RoPE queries of each prompt's last w tokens (slot i holds
         position prompt_length - w + i; slots before position 0 are zero).
       input_mean, input_var: f32 [L, B, D] per-channel mean and unbiased variance of each
@@ -112,12 +112,14 @@ class DecodeContext:
     Attributes:
       prompt_lengths, budget_tokens: int32 [B].
       positions: int32 [B] position of the token just written (-1 for finished sequences).
+      logits: f32 [B, V] this step's next-token logits (before sampling).
       group_size: static G, query heads per KV head.
     """
 
     prompt_lengths: jax.Array
     budget_tokens: jax.Array
     positions: jax.Array
+    logits: jax.Array
     group_size: int = flax.struct.field(pytree_node=False, default=1)
 
 
@@ -137,12 +139,19 @@ class Policy:
         return 0
 
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        """int32 [B] tokens per head; checks the budget against the prompts (host side)."""
+        """int32 [B] (or [B, n]) tokens per head; checks budgets against the prompts (host side)."""
         return np.asarray(prompt_lengths, np.int32)
 
     def static(self) -> Policy:
         """This policy with per-request values removed: what jit sees."""
         return self
+
+    def mass_weights(self, positions: jax.Array):
+        """How a chunk's attention updates accumulated scores (when `accumulates_attention`):
+        score <- decay * score + sum_i weight_i * mass_i. Returns decay f32 [B] and per-query
+        weights f32 [B, C] for positions [B, C]; by default a plain sum over valid queries.
+        """
+        return jnp.ones(positions.shape[:1], jnp.float32), (positions >= 0).astype(jnp.float32)
 
     def admit(
         self, *, layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array

@@ -1,0 +1,171 @@
+"""Conf-KV: the model's next-token confidence picks a tight or a loose budget at every step.
+
+Each decode step: confidence c from the step's logits (normalised entropy, top-2 log-prob
+margin, top probability, through a sigmoid of a weighted sum); budget B_t = tight if c >= tau
+else loose; a head holding more than B_t (per layer: B_t scaled by a linear pyramid when
+`pyramid`) evicts its lowest-ranked tokens. Rank = alpha * mass + (1 - alpha) * recency, both
+min-max normalised over the candidates (everything but the newest `protected` positions); mass
+is an exponential moving average of the attention each token receives, averaged over its KV
+head's query heads, updated by every query (prompt queries included, in order).
+Formulas and defaults: shared METHODS.md (the paper's text lost them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache import KVState
+from jaxkv.cache.eviction import compact, keep_top_per_head
+from jaxkv.policies import base
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfidenceWeights:
+    """c = sigmoid(entropy * ent + margin * log-margin + top * p1 + bias)."""
+
+    entropy: float = 4.0
+    margin: float = 1.0
+    top: float = 4.0
+    bias: float = -5.0
+
+
+def confidence_features(logits: jax.Array):
+    """(normalised entropy 1 - H/log V, log p1 - log p2, p1), each f32 [B], from logits [B, V]."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    probs = jnp.exp(log_probs)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * log_probs, 0.0), axis=-1)
+    top2 = jax.lax.top_k(log_probs, 2)[0]
+    normalised = 1.0 - entropy / jnp.log(logits.shape[-1])
+    return normalised, top2[:, 0] - top2[:, 1], jnp.exp(top2[:, 0])
+
+
+def confidence(logits: jax.Array, weights: ConfidenceWeights = ConfidenceWeights()) -> jax.Array:
+    """f32 [B] in (0, 1): the step's confidence."""
+    ent, margin, top = confidence_features(logits)
+    z = weights.entropy * ent + weights.margin * margin + weights.top * top + weights.bias
+    return jax.nn.sigmoid(z)
+
+
+def pyramid_scale(num_layers: int, gamma_max: float, gamma_min: float) -> jax.Array:
+    """f32 [L]: per-layer multipliers falling linearly from gamma_max to gamma_min (mean 1)."""
+    if num_layers == 1:
+        return jnp.ones((1,), jnp.float32)
+    depth = jnp.arange(num_layers, dtype=jnp.float32) / (num_layers - 1)
+    return gamma_max - (gamma_max - gamma_min) * depth
+
+
+def _min_max(values, candidates):
+    """Min-max normalisation over the candidate slots of each head (0 where all are equal)."""
+    low = jnp.min(jnp.where(candidates, values, jnp.inf), axis=-1, keepdims=True)
+    high = jnp.max(jnp.where(candidates, values, -jnp.inf), axis=-1, keepdims=True)
+    spread = high - low
+    return jnp.where(
+        candidates & (spread > 0), (values - low) / jnp.where(spread > 0, spread, 1), 0
+    )
+
+
+def rank_scores(mass, positions, held, protected, alpha: float) -> jax.Array:
+    """f32 [..., S]: alpha * norm(mass) + (1 - alpha) * norm(recency) over the candidates."""
+    candidates = held & ~protected
+    recency = positions.astype(jnp.float32)
+    return alpha * _min_max(mass, candidates) + (1 - alpha) * _min_max(recency, candidates)
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class ConfKV(base.Policy):
+    """Confidence-aware eviction.
+
+    Attributes:
+      tight, loose: budgets in tokens per (layer, sequence, head) on confident / uncertain steps
+        (per-request values: stripped in the copy jit sees).
+      tau: confidence threshold; tau = 0 always picks the tight budget.
+      protected: the newest positions never evicted (R).
+      beta: EMA decay of attention mass; alpha: weight of mass against recency.
+      pyramid: per-layer budgets B_t * (gamma_max - (gamma_max - gamma_min) * l / (L - 1)).
+    """
+
+    name: ClassVar[str] = "confkv"
+    accumulates_attention: ClassVar[bool] = True
+    tight: int | None = 128
+    loose: int | None = 512
+    tau: float = 0.7
+    protected: int = 64
+    beta: float = 0.9
+    alpha: float = 0.5
+    weights: ConfidenceWeights = ConfidenceWeights()
+    pyramid: bool = False
+    gamma_max: float = 1.5
+    gamma_min: float = 0.5
+
+    def __post_init__(self):
+        if not 0.0 <= self.tau <= 1.0:
+            raise ValueError(f"tau={self.tau} must be in [0, 1]")
+        if not 0.0 <= self.beta < 1.0:
+            raise ValueError(f"beta={self.beta} must be in [0, 1)")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha={self.alpha} must be in [0, 1]")
+        if self.protected < 0:
+            raise ValueError(f"protected={self.protected} must be >= 0")
+        if not 0.0 <= self.gamma_min <= self.gamma_max:
+            raise ValueError(
+                f"gamma_min={self.gamma_min}, gamma_max={self.gamma_max}: need "
+                "0 <= gamma_min <= gamma_max"
+            )
+        if self.tight is None or self.loose is None:
+            return  # the static copy
+        if self.tight > self.loose:
+            raise ValueError(f"tight={self.tight} must be <= loose={self.loose}")
+        smallest = self.tight * (self.gamma_min if self.pyramid else 1.0)
+        if self.protected >= smallest:
+            raise ValueError(
+                f"protected={self.protected} must be smaller than the smallest "
+                f"budget ({smallest:g} tokens)"
+            )
+
+    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        """int32 [B, 2]: (tight, loose) per request."""
+        if self.tight is None or self.loose is None:
+            raise ValueError("policy 'confkv' needs tight= and loose= budgets")
+        return np.tile(np.array([[self.tight, self.loose]], np.int32), (len(prompt_lengths), 1))
+
+    def static(self) -> ConfKV:
+        return dataclasses.replace(self, tight=None, loose=None)
+
+    def mass_weights(self, positions: jax.Array):
+        """Sequential EMA over a chunk's queries in position order: the newest query's mass has
+        weight (1 - beta), each older one a further factor beta; old scores decay by beta^n."""
+        valid = positions >= 0
+        newest = jnp.max(positions, axis=-1, keepdims=True)
+        weights = jnp.where(valid, (1 - self.beta) * self.beta ** (newest - positions), 0.0)
+        return self.beta ** jnp.sum(valid, axis=-1).astype(jnp.float32), weights
+
+    def step_budgets(self, kv: KVState, ctx: base.DecodeContext) -> jax.Array:
+        """int32 [L, B]: this step's budget per layer and sequence."""
+        confident = confidence(ctx.logits, self.weights) >= self.tau
+        budget = jnp.where(confident, ctx.budget_tokens[:, 0], ctx.budget_tokens[:, 1])
+        if not self.pyramid:
+            return jnp.broadcast_to(budget, (kv.num_layers, budget.shape[0]))
+        scale = pyramid_scale(kv.num_layers, self.gamma_max, self.gamma_min)
+        return jnp.round(scale[:, None] * budget[None].astype(jnp.float32)).astype(jnp.int32)
+
+    def on_decode(self, kv: KVState, ctx: base.DecodeContext) -> KVState:
+        budgets = self.step_budgets(kv, ctx)
+        # Finished sequences (position -1) wrote nothing and are left as they are.
+        budgets = jnp.where(ctx.positions >= 0, budgets, kv.max_tokens_per_head)[..., None]
+
+        def evict(kv: KVState) -> KVState:
+            positions = kv.positions()
+            held = positions >= 0
+            newest = positions > ctx.positions[None, :, None, None] - self.protected
+            protected = held & newest
+            scores = rank_scores(kv.token_scores(), positions, held, protected, self.alpha)
+            budget = jnp.broadcast_to(budgets, kv.lengths.shape)
+            return compact(kv, keep_top_per_head(scores, budget, held, protected))
+
+        return jax.lax.cond(jnp.any(kv.lengths > budgets), evict, lambda kv: kv, kv)
