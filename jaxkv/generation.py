@@ -15,6 +15,7 @@ from jaxkv.attention import resolve_backend
 from jaxkv.cache import KVState
 from jaxkv.policies import FullCache, Policy
 from jaxkv.policies.base import DecodeContext, PrefillObservations
+from jaxkv.policies.confkv import confidence
 from jaxkv.sampling import Sampler
 from models.decoder import Model, forward_cached, logits_from_hidden
 
@@ -35,6 +36,7 @@ class GenState:
       done: bool [B] sequence hit a stop token.
       step: int32 [] tokens generated so far.
       pages_in_use: int32 [max_new_tokens] pages held after prefill (entry 0) and each step.
+      confidence: f32 [max_new_tokens, B] Conf-KV confidence of each step's next-token logits.
       key: PRNG key.
     """
 
@@ -46,6 +48,7 @@ class GenState:
     done: jax.Array
     step: jax.Array
     pages_in_use: jax.Array
+    confidence: jax.Array
     key: jax.Array
 
 
@@ -58,6 +61,7 @@ class GenerateOutput:
       num_tokens: int32 [B] tokens generated per sequence (the stop token included).
       pages_in_use: int32 [steps] pages held after prefill and after each decode step.
       memory_bytes: int64 [steps] the bytes those pages hold.
+      confidence: f32 [steps, B] confidence of the logits each token was sampled from.
       state: the final KV state.
     """
 
@@ -65,6 +69,7 @@ class GenerateOutput:
     num_tokens: np.ndarray
     pages_in_use: np.ndarray
     memory_bytes: np.ndarray
+    confidence: np.ndarray
     state: KVState
 
 
@@ -290,10 +295,10 @@ def _decode_step(
     )
     kv = policy.on_decode(kv, ctx)
     token = sampler(logits, jax.random.fold_in(state.key, state.step))
-    return _record(state, kv, token, stop_tokens, pad_id)
+    return _record(state, kv, logits, token, stop_tokens, pad_id)
 
 
-def _record(state: GenState, kv: KVState, token, stop_tokens, pad_id: int) -> GenState:
+def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: int) -> GenState:
     token = jnp.where(state.done, pad_id, token)
     done = state.done | jnp.any(token[:, None] == stop_tokens[None, :], axis=-1)
     return dataclasses.replace(
@@ -304,6 +309,7 @@ def _record(state: GenState, kv: KVState, token, stop_tokens, pad_id: int) -> Ge
         done=done,
         step=state.step + 1,
         pages_in_use=state.pages_in_use.at[state.step].set(kv.pages_in_use()),
+        confidence=state.confidence.at[state.step].set(confidence(logits)),
     )
 
 
@@ -353,9 +359,11 @@ def _generate(
         done=jnp.zeros((b,), bool),
         step=jnp.zeros((), jnp.int32),
         pages_in_use=jnp.zeros((max_new_tokens,), jnp.int32),
+        confidence=jnp.zeros((max_new_tokens, b), jnp.float32),
         key=key,
     )
-    state = _record(state, kv, sampler(logits, jax.random.fold_in(key, 0)), stop_tokens, pad_id)
+    token = sampler(logits, jax.random.fold_in(key, 0))
+    state = _record(state, kv, logits, token, stop_tokens, pad_id)
 
     def keep_going(state: GenState):
         return (state.step < max_new_tokens) & ~jnp.all(state.done) & ~state.kv.pool.overflow
@@ -441,6 +449,7 @@ def generate(
         num_tokens=num_tokens.astype(np.int32),
         pages_in_use=pages,
         memory_bytes=pages.astype(np.int64) * state.kv.pool.page_bytes,
+        confidence=np.asarray(state.confidence)[:steps],
         state=state.kv,
     )
 
