@@ -286,15 +286,17 @@ def _decode_step(
         backend=backend,
     )
     logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
+    step_key = jax.random.fold_in(state.key, state.step)
     ctx = DecodeContext(
         prompt_lengths=state.prompt_lengths,
         budget_tokens=state.budget_tokens,
         positions=positions,
         logits=logits,
+        key=jax.random.fold_in(step_key, 1),
         group_size=model.config.group_size,
     )
     kv = policy.on_decode(kv, ctx)
-    token = sampler(logits, jax.random.fold_in(state.key, state.step))
+    token = sampler(logits, jax.random.fold_in(step_key, 0))
     return _record(state, kv, logits, token, stop_tokens, pad_id)
 
 

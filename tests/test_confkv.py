@@ -153,3 +153,19 @@ def test_pyramid_budgets_fall_with_depth(model):
 def test_bad_confkv_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         policies.ConfKV(**kwargs)
+
+
+def test_random_ranking_ablation_keeps_the_schedule_and_the_protected_window(model):
+    prompt = [np.random.default_rng(5).integers(0, 64, 90).tolist()]
+    policy = policies.ConfKV(tight=32, loose=64, tau=0.0, protected=16, ranking="random")
+    composite = policies.ConfKV(tight=32, loose=64, tau=0.0, protected=16)
+    out = jaxkv.generate(
+        model, prompt, max_new_tokens=4, policy=policy, stop_tokens=(), key=jax.random.PRNGKey(1)
+    )
+    ref = jaxkv.generate(model, prompt, max_new_tokens=4, policy=composite, stop_tokens=())
+    assert np.all(np.asarray(out.state.lengths) == 32)
+    positions, ref_positions = np.asarray(out.state.positions()), np.asarray(ref.state.positions())
+    newest = 90 + 4 - 2
+    assert not np.array_equal(positions, ref_positions)
+    for index in np.ndindex(positions.shape[:3]):
+        assert set(range(newest - 15, newest + 1)) <= set(positions[index].tolist())

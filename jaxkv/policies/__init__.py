@@ -10,7 +10,7 @@ from jaxkv.policies.base import (
     register,
     registered,
 )
-from jaxkv.policies.confkv import ConfidenceWeights, ConfKV, confidence
+from jaxkv.policies.confkv import ConfidenceWeights, ConfKV, Ranking, confidence
 from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.sage import SageKV
@@ -43,6 +43,7 @@ __all__ = [
     "Policy",
     "PrefillObservations",
     "PyramidKV",
+    "Ranking",
     "SageKV",
     "SnapKV",
     "StreamingLLM",

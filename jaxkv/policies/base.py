@@ -113,6 +113,7 @@ class DecodeContext:
       prompt_lengths, budget_tokens: int32 [B].
       positions: int32 [B] position of the token just written (-1 for finished sequences).
       logits: f32 [B, V] this step's next-token logits (before sampling).
+      key: PRNG key of this step for stochastic policies.
       group_size: static G, query heads per KV head.
     """
 
@@ -120,6 +121,7 @@ class DecodeContext:
     budget_tokens: jax.Array
     positions: jax.Array
     logits: jax.Array
+    key: jax.Array
     group_size: int = flax.struct.field(pytree_node=False, default=1)
 
 

@@ -13,6 +13,7 @@ Formulas and defaults: shared METHODS.md (the paper's text lost them).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import ClassVar
 
 import jax
@@ -22,6 +23,14 @@ import numpy as np
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, keep_top_per_head
 from jaxkv.policies import base
+
+
+class Ranking(enum.Enum):
+    """How candidates are ranked. COMPOSITE is Conf-KV's (alpha = 1: attention only, alpha = 0:
+    recency only); RANDOM is the paper's matched-rate ablation (same schedule, random victims)."""
+
+    COMPOSITE = "composite"
+    RANDOM = "random"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +97,7 @@ class ConfKV(base.Policy):
       protected: the newest positions never evicted (R).
       beta: EMA decay of attention mass; alpha: weight of mass against recency.
       pyramid: per-layer budgets B_t * (gamma_max - (gamma_max - gamma_min) * l / (L - 1)).
+      ranking: COMPOSITE, or RANDOM for the matched-rate ablation.
     """
 
     name: ClassVar[str] = "confkv"
@@ -102,8 +112,10 @@ class ConfKV(base.Policy):
     pyramid: bool = False
     gamma_max: float = 1.5
     gamma_min: float = 0.5
+    ranking: Ranking = Ranking.COMPOSITE
 
     def __post_init__(self):
+        object.__setattr__(self, "ranking", Ranking(self.ranking))
         if not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"tau={self.tau} must be in [0, 1]")
         if not 0.0 <= self.beta < 1.0:
@@ -164,7 +176,10 @@ class ConfKV(base.Policy):
             held = positions >= 0
             newest = positions > ctx.positions[None, :, None, None] - self.protected
             protected = held & newest
-            scores = rank_scores(kv.token_scores(), positions, held, protected, self.alpha)
+            if self.ranking is Ranking.RANDOM:
+                scores = jax.random.uniform(ctx.key, positions.shape)
+            else:
+                scores = rank_scores(kv.token_scores(), positions, held, protected, self.alpha)
             budget = jnp.broadcast_to(budgets, kv.lengths.shape)
             return compact(kv, keep_top_per_head(scores, budget, held, protected))
 
