@@ -274,3 +274,20 @@ def test_compact_with_keep_all_is_identity(full_state):
     kept = compact(full_state, jnp.ones(full_state.positions().shape, bool))
     np.testing.assert_array_equal(np.asarray(kept.lengths), np.asarray(full_state.lengths))
     assert int(kept.pages_in_use()) == int(full_state.pages_in_use())
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "adakv", "sage_kv"])
+def test_policies_run_in_bfloat16(model, name):
+    bf16 = dataclasses.replace(
+        model, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params)
+    )
+    prompts = [[i % 64 for i in range(400)], [i % 61 for i in range(300)]]
+    out = jaxkv.generate(
+        bf16, prompts, max_new_tokens=4, policy=BUDGETED[name](), stop_tokens=(), page_size=8
+    )
+    assert out.state.pool.k_pages.dtype == jnp.bfloat16
+    lengths = np.asarray(out.state.lengths)
+    # Per layer and sequence (AdaKV moves budget between heads), plus the 3 written decode tokens.
+    per_head_budget = np.array([100, 75])[None, :]
+    assert np.all(lengths.sum(-1) <= CONFIG.num_kv_heads * (per_head_budget + 3))
+    assert np.all(np.isfinite(np.asarray(out.state.token_scores())))
