@@ -184,19 +184,31 @@ def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
 
 
 def paged_attention(
-    q, k_pages, v_pages, page_table, lengths, *, sm_scale: float, backend: str = "xla"
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    lengths,
+    *,
+    sm_scale: float,
+    page_mask=None,
+    backend: str = "xla",
 ):
     """Attention of q [B, N, C, H] over each (sequence, KV head)'s first `lengths` cached tokens.
 
-    k_pages, v_pages [P, p, H]; page_table int32 [B, K, M] (-1 = unallocated); lengths [B, K].
+    k_pages, v_pages [P, p, H]; page_table int32 [B, K, M] (-1 = unallocated); lengths [B, K];
+    page_mask bool [B, K, M] optionally restricts the read to selected pages (Quest).
     Every cached token precedes every query, so no causal mask applies.
-    Returns out f32 [B, N, C, H] and lse f32 [B, N, C] (-inf where lengths == 0).
+    Returns out f32 [B, N, C, H] and lse f32 [B, N, C] (-inf where nothing is read).
     """
     resolve_backend(backend)
     k = gather_pages(k_pages, page_table)
     v = gather_pages(v_pages, page_table)
-    held = jnp.arange(k.shape[2]) < lengths[..., None]
-    return masked_attention(q, k, v, held[:, :, None, None, :], sm_scale)
+    slots = jnp.arange(k.shape[2])
+    read = slots < lengths[..., None]
+    if page_mask is not None:
+        read = read & page_mask[..., slots // k_pages.shape[1]]
+    return masked_attention(q, k, v, read[:, :, None, None, :], sm_scale)
 
 
 def _attention_mass(q, k, mask, lse, query_weights, sm_scale: float):

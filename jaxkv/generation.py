@@ -160,6 +160,7 @@ def _create_state(
         page_size=page_size,
         num_pages=num_pages,
         dtype=kv_dtype if kv_dtype is not None else model.dtype,
+        key_bounds=policy.selects_pages,
     )
 
 
@@ -284,6 +285,7 @@ def _decode_step(
         state.kv,
         policy=policy,
         backend=backend,
+        read_budget=state.budget_tokens if policy.selects_pages else None,
     )
     logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
     step_key = jax.random.fold_in(state.key, state.step)

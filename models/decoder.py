@@ -209,6 +209,7 @@ def forward_cached(
     backend: str = "xla",
     collect_queries: bool = False,
     collect_input_stats: bool = False,
+    read_budget: jax.Array | None = None,
 ) -> tuple[jax.Array, KVState, dict[str, jax.Array]]:
     """One chunk (prefill chunk or decode step) through the paged KV state.
 
@@ -247,6 +248,7 @@ def forward_cached(
             sm_scale=cfg.head_dim**-0.5,
             policy=policy,
             backend=backend,
+            read_budget=read_budget,
         )
         collected = {}
         if collect_queries:

@@ -13,15 +13,11 @@ from jaxkv.cache.eviction import compact
 from models import ModelConfig, init_model
 from models.configs import Family
 from models.decoder import (
-    attention_inputs,
-    attention_output_and_mlp,
-    embed,
-    final_hidden,
     forward_cached,
     init_params,
     logits_from_hidden,
 )
-from models.layers import rope_cos_sin
+from tests import dense_reference
 
 CONFIG = ModelConfig(
     family=Family.QWEN3,
@@ -112,31 +108,6 @@ def test_kept_tokens_are_unchanged_and_in_order(model, long_prompts, full_state)
         )
 
 
-def _dense_step_logits(model, token, position, keys, values):
-    """One decode step where each head attends to exactly the given keys/values plus itself.
-
-    keys/values: per layer, per sequence, per KV head, arrays [n, H] (numpy).
-    """
-    cfg, params = model.config, model.params
-    positions = jnp.asarray(position)[:, None]
-    cos, sin = rope_cos_sin(cfg, positions)
-    x = embed(params, jnp.asarray(token)[:, None])
-    for layer in range(cfg.num_layers):
-        lp = jax.tree.map(lambda a, i=layer: a[i], params["layers"])
-        q, k, v = (np.asarray(a) for a in attention_inputs(lp, cfg, x, cos, sin))
-        out = np.zeros(q.shape, np.float64)
-        for b in range(q.shape[0]):
-            for n in range(cfg.num_heads):
-                kv_head = n // cfg.group_size
-                all_k = np.concatenate([keys[layer][b][kv_head], k[b, kv_head]], axis=0)
-                all_v = np.concatenate([values[layer][b][kv_head], v[b, kv_head]], axis=0)
-                s = all_k @ q[b, n, 0] / np.sqrt(cfg.head_dim)
-                p = np.exp(s - s.max())
-                out[b, n, 0] = (p / p.sum()) @ all_v
-        x = attention_output_and_mlp(lp, cfg, x, jnp.asarray(out, jnp.float32))
-    return np.asarray(logits_from_hidden(params, cfg, final_hidden(params, cfg, x)))[:, 0]
-
-
 def test_decode_on_a_compressed_cache_attends_to_exactly_the_kept_tokens(model):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (200, 150)]
@@ -144,16 +115,10 @@ def test_decode_on_a_compressed_cache_attends_to_exactly_the_kept_tokens(model):
         model, prompts, policies.SnapKV(budget=0.3, window=8), page_size=8
     )
     positions = np.asarray(state.positions())
-    keys, values = [], []
-    for layer in range(CONFIG.num_layers):
-        k = np.asarray(attention.gather_pages(state.pool.k_pages, state.page_table[layer]))
-        v = np.asarray(attention.gather_pages(state.pool.v_pages, state.page_table[layer]))
-        n = np.asarray(state.lengths[layer])
-        keys.append([[k[b, h, : n[b, h]] for h in range(2)] for b in range(2)])
-        values.append([[v[b, h, : n[b, h]] for h in range(2)] for b in range(2)])
+    keys, values = dense_reference.cached_keys_values(state)
     token = np.array([5, 9], np.int32)
     position = np.array([200, 150], np.int32)
-    expected = _dense_step_logits(model, token, position, keys, values)
+    expected = dense_reference.decode_step_logits(model, token, position, keys, values)
     hidden, _, _ = jax.jit(
         lambda m, kv: forward_cached(
             m,

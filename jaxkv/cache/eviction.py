@@ -57,6 +57,8 @@ def _compact_layer(pool: PagePool, page_table, lengths, keep):
         allocator=release(pool.allocator, jnp.where(freed, page_table, -1)),
     )
     page_table = jnp.where(page_index >= pages_needed[..., None], -1, page_table)
+    held_in_page = jnp.clip(new_lengths[..., None] - page_index * p, 0, p)
+    pool = pool.refresh_key_bounds(page_table.reshape(-1), held_in_page.reshape(-1))
     return pool, page_table, new_lengths
 
 

@@ -10,6 +10,8 @@ to attention; `token_positions` keeps each token's original position for policie
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,8 @@ class PagePool:
       k_pages, v_pages: [P, p, H] keys (post-RoPE) and values.
       token_positions: int32 [P, p] original position of each stored token.
       token_scores: f32 [P, p] per-token policy score (accumulated attention mass for H2O).
+      key_min, key_max: f32 [P, H] per-page, per-channel bounds of the held keys, for page
+        selection (Quest); None unless the state was created with `key_bounds=True`.
       allocator: the free-page stack.
       overflow: bool []; set when a write did not fit in the pool (the write was dropped whole).
     """
@@ -36,6 +40,8 @@ class PagePool:
     token_scores: jax.Array
     allocator: PageAllocator
     overflow: jax.Array
+    key_min: jax.Array | None = None
+    key_max: jax.Array | None = None
 
     @property
     def num_pages(self) -> int:
@@ -50,8 +56,24 @@ class PagePool:
         """Bytes one page holds: its keys, values and per-token metadata."""
         p, h = self.k_pages.shape[1:]
         kv_bytes = p * h * (self.k_pages.dtype.itemsize + self.v_pages.dtype.itemsize)
-        return kv_bytes + p * (
-            self.token_positions.dtype.itemsize + self.token_scores.dtype.itemsize
+        metadata = p * (self.token_positions.dtype.itemsize + self.token_scores.dtype.itemsize)
+        bounds = 0 if self.key_min is None else 2 * h * self.key_min.dtype.itemsize
+        return kv_bytes + metadata + bounds
+
+    def refresh_key_bounds(self, pages: jax.Array, held_counts: jax.Array) -> PagePool:
+        """Recomputes key bounds of `pages` (int32 [n], -1 ignored) from their first
+        `held_counts` [n] tokens; a no-op for a pool without bounds."""
+        if self.key_min is None:
+            return self
+        keys = self.k_pages[jnp.maximum(pages, 0)].astype(jnp.float32)  # [n, p, H]
+        held = (jnp.arange(self.page_size) < held_counts[:, None])[..., None]
+        index = jnp.where(pages >= 0, pages, self.num_pages)
+        low = jnp.min(jnp.where(held, keys, jnp.inf), axis=1)
+        high = jnp.max(jnp.where(held, keys, -jnp.inf), axis=1)
+        return dataclasses.replace(
+            self,
+            key_min=self.key_min.at[index].set(low, mode="drop"),
+            key_max=self.key_max.at[index].set(high, mode="drop"),
         )
 
 
@@ -81,8 +103,12 @@ class KVState:
         page_size: int,
         num_pages: int,
         dtype=jnp.bfloat16,
+        key_bounds: bool = False,
     ) -> KVState:
-        """An empty state with room for `max_tokens` per head and a pool of `num_pages` pages."""
+        """An empty state with room for `max_tokens` per head and a pool of `num_pages` pages.
+
+        `key_bounds` adds per-page key bounds for page selection (Quest).
+        """
         for name, value in (
             ("num_layers", num_layers),
             ("batch", batch),
@@ -102,6 +128,8 @@ class KVState:
             token_scores=jnp.zeros((num_pages, page_size), jnp.float32),
             allocator=PageAllocator.create(num_pages),
             overflow=jnp.zeros((), bool),
+            key_min=jnp.zeros((num_pages, head_dim), jnp.float32) if key_bounds else None,
+            key_max=jnp.zeros((num_pages, head_dim), jnp.float32) if key_bounds else None,
         )
         return cls(
             pool=pool,

@@ -82,6 +82,10 @@ def write_tokens(
         allocator=allocator,
         overflow=pool.overflow | ~ok,
     )
+    # Bounds of every page a written token landed in, from the tokens it now holds.
+    written_page = jnp.where(write_mask & ok, page, -1).reshape(-1)
+    page_held = jnp.clip(new_lengths[..., None] - (rank // p) * p, 0, p).reshape(-1)
+    pool = pool.refresh_key_bounds(written_page, page_held)
     return pool, page_table, jnp.where(ok, new_lengths, lengths)
 
 
@@ -98,15 +102,29 @@ def attend_and_write(
     sm_scale: float,
     policy,
     backend: str,
+    read_budget=None,
 ):
     """One layer's attention for a chunk: over the cached tokens and the chunk itself, then write.
+
+    With `read_budget` (int32 [B] tokens), a page-selecting policy (Quest) picks the cached pages
+    each head reads.
 
     q [B, N, C, H], k, v [B, K, C, H], positions [B, C] (-1 = padding). The chunk's queries see
     every cached token of their head plus the chunk's earlier tokens, whether or not the policy
     admits those to the cache. Returns (attn [B, N, C, H] in q.dtype, pool, page_table, lengths).
     """
+    page_mask = None
+    if read_budget is not None:
+        page_mask = policy.select_pages(q, pool, page_table, lengths, read_budget)
     cached_out, cached_lse = attention_ops.paged_attention(
-        q, pool.k_pages, pool.v_pages, page_table, lengths, sm_scale=sm_scale, backend=backend
+        q,
+        pool.k_pages,
+        pool.v_pages,
+        page_table,
+        lengths,
+        sm_scale=sm_scale,
+        page_mask=page_mask,
+        backend=backend,
     )
     chunk_out, chunk_lse = attention_ops.chunk_attention(
         q, k, v, positions, sm_scale=sm_scale, backend=backend

@@ -13,6 +13,7 @@ from jaxkv.policies.base import (
 from jaxkv.policies.confkv import ConfidenceWeights, ConfKV, Ranking, confidence
 from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView
 from jaxkv.policies.gvote import GVote
+from jaxkv.policies.quest import Quest
 from jaxkv.policies.sage import SageKV
 from jaxkv.policies.scorers import (
     H2O,
@@ -43,6 +44,7 @@ __all__ = [
     "Policy",
     "PrefillObservations",
     "PyramidKV",
+    "Quest",
     "Ranking",
     "SageKV",
     "SnapKV",

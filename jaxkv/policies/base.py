@@ -134,6 +134,8 @@ class Policy:
     accumulates_attention: ClassVar[bool] = False
     # Whether prefill records per-layer attention-input statistics (GVote).
     needs_input_stats: ClassVar[bool] = False
+    # Whether decode reads only pages chosen by `select_pages` (needs per-page key bounds).
+    selects_pages: ClassVar[bool] = False
 
     @property
     def observation_window(self) -> int:
@@ -164,6 +166,10 @@ class Policy:
         """
         del layer, k, v, positions
         return None
+
+    def select_pages(self, q, pool, page_table, lengths, read_budget) -> jax.Array:
+        """bool [B, K, M]: the cached pages each head reads this decode step (selection)."""
+        raise NotImplementedError(f"policy {self.name!r} does not select pages")
 
     def compress(self, kv, obs: PrefillObservations, model):
         """The state after prefill, compressed; identity by default."""
