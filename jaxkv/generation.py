@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.attention import resolve_backend
-from jaxkv.cache import KVState
+from jaxkv.cache import KVState, decode_geometry, repack
 from jaxkv.policies import FullCache, Policy
 from jaxkv.policies.base import DecodeContext, PrefillObservations
 from jaxkv.policies.confkv import confidence
@@ -247,7 +247,9 @@ def _prefill(
     return kv, last_hidden, obs
 
 
+@functools.partial(jax.jit, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv",))
 def _prefill_compressed(model, tokens, lengths, budget_tokens, kv, key, *, chunk, policy, backend):
+    """Chunked prefill then the policy's compression; donates `kv`."""
     kv, last_hidden, obs = _prefill(
         model,
         tokens,
@@ -260,11 +262,6 @@ def _prefill_compressed(model, tokens, lengths, budget_tokens, kv, key, *, chunk
         backend=backend,
     )
     return policy.compress(kv, obs, model), last_hidden
-
-
-_compress_prompt_jit = functools.partial(
-    jax.jit, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv",)
-)(_prefill_compressed)
 
 
 def _decode_step(
@@ -319,41 +316,39 @@ def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: in
 
 @functools.partial(
     jax.jit,
-    static_argnames=("max_new_tokens", "chunk", "policy", "sampler", "pad_id", "backend"),
-    donate_argnames=("kv",),
+    static_argnames=(
+        "max_new_tokens",
+        "num_pages",
+        "max_pages",
+        "policy",
+        "sampler",
+        "pad_id",
+        "backend",
+    ),
 )
-def _generate(
+def _decode(
     model,
-    tokens,
+    kv,
+    last_hidden,
     lengths,
     budget_tokens,
-    kv,
     key,
     stop_tokens,
     *,
     max_new_tokens,
-    chunk,
+    num_pages,
+    max_pages,
     policy,
     sampler,
     pad_id,
     backend,
 ) -> GenState:
-    """Prefill, compress, then decode in a `lax.while_loop` until max_new_tokens, all sequences
-    stopped, or the pool overflowed; donates `kv`."""
-    policy_key, key = jax.random.split(key)
-    kv, last_hidden = _prefill_compressed(
-        model,
-        tokens,
-        lengths,
-        budget_tokens,
-        kv,
-        policy_key,
-        chunk=chunk,
-        policy=policy,
-        backend=backend,
-    )
+    """Repacks the compressed state into a pool of `num_pages` pages (tables of `max_pages`),
+    then decodes in a `lax.while_loop` until max_new_tokens, all sequences stopped, or the pool
+    overflowed. `kv` is not donated: the repacked state has other shapes."""
+    kv = repack(kv, num_pages=num_pages, max_pages=max_pages)
     logits = logits_from_hidden(model.params, model.config, last_hidden)
-    b = tokens.shape[0]
+    b = lengths.shape[0]
     state = GenState(
         kv=kv,
         tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32),
@@ -409,7 +404,9 @@ def generate(
       sampler: default greedy. A PRNG `key` is required when the sampler is not greedy.
       stop_tokens: ids that end a sequence (default: the config's eos ids).
       page_size, num_pages: the paged cache's geometry; num_pages defaults to what a full
-        cache needs for this request.
+        cache needs for this request. After prefill and compression the state is repacked
+        into a pool and page tables sized for what it holds plus the generation (at most
+        num_pages), so the decode loop holds and reads only that.
       prefill_chunk: tokens per prefill chunk.
     Raises:
       ValueError on bad input before compiling; PoolExhaustedError if the pool runs out.
@@ -427,16 +424,33 @@ def generate(
     prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
     budget_tokens = policy.budget_tokens(prompts.lengths)
     kv = _create_state(model, prompts, max_new_tokens, policy, page_size, num_pages, kv_dtype)
-    state = _generate(
+    policy_key, key = jax.random.split(key)
+    kv, last_hidden = _prefill_compressed(
         model,
         prompts.tokens,
         prompts.lengths,
         budget_tokens,
         kv,
+        policy_key,
+        chunk=prompts.chunk,
+        policy=policy.static(),
+        backend=backend,
+    )
+    kv.check()
+    decode_pages, max_pages = decode_geometry(kv, max_new_tokens)
+    if num_pages is not None:
+        decode_pages = min(decode_pages, num_pages)
+    state = _decode(
+        model,
+        kv,
+        last_hidden,
+        prompts.lengths,
+        budget_tokens,
         key,
         jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
         max_new_tokens=max_new_tokens,
-        chunk=prompts.chunk,
+        num_pages=decode_pages,
+        max_pages=max_pages,
         policy=policy.static(),
         sampler=sampler,
         pad_id=pad_id,
@@ -479,7 +493,7 @@ def compress_prompt(
     prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
     budget_tokens = policy.budget_tokens(prompts.lengths)
     kv = _create_state(model, prompts, 0, policy, page_size, num_pages, kv_dtype)
-    kv, _ = _compress_prompt_jit(
+    kv, _ = _prefill_compressed(
         model,
         prompts.tokens,
         prompts.lengths,

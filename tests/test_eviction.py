@@ -192,11 +192,11 @@ def test_sage_kv_recent_window_slides(model):
 def test_budget_changes_do_not_recompile(model, long_prompts):
     short = [p[:300] for p in long_prompts]
     jaxkv.compress_prompt(model, short, policies.SnapKV(budget=0.3, window=8), page_size=PAGE_SIZE)
-    size = generation._compress_prompt_jit._cache_size()
+    size = generation._prefill_compressed._cache_size()
     state = jaxkv.compress_prompt(
         model, short, policies.SnapKV(budget=0.1, window=8), page_size=PAGE_SIZE
     )
-    assert generation._compress_prompt_jit._cache_size() == size
+    assert generation._prefill_compressed._cache_size() == size
     assert np.all(np.asarray(state.lengths) == 30)
 
 
@@ -256,3 +256,44 @@ def test_policies_run_in_bfloat16(model, name):
     per_head_budget = np.array([100, 75])[None, :]
     assert np.all(lengths.sum(-1) <= CONFIG.num_kv_heads * (per_head_budget + 3))
     assert np.all(np.isfinite(np.asarray(out.state.token_scores())))
+
+
+def test_decode_runs_on_a_pool_sized_for_the_compressed_cache(model, long_prompts, full_state):
+    prompts = [p[:1024] for p in long_prompts]
+    full = jaxkv.generate(model, prompts, max_new_tokens=4, stop_tokens=(), page_size=PAGE_SIZE)
+    snap = jaxkv.generate(
+        model,
+        prompts,
+        max_new_tokens=4,
+        stop_tokens=(),
+        page_size=PAGE_SIZE,
+        policy=policies.SnapKV(budget=0.25),
+    )
+    # The arrays themselves shrink, not only the count of pages in use.
+    assert snap.state.pool.k_pages.nbytes < 0.35 * full.state.pool.k_pages.nbytes
+    assert snap.state.page_table.shape[-1] < 0.35 * full.state.page_table.shape[-1]
+    assert int(snap.state.pages_in_use()) <= snap.state.pool.num_pages
+
+
+def test_repack_preserves_every_held_token(full_state):
+    from jaxkv.cache import decode_geometry, repack
+
+    num_pages, max_pages = decode_geometry(full_state, 1)
+    packed = jax.jit(repack, static_argnames=("num_pages", "max_pages"))(
+        full_state, num_pages=num_pages, max_pages=max_pages
+    )
+    assert not bool(packed.pool.overflow)
+    np.testing.assert_array_equal(
+        np.asarray(packed.positions())[..., :2048], np.asarray(full_state.positions())[..., :2048]
+    )
+    keys = jax.vmap(lambda t: attention.gather_pages(packed.pool.k_pages, t))(packed.page_table)
+    ref = jax.vmap(lambda t: attention.gather_pages(full_state.pool.k_pages, t))(
+        full_state.page_table
+    )
+    held = np.asarray(full_state.positions()) >= 0
+    np.testing.assert_array_equal(
+        np.asarray(keys)[held[..., : keys.shape[3]]],
+        np.asarray(ref)[..., : keys.shape[3], :][held[..., : keys.shape[3]]],
+    )
+    too_small = repack(full_state, num_pages=10, max_pages=max_pages)
+    assert bool(too_small.pool.overflow)
