@@ -103,8 +103,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Model:
-    return Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(seed), dtype))
+def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.02) -> Model:
+    """A model with random parameters (see `init_params`)."""
+    return Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(seed), dtype, scale))
 
 
 def _rope_for(cfg: ModelConfig, positions: jax.Array):

@@ -7,8 +7,20 @@ from benchmarks import decode
 
 def test_decode_benchmark_quick(tmp_path):
     out = tmp_path / "decode.json"
-    report = decode.main(["--prompt-tokens", "256", "--new-tokens", "3", "--batch", "1",
-                          "--repeats", "1", "--out", str(out)])
+    report = decode.main(
+        [
+            "--prompt-tokens",
+            "256",
+            "--new-tokens",
+            "3",
+            "--batch",
+            "1",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["rows"].keys() == report["rows"].keys()
     rows = report["rows"]
     assert rows["full"]["memory_ratio"] == 1.0

@@ -1,7 +1,5 @@
 """Conf-KV: confidence, EMA attention mass, confidence-gated budgets, protected window."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +12,6 @@ from jaxkv import policies
 from jaxkv.policies import confkv
 from models import ModelConfig, init_model
 from models.configs import Family
-from models.decoder import init_params
 
 CONFIG = ModelConfig(
     family=Family.LLAMA,
@@ -31,8 +28,7 @@ CONFIG = ModelConfig(
 
 @pytest.fixture(scope="module")
 def model():
-    params = init_params(CONFIG, jax.random.PRNGKey(2), jnp.float32, scale=0.3)
-    return dataclasses.replace(init_model(CONFIG), params=params)
+    return init_model(CONFIG, seed=2, scale=0.3)
 
 
 def test_confidence_features_match_numpy():

@@ -14,7 +14,6 @@ from models import ModelConfig, init_model
 from models.configs import Family
 from models.decoder import (
     forward_cached,
-    init_params,
     logits_from_hidden,
 )
 from tests import dense_reference
@@ -36,8 +35,7 @@ PAGE_SIZE = 16
 
 @pytest.fixture(scope="module")
 def model():
-    params = init_params(CONFIG, jax.random.PRNGKey(1), jnp.float32, scale=0.3)
-    return dataclasses.replace(init_model(CONFIG), params=params)
+    return init_model(CONFIG, seed=1, scale=0.3)
 
 
 BUDGETED = {

@@ -12,7 +12,6 @@ import jaxkv
 from jaxkv import Sampler, policies
 from models import ModelConfig, init_model
 from models.configs import Family
-from models.decoder import init_params
 
 CONFIG = ModelConfig(
     family=Family.QWEN3,
@@ -31,8 +30,7 @@ CONFIG = ModelConfig(
 @pytest.fixture(scope="module")
 def model():
     # A larger init scale than usual gives peaked, varied next-token distributions.
-    params = init_params(CONFIG, jax.random.PRNGKey(0), jnp.float32, scale=0.5)
-    return dataclasses.replace(init_model(CONFIG), params=params)
+    return init_model(CONFIG, seed=0, scale=0.5)
 
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2]]

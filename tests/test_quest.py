@@ -1,9 +1,6 @@
 """Quest: per-page key bounds stay exact through writes and compaction; decode reads exactly the
 pages a numpy version of Quest's selection picks."""
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +11,7 @@ from jaxkv.cache import KVState, write_tokens
 from jaxkv.cache.eviction import compact
 from models import ModelConfig, forward_cached, init_model
 from models.configs import Family
-from models.decoder import init_params, logits_from_hidden
+from models.decoder import logits_from_hidden
 from tests import dense_reference
 
 CONFIG = ModelConfig(
@@ -33,8 +30,7 @@ CONFIG = ModelConfig(
 
 @pytest.fixture(scope="module")
 def model():
-    params = init_params(CONFIG, jax.random.PRNGKey(3), jnp.float32, scale=0.3)
-    return dataclasses.replace(init_model(CONFIG), params=params)
+    return init_model(CONFIG, seed=3, scale=0.3)
 
 
 def _assert_bounds_exact(kv: KVState):
