@@ -1,0 +1,1 @@
+"""The block-sparse causal prefill attention kernel."""

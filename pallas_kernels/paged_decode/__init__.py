@@ -1,0 +1,1 @@
+"""The ragged paged decode attention kernel."""
