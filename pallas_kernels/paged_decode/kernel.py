@@ -21,7 +21,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import MASK_VALUE, check_tile, triton_params
+from pallas_kernels.common import (
+    MASK_VALUE,
+    check_tile,
+    next_power_of_two,
+    round_up,
+    triton_params,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,21 +38,26 @@ class BlockSizes:
       pages_per_block: pages gathered per inner step; `pages_per_block * page_size` keys are
         scored at a time (a power of two, at least 16 keys).
       pages_per_split: pages of a head's table one program reads (split-K); a multiple of
-        `pages_per_block`. Fewer splits mean fewer partial results, more mean more programs.
+        `pages_per_block`. None: enough splits for about `target_programs` programs in all.
+        Fewer splits mean fewer partial results, more mean more programs.
       block_h: query rows per program. None: the G query heads of a KV head in one program,
         padded to the next power of two >= 16.
       num_warps, num_stages: Triton launch parameters.
+      target_programs: programs the automatic split aims for (a few per streaming multiprocessor
+        keeps the GPU busy when batch * KV heads is small).
     """
 
     pages_per_block: int = 8
-    pages_per_split: int = 64
+    pages_per_split: int | None = None
     block_h: int | None = None
     num_warps: int = 4
     num_stages: int = 2
+    target_programs: int = 512
 
     def validate(self, page_size: int) -> None:
         check_tile("block_sizes.pages_per_block", self.pages_per_block)
-        check_tile("block_sizes.pages_per_split", self.pages_per_split, self.pages_per_block)
+        if self.pages_per_split is not None:
+            check_tile("block_sizes.pages_per_split", self.pages_per_split, self.pages_per_block)
         if self.pages_per_block * page_size < 16:
             raise ValueError(
                 f"block_sizes.pages_per_block={self.pages_per_block} with page_size={page_size}: "
@@ -56,7 +67,15 @@ class BlockSizes:
             check_tile("block_sizes.block_h", self.block_h, 16)
 
     def rows_per_program(self, group: int) -> int:
-        return self.block_h or max(16, 1 << (group - 1).bit_length())
+        return self.block_h or max(16, next_power_of_two(group))
+
+    def split_pages(self, max_pages: int, programs_per_split: int) -> int:
+        """Pages per split for a table of `max_pages` entries (a multiple of pages_per_block)."""
+        pages = self.pages_per_split
+        if pages is None:
+            splits = max(1, self.target_programs // programs_per_split)
+            pages = -(-max_pages // splits)
+        return min(round_up(pages, self.pages_per_block), round_up(max_pages, self.pages_per_block))
 
 
 def paged_decode_kernel(

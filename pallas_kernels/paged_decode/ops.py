@@ -169,14 +169,17 @@ def _check_scales(pages, page_table, prefix, token_scales, channel_scales) -> No
 
 
 def combine_splits(acc, row_max, row_sum):
-    """Merges split-K partials: acc [..., S, R, H], max/sum [..., S, R] -> out, lse [..., R]."""
-    live = row_sum > 0
-    top = jnp.max(jnp.where(live, row_max, -jnp.inf), axis=-2)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weight = jnp.where(live, jnp.exp(row_max - top[..., None, :]), 0.0)
+    """Merges split-K partials: acc [..., S, R, H], max/sum [..., S, R] -> out, lse [..., R].
+
+    A split that read nothing has sum 0 and the finite MASK_VALUE as max, so it gets no weight
+    next to a split that read something, and all-empty rows end with denominator 0.
+    """
+    top = jnp.max(row_max, axis=-2)
+    weight = jnp.exp(row_max - top[..., None, :])
     denom = jnp.sum(weight * row_sum, axis=-2)
-    out = jnp.sum(weight[..., None] * acc, axis=-3) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    lse = jnp.where(denom > 0, top + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    safe_denom = jnp.where(denom > 0, denom, 1.0)
+    out = jnp.sum(weight[..., None] * acc, axis=-3) / safe_denom[..., None]
+    lse = jnp.where(denom > 0, top + jnp.log(safe_denom), -jnp.inf)
     return out, lse
 
 
@@ -218,9 +221,7 @@ def _paged_decode(
     rows = round_up(group, block_h)
     q_rows = q.reshape(batch, num_kv_heads, group, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    pages_per_split = min(
-        block_sizes.pages_per_split, round_up(max_pages, block_sizes.pages_per_block)
-    )
+    pages_per_split = block_sizes.split_pages(max_pages, batch * num_kv_heads * rows // block_h)
     padded_pages = round_up(max_pages, pages_per_split) - max_pages
     table = jnp.pad(page_table, ((0, 0), (0, 0), (0, padded_pages)), constant_values=-1)
     capacity = max_pages * page_size

@@ -1,0 +1,31 @@
+"""The kernel benchmark runs end to end (interpreted on CPU) and reports consistent numbers."""
+
+import json
+
+import jax
+
+from benchmarks import kernels
+
+
+def test_kernel_benchmark_quick(tmp_path):
+    out = tmp_path / "kernels.json"
+    report = kernels.main(["--quick", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["interpret"] == (jax.default_backend() != "gpu")
+    assert report["copy_bandwidth_gbs"] > 0
+    sweep = kernels.QUICK
+    assert len(report["decode"]) == 2 * len(sweep.decode_tokens) * len(sweep.decode_batches)
+    for row in report["decode"]:
+        itemsize = 1 if row["pages"] == "int8" else 2
+        kv_bytes = 2 * row["batch"] * sweep.kv_heads * row["tokens_per_head"] * sweep.head_dim
+        scale_bytes = 2 * row["batch"] * sweep.kv_heads * row["tokens_per_head"] * 4
+        expected = kv_bytes * itemsize + (scale_bytes if itemsize == 1 else 0)
+        assert row["kv_bytes_read"] == expected
+        assert row["achieved_gbs"] > 0 and row["speedup_vs_dense"] > 0
+    prefill = report["prefill"]
+    assert [row["density"] for row in prefill] == list(sweep.densities)
+    visited = [row["visited_blocks"] for row in prefill]
+    blocks = sweep.prefill_tokens[0] // sweep.block_q
+    assert visited[0] == sweep.kv_heads * blocks * (blocks + 1) // 2  # density 1: all causal
+    assert visited == sorted(visited, reverse=True) and visited[-1] >= sweep.kv_heads * blocks
+    assert all(row["visited_tflops"] > 0 and row["speedup_vs_dense"] > 0 for row in prefill)
