@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
@@ -16,6 +17,13 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 warnings.filterwarnings(
     "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning
 )
+
+
+def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+    """Matrix product with an f32 result; f32 operands multiply in full f32 (Triton would
+    otherwise round them to tf32, an error near 1e-3), bf16 operands on the tensor cores."""
+    full_precision = a.dtype == jnp.float32 or b.dtype == jnp.float32
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=not full_precision)
 
 
 def triton_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:

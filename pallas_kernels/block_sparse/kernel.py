@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import MASK_VALUE, check_tile, triton_params
+from pallas_kernels.common import MASK_VALUE, check_tile, dot, triton_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +65,7 @@ def _tile_scores(q, k, bias, row_start, col_start, masking: Masking):
     rows = row_start + jnp.arange(q.shape[0])[:, None]
     cols = col_start + jnp.arange(k.shape[0])[None, :]
     visible = (cols <= rows) & (cols < masking.num_tokens)
-    scores = plgpu.dot(q, k, trans_b=True) * masking.sm_scale
+    scores = dot(q, k, trans_b=True) * masking.sm_scale
     outside_band = None
     if bias is not None:
         outside_band = rows - cols >= masking.band
@@ -80,6 +79,7 @@ def forward_kernel(
     v_ref,  # [Tp, H]
     kv_block_idx_ref,  # [nk] int32: key blocks listed for this query block
     kv_block_cnt_ref,  # [] int32
+    kv_block_unmasked_ref,  # [] int32: leading entries whose keys are all visible to all rows
     gate_bias_ref,  # [Tp] f32 or None
     out_ref,  # [block_q, H]
     lse_ref,  # [block_q] f32
@@ -92,31 +92,63 @@ def forward_kernel(
     row_start = pl.program_id(2) * block_q
     q = q_ref[...]
 
-    def body(entry, carry):
+    def body(entry, carry, *, needs_mask: bool):
         acc, row_max, row_sum = carry
         load_start, mask_start = _key_block(kv_block_idx_ref, entry, num_key_blocks, block_k)
         keys = pl.ds(load_start, block_k)
         bias = None if gate_bias_ref is None else gate_bias_ref[keys]
-        scores, visible, _ = _tile_scores(q, k_ref[keys, :], bias, row_start, mask_start, masking)
+        k = k_ref[keys, :]
+        if needs_mask:
+            scores, visible, _ = _tile_scores(q, k, bias, row_start, mask_start, masking)
+        else:  # below the diagonal and inside the sequence: nothing to mask
+            scores = _unmasked_scores(q, k, bias, row_start, load_start, masking)
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
         rescale = jnp.exp(row_max - new_max)
-        probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
+        probs = jnp.exp(scores - new_max[:, None])
+        if needs_mask:
+            probs = jnp.where(visible, probs, 0.0)
         row_sum = rescale * row_sum + jnp.sum(probs, axis=1)
         v = v_ref[keys, :]
-        acc = rescale[:, None] * acc + plgpu.dot(probs.astype(v.dtype), v)
+        acc = rescale[:, None] * acc + dot(probs.astype(v.dtype), v)
         return acc, new_max, row_sum
 
     num_entries = jnp.clip(kv_block_cnt_ref[()], 0, kv_block_idx_ref.shape[0])
+    num_unmasked = jnp.clip(kv_block_unmasked_ref[()], 0, num_entries)
     init = (
         jnp.zeros((block_q, head_dim), jnp.float32),
         jnp.full((block_q,), MASK_VALUE, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    acc, row_max, row_sum = lax.fori_loop(0, num_entries, body, init)
+    carry = lax.fori_loop(0, num_unmasked, functools.partial(body, needs_mask=False), init)
+    acc, row_max, row_sum = lax.fori_loop(
+        num_unmasked, num_entries, functools.partial(body, needs_mask=True), carry
+    )
     sees_any = row_sum > 0
     safe_sum = jnp.where(sees_any, row_sum, 1.0)
     out_ref[...] = (acc / safe_sum[:, None]).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(sees_any, row_max + jnp.log(safe_sum), -jnp.inf)
+
+
+def _unmasked_scores(q, k, bias, row_start, col_start, masking: Masking):
+    """`_tile_scores` for a tile every key of which every row sees: f32 [block_q, block_k]."""
+    scores = dot(q, k, trans_b=True) * masking.sm_scale
+    if bias is None:
+        return scores
+    rows = row_start + jnp.arange(q.shape[0])[:, None]
+    cols = col_start + jnp.arange(k.shape[0])[None, :]
+    return scores + jnp.where(rows - cols >= masking.band, bias[None, :], 0.0)
+
+
+def unmasked_prefix(kv_block_idx, kv_block_cnt, *, block_q: int, block_k: int, num_tokens: int):
+    """Entries at the head of each list whose key blocks every row of the query block sees in
+    full (below the diagonal and inside the sequence): int32 [B, M, nq]. The forward kernel
+    skips masking them. Only a prefix counts, so unordered traced lists stay correct."""
+    entries = kv_block_idx.shape[-1]
+    query_start = block_q * jnp.arange(kv_block_idx.shape[2])[:, None]
+    key_end = (kv_block_idx + 1) * block_k  # one past the last key of the block
+    inside = (kv_block_idx >= 0) & (key_end <= jnp.minimum(query_start + 1, num_tokens))
+    inside &= jnp.arange(entries) < kv_block_cnt[..., None]
+    return jnp.sum(jnp.cumprod(inside, axis=-1), axis=-1).astype(jnp.int32)
 
 
 def dq_kernel(
@@ -147,9 +179,9 @@ def dq_kernel(
         k = k_ref[keys, :]
         scores, visible, _ = _tile_scores(q, k, bias, row_start, mask_start, masking)
         probs = jnp.where(visible, jnp.exp(scores - lse[:, None]), 0.0)
-        d_probs = plgpu.dot(d_out, v_ref[keys, :], trans_b=True)
+        d_probs = dot(d_out, v_ref[keys, :], trans_b=True)
         d_scores = probs * (d_probs - delta[:, None])
-        return dq + plgpu.dot(d_scores.astype(k.dtype), k)
+        return dq + dot(d_scores.astype(k.dtype), k)
 
     num_entries = jnp.clip(kv_block_cnt_ref[()], 0, kv_block_idx_ref.shape[0])
     dq = lax.fori_loop(0, num_entries, body, jnp.zeros((block_q, head_dim), jnp.float32))
@@ -190,10 +222,10 @@ def dkv_kernel(
             d_out = d_out_ref[head, rows, :]
             scores, visible, outside_band = _tile_scores(q, k, bias, row_start, col_start, masking)
             probs = jnp.where(visible, jnp.exp(scores - lse_ref[head, rows][:, None]), 0.0)
-            dv = dv + plgpu.dot(probs.astype(d_out.dtype), d_out, trans_a=True)
-            d_probs = plgpu.dot(d_out, v, trans_b=True)
+            dv = dv + dot(probs.astype(d_out.dtype), d_out, trans_a=True)
+            d_probs = dot(d_out, v, trans_b=True)
             d_scores = probs * (d_probs - delta_ref[head, rows][:, None])
-            dk = dk + plgpu.dot(d_scores.astype(q.dtype), q, trans_a=True)
+            dk = dk + dot(d_scores.astype(q.dtype), q, trans_a=True)
             if outside_band is not None:
                 d_bias = d_bias + jnp.sum(jnp.where(outside_band, d_scores, 0.0), axis=0)
             return dk, dv, d_bias
@@ -250,6 +282,13 @@ def forward(q, k, v, kv_block_idx, kv_block_cnt, gate_bias, *, masking, block_si
     batch, num_heads, padded, _ = q.shape
     block_q = block_sizes.block_q
     specs = _query_block_specs(q, k, kv_block_idx, gate_bias, block_q)
+    kv_block_unmasked = unmasked_prefix(
+        kv_block_idx,
+        kv_block_cnt,
+        block_q=block_q,
+        block_k=block_sizes.block_k,
+        num_tokens=masking.num_tokens,
+    )
     return pl.pallas_call(
         functools.partial(forward_kernel, masking=masking, block_k=block_sizes.block_k),
         grid=(batch, num_heads, padded // block_q),
@@ -258,6 +297,7 @@ def forward(q, k, v, kv_block_idx, kv_block_cnt, gate_bias, *, masking, block_si
             specs["kv_head"],
             specs["kv_head"],
             specs["block_list"],
+            specs["block_count"],
             specs["block_count"],
             specs["gate_bias"],
         ],
@@ -269,7 +309,7 @@ def forward(q, k, v, kv_block_idx, kv_block_cnt, gate_bias, *, masking, block_si
         compiler_params=triton_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
         name="block_sparse_attention_fwd",
-    )(q, k, v, kv_block_idx, kv_block_cnt, gate_bias)
+    )(q, k, v, kv_block_idx, kv_block_cnt, kv_block_unmasked, gate_bias)
 
 
 def backward_dq(

@@ -73,7 +73,7 @@ def paged_decode_attention(
       k_channel_scales, v_channel_scales: f32 [B, K, H] per-channel scales of int8 pages.
       return_stats: also return `DecodeStats` (the logsumexp per query head).
       return_probs: with `return_stats`, also the per-slot probabilities.
-      block_sizes: tiles and launch parameters; None takes `BlockSizes()`.
+      block_sizes: tiles and launch parameters; None takes `BlockSizes()` (tuned defaults).
       interpret: run the Pallas interpreter (CPU tests) instead of Triton.
     Returns:
       out f32 [B, N, H] (0 for a head holding nothing), and `DecodeStats` with `return_stats`.
@@ -83,8 +83,7 @@ def paged_decode_attention(
     _check_scales(v_pages, page_table, "v", v_scales, v_channel_scales)
     if return_probs and not return_stats:
         raise ValueError("return_probs=True needs return_stats=True")
-    block_sizes = block_sizes or BlockSizes()
-    block_sizes.validate(k_pages.shape[1])
+    block_sizes = (block_sizes or BlockSizes()).resolve(k_pages.shape[1])
     return _paged_decode(
         q,
         k_pages,
@@ -103,6 +102,13 @@ def paged_decode_attention(
     )
 
 
+def offsets_would_wrap(pages) -> bool:
+    """Whether the Triton lowering would address `pages` with wrapping offsets: it picks int32
+    element offsets for arrays of at most 2^32 bytes, so 1-byte arrays of 2^31..2^32 elements
+    overflow (wider dtypes stay below 2^31 elements, larger arrays get int64 offsets)."""
+    return pages.dtype.itemsize == 1 and 2**31 <= pages.size <= 2**32
+
+
 def _check_inputs(q, k_pages, v_pages, page_table, lengths) -> None:
     if q.ndim != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be a float [B, N, H] array, got {q.dtype}{list(q.shape)}")
@@ -116,6 +122,12 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths) -> None:
             )
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages {k_pages.shape}")
+    if offsets_would_wrap(k_pages):
+        raise ValueError(
+            f"int8 k_pages of {k_pages.size} elements: the Triton lowering addresses arrays of "
+            "at most 2^32 bytes with int32 element offsets, which wrap from 2^31 elements on; "
+            "give the pool fewer than 2^31 or more than 2^32 elements"
+        )
     batch, num_heads, head_dim = q.shape
     if k_pages.shape[2] != head_dim:
         raise ValueError(f"k_pages head dim {k_pages.shape[2]} differs from q's {head_dim}")

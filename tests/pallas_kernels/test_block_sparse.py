@@ -273,6 +273,12 @@ def _jitted_attention(interpret: bool):
 class TestBlockSparseGpu(TestBlockSparseInterpret):
     INTERPRET = False
 
+    @pytest.fixture(autouse=True)
+    def _full_precision_references(self):
+        """XLA's f32 matmuls on a GPU default to tf32; the references must not."""
+        with jax.default_matmul_precision("highest"):
+            yield
+
 
 def _valid_call(**overrides):
     case = Case(1, 2, 2, 40, 64, 16, 16, jnp.float32, False)

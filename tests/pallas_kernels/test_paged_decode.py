@@ -13,6 +13,7 @@ import pytest
 
 import pallas_kernels as pk
 from jaxkv import attention as jaxkv_attention
+from pallas_kernels.paged_decode import ops as paged_decode_ops
 from tests.pallas_kernels import brute_force
 from tests.pallas_kernels.test_block_sparse import TOLERANCE, assert_close, assert_lse_close
 
@@ -260,6 +261,12 @@ class TestPagedDecodeInterpret:
 class TestPagedDecodeGpu(TestPagedDecodeInterpret):
     INTERPRET = False
 
+    @pytest.fixture(autouse=True)
+    def _full_precision_references(self):
+        """XLA's f32 matmuls on a GPU default to tf32; the references must not."""
+        with jax.default_matmul_precision("highest"):
+            yield
+
 
 def _valid_call(**overrides):
     case = CASES[0]
@@ -318,3 +325,22 @@ def test_bad_inputs_name_the_argument(overrides, message):
     positional, keywords = _valid_call(**overrides)
     with pytest.raises(ValueError, match=message):
         pk.paged_decode_attention(*positional, **keywords)
+
+
+def test_int8_pool_in_the_int32_offset_gap_is_refused():
+    positional, keywords = _valid_call()
+    q, _, _, table, lengths = positional
+    huge = jax.ShapeDtypeStruct((2**31 // (8 * 64), 8, 64), jnp.int8)  # 2^31 elements
+    scales = jax.ShapeDtypeStruct(huge.shape[:2], jnp.float32)
+
+    def call(k_pages, v_pages, k_scales, v_scales):
+        return pk.paged_decode_attention(
+            q, k_pages, v_pages, table, lengths, k_scales=k_scales, v_scales=v_scales, **keywords
+        )
+
+    with pytest.raises(ValueError, match="int8 k_pages of 2147483648 elements"):
+        jax.eval_shape(call, huge, huge, scales, scales)
+    wraps = paged_decode_ops.offsets_would_wrap
+    assert not wraps(jax.ShapeDtypeStruct(huge.shape, jnp.bfloat16))  # int32 offsets suffice
+    assert not wraps(jax.ShapeDtypeStruct((2**32 // 512 + 1, 8, 64), jnp.int8))  # int64 offsets
+    assert not wraps(jax.ShapeDtypeStruct((2**31 // 512 - 1, 8, 64), jnp.int8))
