@@ -19,6 +19,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import MASK_VALUE, check_tile, dot, triton_params
 
+LOG2_E = 1.4426950408889634
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -91,20 +93,22 @@ def forward_kernel(
     num_key_blocks = k_ref.shape[0] // block_k
     row_start = pl.program_id(2) * block_q
     q = q_ref[...]
+    # Scores in base 2 (exp2 is the hardware's exponential): scale and bias carry log2(e).
+    masking = dataclasses.replace(masking, sm_scale=masking.sm_scale * LOG2_E)
 
     def body(entry, carry, *, needs_mask: bool):
         acc, row_max, row_sum = carry
         load_start, mask_start = _key_block(kv_block_idx_ref, entry, num_key_blocks, block_k)
         keys = pl.ds(load_start, block_k)
-        bias = None if gate_bias_ref is None else gate_bias_ref[keys]
+        bias = None if gate_bias_ref is None else gate_bias_ref[keys] * LOG2_E
         k = k_ref[keys, :]
         if needs_mask:
             scores, visible, _ = _tile_scores(q, k, bias, row_start, mask_start, masking)
         else:  # below the diagonal and inside the sequence: nothing to mask
             scores = _unmasked_scores(q, k, bias, row_start, load_start, masking)
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
-        rescale = jnp.exp(row_max - new_max)
-        probs = jnp.exp(scores - new_max[:, None])
+        rescale = jnp.exp2(row_max - new_max)
+        probs = jnp.exp2(scores - new_max[:, None])
         if needs_mask:
             probs = jnp.where(visible, probs, 0.0)
         row_sum = rescale * row_sum + jnp.sum(probs, axis=1)
@@ -126,7 +130,7 @@ def forward_kernel(
     sees_any = row_sum > 0
     safe_sum = jnp.where(sees_any, row_sum, 1.0)
     out_ref[...] = (acc / safe_sum[:, None]).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(sees_any, row_max + jnp.log(safe_sum), -jnp.inf)
+    lse_ref[...] = jnp.where(sees_any, (row_max + jnp.log2(safe_sum)) / LOG2_E, -jnp.inf)
 
 
 def _unmasked_scores(q, k, bias, row_start, col_start, masking: Masking):
