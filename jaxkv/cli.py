@@ -1,4 +1,4 @@
-"""The `jaxkv` command line: `jaxkv generate ...`."""
+"""The `jaxkv` command line: `jaxkv generate ...`, `jaxkv train pretrain ...`."""
 
 from __future__ import annotations
 
@@ -76,6 +76,17 @@ def _generate(args) -> int:
     return 0
 
 
+TRAIN_STAGES = ("pretrain",)
+
+
+def _train(args) -> int:
+    if args.stage == "pretrain":
+        from train import pretrain
+
+        pretrain.main(args.args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--page-size", type=int, default=16)
     gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     gen.set_defaults(run=_generate)
+    train = commands.add_parser("train", help="train a model or gates (`jaxkv train STAGE -h`)")
+    train.add_argument("stage", choices=TRAIN_STAGES)
+    train.add_argument("args", nargs=argparse.REMAINDER, help="the stage's own arguments")
+    train.set_defaults(run=_train)
     return parser
 
 

@@ -167,8 +167,14 @@ def logits_from_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array) -> j
     return jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
 
 
-def forward(model: Model, tokens: jax.Array, *, backend: str = "xla") -> jax.Array:
-    """Causal forward over whole sequences without a cache: logits [B, T, V] (f32)."""
+def forward(
+    model: Model, tokens: jax.Array, *, backend: str = "xla", remat: bool = False
+) -> jax.Array:
+    """Causal forward over whole sequences without a cache: logits [B, T, V] (f32).
+
+    remat: recompute each layer's activations in the backward pass instead of storing them
+    (training at long context).
+    """
     cfg, params = model.config, model.params
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     cos, sin = _rope_for(cfg, positions)
@@ -178,6 +184,8 @@ def forward(model: Model, tokens: jax.Array, *, backend: str = "xla") -> jax.Arr
         attn = attention_ops.causal_attention(q, k, v, sm_scale=cfg.head_dim**-0.5, backend=backend)
         return attention_output_and_mlp(lp, cfg, x, attn), None
 
+    if remat:
+        layer = jax.checkpoint(layer)
     x, _ = jax.lax.scan(layer, embed(params, tokens), params["layers"])
     return logits_from_hidden(params, cfg, final_hidden(params, cfg, x))
 

@@ -1,0 +1,76 @@
+"""Natural text that exists on every machine: the Python standard library's own source files.
+
+Files are selected deterministically (sorted relative paths under the stdlib directory, tests,
+site-packages and IDLE left out) and split by a hash of the relative path, so the same file is
+always in the same split on any machine. The text differs slightly between Python versions; the
+split does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+SPLITS = ("train", "heldout")
+HELDOUT_PERCENT = 10
+_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def split_of(relative_path: str) -> str:
+    """ "heldout" for about HELDOUT_PERCENT% of paths, chosen by SHA-256, else "train"."""
+    digest = hashlib.sha256(relative_path.encode()).digest()
+    return "heldout" if int.from_bytes(digest[:4], "little") % 100 < HELDOUT_PERCENT else "train"
+
+
+def corpus_files(split: str, root: Path | None = None) -> list[Path]:
+    """The sorted source files of one split."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: allowed are {SPLITS}")
+    root = stdlib_root() if root is None else root
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if (
+            _EXCLUDED_DIRS.isdisjoint(relative.parts[:-1])
+            and split_of(relative.as_posix()) == split
+        ):
+            files.append(path)
+    return files
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """The bytes of one split, files joined by blank lines; uint8 [num_bytes]."""
+
+    data: np.ndarray
+    split: str
+
+    def text(self, rng: np.random.Generator, length: int) -> bytes:
+        """`length` bytes starting at a random line start."""
+        if length > len(self.data):
+            raise ValueError(f"length={length} exceeds the {self.split} corpus ({len(self.data)})")
+        start = int(rng.integers(0, len(self.data) - length + 1))
+        newline = np.flatnonzero(self.data[start : start + 256] == ord("\n"))
+        if newline.size and start + newline[0] + 1 + length <= len(self.data):
+            start += int(newline[0]) + 1
+        return self.data[start : start + length].tobytes()
+
+
+def load_corpus(split: str, root: Path | None = None) -> Corpus:
+    files = corpus_files(split, root)
+    chunks = [path.read_bytes() for path in files]
+    if not chunks or not any(chunks):
+        raise ValueError(
+            f"no {split} text under {stdlib_root() if root is None else root}: the corpus needs "
+            "the Python standard library's .py sources"
+        )
+    data = np.frombuffer(b"\n\n".join(chunks), np.uint8)
+    return Corpus(data, split)

@@ -1,0 +1,268 @@
+"""The one trainer of the project: optax, a device mesh, orbax checkpoints, JSON-lines metrics.
+
+A run is a pure function of its inputs: `batch_for_step(step)` must give the same batch for the
+same step, so that a run resumed from a checkpoint reaches the same parameters as one that never
+stopped. Data parallelism shards the batch over the mesh axis "data"; with `fsdp=True` every
+parameter's largest divisible axis is sharded over it too (the optimizer state follows).
+
+Multi-host: call `jax.distributed.initialize()` (coordinator address, process count and id from
+the environment or arguments) before building the mesh; `make_mesh()` then spans every process's
+devices, and each process passes its own share of the batch through `batch_for_step`. That is
+the same code path as one host: nothing else changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+Params = Any
+Batch = dict[str, np.ndarray]
+LossFn = Callable[[Params, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
+
+DATA_AXIS = "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and bookkeeping of one run.
+
+    Attributes:
+      steps: optimizer steps in all.
+      learning_rate: peak of the warmup + cosine schedule (decays to `final_lr_fraction` of it).
+      warmup_steps: linear warmup from 0.
+      weight_decay: AdamW decoupled weight decay (applied to matrices only, not norms/biases).
+      grad_clip: global-norm clip.
+      b1, b2: Adam moments.
+      checkpoint_every: save every this many steps (and at the end); 0 disables checkpoints.
+      keep_checkpoints: how many recent checkpoints orbax keeps.
+      log_every: metrics are written every this many steps.
+      fsdp: shard parameters and optimizer state over the data axis as well as the batch.
+    """
+
+    steps: int
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    final_lr_fraction: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    fsdp: bool = False
+
+    def __post_init__(self):
+        if self.steps <= 0:
+            raise ValueError(f"steps={self.steps} must be > 0")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must lie in [0, steps)")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate={self.learning_rate} must be > 0")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.log_every < 1:
+            raise ValueError(
+                "checkpoint_every must be >= 0, keep_checkpoints and log_every >= 1; got "
+                f"{self.checkpoint_every}, {self.keep_checkpoints}, {self.log_every}"
+            )
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 []
+    params: Params
+    opt_state: optax.OptState
+
+
+def make_mesh(devices=None) -> Mesh:
+    """A 1-D mesh over `devices` (all devices of all processes by default), axis "data"."""
+    devices = np.asarray(jax.devices() if devices is None else devices)
+    return Mesh(devices.reshape(-1), (DATA_AXIS,))
+
+
+def param_partition(shape: tuple[int, ...], num_shards: int, fsdp: bool) -> PartitionSpec:
+    """Replicated, or (FSDP) sharded along the largest axis that `num_shards` divides."""
+    if not fsdp or num_shards == 1:
+        return PartitionSpec()
+    divisible = [axis for axis, size in enumerate(shape) if size % num_shards == 0]
+    if not divisible:
+        return PartitionSpec()
+    axis = max(divisible, key=lambda a: shape[a])
+    return PartitionSpec(*[DATA_AXIS if a == axis else None for a in range(len(shape))])
+
+
+def make_optimizer(
+    cfg: TrainConfig,
+    params: Params,
+    trainable: Params | None = None,
+    decay_mask: Params | None = None,
+):
+    """AdamW with warmup + cosine decay and global-norm clipping; frozen leaves get no update.
+
+    trainable: a pytree of bools like `params` (None: everything trains). decay_mask: bools,
+    which leaves get weight decay (None: leaves of rank >= 2).
+    """
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        cfg.learning_rate,
+        cfg.warmup_steps,
+        cfg.steps,
+        end_value=cfg.learning_rate * cfg.final_lr_fraction,
+    )
+    if decay_mask is None:
+        decay_mask = jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+    adamw = optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
+    if trainable is None:
+        return adamw
+    labels = jax.tree.map(lambda t: "train" if t else "freeze", trainable)
+    return optax.multi_transform({"train": adamw, "freeze": optax.set_to_zero()}, labels)
+
+
+def _state_shardings(state: TrainState, mesh: Mesh, fsdp: bool) -> TrainState:
+    num_shards = mesh.shape[DATA_AXIS]
+
+    def sharding(x):
+        shape = jnp.shape(x)
+        return NamedSharding(mesh, param_partition(shape, num_shards, fsdp))
+
+    return jax.tree.map(sharding, state)
+
+
+def init_state(params: Params, optimizer, mesh: Mesh, fsdp: bool) -> TrainState:
+    """The step-0 state, placed on the mesh."""
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    return jax.device_put(state, _state_shardings(state, mesh, fsdp))
+
+
+def make_train_step(loss_fn: LossFn, optimizer, mesh: Mesh, state: TrainState, fsdp: bool):
+    """Jitted (state, batch) -> (state, metrics); the batch is sharded over "data"."""
+    state_shardings = _state_shardings(state, mesh, fsdp)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+
+    def step(state: TrainState, batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, None),
+        donate_argnums=0,
+    )
+
+
+def checkpoint_manager(directory: str | Path, cfg: TrainConfig) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.keep_checkpoints, save_interval_steps=max(cfg.checkpoint_every, 1)
+    )
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
+
+
+def restore_latest(manager: ocp.CheckpointManager, state: TrainState) -> TrainState:
+    """The latest saved state (with `state`'s shardings), or `state` when none is saved."""
+    step = manager.latest_step()
+    if step is None:
+        return state
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    try:
+        return manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    except Exception as error:  # orbax raises many types for corrupt or partial directories
+        raise ValueError(
+            f"checkpoint step {step} in {manager.directory} cannot be restored "
+            f"(corrupt, partial, or from another model): {type(error).__name__}: {error}"
+        ) from error
+
+
+def _shard_batch(batch: Batch, mesh: Mesh) -> dict[str, jax.Array]:
+    sharding = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    size = mesh.shape[DATA_AXIS]
+    for name, array in batch.items():
+        if array.shape[0] % size:
+            raise ValueError(
+                f"batch[{name!r}] has {array.shape[0]} rows, not a multiple of the {size} devices"
+            )
+    return {name: jax.device_put(array, sharding) for name, array in batch.items()}
+
+
+def train(
+    loss_fn: LossFn,
+    params: Params,
+    batch_for_step: Callable[[int], Batch],
+    cfg: TrainConfig,
+    *,
+    mesh: Mesh | None = None,
+    trainable: Params | None = None,
+    decay_mask: Params | None = None,
+    checkpoint_dir: str | Path | None = None,
+    metrics_path: str | Path | None = None,
+    eval_fn: Callable[[Params, int], dict[str, float]] | None = None,
+    eval_every: int = 0,
+    stop_after: int | None = None,
+    progress: bool = True,
+) -> tuple[TrainState, list[dict]]:
+    """Runs (or resumes) `cfg.steps` steps of `loss_fn` over `batch_for_step(step)`.
+
+    loss_fn(params, batch) -> (scalar loss, dict of scalar metrics); batches are dicts of
+    arrays with the batch axis first. With `checkpoint_dir`, the latest checkpoint there is
+    restored first and saves happen every `cfg.checkpoint_every` steps and at the end.
+    `stop_after` ends the run early after that many steps in all (to test resumption).
+    Returns the final state and the logged metrics (also appended to `metrics_path` as JSON
+    lines).
+    """
+    mesh = mesh or make_mesh()
+    optimizer = make_optimizer(cfg, params, trainable, decay_mask)
+    state = init_state(params, optimizer, mesh, cfg.fsdp)
+    manager = None
+    if checkpoint_dir is not None and cfg.checkpoint_every:
+        manager = checkpoint_manager(checkpoint_dir, cfg)
+        state = restore_latest(manager, state)
+    train_step = make_train_step(loss_fn, optimizer, mesh, state, cfg.fsdp)
+    first = int(state.step)
+    last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    logged: list[dict] = []
+    started = time.perf_counter()
+    metrics_file = open(metrics_path, "a") if metrics_path else None  # noqa: SIM115
+    try:
+        for step in tqdm(range(first, last), initial=first, total=cfg.steps, disable=not progress):
+            state, metrics = train_step(state, _shard_batch(batch_for_step(step), mesh))
+            done = step + 1
+            record = None
+            if done % cfg.log_every == 0 or done == last:
+                record = {"step": done, **{k: float(v) for k, v in metrics.items()}}
+            if eval_fn is not None and eval_every and (done % eval_every == 0 or done == last):
+                record = {**(record or {"step": done}), **eval_fn(state.params, done)}
+            if record is not None:
+                record["seconds"] = time.perf_counter() - started
+                logged.append(record)
+                if metrics_file:
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+            if manager is not None and (done % cfg.checkpoint_every == 0 or done == last):
+                manager.save(done, args=ocp.args.StandardSave(state), force=True)
+        if manager is not None:
+            manager.wait_until_finished()
+    finally:
+        if metrics_file:
+            metrics_file.close()
+        if manager is not None:
+            manager.close()
+    return state, logged
