@@ -483,16 +483,21 @@ def compress_prompt(
     kv_dtype=None,
     key: jax.Array | None = None,
     backend: str = "xla",
+    reserve_tokens: int = 0,
 ) -> KVState:
     """Prefills the prompts and applies the policy's compression; returns the KV state.
 
     `key` seeds stochastic policies (GVote); the same key gives the same result.
+    `reserve_tokens`: room in every page table for that many tokens after the prompt, so the
+    caller can go on writing to the returned state (questions, continuations).
     """
     resolve_backend(backend)
     policy = FullCache() if policy is None else policy
     prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
     budget_tokens = policy.budget_tokens(prompts.lengths)
-    kv = _create_state(model, prompts, 0, policy, page_size, num_pages, kv_dtype)
+    if reserve_tokens < 0:
+        raise ValueError(f"reserve_tokens={reserve_tokens} must be >= 0")
+    kv = _create_state(model, prompts, reserve_tokens, policy, page_size, num_pages, kv_dtype)
     kv, _ = _prefill_compressed(
         model,
         prompts.tokens,

@@ -59,6 +59,11 @@ def _budgets(ratio):
 
 CASES = {
     "streaming_llm": (lambda: policies.StreamingLLM(budget=0.3), ref.streaming_llm, {}),
+    "sliding_window": (
+        lambda: policies.SlidingWindow(budget=0.3),
+        ref.streaming_llm,
+        {"sinks": 0},
+    ),
     "snapkv": (lambda: policies.SnapKV(budget=0.3, window=16), ref.snapkv, {"window": 16}),
     "pyramidkv": (
         lambda: policies.PyramidKV(budget=0.4, window=4, beta=4.0),

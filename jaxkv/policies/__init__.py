@@ -22,6 +22,7 @@ from jaxkv.policies.scorers import (
     Knorm,
     ObservedAttention,
     PyramidKV,
+    SlidingWindow,
     SnapKV,
     StreamingLLM,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "Quest",
     "Ranking",
     "SageKV",
+    "SlidingWindow",
     "SnapKV",
     "StreamingLLM",
     "confidence",

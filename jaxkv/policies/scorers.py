@@ -35,6 +35,15 @@ class StreamingLLM(DecodeEviction):
 
 @base.register
 @dataclasses.dataclass(frozen=True)
+class SlidingWindow(StreamingLLM):
+    """The most recent tokens only (StreamingLLM without sinks)."""
+
+    name: ClassVar[str] = "sliding_window"
+    sinks: int = 0
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
 class SnapKV(EvictionPolicy):
     """Mean attention of the last `window` queries, average-pooled, averaged over the group.
 
