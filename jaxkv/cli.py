@@ -1,4 +1,4 @@
-"""The `jaxkv` command line: `jaxkv generate ...`, `jaxkv train pretrain ...`."""
+"""The `jaxkv` command line: `jaxkv generate`, `jaxkv train pretrain`, `jaxkv bench quality`."""
 
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ def _generate(args) -> int:
 
 
 TRAIN_STAGES = ("pretrain",)
+BENCHMARKS = ("quality", "kernels", "decode")
 
 
 def _train(args) -> int:
@@ -84,6 +85,13 @@ def _train(args) -> int:
         from train import pretrain
 
         pretrain.main(args.args)
+    return 0
+
+
+def _bench(args) -> int:
+    import importlib
+
+    importlib.import_module(f"benchmarks.{args.name}").main(args.args)
     return 0
 
 
@@ -113,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("stage", choices=TRAIN_STAGES)
     train.add_argument("args", nargs=argparse.REMAINDER, help="the stage's own arguments")
     train.set_defaults(run=_train)
+    bench = commands.add_parser("bench", help="run a benchmark (`jaxkv bench NAME -h`)")
+    bench.add_argument("name", choices=BENCHMARKS)
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    bench.set_defaults(run=_bench)
     return parser
 
 

@@ -1,0 +1,55 @@
+"""The quality benchmark's harness (fast mode) on the bundled reference model."""
+
+import json
+
+import pytest
+
+from benchmarks import quality
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quality")
+    return quality.main(["--fast", "--out", str(out)]), out
+
+
+def test_fast_sweep_covers_every_policy_and_task(report):
+    result, out = report
+    rows = result["rows"]
+    sweep = quality.FAST
+    assert len(rows) == len(sweep.policies) * len(sweep.tasks)
+    assert json.loads((out / "quality.json").read_text())["rows"] == rows
+    table = (out / "quality.md").read_text()
+    assert all(f"| {name} |" in table for name in sweep.policies)
+    assert (out / "quality.png").stat().st_size > 10_000
+
+
+def test_full_cache_retrieves_and_compression_holds_less(report):
+    rows = report[0]["rows"]
+
+    def cell(policy, task):
+        return next(r for r in rows if r["policy"] == policy and r["task"] == task)
+
+    assert cell("full", "needle")["accuracy"] == 1.0
+    assert cell("full", "multikey")["accuracy"] == 1.0
+    full_bytes = cell("full", "needle")["kv_bytes_per_sequence"]
+    for name in ("streaming_llm", "sliding_window"):
+        held = cell(name, "needle")["kv_bytes_per_sequence"]
+        assert 0.4 * full_bytes <= held <= 0.6 * full_bytes  # budget 0.5, page-rounded
+    assert 0.2 < cell("full", "bpb")["bits_per_byte"] < 2.0
+    assert cell("sliding_window", "bpb")["bits_per_byte"] >= cell("full", "bpb")["bits_per_byte"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--policies", "nope"], "policy='nope'"),
+        (["--budgets", "0"], "budget=0.0"),
+        (["--budgets", "1.5"], "budget=1.5"),
+        (["--lengths", "100"], "length=100"),
+        (["--tasks", "poetry"], "task='poetry'"),
+    ],
+)
+def test_bad_sweep_arguments(argv, message):
+    with pytest.raises(ValueError, match=message):
+        quality.main(["--fast", *argv])
