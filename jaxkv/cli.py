@@ -7,8 +7,18 @@ import json
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = "tiny-random"
-DEFAULT_PROMPT = "The KV cache grows with every token; a paged cache frees what a policy drops."
+# The bundled reference model (docs/reference-model.md), trained by `jaxkv train pretrain`.
+DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "assets" / "reference-model")
+DEFAULT_PROMPT = (
+    "def lookup(table, key):\n"
+    "    # The special magic number for amber-otter is 4821937.\n"
+    "    if key in table:\n"
+    "        return table[key]\n"
+    "    raise KeyError(key)\n"
+    "\n"
+    "# What is the special magic number for amber-otter? "
+    "The special magic number for amber-otter is "
+)
 
 
 def _load(model_arg: str, dtype: str, seed: int):

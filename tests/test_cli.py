@@ -57,5 +57,10 @@ def test_generate_with_a_compression_policy(capsys):
     ]
     assert cli.main(argv) == 0
     report = _report(capsys)
-    # 151 prompt tokens -> 75 kept per head, 2 layers x 2 KV heads, pages of 4 tokens.
-    assert report["pages_in_use_after_prefill"] == 2 * 2 * 19
+    # 151 prompt tokens -> 75 kept per head, 6 layers x 2 KV heads, pages of 4 tokens.
+    assert report["pages_in_use_after_prefill"] == 6 * 2 * 19
+
+
+def test_default_job_retrieves_the_fact_with_the_reference_model(capsys):
+    assert cli.main(["generate", "--max-new-tokens", "9"]) == 0
+    assert "output: '4821937.\\n'" in capsys.readouterr().out
