@@ -66,3 +66,29 @@ def test_bad_windows():
         pk.sliding_window_block_lists(1, 1, 8, window=0, block_q=16, block_k=16)
     with pytest.raises(ValueError, match="window"):
         pk.vertical_slash_block_lists(np.zeros((1, 1, 8), bool), window=-1, block_q=16, block_k=16)
+
+
+@pytest.mark.parametrize("num_tokens,block_q,block_k", SHAPES)
+def test_unmasked_prefix_counts_the_leading_fully_visible_blocks(num_tokens, block_q, block_k):
+    """The forward kernel skips masking for exactly the leading entries whose every key every
+    row of the query block sees (causally and inside the sequence); unordered lists included."""
+    from pallas_kernels.block_sparse.kernel import unmasked_prefix
+
+    rng = np.random.default_rng(num_tokens)
+    nq, nk = -(-num_tokens // block_q), -(-num_tokens // block_k)
+    idx = np.stack([rng.permutation(nk) for _ in range(2 * nq)]).reshape(1, 2, nq, nk)
+    idx[:, 0] = np.sort(idx[:, 0], axis=-1)  # head 0 ascending, head 1 shuffled
+    cnt = rng.integers(0, nk + 1, (1, 2, nq))
+    got = np.asarray(
+        unmasked_prefix(idx, cnt, block_q=block_q, block_k=block_k, num_tokens=num_tokens)
+    )
+    for h in range(2):
+        for i in range(nq):
+            expected = 0
+            for entry in range(cnt[0, h, i]):
+                keys = np.arange(idx[0, h, i, entry] * block_k, (idx[0, h, i, entry] + 1) * block_k)
+                rows = np.arange(i * block_q, min((i + 1) * block_q, num_tokens))
+                if not (keys.max() < num_tokens and keys.max() <= rows.min()):
+                    break
+                expected += 1
+            assert got[0, h, i] == expected

@@ -270,14 +270,9 @@ def _jitted_attention(interpret: bool):
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.usefixtures("full_precision_references")
 class TestBlockSparseGpu(TestBlockSparseInterpret):
     INTERPRET = False
-
-    @pytest.fixture(autouse=True)
-    def _full_precision_references(self):
-        """XLA's f32 matmuls on a GPU default to tf32; the references must not."""
-        with jax.default_matmul_precision("highest"):
-            yield
 
 
 def _valid_call(**overrides):

@@ -258,14 +258,9 @@ class TestPagedDecodeInterpret:
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.usefixtures("full_precision_references")
 class TestPagedDecodeGpu(TestPagedDecodeInterpret):
     INTERPRET = False
-
-    @pytest.fixture(autouse=True)
-    def _full_precision_references(self):
-        """XLA's f32 matmuls on a GPU default to tf32; the references must not."""
-        with jax.default_matmul_precision("highest"):
-            yield
 
 
 def _valid_call(**overrides):
