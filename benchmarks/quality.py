@@ -142,9 +142,13 @@ def run_qa(model, policy, episodes) -> dict:
         bytes(int(t) for t in out.tokens[i, : len(e.answer)] if t < 256) == e.answer
         for i, e in enumerate(episodes)
     ]
+    # Tokens each sequence holds at the end, averaged over layers and KV heads: budgets that
+    # adapt per request (GVote, Conf-KV) show their spread here.
+    held = np.asarray(out.state.lengths).mean(axis=(0, 2))
     return {
         "accuracy": float(np.mean(correct)),
         "kv_bytes_per_sequence": float(out.memory_bytes[0]) / len(episodes),
+        "kv_tokens_held": [round(float(t), 1) for t in held],
     }
 
 
