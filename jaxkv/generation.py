@@ -184,6 +184,7 @@ def _prefill(
     budget_tokens,
     kv: KVState,
     key,
+    policy_params,
     *,
     chunk: int,
     policy: Policy,
@@ -215,6 +216,7 @@ def _prefill(
             backend=backend,
             collect_queries=w > 0,
             collect_input_stats=stats,
+            policy_params=policy_params,
         )
         is_last = index == lengths[:, None] - 1
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
@@ -248,7 +250,9 @@ def _prefill(
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv",))
-def _prefill_compressed(model, tokens, lengths, budget_tokens, kv, key, *, chunk, policy, backend):
+def _prefill_compressed(
+    model, tokens, lengths, budget_tokens, kv, key, policy_params, *, chunk, policy, backend
+):
     """Chunked prefill then the policy's compression; donates `kv`."""
     kv, last_hidden, obs = _prefill(
         model,
@@ -257,6 +261,7 @@ def _prefill_compressed(model, tokens, lengths, budget_tokens, kv, key, *, chunk
         budget_tokens,
         kv,
         key,
+        policy_params,
         chunk=chunk,
         policy=policy,
         backend=backend,
@@ -266,6 +271,7 @@ def _prefill_compressed(model, tokens, lengths, budget_tokens, kv, key, *, chunk
 
 def _decode_step(
     model: Model,
+    policy_params,
     state: GenState,
     *,
     policy: Policy,
@@ -283,6 +289,7 @@ def _decode_step(
         policy=policy,
         backend=backend,
         read_budget=state.budget_tokens if policy.selects_pages else None,
+        policy_params=policy_params,
     )
     logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
     step_key = jax.random.fold_in(state.key, state.step)
@@ -334,6 +341,7 @@ def _decode(
     budget_tokens,
     key,
     stop_tokens,
+    policy_params,
     *,
     max_new_tokens,
     num_pages,
@@ -370,6 +378,7 @@ def _decode(
     step = functools.partial(
         _decode_step,
         model,
+        policy_params,
         policy=policy,
         sampler=sampler,
         stop_tokens=stop_tokens,
@@ -394,6 +403,7 @@ def generate(
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     kv_dtype=None,
     backend: str = "xla",
+    policy_params=None,
 ) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens for a batch of prompts of different lengths.
 
@@ -408,11 +418,14 @@ def generate(
         into a pool and page tables sized for what it holds plus the generation (at most
         num_pages), so the decode loop holds and reads only that.
       prefill_chunk: tokens per prefill chunk.
+      policy_params: the policy's learned parameters (gates), leaves stacked [L, ...]; checked
+        against the model by `policy.check_params`.
     Raises:
       ValueError on bad input before compiling; PoolExhaustedError if the pool runs out.
     """
     resolve_backend(backend)
     policy = FullCache() if policy is None else policy
+    policy.check_params(policy_params, model.config)
     sampler = Sampler() if sampler is None else sampler
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -432,6 +445,7 @@ def generate(
         budget_tokens,
         kv,
         policy_key,
+        policy_params,
         chunk=prompts.chunk,
         policy=policy.static(),
         backend=backend,
@@ -448,6 +462,7 @@ def generate(
         budget_tokens,
         key,
         jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
+        policy_params,
         max_new_tokens=max_new_tokens,
         num_pages=decode_pages,
         max_pages=max_pages,
@@ -484,15 +499,18 @@ def compress_prompt(
     key: jax.Array | None = None,
     backend: str = "xla",
     reserve_tokens: int = 0,
+    policy_params=None,
 ) -> KVState:
     """Prefills the prompts and applies the policy's compression; returns the KV state.
 
     `key` seeds stochastic policies (GVote); the same key gives the same result.
     `reserve_tokens`: room in every page table for that many tokens after the prompt, so the
     caller can go on writing to the returned state (questions, continuations).
+    `policy_params`: as for `generate`.
     """
     resolve_backend(backend)
     policy = FullCache() if policy is None else policy
+    policy.check_params(policy_params, model.config)
     prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
     budget_tokens = policy.budget_tokens(prompts.lengths)
     if reserve_tokens < 0:
@@ -505,6 +523,7 @@ def compress_prompt(
         budget_tokens,
         kv,
         jax.random.PRNGKey(0) if key is None else key,
+        policy_params,
         chunk=prompts.chunk,
         policy=policy.static(),
         backend=backend,

@@ -128,8 +128,8 @@ def project_queries(lp: Params, cfg: ModelConfig, h: jax.Array, cos, sin) -> jax
     return layers.apply_rope(q, cos, sin)
 
 
-def project_keys_values(lp: Params, cfg: ModelConfig, h: jax.Array, cos, sin):
-    """Rotated keys and values [B, K, T, H] from attention inputs h [B, T, D]."""
+def project_unrotated_keys_values(lp: Params, cfg: ModelConfig, h: jax.Array):
+    """Keys before RoPE (after Qwen3's k_norm) and values [B, K, T, H] from h [B, T, D]."""
     k = jnp.einsum("btd,dkh->bkth", h, lp["wk"])
     v = jnp.einsum("btd,dkh->bkth", h, lp["wv"])
     if cfg.qkv_bias:
@@ -137,6 +137,12 @@ def project_keys_values(lp: Params, cfg: ModelConfig, h: jax.Array, cos, sin):
         v = v + lp["bv"][:, None]
     if cfg.qk_norm:
         k = layers.rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    return k, v
+
+
+def project_keys_values(lp: Params, cfg: ModelConfig, h: jax.Array, cos, sin):
+    """Rotated keys and values [B, K, T, H] from attention inputs h [B, T, D]."""
+    k, v = project_unrotated_keys_values(lp, cfg, h)
     return layers.apply_rope(k, cos, sin), v
 
 
@@ -219,6 +225,7 @@ def forward_cached(
     collect_queries: bool = False,
     collect_input_stats: bool = False,
     read_budget: jax.Array | None = None,
+    policy_params=None,
 ) -> tuple[jax.Array, KVState, dict[str, jax.Array]]:
     """One chunk (prefill chunk or decode step) through the paged KV state.
 
@@ -230,6 +237,9 @@ def forward_cached(
       collect_queries: also return every layer's rotated queries, "queries" [L, B, N, C, H].
       collect_input_stats: also return per-layer sums over the valid tokens of the attention
         input and of its square, "input_sum" and "input_sq_sum" f32 [L, B, D].
+      read_budget: int32 [B] tokens' worth of pages a page-selecting policy reads (Quest).
+      policy_params: the policy's learned parameters (gates), every leaf stacked [L, ...];
+        layer l's slice reaches `policy.write_scores`. None for policies without parameters.
     Returns:
       final-normed hidden states [B, C, D], the KV state with the chunk written, and the
       collected per-layer values (an empty dict when nothing is collected).
@@ -241,10 +251,14 @@ def forward_cached(
 
     def layer(carry, xs):
         x, pool = carry
-        lp, page_table, lengths, layer_index = xs
+        lp, page_table, lengths, layer_index, layer_policy_params = xs
         h = attention_input(lp, cfg, x)
         q = project_queries(lp, cfg, h, cos, sin)
-        k, v = project_keys_values(lp, cfg, h, cos, sin)
+        k_unrotated, v = project_unrotated_keys_values(lp, cfg, h)
+        k = layers.apply_rope(k_unrotated, cos, sin)
+        write_scores = policy.write_scores(
+            layer_policy_params, h=h, k_unrotated=k_unrotated, k=k, positions=positions
+        )
         attn, pool, page_table, lengths = attend_and_write(
             pool,
             page_table,
@@ -258,6 +272,7 @@ def forward_cached(
             policy=policy,
             backend=backend,
             read_budget=read_budget,
+            write_scores=write_scores,
         )
         collected = {}
         if collect_queries:
@@ -269,7 +284,7 @@ def forward_cached(
         x = attention_output_and_mlp(lp, cfg, x, attn)
         return (x, pool), (page_table, lengths, collected)
 
-    xs = (params["layers"], kv.page_table, kv.lengths, jnp.arange(cfg.num_layers))
+    xs = (params["layers"], kv.page_table, kv.lengths, jnp.arange(cfg.num_layers), policy_params)
     (x, pool), (page_table, lengths, collected) = jax.lax.scan(
         layer, (embed(params, tokens), kv.pool), xs
     )

@@ -103,11 +103,13 @@ def attend_and_write(
     policy,
     backend: str,
     read_budget=None,
+    write_scores=None,
 ):
     """One layer's attention for a chunk: over the cached tokens and the chunk itself, then write.
 
     With `read_budget` (int32 [B] tokens), a page-selecting policy (Quest) picks the cached pages
-    each head reads.
+    each head reads. `write_scores` f32 [B, K, C] (a learned gate's per-token scores) reach the
+    policy's `admit` and are stored as the written tokens' scores.
 
     q [B, N, C, H], k, v [B, K, C, H], positions [B, C] (-1 = padding). The chunk's queries see
     every cached token of their head plus the chunk's earlier tokens, whether or not the policy
@@ -131,8 +133,10 @@ def attend_and_write(
     )
     out, lse = attention_ops.merge_partials(cached_out, cached_lse, chunk_out, chunk_lse)
 
-    new_scores = None
+    new_scores = write_scores
     if policy.accumulates_attention:
+        if write_scores is not None:
+            raise ValueError(f"policy {policy.name!r} both accumulates attention and gates writes")
         decay, query_weights = policy.mass_weights(positions)
         pool = _accumulate_cached_mass(
             pool, page_table, lengths, q, lse, decay, query_weights, sm_scale, backend
@@ -141,7 +145,7 @@ def attend_and_write(
             q, k, positions, lse, query_weights, sm_scale=sm_scale, backend=backend
         )
     write_mask = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
-    admitted = policy.admit(layer=layer, k=k, v=v, positions=positions)
+    admitted = policy.admit(layer=layer, k=k, v=v, positions=positions, scores=write_scores)
     if admitted is not None:
         write_mask = write_mask & admitted
     pool, page_table, lengths = write_tokens(

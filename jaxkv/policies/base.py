@@ -1,6 +1,8 @@
 """The cache-policy protocol: small frozen strategy objects, static under jit.
 
 A policy may implement any hook; the defaults keep everything:
+  write_scores(...)     at write time, a learned per-token score (gate) from the layer's slice
+                        of the policy's parameters; stored with the token and seen by `admit`;
   admit(...)            at write time, which new tokens each (sequence, KV head) stores;
   compress(kv, obs, m)  after prefill, which cached tokens to keep (eviction);
   on_decode(kv, ctx)    after each decode step.
@@ -157,14 +159,42 @@ class Policy:
         """
         return jnp.ones(positions.shape[:1], jnp.float32), (positions >= 0).astype(jnp.float32)
 
+    def check_params(self, params, model_config) -> None:
+        """Validates `policy_params` against the model on the host; raises ValueError.
+
+        A policy without parameters accepts only None.
+        """
+        del model_config
+        if params is not None:
+            raise ValueError(f"policy {self.name!r} takes no policy_params, got some")
+
+    def write_scores(
+        self, layer_params, *, h: jax.Array, k_unrotated: jax.Array, k: jax.Array, positions
+    ) -> jax.Array | None:
+        """f32 [B, K, C] per-token scores computed when a chunk is written, or None.
+
+        layer_params: this layer's slice of the policy's parameters (None without any);
+        h [B, C, D] the attention input (normed hidden state); k_unrotated, k [B, K, C, H] keys
+        before and after RoPE; positions [B, C] (-1 = padding).
+        """
+        del layer_params, h, k_unrotated, k, positions
+        return None
+
     def admit(
-        self, *, layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
+        self,
+        *,
+        layer: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        positions: jax.Array,
+        scores: jax.Array | None = None,
     ) -> jax.Array | None:
         """bool [B, K, C] tokens to store, or None to store every valid token.
 
-        layer: int32 [] index of the layer; k, v [B, K, C, H]; positions [B, C] (-1 = padding).
+        layer: int32 [] index of the layer; k, v [B, K, C, H]; positions [B, C] (-1 = padding);
+        scores: this chunk's `write_scores` (None when the policy computes none).
         """
-        del layer, k, v, positions
+        del layer, k, v, positions, scores
         return None
 
     def select_pages(self, q, pool, page_table, lengths, read_budget) -> jax.Array:
