@@ -9,6 +9,14 @@ Shapes: B batch, N query heads, K KV heads, G = N // K, T/C query tokens, S key 
 Queries are [B, N, T, H] and keys/values [B, K, S, H]; query head n reads KV head n // G.
 Partial results carry a logsumexp so that attention over disjoint key sets (cached pages and the
 current chunk) merges exactly (`merge_partials`).
+
+What the kernels run: whole-sequence causal attention (`causal_attention`,
+`gated_causal_attention`, `block_sparse_attention`) and a chunk's attention to itself
+(`chunk_attention`) go through the block-sparse prefill kernel; attention over cached pages
+(`paged_attention`, with its per-slot probabilities for attention-mass policies) through the ragged
+paged decode kernel, a chunk's C queries per head sharing one program per `_CHUNK_ROWS` rows.
+Small dense pieces (observation-query probabilities, the mass a chunk gives its own keys, partial
+merges) are jnp on every backend.
 """
 
 from __future__ import annotations
@@ -18,6 +26,14 @@ import enum
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+
+# Tile of the block-sparse kernel (queries and keys); shorter sequences use the next power of two
+# >= 16 (the kernel's minimum).
+_PREFILL_BLOCK = 64
+# Query rows of one paged-kernel program when a chunk's G * C rows of a KV head exceed it.
+_CHUNK_ROWS = 64
+
 
 class Backend(enum.Enum):
     XLA = "xla"
@@ -26,18 +42,31 @@ class Backend(enum.Enum):
 
 
 def resolve_backend(backend: str | Backend) -> Backend:
-    """Validates a backend name; raises for backends that cannot run the requested op."""
+    """Validates a backend name: "pallas" needs an NVIDIA GPU (Triton); the others run anywhere."""
     try:
         resolved = Backend(backend)
     except ValueError:
         allowed = ", ".join(repr(b.value) for b in Backend)
         raise ValueError(f"backend={backend!r}: allowed are {allowed}") from None
-    if resolved is not Backend.XLA:
-        raise NotImplementedError(
-            f"backend={resolved.value!r}: the Pallas kernels are not part of this build yet; "
-            "use backend='xla'"
+    if resolved is Backend.PALLAS and jax.default_backend() != "gpu":
+        raise ValueError(
+            f"backend='pallas' lowers through Triton and needs an NVIDIA GPU; the default JAX "
+            f"backend here is {jax.default_backend()!r}: use backend='interpret' (the Pallas "
+            "interpreter) or 'xla'"
         )
     return resolved
+
+
+def _uses_kernels(backend: str | Backend) -> bool:
+    return resolve_backend(backend) is not Backend.XLA
+
+
+def _interpret(backend: str | Backend) -> bool:
+    return resolve_backend(backend) is Backend.INTERPRET
+
+
+def _prefill_block(num_tokens: int) -> int:
+    return min(_PREFILL_BLOCK, max(16, 1 << max(num_tokens - 1, 0).bit_length()))
 
 
 def _group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -101,13 +130,68 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
+def _kernel_causal(q, k, v, *, sm_scale: float, backend, gate_bias=None, band=None):
+    """Dense causal attention through the block-sparse kernel: out [B, N, T, H], lse [B, N, T]."""
+    b, _, t, _ = q.shape
+    block = _prefill_block(t)
+    kv_block_idx, kv_block_cnt = pallas_kernels.dense_causal_block_lists(
+        b, k.shape[1], t, block_q=block, block_k=block
+    )
+    return pallas_kernels.block_sparse_attention(
+        q,
+        k,
+        v,
+        kv_block_idx,
+        kv_block_cnt,
+        sm_scale=sm_scale,
+        gate_bias=gate_bias,
+        band=band,
+        block_q=block,
+        block_k=block,
+        return_lse=True,
+        interpret=_interpret(backend),
+    )
+
+
 def causal_attention(q, k, v, *, sm_scale: float, backend: str = "xla") -> jax.Array:
     """Dense causal self-attention over whole sequences: q [B, N, T, H] -> [B, N, T, H]."""
-    resolve_backend(backend)
+    if _uses_kernels(backend):
+        out, _ = _kernel_causal(q, k, v, sm_scale=sm_scale, backend=backend)
+        return out
     t = q.shape[2]
     causal = jnp.tril(jnp.ones((t, t), bool))
     out, _ = masked_attention(q, k, v, causal, sm_scale)
     return out.astype(q.dtype)
+
+
+def gated_causal_attention(
+    q, k, v, log_gate, *, band: int, sm_scale: float, backend: str = "xla"
+) -> jax.Array:
+    """Causal attention with a per-key bias outside a local band (WG-KV's training attention).
+
+    The score of query i on key j <= i gets `log_gate[j]` added when i - j >= band; keys inside
+    the band are untouched. q [B, N, T, H], k, v [B, K, T, H], log_gate f32 [B, K, T] (the log of
+    the clamped write gate); differentiable in q, k, v and log_gate on every backend (the
+    kernels through their custom VJP). Returns [B, N, T, H] in q's dtype.
+    """
+    if band < 0:
+        raise ValueError(f"band={band} must be >= 0")
+    if log_gate.shape != (*k.shape[:3],):
+        raise ValueError(f"log_gate has shape {log_gate.shape}: expected [B, K, T] = {k.shape[:3]}")
+    if _uses_kernels(backend):
+        out, _ = _kernel_causal(
+            q, k, v, sm_scale=sm_scale, backend=backend, gate_bias=log_gate, band=band
+        )
+        return out
+    b, n, t, h = q.shape
+    qg = _group_queries(q, k.shape[1])
+    scores = jnp.einsum("bkgth,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    outside_band = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :]) >= band
+    bias = jnp.where(outside_band, log_gate.astype(jnp.float32)[:, :, None, None, :], 0.0)
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores * sm_scale + bias, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bksh->bkgth", probs, v.astype(jnp.float32))
+    return out.reshape(b, n, t, h).astype(q.dtype)
 
 
 def block_mask_from_lists(
@@ -147,7 +231,18 @@ def block_sparse_attention(
     Block lists are given per query head ([B, N, nq, nk]) or per KV head ([B, K, nq, nk]).
     Rows with no visible key give 0.
     """
-    resolve_backend(backend)
+    if _uses_kernels(backend):
+        return pallas_kernels.block_sparse_attention(
+            q,
+            k,
+            v,
+            kv_block_idx,
+            kv_block_cnt,
+            sm_scale=sm_scale,
+            block_q=block_q,
+            block_k=block_k,
+            interpret=_interpret(backend),
+        )
     b, n, t, _ = q.shape
     num_kv_heads = k.shape[1]
     mask = block_mask_from_lists(kv_block_idx, kv_block_cnt, t, block_q, block_k)
@@ -164,12 +259,19 @@ def block_sparse_attention(
 
 
 def chunk_attention(q, k, v, positions, *, sm_scale: float, backend: str = "xla"):
-    """Causal attention within a chunk by original positions; -1 marks padding keys.
+    """Causal attention within a chunk by original positions; -1 marks padding.
 
-    q [B, N, C, H], k, v [B, K, C, H], positions [B, C].
+    q [B, N, C, H], k, v [B, K, C, H], positions [B, C]: the valid tokens are a prefix of the
+    chunk with increasing positions (what `generate` writes), so position order is index order
+    and the kernels' index-causal mask is the same mask; padded queries give out 0, lse -inf.
     Returns out f32 [B, N, C, H], lse [B, N, C].
     """
-    resolve_backend(backend)
+    if _uses_kernels(backend):
+        out, lse = _kernel_causal(q, k, v, sm_scale=sm_scale, backend=backend)
+        valid = (positions >= 0)[:, None, :]
+        return jnp.where(valid[..., None], out.astype(jnp.float32), 0.0), jnp.where(
+            valid, lse, -jnp.inf
+        )
     key_pos = positions[:, None, None, None, :]
     query_pos = positions[:, None, None, :, None]
     mask = (key_pos >= 0) & (key_pos <= query_pos)
@@ -177,10 +279,41 @@ def chunk_attention(q, k, v, positions, *, sm_scale: float, backend: str = "xla"
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
-    """Dense view [B, K, M * p, H] of a page pool [P, p, H] through page_table [B, K, M]."""
+    """Dense view [B, K, M * p, ...] of a page-aligned pool field [P, p, ...] through
+    page_table [B, K, M]."""
     gathered = pages[jnp.maximum(page_table, 0)]
-    b, k, m, p, h = gathered.shape
-    return gathered.reshape(b, k, m * p, h)
+    b, k, m, p = gathered.shape[:4]
+    return gathered.reshape(b, k, m * p, *gathered.shape[4:])
+
+
+def dequantize(pages, page_table, token_scales, channel_scales, dtype=jnp.float32):
+    """Dense [B, K, M * p, H] values of (int8) pages: stored * token_scale * channel_scale.
+
+    token_scales f32 [P, p] or None; channel_scales f32 [B, K, H] or None.
+    """
+    values = gather_pages(pages, page_table).astype(dtype)
+    if token_scales is not None:
+        values = values * gather_pages(token_scales, page_table)[..., None]
+    if channel_scales is not None:
+        values = values * channel_scales[:, :, None, :]
+    return values
+
+
+def selected_page_table(page_table, lengths, page_mask, page_size: int):
+    """The page table with each head's selected pages first (in order) and their token count.
+
+    page_table int32 [B, K, M], lengths [B, K], page_mask bool [B, K, M]. A head's last page is
+    its only partial one, so it stays last among the selected and the count stays exact.
+    Returns (page_table [B, K, M], lengths [B, K]).
+    """
+    num_entries = page_table.shape[-1]
+    slot = jnp.arange(num_entries)
+    held = jnp.clip(lengths[..., None] - slot * page_size, 0, page_size)
+    selected = page_mask & (held > 0)
+    order = jnp.argsort(jnp.where(selected, slot, num_entries + slot), axis=-1, stable=True)
+    table = jnp.take_along_axis(page_table, order, axis=-1)
+    table = jnp.where(jnp.take_along_axis(selected, order, axis=-1), table, -1)
+    return table, jnp.sum(jnp.where(selected, held, 0), axis=-1).astype(jnp.int32)
 
 
 def paged_attention(
@@ -192,23 +325,94 @@ def paged_attention(
     *,
     sm_scale: float,
     page_mask=None,
+    k_scales=None,
+    v_scales=None,
+    k_channel_scales=None,
+    v_channel_scales=None,
+    return_probs: bool = False,
     backend: str = "xla",
 ):
     """Attention of q [B, N, C, H] over each (sequence, KV head)'s first `lengths` cached tokens.
 
-    k_pages, v_pages [P, p, H]; page_table int32 [B, K, M] (-1 = unallocated); lengths [B, K];
-    page_mask bool [B, K, M] optionally restricts the read to selected pages (Quest).
-    Every cached token precedes every query, so no causal mask applies.
-    Returns out f32 [B, N, C, H] and lse f32 [B, N, C] (-inf where nothing is read).
+    k_pages, v_pages [P, p, H] (float, or int8 with scales); page_table int32 [B, K, M]
+    (-1 = unallocated); lengths [B, K]; page_mask bool [B, K, M] optionally restricts the read
+    to selected pages (Quest). Int8 pages dequantise as stored * token scale ([P, p]) *
+    channel scale ([B, K, H]), either scale optional. Every cached token precedes every query,
+    so no causal mask applies.
+    Returns out f32 [B, N, C, H], lse f32 [B, N, C] (-inf where nothing is read) and, with
+    `return_probs`, each page-table slot's probability f32 [B, N, C, M * p] (0 where unread):
+    policies accumulate attention mass from it without a second pass over the cache.
     """
-    resolve_backend(backend)
-    k = gather_pages(k_pages, page_table)
-    v = gather_pages(v_pages, page_table)
+    scales = (k_scales, v_scales, k_channel_scales, v_channel_scales)
+    if return_probs and page_mask is not None:
+        raise ValueError("return_probs=True with a page_mask: selection reads no mass statistics")
+    if _uses_kernels(backend):
+        return _kernel_paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            lengths,
+            scales,
+            sm_scale,
+            page_mask,
+            return_probs,
+            backend,
+        )
+    k = dequantize(k_pages, page_table, k_scales, k_channel_scales, q.dtype)
+    v = dequantize(v_pages, page_table, v_scales, v_channel_scales, q.dtype)
     slots = jnp.arange(k.shape[2])
     read = slots < lengths[..., None]
     if page_mask is not None:
         read = read & page_mask[..., slots // k_pages.shape[1]]
-    return masked_attention(q, k, v, read[:, :, None, None, :], sm_scale)
+    out, lse = masked_attention(q, k, v, read[:, :, None, None, :], sm_scale)
+    if not return_probs:
+        return out, lse
+    scores = jnp.einsum(
+        "bkgch,bksh->bkgcs", _group_queries(q, k.shape[1]), k, preferred_element_type=jnp.float32
+    )
+    b, n, c, _ = q.shape
+    probs = jnp.where(
+        read[:, :, None, None, :] & jnp.isfinite(lse.reshape(scores.shape[:4]))[..., None],
+        jnp.exp(scores * sm_scale - lse.reshape(scores.shape[:4])[..., None]),
+        0.0,
+    )
+    return out, lse, probs.reshape(b, n, c, -1)
+
+
+def _kernel_paged_attention(
+    q, k_pages, v_pages, page_table, lengths, scales, sm_scale, page_mask, return_probs, backend
+):
+    """`paged_attention` through the ragged paged decode kernel (C queries per head as rows)."""
+    b, n, c, h = q.shape
+    k_scales, v_scales, k_channel_scales, v_channel_scales = scales
+    capacity = page_table.shape[-1] * k_pages.shape[1]
+    if page_mask is not None:
+        page_table, lengths = selected_page_table(page_table, lengths, page_mask, k_pages.shape[1])
+    rows = n // page_table.shape[1] * c
+    block_sizes = pallas_kernels.PagedDecodeBlockSizes(
+        block_h=_CHUNK_ROWS if rows > _CHUNK_ROWS else None
+    )
+    out, stats = pallas_kernels.paged_decode_attention(
+        q.reshape(b, n * c, h),
+        k_pages,
+        v_pages,
+        page_table,
+        lengths,
+        sm_scale=sm_scale,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        k_channel_scales=k_channel_scales,
+        v_channel_scales=v_channel_scales,
+        return_stats=True,
+        return_probs=return_probs,
+        block_sizes=block_sizes,
+        interpret=_interpret(backend),
+    )
+    out, lse = out.reshape(b, n, c, h), stats.lse.reshape(b, n, c)
+    if not return_probs:
+        return out, lse
+    return out, lse, stats.probs.reshape(b, n, c, capacity)
 
 
 def _attention_mass(q, k, mask, lse, query_weights, sm_scale: float):
@@ -228,20 +432,27 @@ def _attention_mass(q, k, mask, lse, query_weights, sm_scale: float):
     return jnp.sum(probs, axis=(2, 3)) / (n // num_kv_heads)
 
 
-def paged_attention_mass(
-    q, k_pages, page_table, lengths, lse, query_weights, *, sm_scale: float, backend: str = "xla"
-):
-    """Per cached slot [B, K, M * p]: attention mass received, queries weighted [B, T]."""
-    resolve_backend(backend)
-    k = gather_pages(k_pages, page_table)
-    held = jnp.arange(k.shape[2]) < lengths[..., None]
-    return _attention_mass(q, k, held[:, :, None, None, :], lse, query_weights, sm_scale)
+def mass_from_probs(probs, part_lse, total_lse, query_weights, num_kv_heads: int):
+    """Attention mass per key [B, K, S] from a partial attention's probabilities.
+
+    probs f32 [B, N, C, S] are relative to the partial logsumexp part_lse [B, N, C]; rescaled by
+    exp(part_lse - total_lse) they are the probabilities under the whole attention (total_lse
+    over every key the queries saw). Weighted by query_weights [B, C], summed over queries and
+    averaged over each KV head's G query heads.
+    """
+    b, n, c, s = probs.shape
+    rescale = jnp.where(jnp.isfinite(part_lse), jnp.exp(part_lse - total_lse), 0.0)
+    weighted = probs * (rescale * query_weights[:, None, :])[..., None]
+    group = n // num_kv_heads
+    return jnp.sum(weighted.reshape(b, num_kv_heads, group, c, s), axis=(2, 3)) / group
 
 
 def chunk_attention_mass(
     q, k, positions, lse, query_weights, *, sm_scale: float, backend: str = "xla"
 ):
-    """Per chunk token [B, K, C]: attention mass from the chunk's own causal queries, weighted."""
+    """Per chunk token [B, K, C]: attention mass from the chunk's own causal queries, weighted.
+
+    jnp on every backend: C x C scores per head, small next to the chunk's attention itself."""
     resolve_backend(backend)
     key_pos = positions[:, None, None, None, :]
     query_pos = positions[:, None, None, :, None]

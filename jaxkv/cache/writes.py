@@ -118,7 +118,7 @@ def attend_and_write(
     page_mask = None
     if read_budget is not None:
         page_mask = policy.select_pages(q, pool, page_table, lengths, read_budget)
-    cached_out, cached_lse = attention_ops.paged_attention(
+    cached = attention_ops.paged_attention(
         q,
         pool.k_pages,
         pool.v_pages,
@@ -126,8 +126,10 @@ def attend_and_write(
         lengths,
         sm_scale=sm_scale,
         page_mask=page_mask,
+        return_probs=policy.accumulates_attention,
         backend=backend,
     )
+    cached_out, cached_lse = cached[:2]
     chunk_out, chunk_lse = attention_ops.chunk_attention(
         q, k, v, positions, sm_scale=sm_scale, backend=backend
     )
@@ -138,9 +140,10 @@ def attend_and_write(
         if write_scores is not None:
             raise ValueError(f"policy {policy.name!r} both accumulates attention and gates writes")
         decay, query_weights = policy.mass_weights(positions)
-        pool = _accumulate_cached_mass(
-            pool, page_table, lengths, q, lse, decay, query_weights, sm_scale, backend
+        mass = attention_ops.mass_from_probs(
+            cached[2], cached_lse, lse, query_weights, num_kv_heads=k.shape[1]
         )
+        pool = _accumulate_cached_mass(pool, page_table, lengths, mass, decay)
         new_scores = attention_ops.chunk_attention_mass(
             q, k, positions, lse, query_weights, sm_scale=sm_scale, backend=backend
         )
@@ -154,20 +157,9 @@ def attend_and_write(
     return out.astype(q.dtype), pool, page_table, lengths
 
 
-def _accumulate_cached_mass(
-    pool: PagePool, page_table, lengths, q, lse, decay, query_weights, sm_scale, backend
-):
-    """score <- decay * score + (weighted attention mass the chunk's queries gave the token)."""
-    mass = attention_ops.paged_attention_mass(
-        q,
-        pool.k_pages,
-        page_table,
-        lengths,
-        lse,
-        query_weights,
-        sm_scale=sm_scale,
-        backend=backend,
-    )
+def _accumulate_cached_mass(pool: PagePool, page_table, lengths, mass, decay):
+    """score <- decay * score + mass [B, K, M * p] (the weighted attention the chunk gave each
+    cached slot)."""
     p = pool.page_size
     slots = jnp.arange(mass.shape[-1])
     page = jnp.take_along_axis(page_table, slots // p + jnp.zeros_like(mass, jnp.int32), axis=-1)
