@@ -68,12 +68,14 @@ def _generate(args) -> int:
         stop_tokens=stop,
         pad_id=tokenizer.pad_id,
         page_size=args.page_size,
+        backend=args.backend,
     )
     n = int(out.num_tokens[0])
     report = {
         "model": args.model,
         "policy": args.policy,
         "budget": args.budget,
+        "backend": args.backend,
         "prompt_tokens": len(prompt_ids),
         "generated_tokens": n,
         "pages_in_use_after_prefill": int(out.pages_in_use[0]),
@@ -126,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--page-size", type=int, default=16)
     gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    gen.add_argument(
+        "--backend",
+        default="xla",
+        choices=("xla", "pallas", "interpret"),
+        help="attention: jnp (xla), the Pallas kernels on a GPU (pallas), or interpreted",
+    )
     gen.set_defaults(run=_generate)
     train = commands.add_parser("train", help="train a model or gates (`jaxkv train STAGE -h`)")
     train.add_argument("stage", choices=TRAIN_STAGES)

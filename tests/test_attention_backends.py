@@ -232,10 +232,14 @@ def model():
     return init_model(CONFIG, seed=5, scale=0.3)
 
 
-def test_forward_kernel_equals_xla(model):
+KERNEL_BACKENDS = ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_forward_kernel_equals_xla(model, backend):
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 37), 0, 64)
     want = forward(model, tokens)
-    got = forward(model, tokens, backend="interpret")
+    got = forward(model, tokens, backend=backend)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
 
 
@@ -244,12 +248,13 @@ def test_forward_kernel_equals_xla(model):
     [policies.H2O(budget=24), policies.Quest(budget=16)],
     ids=lambda p: p.name,
 )
-def test_generate_kernel_equals_xla(model, policy):
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_generate_kernel_equals_xla(model, policy, backend):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 64, n).tolist() for n in (45, 30)]
     kwargs = dict(max_new_tokens=4, policy=policy, page_size=4, prefill_chunk=16)
     want = jaxkv.generate(model, prompts, **kwargs)
-    got = jaxkv.generate(model, prompts, backend="interpret", **kwargs)
+    got = jaxkv.generate(model, prompts, backend=backend, **kwargs)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.pages_in_use, want.pages_in_use)
     np.testing.assert_allclose(
