@@ -1,4 +1,4 @@
-"""The `jaxkv` command line: `jaxkv generate`, `jaxkv train pretrain`, `jaxkv bench quality`."""
+"""The `jaxkv` command line: `jaxkv generate`, `jaxkv train pretrain|wgkv`, `jaxkv bench NAME`."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _generate(args) -> int:
     return 0
 
 
-TRAIN_STAGES = ("pretrain",)
+TRAIN_STAGES = ("pretrain", "wgkv")
 BENCHMARKS = ("quality", "kernels", "decode")
 
 
@@ -97,6 +97,10 @@ def _train(args) -> int:
         from train import pretrain
 
         pretrain.main(args.args)
+    elif args.stage == "wgkv":
+        from train import wgkv
+
+        wgkv.main(args.args)
     return 0
 
 
