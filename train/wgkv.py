@@ -147,7 +147,7 @@ def admission_cost(gate_values: jax.Array, valid: jax.Array, band: int) -> jax.A
     return jnp.sum(cost * weights) / jnp.sum(weights)
 
 
-def make_loss(cfg: ModelConfig, spec: GateTraining, *, backend: str = "xla", remat: bool = True):
+def make_loss(cfg: ModelConfig, spec: GateTraining, *, backend: str = "xla", remat: bool = False):
     """loss(params, batch) -> (distillation + lambda * admission cost, metrics).
 
     params: {"gates": write gates, "backbone": frozen decoder params (gradients stopped)};
@@ -230,6 +230,7 @@ def train_gates(
     seed: int = 0,
     expand: float | None = None,
     backend: str = "xla",
+    remat: bool = False,
     mesh=None,
     work_dir: Path | None = None,
     stop_after: int | None = None,
@@ -248,9 +249,11 @@ def train_gates(
         "backbone": jax.tree.map(lambda _: False, backbone),
     }
     decay = {"gates": gate_decay_mask(gates), "backbone": jax.tree.map(lambda _: False, backbone)}
-    work_dir = Path(work_dir) if work_dir is not None else None
+    if work_dir is not None:
+        work_dir = Path(work_dir)
+        work_dir.mkdir(parents=True, exist_ok=True)
     state, logged = trainer.train(
-        make_loss(cfg, spec, backend=backend),
+        make_loss(cfg, spec, backend=backend, remat=remat),
         params,
         lambda step: make_batch(corpus, spec, seed, step),
         train_config,
@@ -317,6 +320,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--expand", type=float, default=None, help="hidden = expand * head_dim")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="xla", help="attention backend (xla | pallas)")
+    parser.add_argument("--remat", action="store_true", help="recompute layers in the backward")
+    parser.add_argument("--eval-rows", type=int, default=8, help="held-out rows for the summary")
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--work-dir", type=Path, help="checkpoints and metrics (default OUT/run)")
     parser.add_argument("--stop-after", type=int, help="stop after this many steps in all")
@@ -343,9 +348,11 @@ def main(argv=None) -> dict:
         seed=args.seed,
         expand=args.expand,
         backend=args.backend,
+        remat=args.remat,
         work_dir=work_dir,
         stop_after=args.stop_after,
     )
+    train_seconds = time.perf_counter() - started
     summary = {
         "command": "jaxkv train wgkv " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": str(args.model),
@@ -353,11 +360,22 @@ def main(argv=None) -> dict:
         "spec": dataclasses.asdict(spec),
         "steps_done": int(state.step),
         "steps": args.steps,
-        "wall_seconds_this_run": time.perf_counter() - started,
+        "wall_seconds_this_run": train_seconds,
         "device": jax.devices()[0].device_kind,
         "final": logged[-1] if logged else None,
     }
     if int(state.step) == args.steps:
+        summary["heldout"] = evaluate_gates(
+            model.params,
+            model.config,
+            gates,
+            spec,
+            corpus_lib.load_corpus("heldout"),
+            seed=args.seed,
+            rows=args.eval_rows,
+            backend=args.backend,
+        )
+        summary["heldout"]["rows"] = args.eval_rows
         args.out.mkdir(parents=True, exist_ok=True)
         gates_lib.save_write_gates(gates, args.out / "gates.safetensors")
         (args.out / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
