@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.attention import resolve_backend
-from jaxkv.cache import KVState, decode_geometry, repack
+from jaxkv.cache import KVState, decode_geometry, int8_decode_geometry, repack
+from jaxkv.cache.int8 import check_dtype, start_int8
 from jaxkv.policies import FullCache, Policy
 from jaxkv.policies.base import DecodeContext, PrefillObservations
 from jaxkv.policies.confkv import confidence
@@ -36,6 +37,7 @@ class GenState:
       done: bool [B] sequence hit a stop token.
       step: int32 [] tokens generated so far.
       pages_in_use: int32 [max_new_tokens] pages held after prefill (entry 0) and each step.
+      int8_pages_in_use: int32 [max_new_tokens] the same for the int8 tier (0 without one).
       confidence: f32 [max_new_tokens, B] Conf-KV confidence of each step's next-token logits.
       key: PRNG key.
     """
@@ -48,6 +50,7 @@ class GenState:
     done: jax.Array
     step: jax.Array
     pages_in_use: jax.Array
+    int8_pages_in_use: jax.Array
     confidence: jax.Array
     key: jax.Array
 
@@ -59,8 +62,10 @@ class GenerateOutput:
     Attributes:
       tokens: int32 [B, max_new_tokens]; positions after a sequence's stop token hold pad_id.
       num_tokens: int32 [B] tokens generated per sequence (the stop token included).
-      pages_in_use: int32 [steps] pages held after prefill and after each decode step.
-      memory_bytes: int64 [steps] the bytes those pages hold.
+      pages_in_use: int32 [steps] pages held after prefill and after each decode step (of the
+        model-dtype pool).
+      int8_pages_in_use: int32 [steps] the same of the int8 tier (0 without int8 storage).
+      memory_bytes: int64 [steps] the bytes all those pages hold (and the int8 channel scales).
       confidence: f32 [steps, B] confidence of the logits each token was sampled from.
       state: the final KV state.
     """
@@ -68,6 +73,7 @@ class GenerateOutput:
     tokens: np.ndarray
     num_tokens: np.ndarray
     pages_in_use: np.ndarray
+    int8_pages_in_use: np.ndarray
     memory_bytes: np.ndarray
     confidence: np.ndarray
     state: KVState
@@ -144,6 +150,8 @@ def _create_state(
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
     full_need = _full_cache_pages(model, prompts.lengths, max_new_tokens, page_size)
+    if policy.int8_window is not None:
+        check_dtype(kv_dtype if kv_dtype is not None else model.dtype)
     if num_pages is None:
         num_pages = full_need
     elif isinstance(policy, FullCache) and num_pages < full_need:
@@ -253,7 +261,8 @@ def _prefill(
 def _prefill_compressed(
     model, tokens, lengths, budget_tokens, kv, key, policy_params, *, chunk, policy, backend
 ):
-    """Chunked prefill then the policy's compression; donates `kv`."""
+    """Chunked prefill, the policy's compression, then (with int8 storage) every head's tokens
+    but the newest `full_precision_window` move to int8; donates `kv`."""
     kv, last_hidden, obs = _prefill(
         model,
         tokens,
@@ -266,7 +275,10 @@ def _prefill_compressed(
         policy=policy,
         backend=backend,
     )
-    return policy.compress(kv, obs, model), last_hidden
+    kv = policy.compress(kv, obs, model)
+    if policy.int8_window is not None:
+        kv = start_int8(kv, policy.int8_window)
+    return kv, last_hidden
 
 
 def _decode_step(
@@ -317,6 +329,9 @@ def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: in
         done=done,
         step=state.step + 1,
         pages_in_use=state.pages_in_use.at[state.step].set(kv.pages_in_use()),
+        int8_pages_in_use=state.int8_pages_in_use.at[state.step].set(
+            0 if kv.pool.int8 is None else kv.pool.int8.pages_in_use()
+        ),
         confidence=state.confidence.at[state.step].set(confidence(logits)),
     )
 
@@ -327,6 +342,7 @@ def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: in
         "max_new_tokens",
         "num_pages",
         "max_pages",
+        "int8_geometry",
         "policy",
         "sampler",
         "pad_id",
@@ -346,6 +362,7 @@ def _decode(
     max_new_tokens,
     num_pages,
     max_pages,
+    int8_geometry,
     policy,
     sampler,
     pad_id,
@@ -354,7 +371,7 @@ def _decode(
     """Repacks the compressed state into a pool of `num_pages` pages (tables of `max_pages`),
     then decodes in a `lax.while_loop` until max_new_tokens, all sequences stopped, or the pool
     overflowed. `kv` is not donated: the repacked state has other shapes."""
-    kv = repack(kv, num_pages=num_pages, max_pages=max_pages)
+    kv = repack(kv, num_pages=num_pages, max_pages=max_pages, int8_geometry=int8_geometry)
     logits = logits_from_hidden(model.params, model.config, last_hidden)
     b = lengths.shape[0]
     state = GenState(
@@ -366,6 +383,7 @@ def _decode(
         done=jnp.zeros((b,), bool),
         step=jnp.zeros((), jnp.int32),
         pages_in_use=jnp.zeros((max_new_tokens,), jnp.int32),
+        int8_pages_in_use=jnp.zeros((max_new_tokens,), jnp.int32),
         confidence=jnp.zeros((max_new_tokens, b), jnp.float32),
         key=key,
     )
@@ -452,6 +470,9 @@ def generate(
     )
     kv.check()
     decode_pages, max_pages = decode_geometry(kv, max_new_tokens)
+    int8_geometry = None
+    if kv.pool.int8 is not None:
+        int8_geometry = int8_decode_geometry(kv, max_new_tokens)
     if num_pages is not None:
         decode_pages = min(decode_pages, num_pages)
     state = _decode(
@@ -466,6 +487,7 @@ def generate(
         max_new_tokens=max_new_tokens,
         num_pages=decode_pages,
         max_pages=max_pages,
+        int8_geometry=int8_geometry,
         policy=policy.static(),
         sampler=sampler,
         pad_id=pad_id,
@@ -477,11 +499,18 @@ def generate(
     is_stop = np.isin(tokens, np.asarray(stop_tokens, np.int32))
     num_tokens = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, steps)
     pages = np.asarray(state.pages_in_use)[:steps]
+    int8_pages = np.asarray(state.int8_pages_in_use)[:steps]
+    memory_bytes = pages.astype(np.int64) * state.kv.pool.page_bytes
+    if state.kv.pool.int8 is not None:
+        tier = state.kv.pool.int8
+        memory_bytes += int8_pages.astype(np.int64) * tier.pool.page_bytes
+        memory_bytes += tier.channel_scale_bytes
     return GenerateOutput(
         tokens=tokens,
         num_tokens=num_tokens.astype(np.int32),
         pages_in_use=pages,
-        memory_bytes=pages.astype(np.int64) * state.kv.pool.page_bytes,
+        int8_pages_in_use=int8_pages,
+        memory_bytes=memory_bytes,
         confidence=np.asarray(state.confidence)[:steps],
         state=state.kv,
     )

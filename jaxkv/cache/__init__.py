@@ -1,7 +1,7 @@
 """The ragged paged KV state, its page allocator, and the writes into it."""
 
 from jaxkv.cache.allocator import PageAllocator, allocate, release
-from jaxkv.cache.repack import decode_geometry, repack
+from jaxkv.cache.repack import decode_geometry, int8_decode_geometry, repack
 from jaxkv.cache.state import KVState, PagePool, PoolExhaustedError
 from jaxkv.cache.writes import attend_and_write, write_tokens
 
@@ -13,6 +13,7 @@ __all__ = [
     "allocate",
     "attend_and_write",
     "decode_geometry",
+    "int8_decode_geometry",
     "repack",
     "release",
     "write_tokens",

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache.allocator import release
+from jaxkv.cache.int8 import split_slots
 from jaxkv.cache.state import KVState, PagePool
 
 
@@ -22,8 +23,9 @@ def held_slots(kv: KVState) -> jax.Array:
     return jnp.arange(kv.max_tokens_per_head) < kv.lengths[..., None]
 
 
-def _compact_layer(pool: PagePool, page_table, lengths, keep):
-    """Compacts one layer: page_table [B, K, M], lengths [B, K], keep bool [B, K, M * p]."""
+def compact_layer(pool: PagePool, page_table, lengths, keep):
+    """Compacts one layer of `pool`: page_table [B, K, M], lengths [B, K] (the tokens this
+    pool's pages hold), keep bool [B, K, M * p]. Returns (pool, page_table, lengths)."""
     p = pool.page_size
     max_pages = page_table.shape[-1]
     slots = jnp.arange(max_pages * p)
@@ -40,6 +42,8 @@ def _compact_layer(pool: PagePool, page_table, lengths, keep):
     source = jnp.maximum(source, 0).reshape(-1)
 
     def move(pages):
+        if pages is None:
+            return None
         flat = pages.reshape(-1, *pages.shape[2:])
         # The gather reads the old pool before the scatter writes the new one.
         return flat.at[destination].set(flat[source], mode="drop").reshape(pages.shape)
@@ -54,6 +58,8 @@ def _compact_layer(pool: PagePool, page_table, lengths, keep):
         v_pages=move(pool.v_pages),
         token_positions=move(pool.token_positions),
         token_scores=move(pool.token_scores),
+        k_scales=move(pool.k_scales),
+        v_scales=move(pool.v_scales),
         allocator=release(pool.allocator, jnp.where(freed, page_table, -1)),
     )
     page_table = jnp.where(page_index >= pages_needed[..., None], -1, page_table)
@@ -70,15 +76,34 @@ def compact(kv: KVState, keep: jax.Array) -> KVState:
       keep: bool [L, B, K, S] over each head's slots; slots past a head's length are ignored.
     Returns:
       the state with kept tokens in their original order at each head's first slots.
+      With int8 storage each tier is compacted on its own (no token changes tier).
     """
+    tier = kv.pool.int8
+    if tier is None:
+        pool, page_table, lengths = _compact_pool(kv.pool, kv.page_table, kv.lengths, keep)
+        return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
+    keep_int8, keep = split_slots(keep, tier.lengths, tier.max_tokens_per_head)
+    int8_pool, int8_table, int8_lengths = _compact_pool(
+        tier.pool, tier.page_table, tier.lengths, keep_int8
+    )
+    tier = dataclasses.replace(tier, pool=int8_pool, page_table=int8_table, lengths=int8_lengths)
+    pool, page_table, lengths = _compact_pool(
+        dataclasses.replace(kv.pool, int8=None), kv.page_table, kv.full_precision_lengths(), keep
+    )
+    pool = dataclasses.replace(pool, int8=tier)
+    return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths + int8_lengths)
+
+
+def _compact_pool(pool: PagePool, page_table, lengths, keep):
+    """`compact_layer` over every layer: page_table [L, B, K, M], lengths [L, B, K]."""
 
     def layer(pool, xs):
         page_table, lengths, layer_keep = xs
-        pool, page_table, lengths = _compact_layer(pool, page_table, lengths, layer_keep)
+        pool, page_table, lengths = compact_layer(pool, page_table, lengths, layer_keep)
         return pool, (page_table, lengths)
 
-    pool, (page_table, lengths) = jax.lax.scan(layer, kv.pool, (kv.page_table, kv.lengths, keep))
-    return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
+    pool, (page_table, lengths) = jax.lax.scan(layer, pool, (page_table, lengths, keep))
+    return pool, page_table, lengths
 
 
 def rank_descending(scores: jax.Array) -> jax.Array:

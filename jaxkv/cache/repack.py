@@ -3,7 +3,8 @@
 After compression most of the pool is free, but its arrays keep their prefill size. `repack`
 copies the held pages, renumbered 0..n-1 in table order, into a pool of `num_pages` pages and
 trims every page table to `max_pages` entries, so the decode loop runs on arrays sized for the
-compressed cache: less memory held and fewer pages read per step.
+compressed cache: less memory held and fewer pages read per step. With int8 storage the int8
+tier is repacked the same way into `int8_geometry = (num_pages, max_pages)`.
 """
 
 from __future__ import annotations
@@ -12,20 +13,17 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
-from jaxkv.cache.state import KVState
+from jaxkv.cache.state import KVState, PagePool
 
 
-def repack(kv: KVState, *, num_pages: int, max_pages: int) -> KVState:
-    """A copy of `kv` in a pool of `num_pages` pages with page tables of `max_pages` entries.
-
-    If the held pages do not fit, the copy is flagged `overflow` (checked on the host).
-    """
-    p = kv.pool.page_size
-    table = kv.page_table
+def _repack_pool(pool: PagePool, table, lengths, num_pages: int, max_pages: int):
+    """(pool of `num_pages` pages, tables [..., max_pages]) holding the same tokens."""
+    p = pool.page_size
     held = table >= 0
-    fits = (jnp.sum(held) <= num_pages) & jnp.all(kv.lengths <= max_pages * p)
+    fits = (jnp.sum(held) <= num_pages) & jnp.all(lengths <= max_pages * p)
     new_id = (jnp.cumsum(held.reshape(-1)) - 1).reshape(table.shape)
     new_table = jnp.where(held, new_id, -1)
     width = table.shape[-1]
@@ -44,27 +42,72 @@ def repack(kv: KVState, *, num_pages: int, max_pages: int) -> KVState:
     allocator = PageAllocator.create(num_pages)
     allocator = dataclasses.replace(allocator, num_free=num_pages - in_use)
     pool = dataclasses.replace(
-        kv.pool,
-        k_pages=move(kv.pool.k_pages),
-        v_pages=move(kv.pool.v_pages),
-        token_positions=move(kv.pool.token_positions),
-        token_scores=move(kv.pool.token_scores),
-        key_min=move(kv.pool.key_min),
-        key_max=move(kv.pool.key_max),
+        pool,
+        k_pages=move(pool.k_pages),
+        v_pages=move(pool.v_pages),
+        token_positions=move(pool.token_positions),
+        token_scores=move(pool.token_scores),
+        key_min=move(pool.key_min),
+        key_max=move(pool.key_max),
+        k_scales=move(pool.k_scales),
+        v_scales=move(pool.v_scales),
         allocator=allocator,
-        overflow=kv.pool.overflow | ~fits,
+        overflow=pool.overflow | ~fits,
     )
-    return dataclasses.replace(kv, pool=pool, page_table=new_table)
+    return pool, new_table
+
+
+def repack(
+    kv: KVState,
+    *,
+    num_pages: int,
+    max_pages: int,
+    int8_geometry: tuple[int, int] | None = None,
+) -> KVState:
+    """A copy of `kv` in a pool of `num_pages` pages with page tables of `max_pages` entries
+    (and its int8 tier, if any, in `int8_geometry` = (num_pages, max_pages)).
+
+    If the held pages do not fit, the copy is flagged `overflow` (checked on the host).
+    """
+    tier = kv.pool.int8
+    if (tier is None) != (int8_geometry is None):
+        raise ValueError("int8_geometry is needed exactly when the state has int8 storage")
+    pool, table = _repack_pool(
+        kv.pool, kv.page_table, kv.full_precision_lengths(), num_pages, max_pages
+    )
+    if tier is not None:
+        int8_pool, int8_table = _repack_pool(
+            tier.pool, tier.page_table, tier.lengths, *int8_geometry
+        )
+        tier = dataclasses.replace(tier, pool=int8_pool, page_table=int8_table)
+        pool = dataclasses.replace(pool, int8=tier, overflow=pool.overflow | int8_pool.overflow)
+    return dataclasses.replace(kv, pool=pool, page_table=table)
+
+
+def _rounded_geometry(grown: np.ndarray, p: int, round_pages: int, round_table: int):
+    pages = int((-(-grown // p)).sum())
+    width = max(int(-(-grown.max() // p)), 1)
+    return -(-pages // round_pages) * round_pages, -(-width // round_table) * round_table
 
 
 def decode_geometry(
     kv: KVState, max_new_tokens: int, round_pages: int = 32, round_table: int = 8
 ) -> tuple[int, int]:
     """(num_pages, max_pages) that hold `kv` plus up to `max_new_tokens - 1` more tokens per head
-    (host side; rounded up so that similar requests share one compiled decode loop)."""
-    p = kv.pool.page_size
-    lengths = jax.device_get(kv.lengths)
+    (host side; rounded up so that similar requests share one compiled decode loop). With int8
+    storage: of the model-dtype pages, which never hold more than the window plus one token."""
+    lengths = jax.device_get(kv.full_precision_lengths())
     grown = lengths + max(max_new_tokens - 1, 0)
-    pages = int((-(-grown // p)).sum())
-    width = int(-(-grown.max() // p))
-    return -(-pages // round_pages) * round_pages, -(-width // round_table) * round_table
+    if kv.pool.int8 is not None:
+        grown = np.minimum(grown, np.maximum(lengths, kv.pool.int8.window + 1))
+    return _rounded_geometry(grown, kv.pool.page_size, round_pages, round_table)
+
+
+def int8_decode_geometry(
+    kv: KVState, max_new_tokens: int, round_pages: int = 32, round_table: int = 8
+) -> tuple[int, int]:
+    """(num_pages, max_pages) of the int8 tier for `max_new_tokens` more steps (host side)."""
+    tier = kv.pool.int8
+    full, held = jax.device_get((kv.full_precision_lengths(), tier.lengths))
+    grown = held + np.maximum(full + max(max_new_tokens - 1, 0) - tier.window, 0)
+    return _rounded_geometry(grown, tier.pool.page_size, round_pages, round_table)

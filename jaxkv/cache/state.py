@@ -11,6 +11,7 @@ to attention; `token_positions` keeps each token's original position for policie
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import flax.struct
 import jax
@@ -18,6 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
+
+if TYPE_CHECKING:
+    from jaxkv.cache.int8 import Int8Tier
 
 
 @flax.struct.dataclass
@@ -32,6 +36,10 @@ class PagePool:
         selection (Quest); None unless the state was created with `key_bounds=True`.
       allocator: the free-page stack.
       overflow: bool []; set when a write did not fit in the pool (the write was dropped whole).
+      k_scales, v_scales: f32 [P, p] per-token dequantisation scales of an int8 pool (value =
+        int8 * token scale * channel scale); None for a pool in a float dtype.
+      int8: the int8 tier holding each head's older tokens (mixed-precision storage,
+        `jaxkv.cache.int8`); None unless int8 storage is on.
     """
 
     k_pages: jax.Array
@@ -42,6 +50,9 @@ class PagePool:
     overflow: jax.Array
     key_min: jax.Array | None = None
     key_max: jax.Array | None = None
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
+    int8: Int8Tier | None = None
 
     @property
     def num_pages(self) -> int:
@@ -53,12 +64,13 @@ class PagePool:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes one page holds: its keys, values and per-token metadata."""
+        """Bytes one page holds: its keys, values and per-token metadata (and scales)."""
         p, h = self.k_pages.shape[1:]
         kv_bytes = p * h * (self.k_pages.dtype.itemsize + self.v_pages.dtype.itemsize)
         metadata = p * (self.token_positions.dtype.itemsize + self.token_scores.dtype.itemsize)
         bounds = 0 if self.key_min is None else 2 * h * self.key_min.dtype.itemsize
-        return kv_bytes + metadata + bounds
+        scales = 0 if self.k_scales is None else 2 * p * self.k_scales.dtype.itemsize
+        return kv_bytes + metadata + bounds + scales
 
     def refresh_key_bounds(self, pages: jax.Array, held_counts: jax.Array) -> PagePool:
         """Recomputes key bounds of `pages` (int32 [n], -1 ignored) from their first
@@ -81,10 +93,15 @@ class PagePool:
 class KVState:
     """Paged KV cache for L layers, B sequences, K KV heads, at most M pages per head.
 
+    With int8 storage (`pool.int8` set), each head's tokens live in two tiers: its older ones
+    in the int8 tier, its newest (at most the tier's `window`) in `pool`'s model-dtype pages.
+    `lengths` counts both, and every per-slot view (`positions`, `token_scores`, `compact`)
+    sees one slot space per head: the int8 tier's tokens first, then the model-dtype ones.
+
     Attributes:
       pool: the physical pages and allocator, shared by all layers.
-      page_table: int32 [L, B, K, M]; page ids in token order, -1 where unallocated.
-      lengths: int32 [L, B, K]; tokens stored per (layer, sequence, KV head).
+      page_table: int32 [L, B, K, M]; model-dtype page ids in token order, -1 where unallocated.
+      lengths: int32 [L, B, K]; tokens stored per (layer, sequence, KV head), both tiers.
     """
 
     pool: PagePool
@@ -143,32 +160,41 @@ class KVState:
 
     @property
     def max_tokens_per_head(self) -> int:
-        return self.page_table.shape[-1] * self.pool.page_size
+        slots = self.page_table.shape[-1] * self.pool.page_size
+        return slots if self.pool.int8 is None else slots + self.pool.int8.max_tokens_per_head
+
+    def full_precision_lengths(self) -> jax.Array:
+        """int32 [L, B, K]: tokens held in the model-dtype pages (all of them without int8)."""
+        return self.lengths if self.pool.int8 is None else self.lengths - self.pool.int8.lengths
 
     def pages_in_use(self) -> jax.Array:
+        """int32 []: model-dtype pages held (the int8 tier's: `pool.int8.pages_in_use()`)."""
         return self.pool.allocator.pages_in_use()
 
     def memory_bytes(self) -> int:
-        """Bytes of the pages really held (keys, values and per-token metadata); host-side int."""
-        return int(np.asarray(self.pages_in_use())) * self.pool.page_bytes
+        """Bytes of the pages really held (keys, values, scales and per-token metadata, in
+        both tiers); host-side int."""
+        held = int(np.asarray(self.pages_in_use())) * self.pool.page_bytes
+        return held if self.pool.int8 is None else held + self.pool.int8.memory_bytes()
 
-    def _per_slot(self, per_token: jax.Array, layer: int | None, empty) -> jax.Array:
+    def _per_slot(self, field: str, layer: int | None, empty) -> jax.Array:
         """A page-aligned pool field [P, p] viewed per head slot, `empty` past each length."""
         table = self.page_table if layer is None else self.page_table[layer]
-        lengths = self.lengths if layer is None else self.lengths[layer]
-        gathered = per_token[jnp.maximum(table, 0)]
-        gathered = gathered.reshape(*table.shape[:-1], -1)
-        held = jnp.arange(gathered.shape[-1]) < lengths[..., None]
-        return jnp.where(held, gathered, empty)
+        lengths = self.full_precision_lengths()
+        lengths = lengths if layer is None else lengths[layer]
+        view = slot_view(getattr(self.pool, field), table, lengths, empty)
+        if self.pool.int8 is not None:
+            view = self.pool.int8.merged_view(field, view, layer, empty)
+        return view
 
     def positions(self, layer: int | None = None) -> jax.Array:
-        """int32 [B, K, M * p] (or [L, B, K, M * p] for all layers): original positions of the
-        tokens kept per head, in cache order, -1 padded."""
-        return self._per_slot(self.pool.token_positions, layer, -1)
+        """int32 [B, K, S] (or [L, B, K, S] for all layers; S = `max_tokens_per_head`):
+        original positions of the tokens kept per head, in cache order, -1 padded."""
+        return self._per_slot("token_positions", layer, -1)
 
     def token_scores(self, layer: int | None = None) -> jax.Array:
         """f32 per head slot like `positions`: the policy scores of the kept tokens, 0 padded."""
-        return self._per_slot(self.pool.token_scores, layer, 0.0)
+        return self._per_slot("token_scores", layer, 0.0)
 
     def check(self) -> None:
         """Raises on the host if a write ran out of pages (call after a jitted step)."""
@@ -178,6 +204,15 @@ class KVState:
                 f"{self.pool.page_size}) ran out of pages; the write was not performed. "
                 "Give generate() a larger num_pages or a tighter cache policy."
             )
+
+
+def slot_view(per_token: jax.Array, table: jax.Array, lengths: jax.Array, empty) -> jax.Array:
+    """A page-aligned field [P, p] seen through page tables [..., M]: [..., M * p], `empty`
+    past each head's length [...]."""
+    gathered = per_token[jnp.maximum(table, 0)]
+    gathered = gathered.reshape(*table.shape[:-1], -1)
+    held = jnp.arange(gathered.shape[-1]) < lengths[..., None]
+    return jnp.where(held, gathered, empty)
 
 
 class PoolExhaustedError(ValueError):

@@ -14,6 +14,7 @@ its budget stripped (`static()`), so changing the budget does not recompile.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import ClassVar
 
 import flax.struct
@@ -127,11 +128,27 @@ class DecodeContext:
     group_size: int = flax.struct.field(pytree_node=False, default=1)
 
 
+class Storage(enum.Enum):
+    """How the cache stores tokens: all in the model (kv) dtype, or mixed precision (each head's
+    newest `full_precision_window` tokens in the model dtype, older ones int8, see
+    `jaxkv.cache.int8`)."""
+
+    MODEL = "model"
+    INT8 = "int8"
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Base class of cache policies; every hook defaults to keeping everything."""
+    """Base class of cache policies; every hook defaults to keeping everything.
+
+    Every policy takes two keyword-only storage options:
+      storage: Storage.MODEL (default) or Storage.INT8 (or their names "model" / "int8").
+      full_precision_window: F, the newest tokens per head kept in the model dtype under int8.
+    """
 
     name: ClassVar[str] = "base"
+    storage: Storage | str = dataclasses.field(default=Storage.MODEL, kw_only=True)
+    full_precision_window: int = dataclasses.field(default=128, kw_only=True)
     # Whether every token's received attention mass is accumulated into its score (H2O).
     accumulates_attention: ClassVar[bool] = False
     # Whether prefill records per-layer attention-input statistics (GVote).
@@ -151,6 +168,22 @@ class Policy:
     def static(self) -> Policy:
         """This policy with per-request values removed: what jit sees."""
         return self
+
+    @property
+    def int8_window(self) -> int | None:
+        """F when the policy stores older tokens in int8, else None; raises on bad options."""
+        try:
+            storage = Storage(self.storage)
+        except ValueError:
+            allowed = ", ".join(repr(s.value) for s in Storage)
+            raise ValueError(f"storage={self.storage!r}: allowed are {allowed}") from None
+        if storage is Storage.MODEL:
+            return None
+        if self.full_precision_window < 0:
+            raise ValueError(f"full_precision_window={self.full_precision_window} must be >= 0")
+        if self.selects_pages:
+            raise ValueError(f"policy {self.name!r} selects pages, which int8 storage does not do")
+        return self.full_precision_window
 
     def mass_weights(self, positions: jax.Array):
         """How a chunk's attention updates accumulated scores (when `accumulates_attention`):

@@ -1,0 +1,262 @@
+"""Mixed-precision storage: each head's newest tokens in the model dtype, older ones in int8.
+
+Every (layer, sequence, KV head) keeps at most `window` (F) of its newest tokens in the model-dtype
+pages of `KVState.pool`; when a write pushes a head past F, its oldest model-dtype tokens leave
+the window and are quantised into the int8 tier (`Int8Tier`, a second page pool with its own page
+tables). Tokens never return to the model dtype: after an eviction the window may hold fewer than
+F, and it refills with the next writes. The int8 tier's tokens are all older than the window's.
+
+Quantisation is symmetric, per token and per channel: with a channel scale c [H] fixed per
+(layer, sequence, head) when the tier is created (the largest |x| per channel over the tokens
+held then, 1 for an all-zero channel), a token x [H] is stored as q = round(x / c / t) in
+[-127, 127] with its token scale t = max_h |x_h / c_h| / 127, and read as q * t * c. Per channel
+h the error is at most t * c_h / 2, and later tokens larger than those seen at creation only
+raise their own t (nothing is clipped). Token scales are page-aligned like positions, so they
+move with their token through `compact` and int8 tokens are never requantised.
+
+During prefill every token stays in the model dtype (the prefill pool holds the prompt anyway);
+`start_int8` quantises all but each head's newest F after the policy's compression, so every
+policy compresses the prompt as it would without int8 storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import attention as attention_ops
+from jaxkv.cache.allocator import PageAllocator
+from jaxkv.cache.state import KVState, PagePool, slot_view
+
+QUANT_MAX = 127
+# Dtypes the tokens leaving the window may come from (and the attention dequantises back to).
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def check_dtype(dtype) -> None:
+    """Raises ValueError unless the model-dtype pages can hold the window of an int8 cache."""
+    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        allowed = ", ".join(d.name for d in SUPPORTED_DTYPES)
+        raise ValueError(f"int8 storage needs a kv dtype in ({allowed}); got {jnp.dtype(dtype)}")
+
+
+def quantize(x: jax.Array, channel_scales: jax.Array):
+    """Symmetric int8 per token and channel: x [..., H], channel_scales broadcastable to x.
+
+    Returns (int8 [..., H], token scales f32 [...]); dequantize(q, t, c) = q * t * c.
+    """
+    normalised = x.astype(jnp.float32) / channel_scales
+    token_scales = jnp.max(jnp.abs(normalised), axis=-1) / QUANT_MAX
+    safe = jnp.where(token_scales > 0, token_scales, 1.0)[..., None]
+    q = jnp.clip(jnp.round(normalised / safe), -QUANT_MAX, QUANT_MAX).astype(jnp.int8)
+    return q, token_scales
+
+
+def dequantize(q: jax.Array, token_scales: jax.Array, channel_scales: jax.Array) -> jax.Array:
+    """f32 [..., H] from int8 q [..., H], token scales [...], channel scales broadcastable."""
+    return q.astype(jnp.float32) * token_scales[..., None] * channel_scales
+
+
+def channel_scales_of(x: jax.Array, held: jax.Array) -> jax.Array:
+    """f32 [..., H]: max |x| per channel over the held tokens of x [..., S, H] (1 where 0)."""
+    largest = jnp.max(jnp.where(held[..., None], jnp.abs(x.astype(jnp.float32)), 0.0), axis=-2)
+    return jnp.where(largest > 0, largest, 1.0)
+
+
+def merge_slots(older: jax.Array, newer: jax.Array, older_lengths: jax.Array, empty):
+    """One slot space per head: `older` [..., S1]'s first `older_lengths` [...] slots, then
+    `newer` [..., S2] (already `empty` past its length): [..., S1 + S2]."""
+    s1, s2 = older.shape[-1], newer.shape[-1]
+    slots = jnp.arange(s1 + s2)
+    lengths = older_lengths[..., None]
+    index = jnp.where(slots < lengths, slots, s1 + slots - lengths)
+    both = jnp.concatenate([older, newer], axis=-1)
+    merged = jnp.take_along_axis(both, jnp.minimum(index, s1 + s2 - 1), axis=-1)
+    return jnp.where(slots - lengths < s2, merged, empty)
+
+
+def split_slots(keep: jax.Array, older_lengths: jax.Array, older_slots: int):
+    """Inverse of `merge_slots` for a mask keep [..., S]: (older [..., S1], newer [..., S - S1])."""
+    total = keep.shape[-1]
+    newer_index = older_lengths[..., None] + jnp.arange(total - older_slots)
+    newer = jnp.take_along_axis(keep, jnp.minimum(newer_index, total - 1), axis=-1)
+    return keep[..., :older_slots], newer & (newer_index < total)
+
+
+@flax.struct.dataclass
+class Int8Tier:
+    """The int8 pages of a mixed-precision cache: each head's tokens older than its window.
+
+    Attributes:
+      pool: int8 PagePool: k_pages, v_pages int8 [P8, p, H] with per-token scales k_scales,
+        v_scales f32 [P8, p], positions and scores like the model-dtype pool.
+      page_table: int32 [L, B, K, M8]; lengths: int32 [L, B, K] int8 tokens per head.
+      k_channel_scales, v_channel_scales: f32 [L, B, K, H] per-channel scales.
+      window: static F, the most tokens a head keeps in the model dtype.
+    """
+
+    pool: PagePool
+    page_table: jax.Array
+    lengths: jax.Array
+    k_channel_scales: jax.Array
+    v_channel_scales: jax.Array
+    window: int = flax.struct.field(pytree_node=False)
+
+    @property
+    def max_tokens_per_head(self) -> int:
+        return self.page_table.shape[-1] * self.pool.page_size
+
+    def pages_in_use(self) -> jax.Array:
+        return self.pool.allocator.pages_in_use()
+
+    @property
+    def channel_scale_bytes(self) -> int:
+        return self.k_channel_scales.nbytes + self.v_channel_scales.nbytes
+
+    def memory_bytes(self) -> int:
+        """Host-side int: int8 pages held (values, token scales, metadata) + channel scales."""
+        pages = int(np.asarray(self.pages_in_use()))
+        return pages * self.pool.page_bytes + self.channel_scale_bytes
+
+    def merged_view(self, field: str, newer: jax.Array, layer: int | None, empty) -> jax.Array:
+        """The int8 tokens' `field` followed by the model-dtype view `newer`, per head slot."""
+        table = self.page_table if layer is None else self.page_table[layer]
+        lengths = self.lengths if layer is None else self.lengths[layer]
+        older = slot_view(getattr(self.pool, field), table, lengths, empty)
+        return merge_slots(older, newer, lengths, empty)
+
+    def dequantized(self, layer):
+        """Keys and values f32 [B, K, M8 * p, H] of one layer (arbitrary past each length)."""
+        table = jnp.maximum(self.page_table[layer], 0)
+        b, k, m = table.shape
+
+        def read(pages, scales, channel_scales):
+            channel = channel_scales[layer][:, :, None, None]
+            values = dequantize(pages[table], scales[table], channel)
+            return values.reshape(b, k, m * self.pool.page_size, -1)
+
+        return (
+            read(self.pool.k_pages, self.pool.k_scales, self.k_channel_scales),
+            read(self.pool.v_pages, self.pool.v_scales, self.v_channel_scales),
+        )
+
+
+def create_tier(kv: KVState, window: int, num_pages: int, max_pages: int) -> Int8Tier:
+    """An empty int8 tier for `kv`, channel scales from the tokens `kv` holds now."""
+    if window < 0:
+        raise ValueError(f"window={window} must be >= 0")
+    pool, table = kv.pool, kv.page_table
+    p, h = pool.k_pages.shape[1:]
+    held = jnp.arange(table.shape[-1] * p) < kv.lengths[..., None]
+
+    def scales(pages):
+        gathered = pages[jnp.maximum(table, 0)]
+        return channel_scales_of(gathered.reshape(*table.shape[:-1], -1, h), held)
+
+    int8_pool = PagePool(
+        k_pages=jnp.zeros((num_pages, p, h), jnp.int8),
+        v_pages=jnp.zeros((num_pages, p, h), jnp.int8),
+        token_positions=jnp.full((num_pages, p), -1, jnp.int32),
+        token_scores=jnp.zeros((num_pages, p), jnp.float32),
+        allocator=PageAllocator.create(num_pages),
+        overflow=jnp.zeros((), bool),
+        k_scales=jnp.zeros((num_pages, p), jnp.float32),
+        v_scales=jnp.zeros((num_pages, p), jnp.float32),
+    )
+    return Int8Tier(
+        pool=int8_pool,
+        page_table=jnp.full((*table.shape[:-1], max_pages), -1, jnp.int32),
+        lengths=jnp.zeros_like(kv.lengths),
+        k_channel_scales=scales(pool.k_pages),
+        v_channel_scales=scales(pool.v_pages),
+        window=window,
+    )
+
+
+def start_int8(kv: KVState, window: int) -> KVState:
+    """Mixed-precision storage from a model-dtype state: each head's tokens but the newest
+    `window` move to a new int8 tier (sized for everything `kv` could hold)."""
+    if kv.pool.int8 is not None:
+        raise ValueError("the state already has int8 storage")
+    check_dtype(kv.pool.k_pages.dtype)
+    tier = create_tier(kv, window, kv.pool.num_pages, kv.page_table.shape[-1])
+    kv = dataclasses.replace(kv, pool=dataclasses.replace(kv.pool, int8=tier))
+
+    def layer(pool, xs):
+        page_table, lengths, index = xs
+        pool, page_table, lengths = spill_layer(pool, page_table, lengths, index)
+        return pool, (page_table, lengths)
+
+    xs = (kv.page_table, kv.lengths, jnp.arange(kv.num_layers))
+    pool, (page_table, lengths) = jax.lax.scan(layer, kv.pool, xs)
+    return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
+
+
+def spill_layer(pool: PagePool, page_table, lengths, layer):
+    """Moves each head's model-dtype tokens beyond the newest `window` into the int8 tier.
+
+    One layer: page_table [B, K, M], lengths [B, K] (both tiers); layer: int32 [] its index.
+    Returns (pool, page_table, lengths); lengths are unchanged unless the int8 tier overflowed.
+    """
+    from jaxkv.cache.eviction import compact_layer  # eviction imports this module's helpers
+    from jaxkv.cache.writes import write_tokens
+
+    tier = pool.int8
+    int8_lengths = tier.lengths[layer]
+    full_lengths = lengths - int8_lengths
+    leaving = (
+        jnp.arange(page_table.shape[-1] * pool.page_size) < (full_lengths - tier.window)[..., None]
+    )
+    table = jnp.maximum(page_table, 0)
+    b, k, m = table.shape
+
+    def dense(pages):
+        return pages[table].reshape(b, k, m * pool.page_size, *pages.shape[2:])
+
+    k_q, k_scales = quantize(dense(pool.k_pages), tier.k_channel_scales[layer][:, :, None])
+    v_q, v_scales = quantize(dense(pool.v_pages), tier.v_channel_scales[layer][:, :, None])
+    int8_pool, int8_table, new_int8_lengths = write_tokens(
+        tier.pool,
+        tier.page_table[layer],
+        int8_lengths,
+        k_q,
+        v_q,
+        dense(pool.token_positions),
+        leaving,
+        dense(pool.token_scores),
+        k_scales=k_scales,
+        v_scales=v_scales,
+    )
+    moved = jnp.all(new_int8_lengths == int8_lengths + jnp.sum(leaving, -1, dtype=jnp.int32))
+    leaving = leaving & moved  # an int8 overflow moves nothing (and is flagged)
+    tier = dataclasses.replace(
+        tier,
+        pool=int8_pool,
+        page_table=tier.page_table.at[layer].set(int8_table),
+        lengths=tier.lengths.at[layer].set(new_int8_lengths),
+    )
+    pool, page_table, full_lengths = compact_layer(pool, page_table, full_lengths, ~leaving)
+    pool = dataclasses.replace(pool, int8=tier, overflow=pool.overflow | int8_pool.overflow)
+    return pool, page_table, full_lengths + new_int8_lengths
+
+
+def int8_attention(q, tier: Int8Tier, layer, *, sm_scale: float, backend: str):
+    """Attention of q [B, N, C, H] over one layer's int8 tokens: out f32 [B, N, C, H], lse."""
+    k, v = tier.dequantized(layer)
+    held = jnp.arange(k.shape[2]) < tier.lengths[layer][..., None]
+    attention_ops.resolve_backend(backend)
+    return attention_ops.masked_attention(q, k, v, held[:, :, None, None, :], sm_scale)
+
+
+def int8_attention_mass(q, tier: Int8Tier, layer, lse, query_weights, *, sm_scale, backend):
+    """Per int8 slot [B, K, M8 * p]: attention mass received (as `paged_attention_mass`)."""
+    k, _ = tier.dequantized(layer)
+    held = jnp.arange(k.shape[2]) < tier.lengths[layer][..., None]
+    attention_ops.resolve_backend(backend)
+    return attention_ops._attention_mass(
+        q, k, held[:, :, None, None, :], lse, query_weights, sm_scale
+    )
