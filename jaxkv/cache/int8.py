@@ -47,18 +47,13 @@ def check_dtype(dtype) -> None:
 def quantize(x: jax.Array, channel_scales: jax.Array):
     """Symmetric int8 per token and channel: x [..., H], channel_scales broadcastable to x.
 
-    Returns (int8 [..., H], token scales f32 [...]); dequantize(q, t, c) = q * t * c.
+    Returns (int8 [..., H], token scales f32 [...]); the value read back is q * t * c.
     """
     normalised = x.astype(jnp.float32) / channel_scales
     token_scales = jnp.max(jnp.abs(normalised), axis=-1) / QUANT_MAX
     safe = jnp.where(token_scales > 0, token_scales, 1.0)[..., None]
     q = jnp.clip(jnp.round(normalised / safe), -QUANT_MAX, QUANT_MAX).astype(jnp.int8)
     return q, token_scales
-
-
-def dequantize(q: jax.Array, token_scales: jax.Array, channel_scales: jax.Array) -> jax.Array:
-    """f32 [..., H] from int8 q [..., H], token scales [...], channel scales broadcastable."""
-    return q.astype(jnp.float32) * token_scales[..., None] * channel_scales
 
 
 def channel_scales_of(x: jax.Array, held: jax.Array) -> jax.Array:
@@ -129,19 +124,22 @@ class Int8Tier:
         older = slot_view(getattr(self.pool, field), table, lengths, empty)
         return merge_slots(older, newer, lengths, empty)
 
-    def dequantized(self, layer):
-        """Keys and values f32 [B, K, M8 * p, H] of one layer (arbitrary past each length)."""
-        table = jnp.maximum(self.page_table[layer], 0)
-        b, k, m = table.shape
-
-        def read(pages, scales, channel_scales):
-            channel = channel_scales[layer][:, :, None, None]
-            values = dequantize(pages[table], scales[table], channel)
-            return values.reshape(b, k, m * self.pool.page_size, -1)
-
-        return (
-            read(self.pool.k_pages, self.pool.k_scales, self.k_channel_scales),
-            read(self.pool.v_pages, self.pool.v_scales, self.v_channel_scales),
+    def attention(self, q, layer, *, sm_scale: float, return_probs: bool, backend: str):
+        """`paged_attention` of q [B, N, C, H] over one layer's int8 tokens, dequantised inside
+        the attention (out, lse and, with `return_probs`, per-slot probabilities)."""
+        return attention_ops.paged_attention(
+            q,
+            self.pool.k_pages,
+            self.pool.v_pages,
+            self.page_table[layer],
+            self.lengths[layer],
+            sm_scale=sm_scale,
+            k_scales=self.pool.k_scales,
+            v_scales=self.pool.v_scales,
+            k_channel_scales=self.k_channel_scales[layer],
+            v_channel_scales=self.v_channel_scales[layer],
+            return_probs=return_probs,
+            backend=backend,
         )
 
 
@@ -242,21 +240,3 @@ def spill_layer(pool: PagePool, page_table, lengths, layer):
     pool, page_table, full_lengths = compact_layer(pool, page_table, full_lengths, ~leaving)
     pool = dataclasses.replace(pool, int8=tier, overflow=pool.overflow | int8_pool.overflow)
     return pool, page_table, full_lengths + new_int8_lengths
-
-
-def int8_attention(q, tier: Int8Tier, layer, *, sm_scale: float, backend: str):
-    """Attention of q [B, N, C, H] over one layer's int8 tokens: out f32 [B, N, C, H], lse."""
-    k, v = tier.dequantized(layer)
-    held = jnp.arange(k.shape[2]) < tier.lengths[layer][..., None]
-    attention_ops.resolve_backend(backend)
-    return attention_ops.masked_attention(q, k, v, held[:, :, None, None, :], sm_scale)
-
-
-def int8_attention_mass(q, tier: Int8Tier, layer, lse, query_weights, *, sm_scale, backend):
-    """Per int8 slot [B, K, M8 * p]: attention mass received (as `paged_attention_mass`)."""
-    k, _ = tier.dequantized(layer)
-    held = jnp.arange(k.shape[2]) < tier.lengths[layer][..., None]
-    attention_ops.resolve_backend(backend)
-    return attention_ops._attention_mass(
-        q, k, held[:, :, None, None, :], lse, query_weights, sm_scale
-    )

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxkv import attention as attention_ops
 from jaxkv.cache.allocator import allocate
+from jaxkv.cache.int8 import spill_layer
 from jaxkv.cache.state import PagePool
 
 
@@ -25,16 +26,20 @@ def write_tokens(
     positions: jax.Array,
     write_mask: jax.Array,
     scores: jax.Array | None = None,
+    *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ):
     """Appends the masked tokens of a chunk to each (sequence, KV head) of one layer.
 
     Args:
       pool: the shared page pool.
-      page_table: int32 [B, K, M]; lengths: int32 [B, K] (this layer's).
+      page_table: int32 [B, K, M]; lengths: int32 [B, K] (the tokens this pool holds).
       k, v: [B, K, C, H] new keys (post-RoPE) and values.
-      positions: int32 [B, C] original positions of the chunk's tokens.
+      positions: int32 [B, C] (or [B, K, C]) original positions of the chunk's tokens.
       write_mask: bool [B, K, C]; which tokens each head stores (admission).
       scores: f32 [B, K, C] initial per-token scores (default 0).
+      k_scales, v_scales: f32 [B, K, C] per-token scales, for a pool with int8 pages only.
     Returns:
       (pool, page_table, lengths). If the pages needed do not fit in the pool or in the page
       table, nothing is written and `pool.overflow` is set.
@@ -71,7 +76,9 @@ def write_tokens(
         )
         return flat.reshape(pages.shape)
 
-    token_positions = jnp.broadcast_to(positions[:, None, :], (b, num_kv, c))
+    if positions.ndim == 2:
+        positions = positions[:, None, :]
+    token_positions = jnp.broadcast_to(positions, (b, num_kv, c))
     scores = jnp.zeros((b, num_kv, c), jnp.float32) if scores is None else scores
     pool = dataclasses.replace(
         pool,
@@ -79,6 +86,8 @@ def write_tokens(
         v_pages=scatter(pool.v_pages, v),
         token_positions=scatter(pool.token_positions, token_positions),
         token_scores=scatter(pool.token_scores, scores),
+        k_scales=None if k_scales is None else scatter(pool.k_scales, k_scales),
+        v_scales=None if v_scales is None else scatter(pool.v_scales, v_scales),
         allocator=allocator,
         overflow=pool.overflow | ~ok,
     )
@@ -114,22 +123,33 @@ def attend_and_write(
     q [B, N, C, H], k, v [B, K, C, H], positions [B, C] (-1 = padding). The chunk's queries see
     every cached token of their head plus the chunk's earlier tokens, whether or not the policy
     admits those to the cache. Returns (attn [B, N, C, H] in q.dtype, pool, page_table, lengths).
+    With int8 storage (`pool.int8`), the int8 tier is read as a second paged attention merged
+    through the logsumexps, and the write is followed by the spill out of the model-dtype window.
     """
+    tier = pool.int8
+    full_lengths = lengths if tier is None else lengths - tier.lengths[layer]
     page_mask = None
     if read_budget is not None:
-        page_mask = policy.select_pages(q, pool, page_table, lengths, read_budget)
+        page_mask = policy.select_pages(q, pool, page_table, full_lengths, read_budget)
     cached = attention_ops.paged_attention(
         q,
         pool.k_pages,
         pool.v_pages,
         page_table,
-        lengths,
+        full_lengths,
         sm_scale=sm_scale,
         page_mask=page_mask,
         return_probs=policy.accumulates_attention,
         backend=backend,
     )
     cached_out, cached_lse = cached[:2]
+    if tier is not None:
+        quantized = tier.attention(
+            q, layer, sm_scale=sm_scale, return_probs=policy.accumulates_attention, backend=backend
+        )
+        cached_out, cached_lse = attention_ops.merge_partials(
+            cached_out, cached_lse, *quantized[:2]
+        )
     chunk_out, chunk_lse = attention_ops.chunk_attention(
         q, k, v, positions, sm_scale=sm_scale, backend=backend
     )
@@ -141,9 +161,16 @@ def attend_and_write(
             raise ValueError(f"policy {policy.name!r} both accumulates attention and gates writes")
         decay, query_weights = policy.mass_weights(positions)
         mass = attention_ops.mass_from_probs(
-            cached[2], cached_lse, lse, query_weights, num_kv_heads=k.shape[1]
+            cached[2], cached[1], lse, query_weights, num_kv_heads=k.shape[1]
         )
-        pool = _accumulate_cached_mass(pool, page_table, lengths, mass, decay)
+        pool = _accumulate_cached_mass(pool, page_table, full_lengths, mass, decay)
+        if tier is not None:
+            mass = attention_ops.mass_from_probs(
+                quantized[2], quantized[1], lse, query_weights, num_kv_heads=k.shape[1]
+            )
+            table, held = tier.page_table[layer], tier.lengths[layer]
+            tier_pool = _accumulate_cached_mass(tier.pool, table, held, mass, decay)
+            pool = dataclasses.replace(pool, int8=dataclasses.replace(tier, pool=tier_pool))
         new_scores = attention_ops.chunk_attention_mass(
             q, k, positions, lse, query_weights, sm_scale=sm_scale, backend=backend
         )
@@ -151,9 +178,13 @@ def attend_and_write(
     admitted = policy.admit(layer=layer, k=k, v=v, positions=positions, scores=write_scores)
     if admitted is not None:
         write_mask = write_mask & admitted
-    pool, page_table, lengths = write_tokens(
-        pool, page_table, lengths, k, v, positions, write_mask, new_scores
+    pool, page_table, full_lengths = write_tokens(
+        pool, page_table, full_lengths, k, v, positions, write_mask, new_scores
     )
+    if tier is None:
+        return out.astype(q.dtype), pool, page_table, full_lengths
+    lengths = full_lengths + pool.int8.lengths[layer]
+    pool, page_table, lengths = spill_layer(pool, page_table, lengths, layer)
     return out.astype(q.dtype), pool, page_table, lengths
 
 
