@@ -458,3 +458,32 @@ def chunk_attention_mass(
     query_pos = positions[:, None, None, :, None]
     mask = (key_pos >= 0) & (key_pos <= query_pos)
     return _attention_mass(q, k, mask, lse, query_weights, sm_scale)
+
+
+def local_attention(
+    q,
+    k,
+    v,
+    query_positions,
+    key_positions,
+    key_admitted,
+    *,
+    window: int,
+    sm_scale: float,
+    backend: str = "xla",
+):
+    """WG-KV's local part: attention over the local ring and the chunk (small and dense).
+
+    A key at position j is visible to a query at position i when it is causal (j <= i) and
+    inside the band (i - j < window) or admitted to the global cache (`key_admitted`).
+    q [B, N, C, H]; k, v [B, K, S, H]; query_positions [B, C], key_positions [B, S] (-1 = empty
+    or padding); key_admitted bool [B, K, S].
+    Returns out f32 [B, N, C, H] and lse f32 [B, N, C] (-inf where nothing is visible).
+    """
+    resolve_backend(backend)
+    query_pos = query_positions[:, None, None, :, None]
+    key_pos = key_positions[:, None, None, None, :]
+    in_band = query_pos - key_pos < window
+    visible = in_band | key_admitted[:, :, None, None, :]
+    mask = (key_pos >= 0) & (key_pos <= query_pos) & visible
+    return masked_attention(q, k, v, mask, sm_scale)

@@ -65,7 +65,8 @@ class GenerateOutput:
       pages_in_use: int32 [steps] pages held after prefill and after each decode step (of the
         model-dtype pool).
       int8_pages_in_use: int32 [steps] the same of the int8 tier (0 without int8 storage).
-      memory_bytes: int64 [steps] the bytes all those pages hold (and the int8 channel scales).
+      memory_bytes: int64 [steps] the bytes all those pages hold (and the int8 channel scales,
+        and the local ring of ring policies).
       confidence: f32 [steps, B] confidence of the logits each token was sampled from.
       state: the final KV state.
     """
@@ -169,6 +170,7 @@ def _create_state(
         num_pages=num_pages,
         dtype=kv_dtype if kv_dtype is not None else model.dtype,
         key_bounds=policy.selects_pages,
+        local_window=policy.local_window,
     )
 
 
@@ -500,7 +502,7 @@ def generate(
     num_tokens = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, steps)
     pages = np.asarray(state.pages_in_use)[:steps]
     int8_pages = np.asarray(state.int8_pages_in_use)[:steps]
-    memory_bytes = pages.astype(np.int64) * state.kv.pool.page_bytes
+    memory_bytes = pages.astype(np.int64) * state.kv.pool.page_bytes + state.kv.ring_bytes
     if state.kv.pool.int8 is not None:
         tier = state.kv.pool.int8
         memory_bytes += int8_pages.astype(np.int64) * tier.pool.page_bytes

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import attention as attention_ops
-from jaxkv.cache import KVState, attend_and_write
+from jaxkv.cache import KVState, attend_and_write, attend_and_write_with_ring, check_ring_policy
 from models import layers
 from models.configs import ModelConfig
 
@@ -246,12 +246,13 @@ def forward_cached(
     """
     cfg, params = model.config, model.params
     _check_chunk_shapes(cfg, tokens, positions, kv)
+    check_ring_policy(policy, kv.ring)
     cos, sin = _rope_for(cfg, positions)
     valid = (positions >= 0)[..., None]
 
     def layer(carry, xs):
         x, pool = carry
-        lp, page_table, lengths, layer_index, layer_policy_params = xs
+        lp, page_table, lengths, layer_index, layer_policy_params, ring = xs
         h = attention_input(lp, cfg, x)
         q = project_queries(lp, cfg, h, cos, sin)
         k_unrotated, v = project_unrotated_keys_values(lp, cfg, h)
@@ -259,14 +260,7 @@ def forward_cached(
         write_scores = policy.write_scores(
             layer_policy_params, h=h, k_unrotated=k_unrotated, k=k, positions=positions
         )
-        attn, pool, page_table, lengths = attend_and_write(
-            pool,
-            page_table,
-            lengths,
-            q,
-            k,
-            v,
-            positions,
+        step = dict(
             layer=layer_index,
             sm_scale=cfg.head_dim**-0.5,
             policy=policy,
@@ -274,6 +268,14 @@ def forward_cached(
             read_budget=read_budget,
             write_scores=write_scores,
         )
+        if ring is None:
+            attn, pool, page_table, lengths = attend_and_write(
+                pool, page_table, lengths, q, k, v, positions, **step
+            )
+        else:
+            attn, pool, page_table, lengths, ring = attend_and_write_with_ring(
+                pool, page_table, lengths, ring, q, k, v, positions, **step
+            )
         collected = {}
         if collect_queries:
             collected["queries"] = q
@@ -282,11 +284,12 @@ def forward_cached(
             collected["input_sum"] = jnp.sum(h32, axis=1)
             collected["input_sq_sum"] = jnp.sum(h32 * h32, axis=1)
         x = attention_output_and_mlp(lp, cfg, x, attn)
-        return (x, pool), (page_table, lengths, collected)
+        return (x, pool), (page_table, lengths, ring, collected)
 
-    xs = (params["layers"], kv.page_table, kv.lengths, jnp.arange(cfg.num_layers), policy_params)
-    (x, pool), (page_table, lengths, collected) = jax.lax.scan(
+    layer_indices = jnp.arange(cfg.num_layers)
+    xs = (params["layers"], kv.page_table, kv.lengths, layer_indices, policy_params, kv.ring)
+    (x, pool), (page_table, lengths, ring, collected) = jax.lax.scan(
         layer, (embed(params, tokens), kv.pool), xs
     )
-    kv = dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
+    kv = dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths, ring=ring)
     return final_hidden(params, cfg, x), kv, collected

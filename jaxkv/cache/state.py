@@ -90,6 +90,54 @@ class PagePool:
 
 
 @flax.struct.dataclass
+class LocalRing:
+    """WG-KV's local ring (see `jaxkv.cache.ring`): the last `window` tokens written per (layer,
+    sequence, KV head), a dense side array next to the pool. Leading [L] axis in the KV state,
+    none inside the decoder's layer scan.
+
+    Attributes:
+      k, v: [L, B, K, W, H] keys (post-RoPE) and values.
+      positions: int32 [L, B, W] original positions (every head of a sequence holds the same
+        tokens), -1 for empty slots.
+      scores: f32 [L, B, K, W] the tokens' write scores (gate values), kept on promotion.
+      admitted: bool [L, B, K, W] whether the policy admits the token to the global cache.
+      count: int32 [L, B] tokens written so far; the next one goes to slot count % W.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    scores: jax.Array
+    admitted: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def create(
+        cls, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, window: int, dtype
+    ) -> LocalRing:
+        if window <= 0:
+            raise ValueError(f"window={window} must be > 0")
+        heads = (num_layers, batch, num_kv_heads, window)
+        return cls(
+            k=jnp.zeros((*heads, head_dim), dtype),
+            v=jnp.zeros((*heads, head_dim), dtype),
+            positions=jnp.full((num_layers, batch, window), -1, jnp.int32),
+            scores=jnp.zeros(heads, jnp.float32),
+            admitted=jnp.zeros(heads, bool),
+            count=jnp.zeros((num_layers, batch), jnp.int32),
+        )
+
+    @property
+    def window(self) -> int:
+        return self.positions.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the ring reserves (host-side int, from the shapes)."""
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
+
+
+@flax.struct.dataclass
 class KVState:
     """Paged KV cache for L layers, B sequences, K KV heads, at most M pages per head.
 
@@ -102,11 +150,13 @@ class KVState:
       pool: the physical pages and allocator, shared by all layers.
       page_table: int32 [L, B, K, M]; model-dtype page ids in token order, -1 where unallocated.
       lengths: int32 [L, B, K]; tokens stored per (layer, sequence, KV head), both tiers.
+      ring: the local ring of ring policies (WG-KV and its static baselines), else None.
     """
 
     pool: PagePool
     page_table: jax.Array
     lengths: jax.Array
+    ring: LocalRing | None = None
 
     @classmethod
     def create(
@@ -121,10 +171,12 @@ class KVState:
         num_pages: int,
         dtype=jnp.bfloat16,
         key_bounds: bool = False,
+        local_window: int = 0,
     ) -> KVState:
         """An empty state with room for `max_tokens` per head and a pool of `num_pages` pages.
 
-        `key_bounds` adds per-page key bounds for page selection (Quest).
+        `key_bounds` adds per-page key bounds for page selection (Quest); `local_window` > 0 a
+        local ring of that many slots per head (WG-KV).
         """
         for name, value in (
             ("num_layers", num_layers),
@@ -148,10 +200,23 @@ class KVState:
             key_min=jnp.zeros((num_pages, head_dim), jnp.float32) if key_bounds else None,
             key_max=jnp.zeros((num_pages, head_dim), jnp.float32) if key_bounds else None,
         )
+        if local_window < 0:
+            raise ValueError(f"local_window={local_window} must be >= 0")
+        ring = None
+        if local_window:
+            ring = LocalRing.create(
+                num_layers=num_layers,
+                batch=batch,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                window=local_window,
+                dtype=dtype,
+            )
         return cls(
             pool=pool,
             page_table=jnp.full((num_layers, batch, num_kv_heads, max_pages), -1, jnp.int32),
             lengths=jnp.zeros((num_layers, batch, num_kv_heads), jnp.int32),
+            ring=ring,
         )
 
     @property
@@ -171,10 +236,15 @@ class KVState:
         """int32 []: model-dtype pages held (the int8 tier's: `pool.int8.pages_in_use()`)."""
         return self.pool.allocator.pages_in_use()
 
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes the local ring reserves (0 without one); host-side int."""
+        return 0 if self.ring is None else self.ring.nbytes
+
     def memory_bytes(self) -> int:
-        """Bytes of the pages really held (keys, values, scales and per-token metadata, in
-        both tiers); host-side int."""
-        held = int(np.asarray(self.pages_in_use())) * self.pool.page_bytes
+        """Bytes really held: the pages in use (keys, values, scales and per-token metadata, in
+        both tiers) and the local ring; host-side int."""
+        held = int(np.asarray(self.pages_in_use())) * self.pool.page_bytes + self.ring_bytes
         return held if self.pool.int8 is None else held + self.pool.int8.memory_bytes()
 
     def _per_slot(self, field: str, layer: int | None, empty) -> jax.Array:

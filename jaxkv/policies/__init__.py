@@ -11,6 +11,7 @@ from jaxkv.policies.base import (
     register,
     registered,
 )
+from jaxkv.policies.compose import Composed, compose
 from jaxkv.policies.confkv import ConfidenceWeights, ConfKV, Ranking, confidence
 from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView
 from jaxkv.policies.gvote import GVote
@@ -27,34 +28,50 @@ from jaxkv.policies.scorers import (
     SnapKV,
     StreamingLLM,
 )
+from jaxkv.policies.wgkv import (
+    WGKV,
+    DuoAttention,
+    LocalAttention,
+    RingAdmission,
+    long_range_attention_mass,
+    retrieval_heads,
+)
 
 __all__ = [
     "H2O",
     "TOVA",
+    "WGKV",
     "AdaKV",
     "Budget",
+    "Composed",
     "ConfKV",
     "ConfidenceWeights",
     "DecodeContext",
     "DecodeEviction",
+    "DuoAttention",
     "EvictionPolicy",
     "FullCache",
     "GVote",
     "Knorm",
     "LayerView",
+    "LocalAttention",
     "ObservedAttention",
     "Policy",
     "PrefillObservations",
     "PyramidKV",
     "Quest",
     "Ranking",
+    "RingAdmission",
     "SageKV",
     "SlidingWindow",
     "SnapKV",
     "Storage",
     "StreamingLLM",
+    "compose",
     "confidence",
     "get",
+    "long_range_attention_mass",
     "register",
     "registered",
+    "retrieval_heads",
 ]

@@ -161,6 +161,12 @@ class Policy:
         """How many of each prompt's last queries prefill records per layer for `compress`."""
         return 0
 
+    @property
+    def local_window(self) -> int:
+        """Slots of the local ring (WG-KV's band) the KV state keeps per (layer, sequence, KV
+        head), read whatever the admission; 0 for no ring (admission then decides the write)."""
+        return 0
+
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
         """int32 [B] (or [B, n]) tokens per head; checks budgets against the prompts (host side)."""
         return np.asarray(prompt_lengths, np.int32)

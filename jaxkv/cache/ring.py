@@ -1,0 +1,183 @@
+"""WG-KV's local ring: the last W tokens of every (layer, sequence, KV head), read whatever their
+gate, next to the global paged cache that holds only admitted tokens.
+
+The ring is a dense side array (not pages of the pool): it is written every step, always read
+whole, and its size is fixed, so paging it would add table lookups and nothing else. Slot
+`t % W` holds a sequence's t-th written token; the pointer is the count of tokens written.
+
+A chunk (prefill chunk or decode token, one code path) attends to the global pages, the ring and
+itself; a ring or chunk token j is visible to a query at position i when causal and
+(i - j < W or admitted(j)). Then the chunk enters the ring, and the tokens it pushes out (the
+ring's oldest, or the chunk's own earliest when C > W) are promoted to the global cache when
+admitted, else dropped: lazy promotion. Query i thus sees every admitted token and the band.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import attention as attention_ops
+from jaxkv.cache.state import LocalRing, PagePool
+from jaxkv.cache.writes import write_tokens
+
+
+def _leaving_ring_tokens(ring: LocalRing, chunk_tokens: jax.Array, max_leaving: int):
+    """The ring's oldest `max_leaving` slots (oldest first) and which of them the chunk's
+    `chunk_tokens` [B] new tokens push out. Returns (slots [B, m], leaving bool [B, m])."""
+    age = jnp.arange(max_leaving)
+    # Age a holds the token written W - a steps before the pointer; a < n leave.
+    slots = (ring.count[:, None] + age) % ring.window
+    held = jnp.take_along_axis(ring.positions, slots, axis=-1) >= 0
+    return slots, held & (age < chunk_tokens[:, None])
+
+
+def _gather_slots(values: jax.Array, slots: jax.Array) -> jax.Array:
+    """values [B, K, W, ...] at slots [B, m] -> [B, K, m, ...]."""
+    index = slots[:, None, :]
+    index = index.reshape(index.shape + (1,) * (values.ndim - 3))
+    return jnp.take_along_axis(values, index, axis=2)
+
+
+def promote_and_push(
+    pool: PagePool,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    ring: LocalRing,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    scores: jax.Array,
+    admitted: jax.Array,
+):
+    """Writes a chunk into one layer's ring; the tokens it pushes out go to the global pages
+    when admitted (lazy promotion), else are dropped.
+
+    Args:
+      page_table [B, K, M], lengths [B, K], ring: this layer's.
+      k, v [B, K, C, H]; positions int32 [B, C] (-1 = padding, not written); scores f32 and
+        admitted bool [B, K, C] for the chunk's tokens.
+    Returns:
+      (pool, page_table, lengths, ring). A promotion that does not fit in the pool is dropped
+      whole and sets `pool.overflow` (live pages are never overwritten).
+    """
+    window = ring.window
+    valid = positions >= 0
+    chunk_tokens = jnp.sum(valid, axis=-1, dtype=jnp.int32)  # [B]
+    rank = jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1  # among the chunk's valid tokens
+    slots, ring_leaving = _leaving_ring_tokens(ring, chunk_tokens, min(k.shape[2], window))
+    chunk_leaving = valid & (rank < chunk_tokens[:, None] - window)
+
+    ring_admitted = _gather_slots(ring.admitted, slots)
+    promoted = jnp.concatenate(
+        [ring_leaving[:, None] & ring_admitted, chunk_leaving[:, None] & admitted], axis=-1
+    )
+    ring_positions = jnp.take_along_axis(ring.positions, slots, axis=-1)
+    pool, page_table, lengths = write_tokens(
+        pool,
+        page_table,
+        lengths,
+        jnp.concatenate([_gather_slots(ring.k, slots).astype(k.dtype), k], axis=2),
+        jnp.concatenate([_gather_slots(ring.v, slots).astype(v.dtype), v], axis=2),
+        jnp.concatenate([ring_positions, positions], axis=-1),
+        promoted,
+        jnp.concatenate([_gather_slots(ring.scores, slots), scores], axis=-1),
+    )
+
+    stays = valid & ~chunk_leaving
+    slot = jnp.where(stays, (ring.count[:, None] + rank) % window, window)  # window: dropped
+    rows = jnp.broadcast_to(jnp.arange(slot.shape[0])[:, None], slot.shape)
+
+    def put(ring_values, chunk_values):  # [B, K, W, ...] <- [B, K, C, ...] at slot
+        updates = jnp.swapaxes(chunk_values, 1, 2).astype(ring_values.dtype)
+        return ring_values.at[rows, :, slot].set(updates, mode="drop")
+
+    ring = LocalRing(
+        k=put(ring.k, k),
+        v=put(ring.v, v),
+        positions=ring.positions.at[rows, slot].set(positions, mode="drop"),
+        scores=put(ring.scores, scores),
+        admitted=put(ring.admitted, admitted),
+        count=ring.count + chunk_tokens,
+    )
+    return pool, page_table, lengths, ring
+
+
+def attend_and_write_with_ring(
+    pool: PagePool,
+    page_table,
+    lengths,
+    ring: LocalRing,
+    q,
+    k,
+    v,
+    positions,
+    *,
+    layer,
+    sm_scale: float,
+    policy,
+    backend: str,
+    read_budget=None,
+    write_scores=None,
+):
+    """`attend_and_write` for a state with a local ring (one layer, one chunk).
+
+    The chunk's queries read the global pages (all of them, or the pages a page-selecting policy
+    picks under `read_budget`), the ring and the chunk (band or admitted, causal); the partial
+    attentions merge through their logsumexps. Admission is `policy.admit` on `write_scores`
+    (every valid token when it returns None). Returns (attn [B, N, C, H] in q.dtype, pool,
+    page_table, lengths, ring).
+    """
+    if pool.int8 is not None:
+        raise ValueError("a KV state with a local ring does not support int8 storage yet")
+    page_mask = None
+    if read_budget is not None:
+        page_mask = policy.select_pages(q, pool, page_table, lengths, read_budget)
+    global_out, global_lse = attention_ops.paged_attention(
+        q,
+        pool.k_pages,
+        pool.v_pages,
+        page_table,
+        lengths,
+        sm_scale=sm_scale,
+        page_mask=page_mask,
+        backend=backend,
+    )
+    valid = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
+    admitted = policy.admit(layer=layer, k=k, v=v, positions=positions, scores=write_scores)
+    admitted = valid if admitted is None else valid & admitted
+    local_out, local_lse = attention_ops.local_attention(
+        q,
+        jnp.concatenate([ring.k.astype(k.dtype), k], axis=2),
+        jnp.concatenate([ring.v.astype(v.dtype), v], axis=2),
+        positions,
+        jnp.concatenate([ring.positions, positions], axis=-1),
+        jnp.concatenate([ring.admitted, admitted], axis=-1),
+        window=ring.window,
+        sm_scale=sm_scale,
+        backend=backend,
+    )
+    out, _ = attention_ops.merge_partials(global_out, global_lse, local_out, local_lse)
+    scores = jnp.zeros(k.shape[:3], jnp.float32) if write_scores is None else write_scores
+    pool, page_table, lengths, ring = promote_and_push(
+        pool, page_table, lengths, ring, k, v, positions, scores, admitted
+    )
+    return out.astype(q.dtype), pool, page_table, lengths, ring
+
+
+def check_ring_policy(policy, ring: LocalRing | None) -> None:
+    """Raises when a policy that needs a local ring meets a state without one of its size."""
+    wanted = policy.local_window
+    if wanted and (ring is None or ring.window != wanted):
+        have = "no local ring" if ring is None else f"a local ring of {ring.window} slots"
+        raise ValueError(
+            f"policy {policy.name!r} needs a KV state with a local ring of window={wanted} "
+            f"slots (KVState.create(local_window=...)); this state has {have}"
+        )
+
+
+__all__ = [
+    "attend_and_write_with_ring",
+    "check_ring_policy",
+    "promote_and_push",
+]

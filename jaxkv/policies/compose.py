@@ -1,0 +1,75 @@
+"""Composition of an admission policy (what is written) with a page-selecting policy (what a
+decode step reads): `compose(WGKV(...), Quest(...))` admits with WG-KV's gates and lets Quest
+choose among the global pages; WG-KV's local ring is read whole whatever Quest picks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from jaxkv.policies import base
+
+
+@dataclasses.dataclass(frozen=True)
+class Composed(base.Policy):
+    """Admission hooks (write_scores, admit, local ring, params) from `admission`; page selection
+    and its read budget from `selection`; compress/on_decode run admission's then selection's.
+
+    Attributes:
+      admission: a policy that decides writes and does not select pages.
+      selection: a policy that selects pages (Quest).
+    """
+
+    name: ClassVar[str] = "composed"
+    selects_pages: ClassVar[bool] = True
+    admission: base.Policy
+    selection: base.Policy
+
+    def __post_init__(self):
+        if not self.selection.selects_pages:
+            raise ValueError(f"selection={self.selection.name!r} does not select pages")
+        if self.admission.selects_pages:
+            raise ValueError(f"admission={self.admission.name!r} already selects pages")
+        for part in (self.admission, self.selection):
+            if part.accumulates_attention or part.needs_input_stats or part.observation_window:
+                raise ValueError(
+                    f"policy {part.name!r} records prefill statistics, which compose() does not "
+                    "forward; compose an admission policy with a page selection policy"
+                )
+
+    @property
+    def label(self) -> str:
+        return f"{self.admission.name}+{self.selection.name}"
+
+    @property
+    def local_window(self) -> int:
+        return self.admission.local_window
+
+    def budget_tokens(self, prompt_lengths):
+        return self.selection.budget_tokens(prompt_lengths)
+
+    def static(self) -> Composed:
+        return Composed(admission=self.admission.static(), selection=self.selection.static())
+
+    def check_params(self, params, model_config) -> None:
+        self.admission.check_params(params, model_config)
+
+    def write_scores(self, layer_params, **kwargs):
+        return self.admission.write_scores(layer_params, **kwargs)
+
+    def admit(self, **kwargs):
+        return self.admission.admit(**kwargs)
+
+    def select_pages(self, q, pool, page_table, lengths, read_budget):
+        return self.selection.select_pages(q, pool, page_table, lengths, read_budget)
+
+    def compress(self, kv, obs, model):
+        return self.selection.compress(self.admission.compress(kv, obs, model), obs, model)
+
+    def on_decode(self, kv, ctx):
+        return self.selection.on_decode(self.admission.on_decode(kv, ctx), ctx)
+
+
+def compose(admission: base.Policy, selection: base.Policy) -> Composed:
+    """`admission` decides what is written, `selection` which global pages each decode reads."""
+    return Composed(admission=admission, selection=selection)

@@ -1,0 +1,195 @@
+"""WG-KV write-gated admission and the static admission baselines that share its dual cache.
+
+Every policy here keeps a local ring of the last `window` tokens per (layer, sequence, KV head),
+read whatever the gate, and promotes a token leaving the ring to the global paged cache iff its
+gate value g > tau (lazy promotion, `jaxkv.cache.ring`). They differ only in where g comes from:
+  WGKV            the learned write gate (`jaxkv.gates.wgkv`) on the token's keys;
+  LocalAttention  1 for the first `sinks` positions, else 0 (sinks + sliding window);
+  DuoAttention    1 for every token of a retrieval head, else as LocalAttention (streaming head).
+A query at position i thus reads every admitted token and the band i - j < window: prefill is the
+paper's vertical-slash pattern, chunk by chunk, and decode the same path with one token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import attention as attention_ops
+from jaxkv.gates.wgkv import check_write_gates, write_gate_values
+from jaxkv.policies import base
+
+
+@dataclasses.dataclass(frozen=True)
+class RingAdmission(base.Policy):
+    """Admission by a per-token gate value g > tau, with a local ring of `window` tokens.
+
+    Attributes:
+      tau: admission threshold in (0, 1); a token is promoted iff g > tau (strict).
+      window: the local band in tokens (> 0): the ring's slots per head.
+    """
+
+    name: ClassVar[str] = "ring_admission"
+    tau: float = 0.1
+    window: int = 256
+
+    def __post_init__(self):
+        if isinstance(self.tau, bool) or not isinstance(self.tau, int | float):
+            raise ValueError(f"tau={self.tau!r} must be a number in (0, 1)")
+        if not 0.0 < self.tau < 1.0:
+            raise ValueError(f"tau={self.tau} must be in (0, 1)")
+        if isinstance(self.window, bool) or not isinstance(self.window, int | np.integer):
+            raise ValueError(f"window={self.window!r} must be an integer > 0")
+        if self.window <= 0:
+            raise ValueError(f"window={self.window} must be > 0")
+
+    @property
+    def local_window(self) -> int:
+        return int(self.window)
+
+    def admit(self, *, layer, k, v, positions, scores=None):
+        del layer, k, v, positions
+        return scores > self.tau
+
+
+def _sink_gates(positions: jax.Array, sinks: int, num_kv_heads: int) -> jax.Array:
+    """f32 [B, K, C]: 1 for the first `sinks` positions, else 0."""
+    sink = (positions >= 0) & (positions < sinks)
+    return jnp.broadcast_to(
+        sink[:, None, :], (positions.shape[0], num_kv_heads, positions.shape[1])
+    )
+
+
+def _check_sinks(sinks) -> None:
+    if isinstance(sinks, bool) or not isinstance(sinks, int | np.integer) or sinks < 0:
+        raise ValueError(f"sinks={sinks!r} must be an integer >= 0")
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class WGKV(RingAdmission):
+    """WG-KV: the learned write gate decides admission (policy_params: `jaxkv.gates.wgkv`)."""
+
+    name: ClassVar[str] = "wgkv"
+
+    def check_params(self, params, model_config) -> None:
+        if params is None:
+            raise ValueError(
+                "policy 'wgkv' needs policy_params: write gates from "
+                "jaxkv.gates.wgkv.init_write_gates or load_write_gates"
+            )
+        check_write_gates(params, model_config)
+
+    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
+        del h, positions
+        return write_gate_values(layer_params, k_unrotated, k)
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class LocalAttention(RingAdmission):
+    """Static admission: attention sinks (the first `sinks` positions) plus the sliding window.
+
+    Attributes:
+      sinks: leading positions admitted to the global cache.
+    """
+
+    name: ClassVar[str] = "local_attention"
+    sinks: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_sinks(self.sinks)
+
+    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
+        del layer_params, h, k_unrotated
+        return _sink_gates(positions, self.sinks, k.shape[1]).astype(jnp.float32)
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class DuoAttention(RingAdmission):
+    """DuoAttention-style static admission: retrieval heads admit every token, streaming heads
+    only the sinks (then read the window). policy_params: bool [L, K], True for retrieval heads
+    (`retrieval_heads` picks them from a calibration score).
+
+    Attributes:
+      sinks: leading positions every head admits.
+    """
+
+    name: ClassVar[str] = "duo_attention"
+    sinks: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_sinks(self.sinks)
+
+    def check_params(self, params, model_config) -> None:
+        expected = (model_config.num_layers, model_config.num_kv_heads)
+        shape = None if params is None else tuple(np.shape(params))
+        if shape != expected:
+            raise ValueError(
+                f"policy 'duo_attention' needs policy_params of shape [L, K] = {expected} "
+                f"(True for retrieval heads), got {shape}"
+            )
+        if jnp.result_type(params) != jnp.bool_:
+            raise ValueError(f"duo_attention policy_params must be bool, got {params.dtype}")
+
+    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
+        del h, k_unrotated
+        sink = _sink_gates(positions, self.sinks, k.shape[1])
+        return (sink | layer_params[None, :, None]).astype(jnp.float32)
+
+
+def retrieval_heads(scores, fraction: float) -> np.ndarray:
+    """bool [L, K]: the `fraction` of all (layer, KV head) pairs with the highest calibration
+    score (ties broken by index), as DuoAttention picks a global ratio of retrieval heads."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction={fraction} must be in [0, 1]")
+    scores = np.asarray(scores, np.float64)
+    count = int(round(fraction * scores.size))
+    order = np.argsort(-scores.reshape(-1), kind="stable")
+    chosen = np.zeros(scores.size, bool)
+    chosen[order[:count]] = True
+    return chosen.reshape(scores.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("sinks", "window"))
+def long_range_attention_mass(model, tokens, *, sinks: int, window: int) -> jax.Array:
+    """DuoAttention calibration score f32 [L, K]: under full causal attention, the mean attention
+    mass a query gives to keys a streaming head would not see (past the sinks and outside the
+    band i - j < window), over queries at i >= sinks + window, averaged over the KV head's query
+    heads. Heads that look far back score high; they are the retrieval heads.
+
+    tokens int32 [B, T] with T > sinks + window (no padding).
+    """
+    from models.decoder import attention_inputs, attention_output_and_mlp, embed
+    from models.layers import rope_cos_sin
+
+    cfg, params = model.config, model.params
+    t = tokens.shape[1]
+    if t <= sinks + window:
+        raise ValueError(f"calibration tokens T={t} must exceed sinks + window = {sinks + window}")
+    positions = jnp.broadcast_to(jnp.arange(t), tokens.shape)
+    cos, sin = rope_cos_sin(cfg, positions)
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    causal = j <= i
+    far = causal & (j >= sinks) & (i - j >= window)
+    queries = (jnp.arange(t) >= sinks + window).astype(jnp.float32)
+
+    def layer(x, lp):
+        q, k, v = attention_inputs(lp, cfg, x, cos, sin)
+        probs = attention_ops.attention_probabilities(q, k, causal, cfg.head_dim**-0.5)
+        mass = jnp.sum(jnp.where(far, probs, 0.0), axis=-1)  # [B, N, T]
+        mass = jnp.sum(mass * queries, axis=-1) / jnp.sum(queries)  # [B, N]
+        per_kv_head = mass.reshape(mass.shape[0], cfg.num_kv_heads, -1).mean(axis=(0, 2))
+        attn = jnp.einsum("bnts,bnsh->bnth", probs, jnp.repeat(v, cfg.group_size, axis=1))
+        return attention_output_and_mlp(lp, cfg, x, attn), per_kv_head
+
+    _, scores = jax.lax.scan(layer, embed(params, tokens), params["layers"])
+    return scores
