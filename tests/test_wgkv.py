@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxkv
 from jaxkv import policies
-from jaxkv.cache import KVState
+from jaxkv.cache import KVState, PoolExhaustedError
 from jaxkv.gates.wgkv import init_write_gates, write_gate_values
 from models import ModelConfig, forward_cached, init_model
 from models.configs import Family
@@ -29,6 +30,8 @@ from models.decoder import (
     project_unrotated_keys_values,
 )
 from models.layers import apply_rope, rope_cos_sin
+from tests import dense_reference as decode_reference
+from tests.test_quest import _quest_select
 
 WINDOW = 8
 PAGE = 4
@@ -61,9 +64,9 @@ PROMPT_LENGTHS = (37, 26)
 DECODE_STEPS = 11
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def model(request):
-    return init_model(CONFIGS[request.param], seed=5, scale=0.3)
+@functools.cache
+def tiny_model(name):
+    return init_model(CONFIGS[name], seed=5, scale=0.3)
 
 
 def forced_gates(cfg, logit: float):
@@ -190,11 +193,13 @@ def cached_run(model, prompts, continuations, policy, policy_params, chunk, read
         )
         decoded.append(np.asarray(logits)[:, 0])
     assert not bool(kv.pool.overflow)
-    return [prefill[b, :n] for b, n in enumerate(lengths)], np.stack(decoded), prefilled, kv
+    decoded = np.stack(decoded) if decoded else np.zeros((0, len(prompts), 0))
+    return [prefill[b, :n] for b, n in enumerate(lengths)], decoded, prefilled, kv
 
 
 def assert_matches_reference(model, policy, policy_params, chunk, reference):
-    """Prefill and every decode step equal `reference(tokens) -> logits [T, V]`."""
+    """Prefill and every decode step equal `reference(tokens) -> logits [T, V]`; returns the
+    final state."""
     prompts, continuations = prompts_and_continuations()
     prefill, decoded, _, final = cached_run(
         model, prompts, continuations, policy, policy_params, chunk
@@ -206,7 +211,9 @@ def assert_matches_reference(model, policy, policy_params, chunk, reference):
     return final
 
 
-def test_gates_forced_to_one_equal_full_attention(model):
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_gates_forced_to_one_equal_full_attention(name):
+    model = tiny_model(name)
     gates = forced_gates(model.config, 30.0)
 
     def full_attention(tokens):
@@ -217,7 +224,9 @@ def test_gates_forced_to_one_equal_full_attention(model):
     np.testing.assert_array_equal(held[:, :, 0], [np.array(PROMPT_LENGTHS) + DECODE_STEPS] * 2)
 
 
-def test_gates_forced_to_zero_equal_sliding_window(model):
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_gates_forced_to_zero_equal_sliding_window(name):
+    model = tiny_model(name)
     gates = forced_gates(model.config, -30.0)  # g = 1e-3 (the clamp) <= tau
 
     def band(tokens):
@@ -229,8 +238,9 @@ def test_gates_forced_to_zero_equal_sliding_window(model):
     assert final.memory_bytes() == final.ring_bytes > 0
 
 
-@pytest.mark.parametrize("chunk", [3, 16])
-def test_random_gates_equal_vertical_slash_reference(model, chunk):
+@pytest.mark.parametrize(("name", "chunk"), [("llama", 16), ("qwen3", 16), ("llama", 3)])
+def test_random_gates_equal_vertical_slash_reference(name, chunk):
+    model = tiny_model(name)
     gates = random_gates(model.config)
 
     def reference(tokens):
@@ -258,3 +268,214 @@ def test_random_gates_equal_vertical_slash_reference(model, chunk):
                 np.testing.assert_allclose(
                     scores[head][kept], g[layer, head, held[head][kept]], rtol=1e-6
                 )
+
+
+def test_generate_follows_the_reference_and_holds_admitted_tokens_plus_the_ring():
+    model = tiny_model("qwen3")
+    cfg = model.config
+    gates = random_gates(cfg)
+    prompts, _ = prompts_and_continuations()
+    out = jaxkv.generate(
+        model,
+        prompts,
+        max_new_tokens=DECODE_STEPS,
+        policy=WGKV,
+        policy_params=gates,
+        stop_tokens=(),
+        page_size=PAGE,
+        prefill_chunk=16,
+    )
+    page_bytes = out.state.pool.page_bytes
+    pages = admitted_tokens = 0
+    for b, prompt in enumerate(prompts):
+        generated = out.tokens[b]
+        tokens = [*prompt, *generated[:-1]]
+        logits, g = dense_reference(model, tokens, wgkv_gate_fn(gates), WINDOW, TAU)
+        np.testing.assert_array_equal(np.argmax(logits[len(prompt) - 1 :], -1), generated)
+        admitted = np.sum(g[:, :, : len(prompt) - WINDOW] > TAU, axis=-1)  # [L, K] after prefill
+        pages += int(np.sum(-(-admitted // PAGE)))
+        admitted_tokens += int(admitted.sum())
+    ring = out.state.ring_bytes
+    assert ring == cfg.num_layers * len(prompts) * (
+        cfg.num_kv_heads * WINDOW * (2 * cfg.head_dim * 4 + 4 + 1) + WINDOW * 4 + 4
+    )
+    assert out.memory_bytes[0] == pages * page_bytes + ring
+    heads = cfg.num_layers * len(prompts) * cfg.num_kv_heads
+    assert (
+        abs(out.memory_bytes[0] - admitted_tokens * page_bytes / PAGE - ring) <= heads * page_bytes
+    )
+    full = heads * np.mean(PROMPT_LENGTHS) * page_bytes / PAGE
+    assert out.memory_bytes[0] < 0.9 * full
+
+
+def test_pool_exhaustion_during_promotion_is_reported_and_spares_live_pages():
+    model = tiny_model("llama")
+    gates = forced_gates(model.config, 30.0)
+    kv = new_state(model.config, 2, 48, WGKV, num_pages=20)
+    tokens = np.random.default_rng(1).integers(0, 64, (2, 32)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(16), (2, 16))
+    # 8 of 16 tokens per head leave the ring: 2 pages for each of 8 heads.
+    _, before = _chunk(model, kv, tokens[:, :16], positions, gates, None, WGKV)
+    _, after = _chunk(model, before, tokens[:, 16:], positions + 16, gates, None, WGKV)
+    assert not bool(before.pool.overflow) and int(before.pages_in_use()) == 16
+    assert bool(after.pool.overflow)  # 16 more per head do not fit in the 4 free pages
+    np.testing.assert_array_equal(after.page_table, before.page_table)
+    np.testing.assert_array_equal(after.lengths, before.lengths)
+    live = np.asarray(before.page_table)[np.asarray(before.page_table) >= 0]
+    np.testing.assert_array_equal(after.pool.k_pages[live], before.pool.k_pages[live])
+    np.testing.assert_array_equal(after.pool.v_pages[live], before.pool.v_pages[live])
+    assert int(after.pages_in_use()) == 16
+    with pytest.raises(PoolExhaustedError):
+        after.check()
+
+
+def test_bad_input_is_refused_before_compiling():
+    for tau in (0.0, 1.0, -0.2, 1.5):
+        with pytest.raises(ValueError, match=r"tau=.* must be in \(0, 1\)"):
+            policies.WGKV(tau=tau)
+    for window in (0, -4):
+        with pytest.raises(ValueError, match="window=.* must be > 0"):
+            policies.WGKV(window=window)
+    with pytest.raises(ValueError, match="window=2.5 must be an integer"):
+        policies.WGKV(window=2.5)
+    with pytest.raises(ValueError, match="sinks=-1"):
+        policies.LocalAttention(sinks=-1)
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="needs policy_params"):
+        jaxkv.generate(model, [[1, 2, 3]], max_new_tokens=2, policy=WGKV)
+    other = init_write_gates(CONFIGS["qwen3"], jax.random.PRNGKey(0))  # head dim 16, not 8
+    with pytest.raises(ValueError, match="write gate .* head dim"):
+        jaxkv.generate(model, [[1, 2, 3]], max_new_tokens=2, policy=WGKV, policy_params=other)
+    duo = policies.DuoAttention(window=WINDOW)
+    with pytest.raises(ValueError, match=r"shape \[L, K\] = \(2, 2\)"):
+        jaxkv.generate(
+            model, [[1, 2, 3]], max_new_tokens=2, policy=duo, policy_params=jnp.ones((2, 4), bool)
+        )
+    no_ring = new_state(model.config, 1, 8, policies.FullCache())
+    with pytest.raises(ValueError, match="needs a KV state with a local ring"):
+        forward_cached(
+            model,
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.zeros((1, 1), jnp.int32),
+            no_ring,
+            policy=WGKV,
+            policy_params=forced_gates(model.config, 0.0),
+        )
+
+
+def _global_and_visible_ring(state, position):
+    """Per layer/sequence/head: the global keys and values followed by the ring tokens a query
+    at `position` [B] sees (band or admitted), and how many of them are global."""
+    keys, values = decode_reference.cached_keys_values(state)
+    ring = jax.tree.map(np.asarray, state.ring)
+    num_global = {}
+    for layer, b, head in np.ndindex(ring.admitted.shape[:3]):
+        pos = ring.positions[layer, b]
+        visible = (pos >= 0) & ((position[b] - pos < WINDOW) | ring.admitted[layer, b, head])
+        num_global[layer, b, head] = len(keys[layer][b][head])
+        keys[layer][b][head] = np.concatenate(
+            [keys[layer][b][head], ring.k[layer, b, head][visible]]
+        )
+        values[layer][b][head] = np.concatenate(
+            [values[layer][b][head], ring.v[layer, b, head][visible]]
+        )
+    return keys, values, num_global
+
+
+def test_wgkv_with_quest_reads_the_selected_global_pages_and_the_whole_ring():
+    model = tiny_model("llama")
+    gates = random_gates(model.config)
+    budget = 8
+    policy = policies.compose(WGKV, policies.Quest(budget=budget))
+    assert policy.local_window == WINDOW and policy.selects_pages
+    prompts, continuations = prompts_and_continuations()
+    _, _, state, _ = cached_run(model, prompts, continuations[:, :0], policy.static(), gates, 16)
+    assert int(np.asarray(state.lengths).max()) > 3 * PAGE  # Quest has pages to leave out
+    quest = _quest_select(PAGE, budget)
+    selection_mattered = False
+    for step in range(4):
+        token, position = continuations[:, step], np.array(PROMPT_LENGTHS) + step
+        keys, values, num_global = _global_and_visible_ring(state, position)
+
+        def select(layer, b, head, q_group, keys, num_global=num_global):
+            n = num_global[layer, b, head]
+            chosen = quest(layer, b, head, q_group, keys[:n]) if n else np.arange(0)
+            return np.concatenate([chosen, np.arange(n, len(keys))])
+
+        expected = decode_reference.decode_step_logits(model, token, position, keys, values, select)
+        unselected = decode_reference.decode_step_logits(model, token, position, keys, values)
+        logits, state = _chunk(
+            model,
+            state,
+            token[:, None],
+            position[:, None],
+            gates,
+            jnp.full((2,), budget, jnp.int32),
+            policy.static(),
+        )
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], expected, atol=1e-5, rtol=1e-5)
+        selection_mattered |= not np.allclose(expected, unselected, atol=1e-4)
+    assert selection_mattered
+
+
+RETRIEVAL = np.array([[True, False], [False, True]])
+
+
+@pytest.mark.parametrize("kind", ["local", "duo"])
+def test_static_admission_baselines_equal_their_dense_masks(kind):
+    model = tiny_model("llama")
+    sinks = 3
+    if kind == "local":
+        policy, params = policies.LocalAttention(tau=TAU, window=WINDOW, sinks=sinks), None
+        retrieval = np.zeros_like(RETRIEVAL)
+    else:
+        policy = policies.DuoAttention(tau=TAU, window=WINDOW, sinks=sinks)
+        params, retrieval = jnp.asarray(RETRIEVAL), RETRIEVAL
+
+    def gate_fn(layer, k_unrotated, k, positions):
+        del k_unrotated, k
+        sink = np.asarray(positions)[0] < sinks
+        return (sink[None, :] | retrieval[layer][:, None]).astype(np.float32)[None]
+
+    def reference(tokens):
+        return dense_reference(model, tokens, gate_fn, WINDOW, TAU)[0]
+
+    final = assert_matches_reference(model, policy, params, 16, reference)
+    left_ring = np.array(PROMPT_LENGTHS) + DECODE_STEPS - WINDOW
+    expected = np.where(retrieval[:, None, :], left_ring[None, :, None], sinks)  # [L, B, K]
+    np.testing.assert_array_equal(final.lengths, expected)
+
+
+def test_duo_calibration_score_and_head_choice():
+    model = tiny_model("llama")
+    cfg = model.config
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 24)), jnp.int32)
+    sinks, window = 2, 4
+    scores = np.asarray(
+        policies.long_range_attention_mass(model, tokens, sinks=sinks, window=window)
+    )
+    assert scores.shape == (cfg.num_layers, cfg.num_kv_heads)
+    # Layer 0 by hand: causal softmax of its queries over its keys, mass past sinks and band.
+    lp = jax.tree.map(lambda a: a[0], model.params["layers"])
+    cos, sin = rope_cos_sin(cfg, jnp.broadcast_to(jnp.arange(24), (2, 24)))
+    h = attention_input(lp, cfg, embed(model.params, tokens))
+    q = np.asarray(project_queries(lp, cfg, h, cos, sin), np.float64)
+    k = np.asarray(apply_rope(project_unrotated_keys_values(lp, cfg, h)[0], cos, sin), np.float64)
+    i, j = np.arange(24)[:, None], np.arange(24)[None, :]
+    far = (j <= i) & (j >= sinks) & (i - j >= window)
+    expected = np.zeros((2, cfg.num_heads))
+    for b, head in np.ndindex(expected.shape):
+        logits = q[b, head] @ k[b, head // cfg.group_size].T / np.sqrt(cfg.head_dim)
+        logits = np.where(j <= i, logits, -np.inf)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        expected[b, head] = np.sum(probs * far, axis=-1)[sinks + window :].mean()
+    per_kv_head = expected.reshape(2, cfg.num_kv_heads, cfg.group_size).mean(axis=(0, 2))
+    np.testing.assert_allclose(scores[0], per_kv_head, rtol=1e-5, atol=1e-7)
+    assert np.all((scores > 0) & (scores < 1))
+    chosen = policies.retrieval_heads(scores, 0.5)
+    assert chosen.sum() == 2 and scores[chosen].min() >= scores[~chosen].max()
+    with pytest.raises(ValueError, match="fraction=1.5"):
+        policies.retrieval_heads(scores, 1.5)
+    with pytest.raises(ValueError, match="must exceed sinks"):
+        policies.long_range_attention_mass(model, tokens[:, :6], sinks=sinks, window=window)
