@@ -33,6 +33,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv import policies, tasks
+from jaxkv.gates.wgkv import load_write_gates
 from jaxkv.generation import compress_prompt
 from models import Model, forward_cached, load_hf_checkpoint
 from models.decoder import logits_from_hidden
@@ -58,7 +59,8 @@ class Sweep:
 
 
 FULL = Sweep(
-    policies=tuple(policies.registered()),
+    # Policies that need parameters (learned gates, calibrated heads) run when given them.
+    policies=tuple(n for n in policies.registered() if not policies.base._REGISTRY[n].needs_params),
     budgets=(0.1, 0.2, 0.3, 0.5, 1.0),
     lengths=(2048, 4096),
     samples=16,
@@ -75,12 +77,14 @@ def takes_budget(name: str) -> bool:
     return "budget" in inspect.signature(policies.base._REGISTRY[name]).parameters
 
 
-def check_sweep(sweep: Sweep) -> None:
+def check_sweep(sweep: Sweep, policy_params: dict | None = None) -> None:
     """Names the bad value before anything runs."""
     known = policies.registered()
     for name in sweep.policies:
         if name not in known:
             raise ValueError(f"policy={name!r}: registered policies are {known}")
+        if policies.base._REGISTRY[name].needs_params and name not in (policy_params or {}):
+            raise ValueError(f"policy={name!r} needs policy_params (for wgkv: --wgkv-gates)")
     for budget in sweep.budgets:
         if not 0 < budget <= 1:
             raise ValueError(f"budget={budget}: a ratio of the prompt in (0, 1]")
@@ -126,7 +130,7 @@ def _num_pages(model: Model, batch: int, tokens: int) -> int:
     return cfg.num_layers * batch * cfg.num_kv_heads * -(-tokens // PAGE_SIZE)
 
 
-def run_qa(model, policy, episodes) -> dict:
+def run_qa(model, policy, episodes, policy_params=None) -> dict:
     prompts = [[BOS, *episode.prompt] for episode in episodes]
     answer_bytes = max(len(episode.answer) for episode in episodes)
     out = jaxkv.generate(
@@ -137,6 +141,7 @@ def run_qa(model, policy, episodes) -> dict:
         stop_tokens=[EOS],
         pad_id=PAD,
         page_size=PAGE_SIZE,
+        policy_params=policy_params,
     )
     correct = [
         bytes(int(t) for t in out.tokens[i, : len(e.answer)] if t < 256) == e.answer
@@ -145,6 +150,8 @@ def run_qa(model, policy, episodes) -> dict:
     # Tokens each sequence holds at the end, averaged over layers and KV heads: budgets that
     # adapt per request (GVote, Conf-KV) show their spread here.
     held = np.asarray(out.state.lengths).mean(axis=(0, 2))
+    if out.state.ring is not None:  # WG-KV's local ring holds the last W tokens on top
+        held = held + np.minimum(np.asarray(out.state.ring.count), out.state.ring.window).mean(0)
     return {
         "accuracy": float(np.mean(correct)),
         "kv_bytes_per_sequence": float(out.memory_bytes[0]) / len(episodes),
@@ -189,7 +196,9 @@ def greedy_continuation(model, kv, question_rows, starts, steps: int) -> np.ndar
     return np.stack(generated, axis=1)
 
 
-def _compressed_context(model, policy, contexts: list[bytes], extra_tokens: int):
+def _compressed_context(
+    model, policy, contexts: list[bytes], extra_tokens: int, policy_params=None
+):
     prompts = [[BOS, *context] for context in contexts]
     longest = max(map(len, prompts)) + extra_tokens
     kv = compress_prompt(
@@ -199,13 +208,14 @@ def _compressed_context(model, policy, contexts: list[bytes], extra_tokens: int)
         page_size=PAGE_SIZE,
         num_pages=_num_pages(model, len(prompts), longest),
         reserve_tokens=extra_tokens,
+        policy_params=policy_params,
     )
     starts = np.array([len(prompt) for prompt in prompts])
     kv_bytes = kv.memory_bytes() / len(prompts)
     return kv, starts, kv_bytes
 
 
-def run_multiquestion(model, policy, corpus, length: int, samples: int) -> dict:
+def run_multiquestion(model, policy, corpus, length: int, samples: int, policy_params=None) -> dict:
     """Several multikey facts per context; the compressed context answers each question."""
     rng = _rng("multiquestion", length)
     contexts, questions, answers = [], [], []
@@ -228,7 +238,7 @@ def run_multiquestion(model, policy, corpus, length: int, samples: int) -> dict:
         answers.append([value.rstrip(b".") + b".\n" for _, value in names])
     steps = max(len(a) for row in answers for a in row)
     extra = max(len(q) for row in questions for q in row) + steps
-    kv, starts, kv_bytes = _compressed_context(model, policy, contexts, extra)
+    kv, starts, kv_bytes = _compressed_context(model, policy, contexts, extra, policy_params)
     correct = []
     for index in range(QUESTIONS):
         rows = [list(row[index]) for row in questions]
@@ -238,13 +248,15 @@ def run_multiquestion(model, policy, corpus, length: int, samples: int) -> dict:
     return {"accuracy": float(np.mean(correct)), "kv_bytes_per_sequence": kv_bytes}
 
 
-def run_bpb(model, policy, corpus, length: int, samples: int) -> dict:
+def run_bpb(model, policy, corpus, length: int, samples: int, policy_params=None) -> dict:
     """Bits per byte of the next CONTINUATION_BYTES bytes after a compressed context."""
     rng = _rng("bpb", length)
     texts = [corpus.text(rng, length - 1 + CONTINUATION_BYTES) for _ in range(samples)]
     contexts = [text[: length - 1] for text in texts]
     continuations = [list(text[length - 1 :]) for text in texts]
-    kv, starts, kv_bytes = _compressed_context(model, policy, contexts, CONTINUATION_BYTES)
+    kv, starts, kv_bytes = _compressed_context(
+        model, policy, contexts, CONTINUATION_BYTES, policy_params
+    )
     full = policies.FullCache().static()
     tokens, positions = _right_aligned(continuations, starts)
     logits, _ = _continue(model, kv, tokens[:, :-1], positions[:, :-1], full)
@@ -256,20 +268,28 @@ def run_bpb(model, policy, corpus, length: int, samples: int) -> dict:
     }
 
 
-def run_sweep(model, sweep: Sweep, corpus, *, log=print) -> list[dict]:
-    check_sweep(sweep)
+def run_task(model, policy, corpus, task: str, length: int, samples: int, policy_params=None):
+    """One task's result dict for one policy (and its parameters, if it takes any)."""
+    if task in QA_TASKS:
+        episodes = qa_episodes(task, corpus, length, samples)
+        return run_qa(model, policy, episodes, policy_params)
+    if task == "multiquestion":
+        return run_multiquestion(model, policy, corpus, length, samples, policy_params)
+    return run_bpb(model, policy, corpus, length, samples, policy_params)
+
+
+def run_sweep(model, sweep: Sweep, corpus, *, log=print, policy_params=None) -> list[dict]:
+    """`policy_params` maps a policy name to its parameters (e.g. {"wgkv": gates})."""
+    policy_params = policy_params or {}
+    check_sweep(sweep, policy_params)
     rows = []
     for name, budget in policy_runs(sweep):
         policy = build_policy(name, budget)
         for length in sweep.lengths:
             for task in sweep.tasks:
-                if task in QA_TASKS:
-                    episodes = qa_episodes(task, corpus, length, sweep.samples)
-                    result = run_qa(model, policy, episodes)
-                elif task == "multiquestion":
-                    result = run_multiquestion(model, policy, corpus, length, sweep.samples)
-                else:
-                    result = run_bpb(model, policy, corpus, length, sweep.samples)
+                result = run_task(
+                    model, policy, corpus, task, length, sweep.samples, policy_params.get(name)
+                )
                 row = {"policy": name, "budget": budget, "length": length, "task": task}
                 rows.append({**row, "samples": sweep.samples, **result})
                 log(json.dumps(rows[-1]))
@@ -356,6 +376,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--lengths", type=int, nargs="*", help="context lengths in bytes")
     parser.add_argument("--tasks", nargs="*", help=f"a subset of {TASKS}")
     parser.add_argument("--samples", type=int)
+    parser.add_argument("--wgkv-gates", type=Path, help="write gates for policy wgkv")
     parser.add_argument("--out", type=Path, default=Path("quality"))
     args = parser.parse_args(argv)
     sweep = FAST if args.fast else FULL
@@ -367,10 +388,15 @@ def main(argv=None) -> dict:
         "samples": args.samples,
     }
     sweep = dataclasses.replace(sweep, **{k: v for k, v in overrides.items() if v is not None})
-    check_sweep(sweep)
+    if args.wgkv_gates is not None and not args.wgkv_gates.exists():
+        raise ValueError(f"--wgkv-gates {args.wgkv_gates}: no such file or directory")
+    check_sweep(sweep, {"wgkv": None} if args.wgkv_gates else None)
     model = load_hf_checkpoint(args.model, dtype="float32")
+    params = {}
+    if args.wgkv_gates is not None:
+        params["wgkv"] = load_write_gates(args.wgkv_gates, model.config)
     heldout = corpus_lib.load_corpus("heldout")
-    rows = run_sweep(model, sweep, heldout)
+    rows = run_sweep(model, sweep, heldout, policy_params=params)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "model": str(args.model),

@@ -155,6 +155,8 @@ class Policy:
     needs_input_stats: ClassVar[bool] = False
     # Whether decode reads only pages chosen by `select_pages` (needs per-page key bounds).
     selects_pages: ClassVar[bool] = False
+    # Whether the policy runs only with `policy_params` (learned gates, calibrated head choices).
+    needs_params: ClassVar[bool] = False
 
     @property
     def observation_window(self) -> int:

@@ -42,6 +42,10 @@ class Composed(base.Policy):
         return f"{self.admission.name}+{self.selection.name}"
 
     @property
+    def needs_params(self) -> bool:
+        return self.admission.needs_params
+
+    @property
     def local_window(self) -> int:
         return self.admission.local_window
 

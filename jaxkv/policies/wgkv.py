@@ -76,6 +76,7 @@ class WGKV(RingAdmission):
     """WG-KV: the learned write gate decides admission (policy_params: `jaxkv.gates.wgkv`)."""
 
     name: ClassVar[str] = "wgkv"
+    needs_params: ClassVar[bool] = True
 
     def check_params(self, params, model_config) -> None:
         if params is None:
@@ -123,6 +124,7 @@ class DuoAttention(RingAdmission):
     """
 
     name: ClassVar[str] = "duo_attention"
+    needs_params: ClassVar[bool] = True
     sinks: int = 4
 
     def __post_init__(self):
