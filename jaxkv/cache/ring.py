@@ -128,6 +128,11 @@ def attend_and_write_with_ring(
     (every valid token when it returns None). Returns (attn [B, N, C, H] in q.dtype, pool,
     page_table, lengths, ring).
     """
+    if policy.accumulates_attention:
+        raise ValueError(
+            f"policy {policy.name!r} accumulates attention mass, which a state with a local "
+            "ring does not track"
+        )
     if pool.int8 is not None:
         raise ValueError("a KV state with a local ring does not support int8 storage yet")
     page_mask = None
