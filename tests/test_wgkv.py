@@ -479,3 +479,24 @@ def test_duo_calibration_score_and_head_choice():
         policies.retrieval_heads(scores, 1.5)
     with pytest.raises(ValueError, match="must exceed sinks"):
         policies.long_range_attention_mass(model, tokens[:, :6], sinks=sinks, window=window)
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_wgkv_with_quest_kernel_backend_equals_xla(backend):
+    model = tiny_model("qwen3")
+    gates = random_gates(model.config)
+    prompts, _ = prompts_and_continuations()
+    kwargs = dict(
+        max_new_tokens=3,
+        policy=policies.compose(WGKV, policies.Quest(budget=8)),
+        policy_params=gates,
+        stop_tokens=(),
+        page_size=PAGE,
+        prefill_chunk=16,
+    )
+    want = jaxkv.generate(model, prompts, **kwargs)
+    got = jaxkv.generate(model, prompts, backend=backend, **kwargs)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.memory_bytes, want.memory_bytes)
+    np.testing.assert_array_equal(got.state.ring.positions, want.state.ring.positions)
+    np.testing.assert_allclose(got.state.ring.k, want.state.ring.k, atol=1e-5)
