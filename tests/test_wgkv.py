@@ -487,7 +487,7 @@ def test_wgkv_with_quest_kernel_backend_equals_xla(backend):
     gates = random_gates(model.config)
     prompts, _ = prompts_and_continuations()
     kwargs = dict(
-        max_new_tokens=3,
+        max_new_tokens=2,
         policy=policies.compose(WGKV, policies.Quest(budget=8)),
         policy_params=gates,
         stop_tokens=(),
