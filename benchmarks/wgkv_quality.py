@@ -53,9 +53,9 @@ def ring_bytes_per_slot(model) -> int:
 
 
 def calibrated_head_scores(model, corpus, length: int, window: int) -> np.ndarray:
-    """DuoAttention's head choice score [L, K] on 4 held-out calibration texts."""
+    """DuoAttention's head choice score [L, K] on 2 held-out calibration texts."""
     rng = np.random.default_rng(CALIBRATION_SEED)
-    rows = [[quality.BOS, *corpus.text(rng, length - 1)] for _ in range(4)]
+    rows = [[quality.BOS, *corpus.text(rng, length - 1)] for _ in range(2)]
     tokens = jax.numpy.asarray(rows, jax.numpy.int32)
     return np.asarray(policies.long_range_attention_mass(model, tokens, sinks=SINKS, window=window))
 
