@@ -500,3 +500,38 @@ def test_wgkv_with_quest_kernel_backend_equals_xla(backend):
     np.testing.assert_array_equal(got.memory_bytes, want.memory_bytes)
     np.testing.assert_array_equal(got.state.ring.positions, want.state.ring.positions)
     np.testing.assert_allclose(got.state.ring.k, want.state.ring.k, atol=1e-5)
+
+
+def gated_context_then_all(gate_params, context_length):
+    """The learned gates on the first `context_length` positions, 1 (admitted) after them."""
+
+    def gates(layer, k_unrotated, k, positions):
+        g = wgkv_gate_fn(gate_params)(layer, k_unrotated, k, positions)
+        return np.where(np.arange(g.shape[-1]) < context_length, g, 1.0)
+
+    return gates
+
+
+def test_full_cache_continues_a_compressed_wgkv_state():
+    """The quality benchmark's multi-question path: compress the context with WG-KV, then read
+    more tokens over it with the full-cache policy (everything new is admitted)."""
+    model = tiny_model("llama")
+    gates = random_gates(model.config)
+    prompts, continuations = prompts_and_continuations()
+    state = jaxkv.compress_prompt(
+        model,
+        prompts,
+        WGKV,
+        policy_params=gates,
+        page_size=PAGE,
+        prefill_chunk=16,
+        reserve_tokens=DECODE_STEPS,
+    )
+    positions = np.array(PROMPT_LENGTHS)[:, None] + np.arange(DECODE_STEPS)
+    full = policies.FullCache()
+    logits, _ = _chunk(model, state, continuations, positions, None, None, full)
+    for b, prompt in enumerate(prompts):
+        tokens = [*prompt, *continuations[b]]
+        gate_fn = gated_context_then_all(gates, len(prompt))
+        expected, _ = dense_reference(model, tokens, gate_fn, WINDOW, TAU)
+        np.testing.assert_allclose(logits[b], expected[len(prompt) :], atol=1e-5, rtol=1e-5)
