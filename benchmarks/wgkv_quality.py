@@ -11,7 +11,7 @@ For every gates file (one per lambda of the distillation), on `benchmarks/qualit
                    reads its W ring tokens plus R - W of global pages chosen by Quest.
 The full cache is the reference row. Memory is measured per row, never assumed.
 
-    python -m benchmarks.wgkv_quality --gates assets/wgkv-gates/*.safetensors --out results/wgkv
+    python -m benchmarks.wgkv_quality --gates assets/wgkv-gates/*/gates.safetensors --out out/
     python -m benchmarks.wgkv_quality --fast --out /tmp/wgkv   # random gates, the harness only
 """
 
@@ -102,6 +102,11 @@ def run(model, corpus, gate_sets, *, window, tau, length, samples, tasks, read_b
     return rows
 
 
+def gates_label(path: Path) -> str:
+    """`assets/wgkv-gates/lambda-0.02/gates.safetensors` -> `lambda-0.02`."""
+    return path.parent.name if path.stem == "gates" else path.stem
+
+
 def markdown_table(rows) -> str:
     lines = ["| gates | policy | task | read budget | KV KiB/seq | accuracy |", "|" + " --- |" * 6]
     for r in rows:
@@ -137,7 +142,9 @@ def main(argv=None) -> dict:
     if args.fast:
         gate_sets = [("random", init_write_gates(model.config, jax.random.PRNGKey(0)))]
     else:
-        gate_sets = [(path.stem, load_write_gates(path, model.config)) for path in args.gates]
+        gate_sets = [
+            (gates_label(path), load_write_gates(path, model.config)) for path in args.gates
+        ]
     read_budget = args.read_budget or args.length // 4
     rows = run(
         model,
