@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
         read_budget=read_budget,
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    report = {"args": json.loads(json.dumps(vars(args), default=str)), "rows": rows}
     (args.out / "wgkv_quality.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown_table(rows)
     (args.out / "wgkv_quality.md").write_text(table)
