@@ -14,6 +14,7 @@ from jaxkv.policies.base import (
 from jaxkv.policies.confkv import ConfidenceWeights, ConfKV, Ranking, confidence
 from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView
 from jaxkv.policies.gvote import GVote
+from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.quest import Quest
 from jaxkv.policies.sage import SageKV
 from jaxkv.policies.scorers import (
@@ -40,6 +41,7 @@ __all__ = [
     "EvictionPolicy",
     "FullCache",
     "GVote",
+    "KVzip",
     "Knorm",
     "LayerView",
     "ObservedAttention",
