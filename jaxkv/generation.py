@@ -230,7 +230,9 @@ def _prefill(
             policy_params=policy_params,
         )
         seen = jnp.minimum(start + chunk, lengths)
-        kv = policy.after_prefill_chunk(kv, seen=seen, budget_tokens=budget_tokens)
+        kv = policy.after_prefill_chunk(
+            kv, seen=seen, prompt_lengths=lengths, budget_tokens=budget_tokens
+        )
         is_last = index == lengths[:, None] - 1
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
         last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, last_hidden)

@@ -13,6 +13,7 @@ from jaxkv.policies.base import (
 )
 from jaxkv.policies.confkv import ConfidenceWeights, ConfKV, Ranking, confidence
 from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView
+from jaxkv.policies.fastkvzip import FastKVzip
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.quest import Quest
@@ -39,6 +40,7 @@ __all__ = [
     "DecodeContext",
     "DecodeEviction",
     "EvictionPolicy",
+    "FastKVzip",
     "FullCache",
     "GVote",
     "KVzip",

@@ -211,13 +211,15 @@ class Policy:
         del prompt_lengths, chunk, model_config, page_size, reserve
         return None
 
-    def after_prefill_chunk(self, kv, *, seen: jax.Array, budget_tokens: jax.Array):
+    def after_prefill_chunk(
+        self, kv, *, seen: jax.Array, prompt_lengths: jax.Array, budget_tokens: jax.Array
+    ):
         """The state after a prefill chunk is written; identity by default.
 
         seen: int32 [B] prompt tokens written so far (the chunk's end, at most the length);
-        budget_tokens: as `budget_tokens` returned on the host.
+        prompt_lengths: int32 [B]; budget_tokens: as `budget_tokens` returned on the host.
         """
-        del seen, budget_tokens
+        del seen, prompt_lengths, budget_tokens
         return kv
 
     def check_params(self, params, model_config) -> None:
