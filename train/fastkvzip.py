@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -28,7 +29,13 @@ import optax
 import jaxkv
 from jaxkv import tasks
 from jaxkv.gates import fastkvzip as gate
-from jaxkv.policies.kvzip import DEFAULT_REPLAY_CHUNK, reconstruction_scores
+from jaxkv.policies.kvzip import (
+    CONTINUE_PROMPT,
+    DEFAULT_REPLAY_CHUNK,
+    REPEAT_PROMPT,
+    byte_ids,
+    reconstruction_scores,
+)
 from models import Model, load_hf_checkpoint
 from models.decoder import attention_input, attention_inputs, attention_output_and_mlp, embed
 from models.layers import rope_cos_sin
@@ -71,21 +78,31 @@ def contexts(split: str, count: int, length: int, seed: int) -> list[list[int]]:
     return out
 
 
-@jax.jit
-def _inputs_and_targets_jit(model, tokens, kv):
-    return layer_inputs(model, tokens), reconstruction_scores(
-        model, kv, tokens, jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+@functools.partial(jax.jit, static_argnames=("chunk", "repeat_ids", "continue_ids"))
+def _inputs_and_targets_jit(model, tokens, kv, *, chunk, repeat_ids, continue_ids):
+    lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+    scores = reconstruction_scores(
+        model, kv, tokens, lengths, chunk=chunk, repeat_ids=repeat_ids, continue_ids=continue_ids
     )
+    return layer_inputs(model, tokens), scores
 
 
-def inputs_and_targets(model: Model, batch: list[list[int]], chunk: int):
+def inputs_and_targets(
+    model: Model,
+    batch: list[list[int]],
+    chunk: int,
+    repeat_ids: tuple[int, ...] = byte_ids(REPEAT_PROMPT),
+    continue_ids: tuple[int, ...] = byte_ids(CONTINUE_PROMPT),
+):
     """h f16 [B * T, L, D] and targets f32 [B * T, L, K] for equal-length contexts."""
     tokens = jnp.asarray(batch, jnp.int32)
     b, t = tokens.shape
     if t % chunk:
         raise ValueError(f"--length={t} must be a multiple of the replay chunk {chunk}")
     kv = jaxkv.compress_prompt(model, batch, prefill_chunk=chunk)
-    h, scores = _inputs_and_targets_jit(model, tokens, kv)
+    h, scores = _inputs_and_targets_jit(
+        model, tokens, kv, chunk=chunk, repeat_ids=repeat_ids, continue_ids=continue_ids
+    )
     h = np.asarray(h, np.float16).transpose(1, 2, 0, 3).reshape(b * t, model.config.num_layers, -1)
     targets = np.asarray(scores[..., :t]).transpose(1, 3, 0, 2).reshape(b * t, -1, scores.shape[2])
     return h, targets
@@ -193,11 +210,12 @@ def main(argv=None) -> dict:
         rows = np.random.default_rng([args.seed, step]).integers(0, len(train_h), args.batch_tokens)
         return {"h": train_h[rows], "targets": train_t[rows]}
 
-    validation_loss = jax.jit(lambda params: per_layer_loss(params, val["h"], val["targets"]))
+    validation_loss = jax.jit(per_layer_loss)
 
     def eval_fn(params, step):
         del step
-        return {f"val_bce_layer{i}": float(v) for i, v in enumerate(validation_loss(params))}
+        losses = validation_loss(params, val["h"], val["targets"])
+        return {f"val_bce_layer{i}": float(v) for i, v in enumerate(losses)}
 
     lr = args.learning_rate or (0.2 if args.optimizer == "sgd" else 3e-3)
     cfg = trainer.TrainConfig(

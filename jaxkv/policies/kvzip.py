@@ -129,6 +129,11 @@ def reconstruction_scores(
     cfg, params = model.config, model.params
     if tokens.shape[1] % chunk:
         raise ValueError(f"tokens have {tokens.shape[1]} columns, not a multiple of chunk={chunk}")
+    if max(*repeat_ids, *continue_ids) >= cfg.vocab_size:
+        raise ValueError(
+            f"repeat_ids/continue_ids hold ids outside the vocabulary [0, {cfg.vocab_size}): "
+            "pass the model tokenizer's ids of the repeat prompts"
+        )
     slots = jnp.arange(kv.max_tokens_per_head)
 
     def one_chunk(best, index):
