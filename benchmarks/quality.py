@@ -71,8 +71,27 @@ FAST = Sweep(
 )
 
 
+# Policies with learned parameters and where their trained parameters live.
+FASTKVZIP_GATES = Path(__file__).resolve().parents[1] / "assets" / "fastkvzip-gates"
+
+
+def _budget_argument(name: str) -> str | None:
+    """The keyword a policy takes its budget by ("budget", or "ratio" for KVzip/Fast KVzip)."""
+    parameters = inspect.signature(policies.base._REGISTRY[name]).parameters
+    return next((arg for arg in ("budget", "ratio") if arg in parameters), None)
+
+
 def takes_budget(name: str) -> bool:
-    return "budget" in inspect.signature(policies.base._REGISTRY[name]).parameters
+    return _budget_argument(name) is not None
+
+
+def policy_params_for(name: str, model: Model):
+    """The trained parameters a policy needs on this model (None for the others)."""
+    if name != "fastkvzip":
+        return None
+    from jaxkv.gates import fastkvzip as gate
+
+    return gate.load_safetensors(FASTKVZIP_GATES / "gates.safetensors", model.config)
 
 
 def check_sweep(sweep: Sweep) -> None:
@@ -104,7 +123,11 @@ def policy_runs(sweep: Sweep):
 
 
 def build_policy(name: str, budget: float | None):
-    return policies.get(name) if budget is None else policies.get(name, budget=budget)
+    return (
+        policies.get(name)
+        if budget is None
+        else policies.get(name, **{_budget_argument(name): budget})
+    )
 
 
 def _rng(task: str, length: int) -> np.random.Generator:
@@ -126,7 +149,7 @@ def _num_pages(model: Model, batch: int, tokens: int) -> int:
     return cfg.num_layers * batch * cfg.num_kv_heads * -(-tokens // PAGE_SIZE)
 
 
-def run_qa(model, policy, episodes) -> dict:
+def run_qa(model, policy, episodes, policy_params=None) -> dict:
     prompts = [[BOS, *episode.prompt] for episode in episodes]
     answer_bytes = max(len(episode.answer) for episode in episodes)
     out = jaxkv.generate(
@@ -137,6 +160,7 @@ def run_qa(model, policy, episodes) -> dict:
         stop_tokens=[EOS],
         pad_id=PAD,
         page_size=PAGE_SIZE,
+        policy_params=policy_params,
     )
     correct = [
         bytes(int(t) for t in out.tokens[i, : len(e.answer)] if t < 256) == e.answer
@@ -189,7 +213,7 @@ def greedy_continuation(model, kv, question_rows, starts, steps: int) -> np.ndar
     return np.stack(generated, axis=1)
 
 
-def _compressed_context(model, policy, contexts: list[bytes], extra_tokens: int):
+def _compressed_context(model, policy, contexts: list[bytes], extra_tokens: int, params=None):
     prompts = [[BOS, *context] for context in contexts]
     longest = max(map(len, prompts)) + extra_tokens
     kv = compress_prompt(
@@ -199,13 +223,14 @@ def _compressed_context(model, policy, contexts: list[bytes], extra_tokens: int)
         page_size=PAGE_SIZE,
         num_pages=_num_pages(model, len(prompts), longest),
         reserve_tokens=extra_tokens,
+        policy_params=params,
     )
     starts = np.array([len(prompt) for prompt in prompts])
     kv_bytes = kv.memory_bytes() / len(prompts)
     return kv, starts, kv_bytes
 
 
-def run_multiquestion(model, policy, corpus, length: int, samples: int) -> dict:
+def run_multiquestion(model, policy, corpus, length: int, samples: int, params=None) -> dict:
     """Several multikey facts per context; the compressed context answers each question."""
     rng = _rng("multiquestion", length)
     contexts, questions, answers = [], [], []
@@ -228,7 +253,7 @@ def run_multiquestion(model, policy, corpus, length: int, samples: int) -> dict:
         answers.append([value.rstrip(b".") + b".\n" for _, value in names])
     steps = max(len(a) for row in answers for a in row)
     extra = max(len(q) for row in questions for q in row) + steps
-    kv, starts, kv_bytes = _compressed_context(model, policy, contexts, extra)
+    kv, starts, kv_bytes = _compressed_context(model, policy, contexts, extra, params)
     correct = []
     for index in range(QUESTIONS):
         rows = [list(row[index]) for row in questions]
@@ -238,13 +263,13 @@ def run_multiquestion(model, policy, corpus, length: int, samples: int) -> dict:
     return {"accuracy": float(np.mean(correct)), "kv_bytes_per_sequence": kv_bytes}
 
 
-def run_bpb(model, policy, corpus, length: int, samples: int) -> dict:
+def run_bpb(model, policy, corpus, length: int, samples: int, params=None) -> dict:
     """Bits per byte of the next CONTINUATION_BYTES bytes after a compressed context."""
     rng = _rng("bpb", length)
     texts = [corpus.text(rng, length - 1 + CONTINUATION_BYTES) for _ in range(samples)]
     contexts = [text[: length - 1] for text in texts]
     continuations = [list(text[length - 1 :]) for text in texts]
-    kv, starts, kv_bytes = _compressed_context(model, policy, contexts, CONTINUATION_BYTES)
+    kv, starts, kv_bytes = _compressed_context(model, policy, contexts, CONTINUATION_BYTES, params)
     full = policies.FullCache().static()
     tokens, positions = _right_aligned(continuations, starts)
     logits, _ = _continue(model, kv, tokens[:, :-1], positions[:, :-1], full)
@@ -261,15 +286,16 @@ def run_sweep(model, sweep: Sweep, corpus, *, log=print) -> list[dict]:
     rows = []
     for name, budget in policy_runs(sweep):
         policy = build_policy(name, budget)
+        params = policy_params_for(name, model)
         for length in sweep.lengths:
             for task in sweep.tasks:
                 if task in QA_TASKS:
                     episodes = qa_episodes(task, corpus, length, sweep.samples)
-                    result = run_qa(model, policy, episodes)
+                    result = run_qa(model, policy, episodes, params)
                 elif task == "multiquestion":
-                    result = run_multiquestion(model, policy, corpus, length, sweep.samples)
+                    result = run_multiquestion(model, policy, corpus, length, sweep.samples, params)
                 else:
-                    result = run_bpb(model, policy, corpus, length, sweep.samples)
+                    result = run_bpb(model, policy, corpus, length, sweep.samples, params)
                 row = {"policy": name, "budget": budget, "length": length, "task": task}
                 rows.append({**row, "samples": sweep.samples, **result})
                 log(json.dumps(rows[-1]))
