@@ -260,6 +260,9 @@ def main(argv=None) -> dict:
         "train_bce": [final[f"bce_layer{i}"] for i in range(layers)],
         "validation_bce": [final[f"val_bce_layer{i}"] for i in range(layers)],
         "validation_bce_of_mean_target": baseline_bce(train_t, val["targets"]),
+        "validation_top30_overlap": top_overlap(
+            jax.device_get(state.params), data["validation_h"], data["validation_targets"]
+        ),
     }
     if out:
         params = jax.device_get(state.params)
@@ -267,6 +270,21 @@ def main(argv=None) -> dict:
         (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return summary
+
+
+def top_overlap(params, h, targets, ratio: float = 0.3) -> list[float]:
+    """Per layer: the share of the `ratio` best tokens x heads by target that the gate also
+    ranks in its best `ratio` (what eviction at that ratio depends on; chance is `ratio`)."""
+    overlaps = []
+    for layer in range(targets.shape[1]):
+        scores = gate.gate_scores(gate.layer_slice(params, layer), jnp.asarray(h[None, :, layer]))
+        predicted = np.asarray(scores[0]).T.ravel()  # [N * K]
+        target = np.asarray(targets[:, layer]).ravel()
+        k = int(ratio * target.size)
+        best_target = set(np.argsort(-target, kind="stable")[:k].tolist())
+        best_gate = set(np.argsort(-predicted, kind="stable")[:k].tolist())
+        overlaps.append(len(best_target & best_gate) / k)
+    return overlaps
 
 
 def baseline_bce(train_targets: np.ndarray, val_targets) -> list[float]:
