@@ -73,8 +73,27 @@ FAST = Sweep(
 )
 
 
+# Policies with learned parameters and where their trained parameters live.
+FASTKVZIP_GATES = Path(__file__).resolve().parents[1] / "assets" / "fastkvzip-gates"
+
+
+def _budget_argument(name: str) -> str | None:
+    """The keyword a policy takes its budget by ("budget", or "ratio" for KVzip/Fast KVzip)."""
+    parameters = inspect.signature(policies.base._REGISTRY[name]).parameters
+    return next((arg for arg in ("budget", "ratio") if arg in parameters), None)
+
+
 def takes_budget(name: str) -> bool:
-    return "budget" in inspect.signature(policies.base._REGISTRY[name]).parameters
+    return _budget_argument(name) is not None
+
+
+def policy_params_for(name: str, model: Model):
+    """The trained parameters a policy needs on this model (None for the others)."""
+    if name != "fastkvzip":
+        return None
+    from jaxkv.gates import fastkvzip as gate
+
+    return gate.load_safetensors(FASTKVZIP_GATES / "gates.safetensors", model.config)
 
 
 def check_sweep(sweep: Sweep, policy_params: dict | None = None) -> None:
@@ -108,7 +127,11 @@ def policy_runs(sweep: Sweep):
 
 
 def build_policy(name: str, budget: float | None):
-    return policies.get(name) if budget is None else policies.get(name, budget=budget)
+    return (
+        policies.get(name)
+        if budget is None
+        else policies.get(name, **{_budget_argument(name): budget})
+    )
 
 
 def _rng(task: str, length: int) -> np.random.Generator:
@@ -285,11 +308,10 @@ def run_sweep(model, sweep: Sweep, corpus, *, log=print, policy_params=None) -> 
     rows = []
     for name, budget in policy_runs(sweep):
         policy = build_policy(name, budget)
+        params = policy_params.get(name, policy_params_for(name, model))
         for length in sweep.lengths:
             for task in sweep.tasks:
-                result = run_task(
-                    model, policy, corpus, task, length, sweep.samples, policy_params.get(name)
-                )
+                result = run_task(model, policy, corpus, task, length, sweep.samples, params)
                 row = {"policy": name, "budget": budget, "length": length, "task": task}
                 rows.append({**row, "samples": sweep.samples, **result})
                 log(json.dumps(rows[-1]))

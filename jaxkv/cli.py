@@ -1,4 +1,4 @@
-"""The `jaxkv` command line: `jaxkv generate`, `jaxkv train pretrain|wgkv`, `jaxkv bench NAME`."""
+"""The `jaxkv` command line: `jaxkv generate`, `jaxkv train STAGE`, `jaxkv bench NAME`."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _generate(args) -> int:
     return 0
 
 
-TRAIN_STAGES = ("pretrain", "wgkv")
+TRAIN_STAGES = ("pretrain", "wgkv", "fastkvzip")
 BENCHMARKS = ("quality", "kernels", "decode")
 
 
@@ -101,6 +101,10 @@ def _train(args) -> int:
         from train import wgkv
 
         wgkv.main(args.args)
+    elif args.stage == "fastkvzip":
+        from train import fastkvzip
+
+        fastkvzip.main(args.args)
     return 0
 
 

@@ -154,7 +154,10 @@ def _create_state(
     if policy.int8_window is not None:
         check_dtype(kv_dtype if kv_dtype is not None else model.dtype)
     if num_pages is None:
-        num_pages = full_need
+        bound = policy.prefill_pages(
+            prompts.lengths, prompts.chunk, cfg, page_size, max(max_new_tokens - 1, 0)
+        )
+        num_pages = full_need if bound is None else min(bound, full_need)
     elif isinstance(policy, FullCache) and num_pages < full_need:
         raise ValueError(
             f"num_pages={num_pages} is too small: the full cache needs {full_need} "
@@ -228,6 +231,10 @@ def _prefill(
             collect_input_stats=stats,
             policy_params=policy_params,
         )
+        seen = jnp.minimum(start + chunk, lengths)
+        kv = policy.after_prefill_chunk(
+            kv, seen=seen, prompt_lengths=lengths, budget_tokens=budget_tokens
+        )
         is_last = index == lengths[:, None] - 1
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
         last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, last_hidden)
@@ -255,6 +262,7 @@ def _prefill(
         input_mean=mean,
         input_var=var,
         key=key,
+        prompt_tokens=tokens if policy.needs_prompt_tokens else None,
     )
     return kv, last_hidden, obs
 
@@ -456,6 +464,7 @@ def generate(
     stop_tokens = model.config.eos_token_ids if stop_tokens is None else tuple(stop_tokens)
     prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
     budget_tokens = policy.budget_tokens(prompts.lengths)
+    policy.check_prefill(prompts.lengths, prompts.chunk)
     kv = _create_state(model, prompts, max_new_tokens, policy, page_size, num_pages, kv_dtype)
     policy_key, key = jax.random.split(key)
     kv, last_hidden = _prefill_compressed(
@@ -544,6 +553,7 @@ def compress_prompt(
     policy.check_params(policy_params, model.config)
     prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
     budget_tokens = policy.budget_tokens(prompts.lengths)
+    policy.check_prefill(prompts.lengths, prompts.chunk)
     if reserve_tokens < 0:
         raise ValueError(f"reserve_tokens={reserve_tokens} must be >= 0")
     kv = _create_state(model, prompts, reserve_tokens, policy, page_size, num_pages, kv_dtype)

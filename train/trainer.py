@@ -218,6 +218,7 @@ def train(
     eval_every: int = 0,
     stop_after: int | None = None,
     progress: bool = True,
+    optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[TrainState, list[dict]]:
     """Runs (or resumes) `cfg.steps` steps of `loss_fn` over `batch_for_step(step)`.
 
@@ -225,11 +226,14 @@ def train(
     arrays with the batch axis first. With `checkpoint_dir`, the latest checkpoint there is
     restored first and saves happen every `cfg.checkpoint_every` steps and at the end.
     `stop_after` ends the run early after that many steps in all (to test resumption).
+    `optimizer` replaces the AdamW of `make_optimizer` (then cfg's learning rate, warmup, decay
+    and clipping are unused; gate training uses SGD with momentum).
     Returns the final state and the logged metrics (also appended to `metrics_path` as JSON
     lines).
     """
     mesh = mesh or make_mesh()
-    optimizer = make_optimizer(cfg, params, trainable, decay_mask)
+    if optimizer is None:
+        optimizer = make_optimizer(cfg, params, trainable, decay_mask)
     state = init_state(params, optimizer, mesh, cfg.fsdp)
     manager = None
     if checkpoint_dir is not None and cfg.checkpoint_every:

@@ -14,7 +14,9 @@ from jaxkv.policies.base import (
 from jaxkv.policies.compose import Composed, compose
 from jaxkv.policies.confkv import ConfidenceWeights, ConfKV, Ranking, confidence
 from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView
+from jaxkv.policies.fastkvzip import FastKVzip
 from jaxkv.policies.gvote import GVote
+from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.quest import Quest
 from jaxkv.policies.sage import SageKV
 from jaxkv.policies.scorers import (
@@ -50,8 +52,10 @@ __all__ = [
     "DecodeEviction",
     "DuoAttention",
     "EvictionPolicy",
+    "FastKVzip",
     "FullCache",
     "GVote",
+    "KVzip",
     "Knorm",
     "LayerView",
     "LocalAttention",

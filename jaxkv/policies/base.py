@@ -4,6 +4,7 @@ A policy may implement any hook; the defaults keep everything:
   write_scores(...)     at write time, a learned per-token score (gate) from the layer's slice
                         of the policy's parameters; stored with the token and seen by `admit`;
   admit(...)            at write time, which new tokens each (sequence, KV head) stores;
+  after_prefill_chunk   after each prefill chunk is written (eviction during prefill);
   compress(kv, obs, m)  after prefill, which cached tokens to keep (eviction);
   on_decode(kv, ctx)    after each decode step.
 Budgets vary per request, so they never reach jit as static fields: `generate` turns a policy's
@@ -92,6 +93,8 @@ class PrefillObservations:
       input_mean, input_var: f32 [L, B, D] per-channel mean and unbiased variance of each
         layer's attention input (normed hidden state) over the prompt.
       key: PRNG key for stochastic policies.
+      prompt_tokens: int32 [B, T_pad] the right-padded prompts (None unless the policy sets
+        `needs_prompt_tokens`: KVzip replays them).
     """
 
     prompt_lengths: jax.Array
@@ -100,6 +103,7 @@ class PrefillObservations:
     input_mean: jax.Array | None
     input_var: jax.Array | None
     key: jax.Array
+    prompt_tokens: jax.Array | None = None
 
     def query_positions(self) -> jax.Array:
         """int32 [B, w] the observed queries' positions, -1 for empty slots."""
@@ -157,6 +161,8 @@ class Policy:
     selects_pages: ClassVar[bool] = False
     # Whether the policy runs only with `policy_params` (learned gates, calibrated head choices).
     needs_params: ClassVar[bool] = False
+    # Whether `compress` reads the prompt's token ids (`PrefillObservations.prompt_tokens`).
+    needs_prompt_tokens: ClassVar[bool] = False
 
     @property
     def observation_window(self) -> int:
@@ -199,6 +205,30 @@ class Policy:
         weights f32 [B, C] for positions [B, C]; by default a plain sum over valid queries.
         """
         return jnp.ones(positions.shape[:1], jnp.float32), (positions >= 0).astype(jnp.float32)
+
+    def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
+        """Validates the prefill geometry (chunk size against the prompts) on the host."""
+        del prompt_lengths, chunk
+
+    def prefill_pages(
+        self, prompt_lengths: np.ndarray, chunk: int, model_config, page_size: int, reserve: int
+    ) -> int | None:
+        """Pages the prefill pool needs when the caller gives no num_pages; None: the full
+        cache's need (prompts plus `reserve` tokens per head). A policy that evicts during
+        prefill returns its bound, so the pool array itself stays small."""
+        del prompt_lengths, chunk, model_config, page_size, reserve
+        return None
+
+    def after_prefill_chunk(
+        self, kv, *, seen: jax.Array, prompt_lengths: jax.Array, budget_tokens: jax.Array
+    ):
+        """The state after a prefill chunk is written; identity by default.
+
+        seen: int32 [B] prompt tokens written so far (the chunk's end, at most the length);
+        prompt_lengths: int32 [B]; budget_tokens: as `budget_tokens` returned on the host.
+        """
+        del seen, prompt_lengths, budget_tokens
+        return kv
 
     def check_params(self, params, model_config) -> None:
         """Validates `policy_params` against the model on the host; raises ValueError.

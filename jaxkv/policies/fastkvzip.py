@@ -1,0 +1,163 @@
+"""Fast KVzip: learned sink-attention gates score every token as it is written; eviction runs
+during chunked prefill and every 128 decode steps, with one threshold over layers x heads x tokens.
+
+- Scores: `write_scores` runs the layer's gate (`jaxkv.gates.fastkvzip`) on the attention input
+  of every written token; the score is stored with the token (`token_scores`).
+- Prefill: after each chunk, each sequence keeps its newest w tokens and its first `sinks` = 4
+  (every head; METHODS lists the sinks for decode only: keeping them in prefill too means a
+  decode eviction never finds them gone) plus the best-gated others, floor(r * seen) tokens per
+  head on average over layers x heads (one global threshold, so head budgets are non-uniform),
+  where seen is the number of prompt tokens written so far. The budget is the ratio of what has
+  been seen, so after the last chunk the total kept is exactly floor(r * T) x L x K (the public
+  code's "ratio correction": the protected tokens count inside the budget). The pool array
+  itself is sized for the compressed cache plus one chunk (`prefill_pages`), so the prefill
+  peak is that, not the full context.
+- Window: w = ceil(2% of the prompt) for prompts shorter than 16K tokens (the paper's prefill
+  chunk; the reference model's contexts are 2-8K), 4096 from there (the paper's value);
+  `window=` overrides it. The budget floor(r * T) must be >= w and the prefill chunk >= w.
+- Decode: a token's gate score is computed when it is written (the same per-token function the
+  paper applies to its 128-token buffer of hidden states). Every `decode_buffer` = 128 generated
+  tokens, each sequence evicts globally down to floor(r * current length) per head on average,
+  always keeping the first `sinks` = 4 positions and the newest 128.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache import KVState
+from jaxkv.cache.eviction import compact
+from jaxkv.gates import fastkvzip as gate
+from jaxkv.policies.base import Budget, DecodeContext, Policy, register
+from jaxkv.policies.kvzip import keep_top_globally
+
+LONG_CONTEXT = 16384
+LONG_CONTEXT_WINDOW = 4096
+SHORT_CONTEXT_WINDOW_FRACTION = 0.02
+
+
+def default_window(prompt_length: int) -> int:
+    """The protected recent window for a prompt of this length (module docstring)."""
+    if prompt_length >= LONG_CONTEXT:
+        return LONG_CONTEXT_WINDOW
+    return max(1, math.ceil(SHORT_CONTEXT_WINDOW_FRACTION * prompt_length))
+
+
+def _scaled_total(final, seen, lengths, heads: int):
+    """int32 [B]: floor(final * seen / length) tokens per head, times the heads, in f32 math."""
+    share = seen.astype(jnp.float32) / jnp.maximum(lengths, 1).astype(jnp.float32)
+    return jnp.floor(final.astype(jnp.float32) * share).astype(jnp.int32) * heads
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class FastKVzip(Policy):
+    """Gate-scored eviction during chunked prefill and buffered decode (module docstring).
+
+    Attributes:
+      ratio: share of each sequence's KV pairs kept, in (0, 1]; stripped in the copy jit sees
+        (it travels as `budget_tokens` [B, 2]: floor(r * T) and the window w per prompt).
+      window: protected newest tokens during prefill (None: `default_window`).
+      sinks: first positions always kept (prefill and decode).
+      decode_buffer: decode steps between evictions; the newest that many tokens stay.
+    """
+
+    name: ClassVar[str] = "fastkvzip"
+
+    ratio: float | None = None
+    window: int | None = None
+    sinks: int = 4
+    decode_buffer: int = 128
+
+    def __post_init__(self):
+        if self.ratio is not None:
+            Budget(ratio=self.ratio)  # raises unless 0 < ratio <= 1
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window={self.window} must be >= 1")
+        if self.sinks < 0 or self.decode_buffer < 1:
+            raise ValueError(
+                f"sinks={self.sinks} must be >= 0 and decode_buffer={self.decode_buffer} >= 1"
+            )
+
+    def static(self) -> FastKVzip:
+        return dataclasses.replace(self, ratio=None)
+
+    def _windows(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        if self.window is not None:
+            return np.minimum(self.window, prompt_lengths).astype(np.int32)
+        return np.array([default_window(int(n)) for n in prompt_lengths], np.int32)
+
+    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        if self.ratio is None:
+            raise ValueError(f"policy {self.name!r} needs ratio= in (0, 1]")
+        lengths = np.asarray(prompt_lengths)
+        kept = Budget(ratio=self.ratio).tokens_for(lengths)
+        windows = self._windows(lengths)
+        if np.any(kept < windows):
+            row = int(np.argmax(kept < windows))
+            raise ValueError(
+                f"policy {self.name!r}: ratio={self.ratio} keeps {int(kept[row])} tokens per head "
+                f"of prompt {row} ({int(lengths[row])} tokens), fewer than the protected "
+                f"window w={int(windows[row])}: raise the ratio or give window="
+            )
+        return np.stack([kept, windows], axis=1).astype(np.int32)
+
+    def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
+        widest = int(self._windows(np.asarray(prompt_lengths)).max())
+        if chunk < widest:
+            raise ValueError(
+                f"prefill_chunk={chunk} is smaller than the protected window w={widest}: "
+                "give prefill_chunk >= w"
+            )
+
+    def prefill_pages(self, prompt_lengths, chunk, model_config, page_size, reserve) -> int:
+        heads = model_config.num_layers * model_config.num_kv_heads
+        kept = self.budget_tokens(prompt_lengths).max(axis=1)  # max(floor(r T), w) per prompt
+        held = heads * (kept + chunk) / page_size + heads * (2 + -(-reserve // page_size))
+        return int(np.ceil(held).sum())
+
+    def check_params(self, params, model_config) -> None:
+        if params is None:
+            raise ValueError(f"policy {self.name!r} needs policy_params: the trained gates")
+        gate.check_params(params, model_config)
+
+    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
+        del k_unrotated, k, positions
+        return gate.gate_scores(layer_params, h)
+
+    def _evict(self, kv: KVState, total, protected) -> KVState:
+        held = kv.positions() >= 0
+        protected = protected & held
+        forced = jnp.sum(protected, axis=(0, 2, 3), dtype=jnp.int32)
+        total = jnp.maximum(total, forced)
+        return compact(kv, keep_top_globally(kv.token_scores(), total, held, protected))
+
+    def after_prefill_chunk(self, kv: KVState, *, seen, prompt_lengths, budget_tokens):
+        heads = kv.num_layers * kv.lengths.shape[2]
+        final, window = budget_tokens[:, 0], budget_tokens[:, 1]
+        total = _scaled_total(final, seen, prompt_lengths, heads)
+        positions = kv.positions()
+        newest = positions >= (seen - window)[None, :, None, None]
+        return self._evict(kv, total, (positions < self.sinks) | newest)
+
+    def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
+        generated = ctx.positions - ctx.prompt_lengths + 1
+        due = (ctx.positions >= 0) & (generated % self.decode_buffer == 0)
+
+        def evict(kv: KVState) -> KVState:
+            heads = kv.num_layers * kv.lengths.shape[2]
+            current = ctx.positions + 1
+            total = _scaled_total(ctx.budget_tokens[:, 0], current, ctx.prompt_lengths, heads)
+            held_total = jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32)
+            total = jnp.where(due, total, held_total)
+            positions = kv.positions()
+            newest = positions > (ctx.positions - self.decode_buffer)[None, :, None, None]
+            return self._evict(kv, total, (positions < self.sinks) | newest)
+
+        return jax.lax.cond(jnp.any(due), evict, lambda kv: kv, kv)

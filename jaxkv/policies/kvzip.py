@@ -1,0 +1,227 @@
+"""KVzip: query-agnostic importance from context reconstruction, and global-threshold eviction.
+
+After prefilling a context, the model is asked to repeat it: for each chunk of the context, the
+replay input is a repeat prompt ("Repeat the previous context exactly." for the first chunk,
+"Repeat the previous context exactly, starting with" + the previous chunk's last 8 tokens for the
+others) followed by the chunk itself, placed after the context. A cached KV pair's importance is
+the largest attention probability it receives from any replay query of any chunk and any of its
+group's query heads, the softmax running over the whole context, the repeat prompt and the chunk
+(causally). Each chunk's attention is [queries of one chunk] x [context + chunk]: no T x T matrix.
+
+The replay chunk is 2000 tokens in the paper's code for contexts of 100K+; it scales with the
+model's context: 512 by default here (the reference model is trained to 4K, its contexts are
+2-4K, so a 2-4K context replays in 4-8 chunks).
+
+`KVzip(ratio)` (the oracle Fast KVzip's gates imitate) keeps the best `ratio` of all KV pairs of
+a sequence with one threshold over layers x heads x tokens: head budgets come out non-uniform
+and `compact` frees the pages of the heads that keep little.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import attention as attention_ops
+from jaxkv.cache import KVState
+from jaxkv.cache.eviction import compact, rank_descending
+from jaxkv.policies.base import Budget, Policy, PrefillObservations, register
+from models import layers
+from models.decoder import (
+    attention_input,
+    attention_output_and_mlp,
+    embed,
+    project_keys_values,
+    project_queries,
+)
+
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
+CONTINUE_PROMPT = "\n\nRepeat the previous context exactly, starting with"
+OVERLAP = 8
+DEFAULT_REPLAY_CHUNK = 512
+
+
+def byte_ids(text: str) -> tuple[int, ...]:
+    """Token ids of `text` for the project's byte-level models (the reference model)."""
+    return tuple(text.encode())
+
+
+def _replay_inputs(tokens, lengths, index: jax.Array, chunk: int, repeat_ids, continue_ids):
+    """Token ids and positions [B, P + chunk] of replay chunk `index` (P = the longer prompt).
+
+    The first chunk's prompt is left-padded (position -1) to the length of the later ones'.
+    Rows whose context ends before the chunk get only padding.
+    """
+    b = tokens.shape[0]
+    first = jnp.asarray(repeat_ids, jnp.int32)
+    later_prefix = jnp.asarray(continue_ids, jnp.int32)
+    start = index * chunk
+    overlap = jax.lax.dynamic_slice_in_dim(tokens, jnp.maximum(start - OVERLAP, 0), OVERLAP, 1)
+    later = jnp.concatenate([jnp.broadcast_to(later_prefix, (b, len(continue_ids))), overlap], 1)
+    width = later.shape[1]
+    if len(repeat_ids) > width:
+        raise ValueError(
+            f"the repeat prompt ({len(repeat_ids)} tokens) must not be longer than the continue "
+            f"prompt plus {OVERLAP} tokens ({width})"
+        )
+    padded_first = jnp.concatenate([jnp.zeros((width - len(repeat_ids),), jnp.int32), first])
+    prompt = jnp.where(index == 0, jnp.broadcast_to(padded_first, (b, width)), later)
+    prompt_valid = (jnp.arange(width) >= width - len(repeat_ids)) | (index > 0)
+    chunk_ids = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, 1)
+    chunk_valid = start + jnp.arange(chunk) < lengths[:, None]
+    ids = jnp.concatenate([prompt, chunk_ids], axis=1)
+    valid = jnp.concatenate([jnp.broadcast_to(prompt_valid, (b, width)), chunk_valid], 1)
+    valid = valid & jnp.any(chunk_valid, axis=1, keepdims=True)
+    positions = lengths[:, None] + jnp.cumsum(valid, axis=1) - 1
+    return ids, jnp.where(valid, positions, -1)
+
+
+def _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, prefix_held):
+    """One layer on the replay tokens over the cached prefix and themselves.
+
+    Returns the next residual stream and f32 [B, K, S] the largest probability each prefix slot
+    receives from any valid replay query of the group.
+    """
+    h = attention_input(lp, cfg, x)
+    q = project_queries(lp, cfg, h, cos, sin)
+    k, v = project_keys_values(lp, cfg, h, cos, sin)
+    keys = jnp.concatenate([prefix_k.astype(k.dtype), k], axis=2)
+    values = jnp.concatenate([prefix_v.astype(v.dtype), v], axis=2)
+    b, c = positions.shape
+    num_kv, s = cfg.num_kv_heads, prefix_k.shape[2]
+    query_valid = (positions >= 0)[:, None, None, :, None]
+    causal = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] >= 0)
+    mask = jnp.concatenate(
+        [
+            jnp.broadcast_to(prefix_held[:, :, None, None, :], (b, num_kv, 1, c, s)),
+            jnp.broadcast_to(causal[:, None, None], (b, num_kv, 1, c, c)),
+        ],
+        axis=-1,
+    )
+    probs = attention_ops.attention_probabilities(q, keys, mask & query_valid, cfg.head_dim**-0.5)
+    grouped = probs.reshape(b, num_kv, -1, c, s + c)
+    attn = jnp.einsum("bkgcs,bksh->bkgch", grouped, values.astype(jnp.float32))
+    received = jnp.max(grouped[..., :s], axis=(2, 3))
+    attn = attn.reshape(b, cfg.num_heads, c, -1)
+    return attention_output_and_mlp(lp, cfg, x, attn), received
+
+
+def reconstruction_scores(
+    model,
+    kv: KVState,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    *,
+    chunk: int = DEFAULT_REPLAY_CHUNK,
+    repeat_ids: tuple[int, ...] = byte_ids(REPEAT_PROMPT),
+    continue_ids: tuple[int, ...] = byte_ids(CONTINUE_PROMPT),
+) -> jax.Array:
+    """f32 [L, B, K, S]: KVzip's importance of every cached slot (0 for empty slots).
+
+    kv: the state after prefilling the contexts (any policy; the replay reads what it holds);
+    tokens: int32 [B, T_pad] the right-padded contexts, T_pad a multiple of `chunk`;
+    lengths: int32 [B].
+    """
+    cfg, params = model.config, model.params
+    if tokens.shape[1] % chunk:
+        raise ValueError(f"tokens have {tokens.shape[1]} columns, not a multiple of chunk={chunk}")
+    if max(*repeat_ids, *continue_ids) >= cfg.vocab_size:
+        raise ValueError(
+            f"repeat_ids/continue_ids hold ids outside the vocabulary [0, {cfg.vocab_size}): "
+            "pass the model tokenizer's ids of the repeat prompts"
+        )
+    slots = jnp.arange(kv.max_tokens_per_head)
+
+    def one_chunk(best, index):
+        ids, positions = _replay_inputs(tokens, lengths, index, chunk, repeat_ids, continue_ids)
+        cos, sin = layers.rope_cos_sin(cfg, jnp.maximum(positions, 0))
+
+        def layer(x, xs):
+            lp, page_table, layer_lengths = xs
+            prefix_k = attention_ops.gather_pages(kv.pool.k_pages, page_table)
+            prefix_v = attention_ops.gather_pages(kv.pool.v_pages, page_table)
+            held = slots < layer_lengths[..., None]
+            return _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, held)
+
+        xs = (params["layers"], kv.page_table, kv.lengths)
+        _, received = jax.lax.scan(layer, embed(params, ids), xs)
+        return jnp.maximum(best, received), None
+
+    best = jnp.zeros(kv.lengths.shape + (kv.max_tokens_per_head,), jnp.float32)
+    best, _ = jax.lax.scan(one_chunk, best, jnp.arange(tokens.shape[1] // chunk))
+    return best
+
+
+def keep_top_globally(scores, total, held, protected) -> jax.Array:
+    """bool [L, B, K, S]: per sequence, the protected slots plus the best-scored others, `total`
+    slots in all, ranked with one threshold over layers x heads x slots.
+
+    scores f32 [L, B, K, S]; total int [B] (>= the protected count); held, protected bool.
+    """
+    ranked = jnp.where(protected, jnp.inf, jnp.where(held, scores, -jnp.inf))
+    per_sequence = jnp.moveaxis(ranked, 1, 0)  # [B, L, K, S]
+    b = per_sequence.shape[0]
+    rank = rank_descending(per_sequence.reshape(b, -1)).reshape(per_sequence.shape)
+    keep = rank < total[:, None, None, None]
+    return jnp.moveaxis(keep, 0, 1) & held
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class KVzip(Policy):
+    """KVzip's reconstruction scores, one global threshold: keeps `ratio` of all KV pairs.
+
+    Attributes:
+      ratio: share of each sequence's KV pairs (over layers x heads x tokens) kept, in (0, 1].
+        Stripped (None) in the copy jit sees; it travels as `budget_tokens`.
+      chunk: replay chunk in tokens (module docstring).
+      repeat_ids, continue_ids: the repeat prompts' token ids (byte-level by default: pass the
+        tokenizer's ids of REPEAT_PROMPT / CONTINUE_PROMPT for other models).
+    """
+
+    name: ClassVar[str] = "kvzip"
+    needs_prompt_tokens: ClassVar[bool] = True
+
+    ratio: float | None = None
+    chunk: int = DEFAULT_REPLAY_CHUNK
+    repeat_ids: tuple[int, ...] = byte_ids(REPEAT_PROMPT)
+    continue_ids: tuple[int, ...] = byte_ids(CONTINUE_PROMPT)
+
+    def __post_init__(self):
+        if self.ratio is not None:
+            Budget(ratio=self.ratio)  # validates (0, 1]
+        if self.chunk < 1:
+            raise ValueError(f"chunk={self.chunk} must be >= 1")
+        if not self.repeat_ids or len(self.repeat_ids) > len(self.continue_ids) + OVERLAP:
+            raise ValueError(
+                "repeat_ids must be non-empty and at most len(continue_ids) + 8 tokens long"
+            )
+
+    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        if self.ratio is None:
+            raise ValueError(f"policy {self.name!r} needs ratio= in (0, 1]")
+        return Budget(ratio=self.ratio).tokens_for(prompt_lengths)
+
+    def static(self) -> KVzip:
+        return dataclasses.replace(self, ratio=None)
+
+    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
+        tokens = obs.prompt_tokens
+        pad = -tokens.shape[1] % self.chunk
+        tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
+        scores = reconstruction_scores(
+            model,
+            kv,
+            tokens,
+            obs.prompt_lengths,
+            chunk=self.chunk,
+            repeat_ids=self.repeat_ids,
+            continue_ids=self.continue_ids,
+        )
+        held = kv.positions() >= 0
+        total = obs.budget_tokens * kv.num_layers * kv.lengths.shape[2]
+        return compact(kv, keep_top_globally(scores, total, held, jnp.zeros_like(held)))

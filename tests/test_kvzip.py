@@ -1,0 +1,97 @@
+"""KVzip: reconstruction scores against a dense transformers forward of context + repeat + chunk,
+and the global-threshold selection against a plain-numpy ranking."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import policies
+from jaxkv.policies.kvzip import keep_top_globally, reconstruction_scores
+from models import load_hf_checkpoint
+from tests import hf_models
+from tests import policy_references as ref
+
+LENGTHS = (70, 45)
+CHUNK = 32
+REPEAT = (5, 6, 7)
+CONTINUE = (8, 9)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    hf = hf_models.build("llama2-tied", seed=5, scale=0.3)
+    directory = tmp_path_factory.mktemp("kvzip-model")
+    hf.save_pretrained(directory)
+    model = load_hf_checkpoint(directory, dtype="float32")
+    rng = np.random.default_rng(3)
+    contexts = [rng.integers(10, hf.config.vocab_size, n).tolist() for n in LENGTHS]
+    return hf, model, contexts
+
+
+def dense_targets(hf, context):
+    """[L, K, T]: max over replay queries and group heads, one dense forward per chunk."""
+    t = len(context)
+    best = None
+    for start in range(0, t, CHUNK):
+        prompt = list(REPEAT) if start == 0 else list(CONTINUE) + context[start - 8 : start]
+        fwd = ref.run(hf, context + prompt + context[start : start + CHUNK])
+        k = fwd.num_kv_heads
+        per_layer = np.stack([a[:, t:, :t].reshape(k, -1, t).max(axis=1) for a in fwd.attentions])
+        best = per_layer if best is None else np.maximum(best, per_layer)
+    return best
+
+
+def test_reconstruction_scores_match_dense_attention(setup):
+    hf, model, contexts = setup
+    state = jaxkv.compress_prompt(model, contexts, page_size=8, prefill_chunk=CHUNK)
+    padded = np.zeros((2, 96), np.int32)
+    for row, context in enumerate(contexts):
+        padded[row, : len(context)] = context
+    scores = reconstruction_scores(
+        model,
+        state,
+        jnp.asarray(padded),
+        jnp.asarray(LENGTHS, jnp.int32),
+        chunk=CHUNK,
+        repeat_ids=REPEAT,
+        continue_ids=CONTINUE,
+    )
+    scores = np.asarray(scores)
+    for row, context in enumerate(contexts):
+        expected = dense_targets(hf, context)
+        got = scores[:, row, :, : len(context)]
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+        assert np.all(scores[:, row, :, len(context) :] == 0)
+
+
+def test_global_selection_keeps_the_top_entries_with_protected_forced():
+    rng = np.random.default_rng(0)
+    scores = rng.random((3, 2, 2, 40)).astype(np.float32)
+    lengths = np.array([[[40, 25], [10, 40]]] * 3)
+    held = np.arange(40) < lengths[..., None]
+    protected = held & (rng.random(held.shape) < 0.1)
+    total = np.array([50, 30])
+    keep = np.asarray(keep_top_globally(scores, jnp.asarray(total), held, protected))
+    for b in range(2):
+        flat_scores = scores[:, b][held[:, b]]
+        flat_protected = protected[:, b][held[:, b]]
+        rest = np.sort(flat_scores[~flat_protected])[::-1]
+        threshold = rest[total[b] - flat_protected.sum() - 1]
+        expected = held[:, b] & (protected[:, b] | (scores[:, b] >= threshold))
+        np.testing.assert_array_equal(keep[:, b], expected)
+        assert keep[:, b].sum() == total[b]
+
+
+def test_kvzip_policy_keeps_the_ratio_and_frees_pages(setup):
+    _, model, contexts = setup
+    policy = policies.get("kvzip", ratio=0.3, chunk=CHUNK, repeat_ids=REPEAT, continue_ids=CONTINUE)
+    state = jaxkv.compress_prompt(model, contexts, policy, page_size=8, prefill_chunk=CHUNK)
+    lengths = np.asarray(state.lengths)  # [L, B, K]
+    cfg = model.config
+    for row, n in enumerate(LENGTHS):
+        assert lengths[:, row].sum() == int(0.3 * n) * cfg.num_layers * cfg.num_kv_heads
+    assert len(np.unique(lengths)) > 1  # non-uniform head budgets
+    assert int(state.pages_in_use()) == int(np.sum(-(-lengths // 8)))
+    with pytest.raises(ValueError, match="ratio"):
+        policies.KVzip(ratio=1.5)

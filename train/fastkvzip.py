@@ -1,0 +1,295 @@
+"""Fast KVzip gate training: KVzip reconstruction targets, then per-layer BCE on the frozen model.
+
+1. Targets (`--targets PATH`, built when PATH does not exist): contexts of `--length` tokens
+   (plain text of the corpus's train split and retrieval episodes with training seeds,
+   `<bos>` first) are prefilled; KVzip's reconstruction (`jaxkv.policies.kvzip`) gives every
+   KV pair its target; each token's attention input per layer is stored with it. Validation
+   contexts come from the held-out split. Saved as one .npz.
+2. Training: the gate is a per-token function of the attention input, so a batch is a random
+   set of tokens; every layer's gate trains on its own BCE (the loss is their sum: the layers'
+   parameters and gradients are disjoint). SGD with momentum 0.9, lr 0.2, linear warmup and a
+   step decay (METHODS.md), or AdamW; through `train.trainer` (mesh, orbax resume, metrics).
+
+    jaxkv train fastkvzip --targets /tmp/fkz/targets.npz --out assets/fastkvzip-gates
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxkv
+from jaxkv import tasks
+from jaxkv.gates import fastkvzip as gate
+from jaxkv.policies.kvzip import (
+    CONTINUE_PROMPT,
+    DEFAULT_REPLAY_CHUNK,
+    REPEAT_PROMPT,
+    byte_ids,
+    reconstruction_scores,
+)
+from models import Model, load_hf_checkpoint
+from models.decoder import attention_input, attention_inputs, attention_output_and_mlp, embed
+from models.layers import rope_cos_sin
+from train import corpus as corpus_lib
+from train import trainer
+
+BOS = 256
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
+EPISODE_FRACTION = 0.5
+TRAIN_SEED, VALIDATION_SEED = 1, 2
+
+
+def layer_inputs(model: Model, tokens: jax.Array) -> jax.Array:
+    """[L, B, T, D] every layer's attention input (normed hidden state) in a dense forward."""
+    cfg, params = model.config, model.params
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    cos, sin = rope_cos_sin(cfg, positions)
+
+    def layer(x, lp):
+        q, k, v = attention_inputs(lp, cfg, x, cos, sin)
+        attn = jaxkv.attention.causal_attention(q, k, v, sm_scale=cfg.head_dim**-0.5)
+        return attention_output_and_mlp(lp, cfg, x, attn), attention_input(lp, cfg, x)
+
+    _, inputs = jax.lax.scan(layer, embed(params, tokens), params["layers"])
+    return inputs
+
+
+def contexts(split: str, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` contexts of `length` tokens: text and retrieval episodes, `<bos>` first."""
+    corpus = corpus_lib.load_corpus(split)
+    rng = np.random.default_rng([seed, length])
+    out = []
+    for _ in range(count):
+        if rng.random() < EPISODE_FRACTION:
+            kind = tasks.KINDS[int(rng.integers(len(tasks.KINDS)))]
+            text = tasks.make_episode(kind, corpus, rng, length - 1).prompt
+        else:
+            text = corpus.text(rng, length - 1)
+        out.append([BOS, *text[: length - 1]])
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "repeat_ids", "continue_ids"))
+def _inputs_and_targets_jit(model, tokens, kv, *, chunk, repeat_ids, continue_ids):
+    lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+    scores = reconstruction_scores(
+        model, kv, tokens, lengths, chunk=chunk, repeat_ids=repeat_ids, continue_ids=continue_ids
+    )
+    return layer_inputs(model, tokens), scores
+
+
+def inputs_and_targets(
+    model: Model,
+    batch: list[list[int]],
+    chunk: int,
+    repeat_ids: tuple[int, ...] = byte_ids(REPEAT_PROMPT),
+    continue_ids: tuple[int, ...] = byte_ids(CONTINUE_PROMPT),
+):
+    """h f16 [B * T, L, D] and targets f32 [B * T, L, K] for equal-length contexts."""
+    tokens = jnp.asarray(batch, jnp.int32)
+    b, t = tokens.shape
+    if t % chunk:
+        raise ValueError(f"--length={t} must be a multiple of the replay chunk {chunk}")
+    kv = jaxkv.compress_prompt(model, batch, prefill_chunk=chunk)
+    h, scores = _inputs_and_targets_jit(
+        model, tokens, kv, chunk=chunk, repeat_ids=repeat_ids, continue_ids=continue_ids
+    )
+    h = np.asarray(h, np.float16).transpose(1, 2, 0, 3).reshape(b * t, model.config.num_layers, -1)
+    targets = np.asarray(scores[..., :t]).transpose(1, 3, 0, 2).reshape(b * t, -1, scores.shape[2])
+    return h, targets
+
+
+def build_targets(
+    model, path: Path, *, count, validation, length, batch, chunk=DEFAULT_REPLAY_CHUNK, log=print
+) -> None:
+    """Writes train and validation inputs/targets to `path` (.npz)."""
+    arrays = {}
+    for split, n, seed, name in (
+        ("train", count, TRAIN_SEED, "train"),
+        ("heldout", validation, VALIDATION_SEED, "validation"),
+    ):
+        all_contexts = contexts(split, n, length, seed)
+        hs, ts = [], []
+        for start in range(0, n, batch):
+            began = time.perf_counter()
+            h, t = inputs_and_targets(model, all_contexts[start : start + batch], chunk)
+            hs.append(h)
+            ts.append(t)
+            seconds = time.perf_counter() - began
+            log(f"{name}: contexts {start + len(h) // length}/{n} ({seconds:.1f} s)")
+        arrays[f"{name}_h"] = np.concatenate(hs)
+        arrays[f"{name}_targets"] = np.concatenate(ts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **arrays)
+
+
+def bce(scores: jax.Array, targets: jax.Array) -> jax.Array:
+    """Elementwise binary cross-entropy of soft targets, scores clipped away from 0 and 1."""
+    s = jnp.clip(scores, 1e-6, 1 - 1e-6)
+    return -(targets * jnp.log(s) + (1 - targets) * jnp.log1p(-s))
+
+
+def per_layer_loss(params, h: jax.Array, targets: jax.Array) -> jax.Array:
+    """f32 [L] mean BCE of each layer's gate; h [N, L, D], targets [N, L, K]."""
+
+    def one_layer(layer_params, layer_h, layer_targets):
+        scores = gate.gate_scores(layer_params, layer_h[None])[0]  # [K, N]
+        return jnp.mean(bce(scores, layer_targets.T))
+
+    return jax.vmap(one_layer, in_axes=(0, 1, 1))(params, h.astype(jnp.float32), targets)
+
+
+def loss_fn(params, batch):
+    losses = per_layer_loss(params, batch["h"], batch["targets"])
+    return jnp.sum(losses), {f"bce_layer{i}": loss for i, loss in enumerate(losses)}
+
+
+def sgd_optimizer(steps: int, learning_rate: float, warmup: int):
+    """SGD momentum 0.9: linear warmup, then the rate divided by 10 at 50% and 80% of the run."""
+    schedule = optax.join_schedules(
+        [
+            optax.linear_schedule(learning_rate / 100, learning_rate, max(warmup, 1)),
+            optax.piecewise_constant_schedule(
+                learning_rate, {int(0.5 * steps) - warmup: 0.1, int(0.8 * steps) - warmup: 0.1}
+            ),
+        ],
+        [max(warmup, 1)],
+    )
+    return optax.sgd(schedule, momentum=0.9)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="jaxkv train fastkvzip", description=__doc__)
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--targets", required=True, help=".npz of inputs/targets (built if absent)")
+    parser.add_argument("--contexts", type=int, default=48, help="training contexts")
+    parser.add_argument("--validation-contexts", type=int, default=8)
+    parser.add_argument("--length", type=int, default=2048, help="tokens per context")
+    parser.add_argument("--context-batch", type=int, default=4)
+    parser.add_argument("--targets-only", action="store_true", help="build targets and stop")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--learning-rate", type=float, default=None, help="sgd 0.2, adamw 3e-3")
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="directory for gates.safetensors + metrics")
+    parser.add_argument("--work-dir", default=None, help="orbax checkpoints (resumed)")
+    args = parser.parse_args(argv)
+
+    model = load_hf_checkpoint(args.model, dtype="float32")
+    targets_path = Path(args.targets)
+    if not targets_path.exists():
+        build_targets(
+            model,
+            targets_path,
+            count=args.contexts,
+            validation=args.validation_contexts,
+            length=args.length,
+            batch=args.context_batch,
+        )
+    if args.targets_only:
+        return {}
+    data = np.load(targets_path)
+    train_h, train_t = data["train_h"], data["train_targets"]
+    val = {
+        "h": jnp.asarray(data["validation_h"]),
+        "targets": jnp.asarray(data["validation_targets"]),
+    }
+
+    def batch_for_step(step: int):
+        rows = np.random.default_rng([args.seed, step]).integers(0, len(train_h), args.batch_tokens)
+        return {"h": train_h[rows], "targets": train_t[rows]}
+
+    validation_loss = jax.jit(per_layer_loss)
+
+    def eval_fn(params, step):
+        del step
+        losses = validation_loss(params, val["h"], val["targets"])
+        return {f"val_bce_layer{i}": float(v) for i, v in enumerate(losses)}
+
+    lr = args.learning_rate or (0.2 if args.optimizer == "sgd" else 3e-3)
+    cfg = trainer.TrainConfig(
+        steps=args.steps,
+        learning_rate=lr,
+        warmup_steps=args.warmup,
+        weight_decay=0.0,
+        grad_clip=1e9,
+        checkpoint_every=max(args.steps // 4, 1) if args.work_dir else 0,
+        log_every=max(args.steps // 40, 1),
+    )
+    optimizer = sgd_optimizer(args.steps, lr, args.warmup) if args.optimizer == "sgd" else None
+    params = gate.init_params(model.config, jax.random.PRNGKey(args.seed))
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    state, logged = trainer.train(
+        loss_fn,
+        params,
+        batch_for_step,
+        cfg,
+        optimizer=optimizer,
+        checkpoint_dir=Path(args.work_dir) / "checkpoints" if args.work_dir else None,
+        metrics_path=out / "metrics.jsonl" if out else None,
+        eval_fn=eval_fn,
+        eval_every=max(args.steps // 10, 1),
+        progress=False,
+    )
+    seconds = time.perf_counter() - began
+    final = logged[-1]
+    layers = model.config.num_layers
+    summary = {
+        "optimizer": args.optimizer,
+        "learning_rate": lr,
+        "steps": args.steps,
+        "batch_tokens": args.batch_tokens,
+        "train_tokens": int(len(train_h)),
+        "validation_tokens": int(len(val["h"])),
+        "seconds": seconds,
+        "seconds_per_step": seconds / args.steps,
+        "train_bce": [final[f"bce_layer{i}"] for i in range(layers)],
+        "validation_bce": [final[f"val_bce_layer{i}"] for i in range(layers)],
+        "validation_bce_of_mean_target": baseline_bce(train_t, val["targets"]),
+        "validation_top30_overlap": top_overlap(
+            jax.device_get(state.params), data["validation_h"], data["validation_targets"]
+        ),
+    }
+    if out:
+        params = jax.device_get(state.params)
+        gate.save_safetensors(params, out / "gates.safetensors", metadata={"summary": summary})
+        (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+def top_overlap(params, h, targets, ratio: float = 0.3) -> list[float]:
+    """Per layer: the share of the `ratio` best tokens x heads by target that the gate also
+    ranks in its best `ratio` (what eviction at that ratio depends on; chance is `ratio`)."""
+    overlaps = []
+    for layer in range(targets.shape[1]):
+        scores = gate.gate_scores(gate.layer_slice(params, layer), jnp.asarray(h[None, :, layer]))
+        predicted = np.asarray(scores[0]).T.ravel()  # [N * K]
+        target = np.asarray(targets[:, layer]).ravel()
+        k = int(ratio * target.size)
+        best_target = set(np.argsort(-target, kind="stable")[:k].tolist())
+        best_gate = set(np.argsort(-predicted, kind="stable")[:k].tolist())
+        overlaps.append(len(best_target & best_gate) / k)
+    return overlaps
+
+
+def baseline_bce(train_targets: np.ndarray, val_targets) -> list[float]:
+    """Per layer: the validation BCE of a constant predictor (the train targets' mean)."""
+    mean = jnp.asarray(train_targets.mean(axis=(0, 2)))  # [L]
+    return [
+        float(v) for v in jnp.mean(bce(mean[None, :, None], jnp.asarray(val_targets)), axis=(0, 2))
+    ]
