@@ -8,8 +8,8 @@ import pytest
 
 import jaxkv
 from jaxkv import attention, policies
-from models import ModelConfig, forward, init_model
-from models.configs import Family
+from models import forward, init_model
+from tests.tiny_models import tiny_config
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -213,18 +213,7 @@ def test_mass_from_probs_equals_direct_mass():
     np.testing.assert_allclose(np.asarray(mass), want, atol=1e-5)
 
 
-CONFIG = ModelConfig(
-    family=Family.QWEN3,
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    qk_norm=True,
-    max_position_embeddings=512,
-)
+CONFIG = tiny_config(max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")

@@ -10,20 +10,11 @@ from hypothesis import strategies as st
 import jaxkv
 from jaxkv import policies
 from jaxkv.policies import confkv
-from models import ModelConfig, init_model
+from models import init_model
 from models.configs import Family
+from tests.tiny_models import tiny_config
 
-CONFIG = ModelConfig(
-    family=Family.LLAMA,
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-)
+CONFIG = tiny_config(Family.LLAMA, num_layers=3)
 
 
 @pytest.fixture(scope="module")

@@ -10,26 +10,15 @@ import pytest
 import jaxkv
 from jaxkv import attention, generation, policies
 from jaxkv.cache.eviction import compact
-from models import ModelConfig, init_model
-from models.configs import Family
+from models import init_model
 from models.decoder import (
     forward_cached,
     logits_from_hidden,
 )
 from tests import dense_reference
+from tests.tiny_models import tiny_config
 
-CONFIG = ModelConfig(
-    family=Family.QWEN3,
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    qk_norm=True,
-    max_position_embeddings=4096,
-)
+CONFIG = tiny_config(max_position_embeddings=4096)
 PAGE_SIZE = 16
 
 

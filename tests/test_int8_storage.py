@@ -11,20 +11,11 @@ import jaxkv
 from jaxkv import policies
 from jaxkv.cache import attend_and_write
 from jaxkv.cache.int8 import quantize, start_int8
-from models import ModelConfig, init_model
+from models import init_model
 from models.configs import Family
+from tests.tiny_models import tiny_config
 
-CONFIG = ModelConfig(
-    family=Family.LLAMA,
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
+CONFIG = tiny_config(Family.LLAMA, max_position_embeddings=512)
 WINDOW, PAGE = 8, 4
 
 

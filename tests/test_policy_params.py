@@ -11,22 +11,11 @@ import pytest
 
 import jaxkv
 from jaxkv import policies
-from models import ModelConfig, init_model
-from models.configs import Family
+from models import init_model
 from models.decoder import attention_input, embed, project_unrotated_keys_values
+from tests.tiny_models import tiny_config
 
-CONFIG = ModelConfig(
-    family=Family.QWEN3,
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    qk_norm=True,
-    max_position_embeddings=1024,
-)
+CONFIG = tiny_config()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,23 +9,13 @@ import jaxkv
 from jaxkv import policies
 from jaxkv.cache import KVState, write_tokens
 from jaxkv.cache.eviction import compact
-from models import ModelConfig, forward_cached, init_model
+from models import forward_cached, init_model
 from models.configs import Family
 from models.decoder import logits_from_hidden
 from tests import dense_reference
+from tests.tiny_models import tiny_config
 
-CONFIG = ModelConfig(
-    family=Family.QWEN2,
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    qkv_bias=True,
-    max_position_embeddings=1024,
-)
+CONFIG = tiny_config(Family.QWEN2)
 
 
 @pytest.fixture(scope="module")
