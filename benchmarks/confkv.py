@@ -94,7 +94,7 @@ def _rng(task: str) -> np.random.Generator:
 
 
 @functools.partial(jax.jit, static_argnames="policy")
-def _read(model, kv, tokens, targets, starts, budget_tokens, key, policy):
+def _read(model, kv, tokens, targets, starts, budget_tokens, key, policy_params, policy):
     """Reads tokens [B, N] one by one from positions `starts` [B], evicting after each.
 
     Returns per step: nll f32 [N, B] of targets, confidence [N, B], pages in use of both
@@ -104,7 +104,14 @@ def _read(model, kv, tokens, targets, starts, budget_tokens, key, policy):
     def step(kv, xs):
         token, target, i = xs
         positions = starts + i
-        hidden, kv, _ = forward_cached(model, token[:, None], positions[:, None], kv, policy=policy)
+        hidden, kv, _ = forward_cached(
+            model,
+            token[:, None],
+            positions[:, None],
+            kv,
+            policy=policy,
+            policy_params=policy_params,
+        )
         logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), target[:, None], axis=-1)[:, 0]
         ctx = DecodeContext(
@@ -135,11 +142,18 @@ def _bytes_per_step(kv, pages: np.ndarray) -> np.ndarray:
     return held
 
 
-def teacher_forced(model, policy, texts: list[bytes], s: Settings) -> dict:
+def teacher_forced(model, policy, texts: list[bytes], s: Settings, policy_params=None) -> dict:
+    """Prefills `s.prefix` bytes of each text, then reads `s.continuation` bytes token by token
+    with the policy's decode hook after each; bits per byte, memory held and the trace."""
     rows = np.array([[BOS, *text] for text in texts], np.int32)
     prefix = s.prefix + 1
     kv = jaxkv.compress_prompt(
-        model, rows[:, :prefix], policy, page_size=PAGE_SIZE, reserve_tokens=s.continuation
+        model,
+        rows[:, :prefix],
+        policy,
+        page_size=PAGE_SIZE,
+        reserve_tokens=s.continuation,
+        policy_params=policy_params,
     )
     starts = np.full((len(texts),), prefix, np.int32)
     budget_tokens = jnp.asarray(policy.budget_tokens(starts))
@@ -151,6 +165,7 @@ def teacher_forced(model, policy, texts: list[bytes], s: Settings) -> dict:
         jnp.asarray(starts),
         budget_tokens,
         jax.random.PRNGKey(SEED),
+        policy_params,
         policy.static(),
     )
     nll, conf, pages, held = (np.asarray(x) for x in (nll, conf, pages, held))
