@@ -7,19 +7,11 @@ import numpy as np
 import pytest
 
 from jaxkv.gates import fastkvzip as gate
-from models import ModelConfig
 from models.configs import Family
+from tests.tiny_models import tiny_config
 
-CONFIG = ModelConfig(
-    family=Family.LLAMA,
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    max_position_embeddings=256,
+CONFIG = tiny_config(
+    Family.LLAMA, hidden_size=32, intermediate_size=64, head_dim=8, max_position_embeddings=256
 )
 
 

@@ -5,22 +5,15 @@ import jax
 import numpy as np
 
 from jaxkv.gates import fastkvzip as gate
-from models import ModelConfig, init_model
+from models import init_model
 from models.configs import Family
 from tests.test_fastkvzip_gate import numpy_scores
+from tests.tiny_models import tiny_config
 from train import fastkvzip as training
 from train import trainer
 
-CONFIG = ModelConfig(
-    family=Family.LLAMA,
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    max_position_embeddings=512,
+CONFIG = tiny_config(
+    Family.LLAMA, hidden_size=32, intermediate_size=64, head_dim=8, max_position_embeddings=512
 )
 
 

@@ -53,13 +53,7 @@ def compact_layer(pool: PagePool, page_table, lengths, keep):
     page_index = jnp.arange(max_pages)
     freed = (page_index >= pages_needed[..., None]) & (page_index < pages_held[..., None])
     pool = dataclasses.replace(
-        pool,
-        k_pages=move(pool.k_pages),
-        v_pages=move(pool.v_pages),
-        token_positions=move(pool.token_positions),
-        token_scores=move(pool.token_scores),
-        k_scales=move(pool.k_scales),
-        v_scales=move(pool.v_scales),
+        pool.map_token_data(move),
         allocator=release(pool.allocator, jnp.where(freed, page_table, -1)),
     )
     page_table = jnp.where(page_index >= pages_needed[..., None], -1, page_table)

@@ -42,15 +42,9 @@ def _repack_pool(pool: PagePool, table, lengths, num_pages: int, max_pages: int)
     allocator = PageAllocator.create(num_pages)
     allocator = dataclasses.replace(allocator, num_free=num_pages - in_use)
     pool = dataclasses.replace(
-        pool,
-        k_pages=move(pool.k_pages),
-        v_pages=move(pool.v_pages),
-        token_positions=move(pool.token_positions),
-        token_scores=move(pool.token_scores),
+        pool.map_token_data(move),
         key_min=move(pool.key_min),
         key_max=move(pool.key_max),
-        k_scales=move(pool.k_scales),
-        v_scales=move(pool.v_scales),
         allocator=allocator,
         overflow=pool.overflow | ~fits,
     )

@@ -72,6 +72,20 @@ class PagePool:
         scales = 0 if self.k_scales is None else 2 * p * self.k_scales.dtype.itemsize
         return kv_bytes + metadata + bounds + scales
 
+    def map_token_data(self, move) -> PagePool:
+        """This pool with `move` applied to every page-aligned per-token field ([P, p, ...]:
+        keys, values, positions, scores, int8 token scales), so code that relocates tokens
+        (compaction, repacking) moves all of them; `move(None)` must give None."""
+        return dataclasses.replace(
+            self,
+            k_pages=move(self.k_pages),
+            v_pages=move(self.v_pages),
+            token_positions=move(self.token_positions),
+            token_scores=move(self.token_scores),
+            k_scales=move(self.k_scales),
+            v_scales=move(self.v_scales),
+        )
+
     def refresh_key_bounds(self, pages: jax.Array, held_counts: jax.Array) -> PagePool:
         """Recomputes key bounds of `pages` (int32 [n], -1 ignored) from their first
         `held_counts` [n] tokens; a no-op for a pool without bounds."""
