@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.common import round_up
 
 # Tile of the block-sparse kernel (queries and keys); shorter sequences use the next power of two
 # >= 16 (the kernel's minimum).
@@ -460,6 +461,118 @@ def chunk_attention_mass(
     return _attention_mass(q, k, mask, lse, query_weights, sm_scale)
 
 
+# Score bias for a key the write gate did not admit, seen from outside the band: the kernel's
+# log-gate bias turned into a mask. Finite (with its log2(e) scaling it stays far from -inf), so
+# the online softmax stays NaN-free; every row sees its own key (band >= 1), whose score wins.
+_NOT_ADMITTED_BIAS = -1e30
+# Page size of the compacted admitted keys the vertical part reads through the paged kernel.
+_VERTICAL_PAGE = 16
+
+
+def vertical_slash_chunk_attention(
+    q, k, v, positions, admitted, *, window: int, sm_scale: float, backend: str = "xla"
+):
+    """WG-KV's attention of a chunk to itself: the vertical-slash pattern.
+
+    Key j is visible to query i when j <= i and (i - j < window or admitted[j]).
+    q [B, N, C, H]; k, v [B, K, C, H]; positions [B, C] (valid tokens a prefix with consecutive
+    positions, -1 padding after them, as `chunk_attention`); admitted bool [B, K, C]; window >= 1.
+    Returns out f32 [B, N, C, H] and lse f32 [B, N, C] (-inf for padded queries).
+
+    The kernel backends split the keys of each query block in two disjoint sets whose partial
+    attentions merge: the slash, the key blocks holding a pair inside the band (block-sparse
+    kernel over sliding-window lists; there the unadmitted keys outside the band are masked by
+    the gate bias), and the vertical, the admitted keys of the blocks wholly outside the band,
+    compacted per head and read through the paged kernel with one length per query block. The
+    work is the band plus the admitted columns, however the admitted columns are spread.
+    """
+    if window < 1:
+        raise ValueError(f"window={window} must be >= 1")
+    valid = positions >= 0
+    admitted = admitted & valid[:, None, :]
+    if not _uses_kernels(backend):
+        return local_attention(
+            q, k, v, positions, positions, admitted, window=window, sm_scale=sm_scale
+        )
+    slash = _slash_attention(q, k, v, admitted, window=window, sm_scale=sm_scale, backend=backend)
+    vertical = _vertical_attention(
+        q, k, v, admitted, window=window, sm_scale=sm_scale, backend=backend
+    )
+    out, lse = merge_partials(*slash, *vertical)
+    valid = valid[:, None, :]
+    return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
+
+
+def _slash_attention(q, k, v, admitted, *, window: int, sm_scale: float, backend):
+    """Keys of the blocks reaching into the band: j <= i and (i - j < window or admitted[j])."""
+    b, _, c, _ = q.shape
+    block = _prefill_block(c)
+    kv_block_idx, kv_block_cnt = pallas_kernels.sliding_window_block_lists(
+        b, k.shape[1], c, window=window, block_q=block, block_k=block
+    )
+    out, lse = pallas_kernels.block_sparse_attention(
+        q,
+        k,
+        v,
+        kv_block_idx,
+        kv_block_cnt,
+        sm_scale=sm_scale,
+        gate_bias=jnp.where(admitted, 0.0, _NOT_ADMITTED_BIAS),
+        band=window,
+        block_q=block,
+        block_k=block,
+        return_lse=True,
+        interpret=_interpret(backend),
+    )
+    return out.astype(jnp.float32), lse
+
+
+def _vertical_attention(q, k, v, admitted, *, window: int, sm_scale: float, backend):
+    """Admitted keys of the key blocks every query of a query block sees outside the band (all
+    of them before the block's first query minus `window`): paged attention over the admitted
+    keys compacted in position order, a query block reading their prefix up to its bound."""
+    b, n, c, h = q.shape
+    num_kv_heads = k.shape[1]
+    block = _prefill_block(c)
+    num_blocks = -(-c // block)
+    padded = round_up(c, _VERTICAL_PAGE)
+    # Admitted keys first, in position order; the rest follow and are never read.
+    order = jnp.argsort(~admitted, axis=-1, stable=True)
+    order = jnp.pad(order, ((0, 0), (0, 0), (0, padded - c)))
+
+    def compacted(x):  # [B, K, C, H] -> pool [B * K * padded / page, page, H]
+        x = jnp.take_along_axis(x, order[..., None], axis=2)
+        return x.reshape(-1, _VERTICAL_PAGE, h)
+
+    # Key blocks wholly outside the band of query block qb: those ending at or before
+    # qb * block - window, i.e. the first `far_blocks[qb]` blocks.
+    far_blocks = jnp.clip((jnp.arange(num_blocks) * block - window + 1) // block, 0, None)
+    admitted_before = jnp.pad(
+        jnp.cumsum(admitted, axis=-1, dtype=jnp.int32), ((0, 0), (0, 0), (1, 0))
+    )
+    lengths = admitted_before[..., jnp.minimum(far_blocks * block, c)]  # [B, K, nq]
+    pages_per_head = padded // _VERTICAL_PAGE
+    table = (jnp.arange(b * num_kv_heads) * pages_per_head)[:, None] + jnp.arange(pages_per_head)
+    table = jnp.broadcast_to(
+        table.reshape(b, 1, num_kv_heads, pages_per_head),
+        (b, num_blocks, num_kv_heads, pages_per_head),
+    )
+    q_blocks = jnp.pad(q, ((0, 0), (0, 0), (0, num_blocks * block - c), (0, 0)))
+    q_blocks = q_blocks.reshape(b, n, num_blocks, block, h).transpose(0, 2, 1, 3, 4)
+    out, lse = paged_attention(
+        q_blocks.reshape(b * num_blocks, n, block, h),
+        compacted(k),
+        compacted(v),
+        table.reshape(b * num_blocks, num_kv_heads, pages_per_head).astype(jnp.int32),
+        jnp.swapaxes(lengths, 1, 2).reshape(b * num_blocks, num_kv_heads),
+        sm_scale=sm_scale,
+        backend=backend,
+    )
+    out = out.reshape(b, num_blocks, n, block, h).transpose(0, 2, 1, 3, 4)
+    lse = lse.reshape(b, num_blocks, n, block).transpose(0, 2, 1, 3)
+    return out.reshape(b, n, -1, h)[:, :, :c], lse.reshape(b, n, -1)[:, :, :c]
+
+
 def local_attention(
     q,
     k,
@@ -472,7 +585,7 @@ def local_attention(
     sm_scale: float,
     backend: str = "xla",
 ):
-    """WG-KV's local part: attention over the local ring and the chunk (small and dense).
+    """WG-KV's attention to the local ring (W keys, any slot order): small and dense, jnp.
 
     A key at position j is visible to a query at position i when it is causal (j <= i) and
     inside the band (i - j < window) or admitted to the global cache (`key_admitted`).

@@ -97,6 +97,54 @@ def test_chunk_attention_kernel_equals_xla_with_tail_padding():
     np.testing.assert_allclose(np.asarray(got_lse)[finite], np.asarray(want_lse)[finite], atol=1e-5)
 
 
+def _numpy_vertical_slash(q, k, v, length, admitted, window, scale):
+    """Per query i < length: softmax over keys j <= i with i - j < window or admitted[j]."""
+    n, _, _ = q.shape
+    group = n // k.shape[0]
+    out = np.zeros(q.shape)
+    for head in range(n):
+        kv = head // group
+        for i in range(length):
+            j = np.arange(i + 1)
+            j = j[(i - j < window) | admitted[kv, j]]
+            s = k[kv, j] @ q[head, i] * scale
+            p = np.exp(s - s.max())
+            out[head, i] = p / p.sum() @ v[kv, j]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("dtype", "window"), [(jnp.float32, 20), (jnp.float32, 70), (jnp.bfloat16, 20)]
+)
+def test_vertical_slash_chunk_attention_kernel_equals_xla_and_numpy(dtype, window):
+    # 200 tokens: four 64-token blocks, so the band (slash) and the admitted columns of the
+    # blocks wholly outside it (vertical) both hold keys; the windows end inside a block and
+    # span more than one.
+    q, k, v = _qkv(7, 2, 4, 2, 200, 16, dtype)
+    lengths = np.array([200, 131])
+    index = np.arange(200)
+    positions = jnp.asarray(np.where(index < lengths[:, None], 7 + index, -1), jnp.int32)
+    rng = np.random.default_rng(3)
+    admitted = rng.random((2, 2, 200)) < np.array([0.02, 0.3])[:, None, None]
+    results = {
+        backend: attention.vertical_slash_chunk_attention(
+            q, k, v, positions, jnp.asarray(admitted), window=window, sm_scale=0.3, backend=backend
+        )
+        for backend in ("xla", "interpret")
+    }
+    tolerance = TOLERANCE[dtype]
+    f32 = [np.asarray(x, np.float32) for x in (q, k, v)]
+    for b in range(2):
+        want = _numpy_vertical_slash(*(x[b] for x in f32), lengths[b], admitted[b], window, 0.3)
+        for backend, (out, lse) in results.items():
+            np.testing.assert_allclose(np.asarray(out[b]), want, atol=tolerance, err_msg=backend)
+            assert np.all(np.isinf(np.asarray(lse[b, :, lengths[b] :])))
+            assert np.all(np.isfinite(np.asarray(lse[b, :, : lengths[b]])))
+    np.testing.assert_allclose(
+        np.asarray(results["interpret"][1]), np.asarray(results["xla"][1]), atol=tolerance
+    )
+
+
 def _paged_inputs(seed, *, b=2, kh=2, h=32, page=4, max_pages=5, num_pages=24, dtype=jnp.float32):
     rng = np.random.default_rng(seed)
     lengths = rng.choice([0, 1, page - 1, page, page + 1, max_pages * page], size=(b, kh))

@@ -5,9 +5,10 @@ The ring is a dense side array (not pages of the pool): it is written every step
 whole, and its size is fixed, so paging it would add table lookups and nothing else. Slot
 `t % W` holds a sequence's t-th written token; the pointer is the count of tokens written.
 
-A chunk (prefill chunk or decode token, one code path) attends to the global pages, the ring and
-itself; a ring or chunk token j is visible to a query at position i when causal and
-(i - j < W or admitted(j)). Then the chunk enters the ring, and the tokens it pushes out (the
+A chunk (prefill chunk or decode token, one code path) attends to the global pages (paged
+attention), the ring (dense: W keys) and itself (the vertical-slash pattern, through the
+block-sparse kernel on the kernel backends); a ring or chunk token j is visible to a query at
+position i when causal and (i - j < W or admitted(j)). Then the chunk enters the ring, and the tokens it pushes out (the
 ring's oldest, or the chunk's own earliest when C > W) are promoted to the global cache when
 admitted, else dropped: lazy promotion. Query i thus sees every admitted token and the band.
 """
@@ -123,8 +124,8 @@ def attend_and_write_with_ring(
     """`attend_and_write` for a state with a local ring (one layer, one chunk).
 
     The chunk's queries read the global pages (all of them, or the pages a page-selecting policy
-    picks under `read_budget`), the ring and the chunk (band or admitted, causal); the partial
-    attentions merge through their logsumexps. Admission is `policy.admit` on `write_scores`
+    picks under `read_budget`), the ring and the chunk (band or admitted, causal); the three
+    partial attentions merge through their logsumexps. Admission is `policy.admit` on `write_scores`
     (every valid token when it returns None). Returns (attn [B, N, C, H] in q.dtype, pool,
     page_table, lengths, ring).
     """
@@ -151,18 +152,22 @@ def attend_and_write_with_ring(
     valid = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
     admitted = policy.admit(layer=layer, k=k, v=v, positions=positions, scores=write_scores)
     admitted = valid if admitted is None else valid & admitted
-    local_out, local_lse = attention_ops.local_attention(
+    ring_out, ring_lse = attention_ops.local_attention(
         q,
-        jnp.concatenate([ring.k.astype(k.dtype), k], axis=2),
-        jnp.concatenate([ring.v.astype(v.dtype), v], axis=2),
+        ring.k.astype(k.dtype),
+        ring.v.astype(v.dtype),
         positions,
-        jnp.concatenate([ring.positions, positions], axis=-1),
-        jnp.concatenate([ring.admitted, admitted], axis=-1),
+        ring.positions,
+        ring.admitted,
         window=ring.window,
         sm_scale=sm_scale,
         backend=backend,
     )
-    out, _ = attention_ops.merge_partials(global_out, global_lse, local_out, local_lse)
+    chunk_out, chunk_lse = attention_ops.vertical_slash_chunk_attention(
+        q, k, v, positions, admitted, window=ring.window, sm_scale=sm_scale, backend=backend
+    )
+    out, lse = attention_ops.merge_partials(global_out, global_lse, ring_out, ring_lse)
+    out, _ = attention_ops.merge_partials(out, lse, chunk_out, chunk_lse)
     scores = jnp.zeros(k.shape[:3], jnp.float32) if write_scores is None else write_scores
     pool, page_table, lengths, ring = promote_and_push(
         pool, page_table, lengths, ring, k, v, positions, scores, admitted
