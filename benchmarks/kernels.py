@@ -11,6 +11,13 @@ block's own diagonal block always kept). Reported: TFLOP/s of the visited blocks
 block_k * H flops per listed block and query head) and the speed-up over the dense causal
 `jax.nn.dot_product_attention` (cuDNN on a GPU; the implementation used is recorded).
 
+WG-KV prefill: the vertical-slash attention of one chunk to itself
+(`jaxkv.attention.vertical_slash_chunk_attention`: band blocks through the block-sparse kernel,
+the admitted columns compacted and read by the paged kernel) at admission rates `admission` with
+band `window`, against dense causal attention through the same block-sparse kernel and the dense
+`jax.nn.dot_product_attention`; `work_fraction` is the share of causal (query, key) pairs the
+pattern admits.
+
 Without a GPU the kernels run in the Pallas interpreter; `--quick` shrinks every size so the
 script runs end to end anywhere. Interpreted times say nothing about a GPU.
 
@@ -48,6 +55,8 @@ class Sweep:
     densities: tuple[float, ...]
     block_q: int
     block_k: int
+    wgkv_window: int
+    wgkv_admission: tuple[float, ...]
     copy_bytes: int
     max_kv_bytes: int  # decode configs whose pool would exceed this are skipped
 
@@ -63,6 +72,8 @@ FULL = Sweep(
     densities=(1.0, 0.5, 0.25, 0.1),
     block_q=128,
     block_k=64,
+    wgkv_window=256,
+    wgkv_admission=(0.05, 0.1, 0.2),
     copy_bytes=1 << 30,
     max_kv_bytes=16 << 30,
 )
@@ -77,6 +88,8 @@ QUICK = Sweep(
     densities=(1.0, 0.5, 0.25, 0.1),
     block_q=32,
     block_k=32,
+    wgkv_window=16,
+    wgkv_admission=(0.1, 0.3),
     copy_bytes=16 << 20,
     max_kv_bytes=1 << 30,
 )
@@ -242,6 +255,58 @@ def bench_prefill(sweep, tokens, densities, *, interpret, repeats) -> list[dict]
     return rows
 
 
+def _admitted_pairs(admitted: np.ndarray, window: int) -> int:
+    """Causal (query, key) pairs with i - j < window or admitted[j], summed over heads."""
+    tokens = admitted.shape[-1]
+    band = sum(min(window, i + 1) for i in range(tokens))
+    # Admitted key j is also seen, outside the band, by the queries i >= j + window.
+    outside = np.maximum(tokens - window - np.arange(tokens), 0)
+    return int(admitted.shape[0] * band + np.sum(admitted * outside))
+
+
+def bench_wgkv_prefill(sweep, tokens, *, backend, repeats) -> list[dict]:
+    from jaxkv import attention  # the dispatch the models call
+
+    keys = jax.random.split(jax.random.key(tokens + 1), 3)
+    q = jax.random.normal(keys[0], (1, sweep.heads, tokens, sweep.head_dim), jnp.bfloat16)
+    kv_shape = (1, sweep.kv_heads, tokens, sweep.head_dim)
+    k, v = (jax.random.normal(key, kv_shape, jnp.bfloat16) for key in keys[1:])
+    positions = jnp.arange(tokens, dtype=jnp.int32)[None]
+    sm_scale = sweep.head_dim**-0.5
+    dense_kernel = jax.jit(
+        functools.partial(attention.causal_attention, sm_scale=sm_scale, backend=backend)
+    )
+    dense_kernel_ms = 1e3 * _seconds(dense_kernel, q, k, v, repeats=repeats)
+    vertical_slash = jax.jit(
+        functools.partial(
+            attention.vertical_slash_chunk_attention,
+            window=sweep.wgkv_window,
+            sm_scale=sm_scale,
+            backend=backend,
+        )
+    )
+    rng = np.random.default_rng(tokens)
+    rows = []
+    for rate in sweep.wgkv_admission:
+        admitted = rng.random((1, sweep.kv_heads, tokens)) < rate
+        seconds = _seconds(
+            vertical_slash, q, k, v, positions, jnp.asarray(admitted), repeats=repeats
+        )
+        pairs = _admitted_pairs(admitted[0], sweep.wgkv_window)
+        rows.append(
+            {
+                "tokens": tokens,
+                "window": sweep.wgkv_window,
+                "admission": rate,
+                "work_fraction": pairs / (sweep.kv_heads * tokens * (tokens + 1) / 2),
+                "kernel_ms": seconds * 1e3,
+                "dense_kernel_ms": dense_kernel_ms,
+                "speedup_vs_dense_kernel": dense_kernel_ms / (seconds * 1e3),
+            }
+        )
+    return rows
+
+
 def _print_tables(report: dict) -> None:
     print(f"copy bandwidth {report['copy_bandwidth_gbs']:.1f} GB/s on {report['device']}")
     print(
@@ -263,6 +328,13 @@ def _print_tables(report: dict) -> None:
         print(
             f"{row['tokens']:>8}{row['density']:>9.2f}{row['kernel_ms']:>10.3f}"
             f"{row['visited_tflops']:>10.3f}{dense:>10}{speedup:>10}"
+        )
+    print(f"{'tokens':>8}{'admitted':>9}{'work':>7}{'ms':>10}{'dense ms':>10}{'speed-up':>10}")
+    for row in report["wgkv_prefill"]:
+        print(
+            f"{row['tokens']:>8}{row['admission']:>9.2f}{row['work_fraction']:>7.2f}"
+            f"{row['kernel_ms']:>10.3f}{row['dense_kernel_ms']:>10.3f}"
+            f"{row['speedup_vs_dense_kernel']:>10.2f}"
         )
 
 
@@ -296,6 +368,7 @@ def main(argv=None) -> dict:
         "copy_bandwidth_gbs": copy_bps / 1e9,
         "decode": [],
         "prefill": [],
+        "wgkv_prefill": [],
     }
     # Rows are saved as they finish so that a run cut short still leaves its numbers.
     for tokens in sweep.decode_tokens:
@@ -312,6 +385,12 @@ def main(argv=None) -> dict:
             sweep, tokens, sweep.densities, interpret=interpret, repeats=args.repeats
         )
         report["prefill"].extend(rows)
+        print("\n".join(json.dumps(row) for row in rows), flush=True)
+        _save(report, args.out)
+        rows = bench_wgkv_prefill(
+            sweep, tokens, backend="interpret" if interpret else "pallas", repeats=args.repeats
+        )
+        report["wgkv_prefill"].extend(rows)
         print("\n".join(json.dumps(row) for row in rows), flush=True)
         _save(report, args.out)
     _print_tables(report)

@@ -29,3 +29,10 @@ def test_kernel_benchmark_quick(tmp_path):
     assert visited[0] == sweep.kv_heads * blocks * (blocks + 1) // 2  # density 1: all causal
     assert visited == sorted(visited, reverse=True) and visited[-1] >= sweep.kv_heads * blocks
     assert all(row["visited_tflops"] > 0 and row["speedup_vs_dense"] > 0 for row in prefill)
+    wgkv = report["wgkv_prefill"]
+    assert [row["admission"] for row in wgkv] == list(sweep.wgkv_admission)
+    tokens, window = sweep.prefill_tokens[0], sweep.wgkv_window
+    band = sum(min(window, i + 1) for i in range(tokens)) / (tokens * (tokens + 1) / 2)
+    work = [row["work_fraction"] for row in wgkv]
+    assert band < work[0] < work[-1] < 1  # band plus more admitted columns, never all
+    assert all(row["kernel_ms"] > 0 and row["speedup_vs_dense_kernel"] > 0 for row in wgkv)
