@@ -98,18 +98,13 @@ def test_chunk_attention_kernel_equals_xla_with_tail_padding():
 
 
 def _numpy_vertical_slash(q, k, v, length, admitted, window, scale):
-    """Per query i < length: softmax over keys j <= i with i - j < window or admitted[j]."""
-    n, _, _ = q.shape
-    group = n // k.shape[0]
+    """Queries i < length see keys j <= i with i - j < window or admitted[j] (the gated
+    attention with log-gate 0 or -inf); padded queries give 0."""
+    log_gate = np.where(admitted, 0.0, -np.inf)[:, :length]
     out = np.zeros(q.shape)
-    for head in range(n):
-        kv = head // group
-        for i in range(length):
-            j = np.arange(i + 1)
-            j = j[(i - j < window) | admitted[kv, j]]
-            s = k[kv, j] @ q[head, i] * scale
-            p = np.exp(s - s.max())
-            out[head, i] = p / p.sum() @ v[kv, j]
+    out[:, :length] = _numpy_gated(
+        q[:, :length], k[:, :length], v[:, :length], log_gate, window, scale
+    )
     return out
 
 
