@@ -4,9 +4,9 @@ For every gates file (one per lambda of the distillation), on `benchmarks/qualit
   wgkv             WGKV(tau, window) with those gates; its memory M per sequence is measured
                    (ring + admitted pages, what the cache really holds after prefill).
   local_attention  sinks + sliding window, the window chosen so the ring holds M bytes.
-  duo_attention    the same ring as WG-KV; a fraction f of heads (the highest
-                   `long_range_attention_mass` on held-out calibration texts) admits every
-                   token, f chosen so the global pages hold what WG-KV's hold.
+  duo_attention    the same ring as WG-KV; whole heads (the highest
+                   `long_range_attention_mass` on held-out calibration texts) admit every
+                   token: the head counts just below and just above WG-KV's memory.
   quest / wgkv+quest  at one read budget R tokens per head: Quest alone reads R, WG-KV + Quest
                    reads its W ring tokens plus R - W of global pages chosen by Quest.
 The full cache is the reference row. Memory is measured per row, never assumed.
@@ -66,10 +66,13 @@ def equal_memory_runs(model, head_scores, wgkv_memory, full_memory, *, window, t
     local_window = max(1, int(wgkv_memory // ring_bytes_per_slot(model)) - SINKS)
     fraction = float(np.clip((wgkv_memory - ring_bytes) / max(full_memory - ring_bytes, 1), 0, 1))
     duo = policies.DuoAttention(tau=tau, window=window, sinks=SINKS)
-    return [
-        ("local_attention", policies.LocalAttention(window=local_window, sinks=SINKS), None),
-        (f"duo_attention f={fraction:.2f}", duo, policies.retrieval_heads(head_scores, fraction)),
-    ]
+    runs = [("local_attention", policies.LocalAttention(window=local_window, sinks=SINKS), None)]
+    # Whole heads retrieve: the head counts just below and just above WG-KV's memory.
+    heads = head_scores.size
+    for count in sorted({int(np.floor(fraction * heads)), int(np.ceil(fraction * heads))}):
+        chosen = policies.retrieval_heads(head_scores, count / heads)
+        runs.append((f"duo_attention {count}/{heads} heads", duo, chosen))
+    return runs
 
 
 def run(model, corpus, gate_sets, *, window, tau, length, samples, tasks, read_budget, log=print):
