@@ -7,10 +7,11 @@ whole, and its size is fixed, so paging it would add table lookups and nothing e
 
 A chunk (prefill chunk or decode token, one code path) attends to the global pages (paged
 attention), the ring (dense: W keys) and itself (the vertical-slash pattern, through the
-block-sparse kernel on the kernel backends); a ring or chunk token j is visible to a query at
-position i when causal and (i - j < W or admitted(j)). Then the chunk enters the ring, and the tokens it pushes out (the
-ring's oldest, or the chunk's own earliest when C > W) are promoted to the global cache when
-admitted, else dropped: lazy promotion. Query i thus sees every admitted token and the band.
+kernels on the kernel backends); a ring or chunk token j is visible to a query at position i
+when causal and (i - j < W or admitted(j)). Then the chunk enters the ring, and the tokens it
+pushes out (the ring's oldest, or the chunk's own earliest when C > W) are promoted to the
+global cache when admitted, else dropped: lazy promotion. Query i thus sees every admitted
+token and the band.
 """
 
 from __future__ import annotations
