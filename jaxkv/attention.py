@@ -25,6 +25,7 @@ import enum
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 from pallas_kernels.common import round_up
@@ -494,11 +495,14 @@ def vertical_slash_chunk_attention(
         return local_attention(
             q, k, v, positions, positions, admitted, window=window, sm_scale=sm_scale
         )
-    slash = _slash_attention(q, k, v, admitted, window=window, sm_scale=sm_scale, backend=backend)
-    vertical = _vertical_attention(
+    out, lse = _slash_attention(
         q, k, v, admitted, window=window, sm_scale=sm_scale, backend=backend
     )
-    out, lse = merge_partials(*slash, *vertical)
+    if _far_key_blocks(q.shape[2], window)[-1] > 0:  # else no key lies wholly outside the band
+        vertical = _vertical_attention(
+            q, k, v, admitted, window=window, sm_scale=sm_scale, backend=backend
+        )
+        out, lse = merge_partials(out, lse, *vertical)
     valid = valid[:, None, :]
     return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
 
@@ -527,6 +531,15 @@ def _slash_attention(q, k, v, admitted, *, window: int, sm_scale: float, backend
     return out.astype(jnp.float32), lse
 
 
+def _far_key_blocks(num_tokens: int, window: int) -> np.ndarray:
+    """int [nq]: per query block qb, how many leading key blocks lie wholly outside the band of
+    all its queries (those ending at or before qb * block - window). Static: a decode step or a
+    chunk no longer than the band has none, and skips the vertical part."""
+    block = _prefill_block(num_tokens)
+    starts = np.arange(-(-num_tokens // block)) * block
+    return np.maximum((starts - window + 1) // block, 0)
+
+
 def _vertical_attention(q, k, v, admitted, *, window: int, sm_scale: float, backend):
     """Admitted keys of the key blocks every query of a query block sees outside the band (all
     of them before the block's first query minus `window`): paged attention over the admitted
@@ -544,9 +557,7 @@ def _vertical_attention(q, k, v, admitted, *, window: int, sm_scale: float, back
         x = jnp.take_along_axis(x, order[..., None], axis=2)
         return x.reshape(-1, _VERTICAL_PAGE, h)
 
-    # Key blocks wholly outside the band of query block qb: those ending at or before
-    # qb * block - window, i.e. the first `far_blocks[qb]` blocks.
-    far_blocks = jnp.clip((jnp.arange(num_blocks) * block - window + 1) // block, 0, None)
+    far_blocks = jnp.asarray(_far_key_blocks(c, window))
     admitted_before = jnp.pad(
         jnp.cumsum(admitted, axis=-1, dtype=jnp.int32), ((0, 0), (0, 0), (1, 0))
     )
