@@ -17,7 +17,7 @@ import jaxkv
 from jaxkv import policies
 from jaxkv.cache import KVState, PoolExhaustedError
 from jaxkv.gates.wgkv import init_write_gates, write_gate_values
-from models import ModelConfig, forward_cached, init_model
+from models import forward_cached, init_model
 from models.configs import Family
 from models.decoder import (
     attention_input,
@@ -32,33 +32,16 @@ from models.decoder import (
 from models.layers import apply_rope, rope_cos_sin
 from tests import dense_reference as decode_reference
 from tests.test_quest import _quest_select
+from tests.tiny_models import tiny_config
 
 WINDOW = 8
 PAGE = 4
 TAU = 0.5
 WGKV = policies.WGKV(tau=TAU, window=WINDOW)  # one policy for all tests: compiled once
+# Width 32; Llama with head dim 8, Qwen3 with 16 (the kernels' minimum).
 CONFIGS = {
-    "llama": ModelConfig(
-        family=Family.LLAMA,
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-    ),
-    "qwen3": ModelConfig(
-        family=Family.QWEN3,
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-    ),
+    "llama": tiny_config(Family.LLAMA, hidden_size=32, intermediate_size=64, head_dim=8),
+    "qwen3": tiny_config(Family.QWEN3, hidden_size=32, intermediate_size=64),
 }
 PROMPT_LENGTHS = (37, 26)
 DECODE_STEPS = 11

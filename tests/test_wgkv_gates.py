@@ -1,5 +1,6 @@
 """WG-KV write gates: the formula against plain numpy, init ranges, shape checks, save/load."""
 
+import dataclasses
 import math
 
 import jax
@@ -8,30 +9,11 @@ import numpy as np
 import pytest
 
 from jaxkv.gates import wgkv
-from models import ModelConfig
 from models.configs import Family
+from tests.tiny_models import tiny_config
 
-LLAMA = ModelConfig(
-    family=Family.LLAMA,
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-)
-QWEN3 = ModelConfig(
-    family=Family.QWEN3,
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    qk_norm=True,
-)
+LLAMA = tiny_config(Family.LLAMA, num_layers=3, head_dim=8)
+QWEN3 = tiny_config(Family.QWEN3)
 
 
 def numpy_gate(layer, k_unrotated, k):
@@ -144,7 +126,7 @@ def test_init_shapes_and_ranges():
 def test_check_names_the_mismatch(other, message):
     params = wgkv.init_write_gates(LLAMA, jax.random.PRNGKey(0))
     wgkv.check_write_gates(params, LLAMA)
-    cfg = ModelConfig(**{**LLAMA.__dict__, **other})
+    cfg = dataclasses.replace(LLAMA, **other)
     with pytest.raises(ValueError, match=message):
         wgkv.check_write_gates(params, cfg)
 
@@ -167,7 +149,7 @@ def test_save_load_round_trip(tmp_path, name):
     assert set(loaded) == set(params)
     for key, value in params.items():
         np.testing.assert_array_equal(np.asarray(loaded[key]), np.asarray(value))
-    other = ModelConfig(**{**LLAMA.__dict__, "num_layers": 2})
+    other = dataclasses.replace(LLAMA, num_layers=2)
     with pytest.raises(ValueError, match="layers"):
         wgkv.load_write_gates(tmp_path / name, other)
     with pytest.raises(FileNotFoundError):
