@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from models import load_hf_checkpoint
+
 # Each case: (name, transformers config class, config kwargs). All GQA (4 query heads, 2 KV heads).
 _COMMON = dict(
     vocab_size=101,
@@ -67,3 +69,11 @@ def build(case: str, seed: int = 0, scale: float = 0.08) -> transformers.PreTrai
             else:
                 param.copy_(scale * torch.randn_like(param))
     return model.eval()
+
+
+def build_and_load(case: str, directory, seed: int = 0, scale: float = 0.08):
+    """`build(case)` saved to `directory` in Hugging Face format and loaded back as the
+    project's f32 model: (transformers model, jaxkv model)."""
+    hf = build(case, seed, scale)
+    hf.save_pretrained(directory)
+    return hf, load_hf_checkpoint(directory, dtype="float32")

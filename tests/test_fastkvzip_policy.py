@@ -14,7 +14,6 @@ import pytest
 import jaxkv
 from jaxkv import policies
 from jaxkv.gates import fastkvzip as gate
-from models import load_hf_checkpoint
 from tests import hf_models
 from tests import policy_references as ref
 from tests.test_fastkvzip_gate import numpy_scores
@@ -26,10 +25,8 @@ PAGE_SIZE = 8
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    hf = hf_models.build("llama2-tied", seed=7, scale=0.3)
     directory = tmp_path_factory.mktemp("fastkvzip-model")
-    hf.save_pretrained(directory)
-    model = load_hf_checkpoint(directory, dtype="float32")
+    hf, model = hf_models.build_and_load("llama2-tied", directory, seed=7, scale=0.3)
     params = gate.init_params(model.config, jax.random.PRNGKey(0))
     rng = np.random.default_rng(1)
     params = {

@@ -5,16 +5,13 @@ import pytest
 import torch
 
 import jaxkv
-from models import forward, load_hf_checkpoint
+from models import forward
 from tests import hf_models
 
 
 @pytest.fixture(scope="module", params=sorted(hf_models.CASES))
 def hf_and_ours(request, tmp_path_factory):
-    hf = hf_models.build(request.param)
-    directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
-    return hf, load_hf_checkpoint(directory, dtype="float32")
+    return hf_models.build_and_load(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_logits_match_transformers(hf_and_ours):

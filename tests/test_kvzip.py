@@ -8,7 +8,6 @@ import pytest
 import jaxkv
 from jaxkv import policies
 from jaxkv.policies.kvzip import keep_top_globally, reconstruction_scores
-from models import load_hf_checkpoint
 from tests import hf_models
 from tests import policy_references as ref
 
@@ -20,10 +19,8 @@ CONTINUE = (8, 9)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    hf = hf_models.build("llama2-tied", seed=5, scale=0.3)
     directory = tmp_path_factory.mktemp("kvzip-model")
-    hf.save_pretrained(directory)
-    model = load_hf_checkpoint(directory, dtype="float32")
+    hf, model = hf_models.build_and_load("llama2-tied", directory, seed=5, scale=0.3)
     rng = np.random.default_rng(3)
     contexts = [rng.integers(10, hf.config.vocab_size, n).tolist() for n in LENGTHS]
     return hf, model, contexts

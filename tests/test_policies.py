@@ -11,7 +11,6 @@ import pytest
 
 import jaxkv
 from jaxkv import policies
-from models import load_hf_checkpoint
 from tests import hf_models
 from tests import policy_references as ref
 
@@ -21,10 +20,8 @@ PAGE_SIZE = 8
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    hf = hf_models.build("llama2-tied", seed=5, scale=0.3)
     directory = tmp_path_factory.mktemp("policy-model")
-    hf.save_pretrained(directory)
-    model = load_hf_checkpoint(directory, dtype="float32")
+    hf, model = hf_models.build_and_load("llama2-tied", directory, seed=5, scale=0.3)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, hf.config.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
     return hf, model, prompts, [ref.run(hf, p) for p in prompts]
