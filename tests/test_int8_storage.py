@@ -153,31 +153,20 @@ def test_attention_over_both_tiers_equals_dense_reference_on_dequantised_values(
         n = int(kv.lengths[layer, b, h] - tier.lengths[layer, b, h])
         return np.asarray(pages)[np.asarray(kv.page_table)[layer, b, h]].reshape(-1, 16)[:n]
 
+    def held_tokens(kind, new, b, h):  # int8 tier, model-dtype window, the chunk: [n, H]
+        int8 = dequantised(
+            getattr(tier.pool, f"{kind}_pages"),
+            getattr(tier.pool, f"{kind}_scales"),
+            getattr(tier, f"{kind}_channel_scales"),
+            b,
+            h,
+        )
+        window = full_precision(getattr(kv.pool, f"{kind}_pages"), b, h)
+        return np.concatenate([int8, window, new[b, h]])
+
     for b in range(2):
-        keys, values = [], []
-        for h in range(2):
-            keys.append(
-                np.concatenate(
-                    [
-                        dequantised(
-                            tier.pool.k_pages, tier.pool.k_scales, tier.k_channel_scales, b, h
-                        ),
-                        full_precision(kv.pool.k_pages, b, h),
-                        k_new[b, h],
-                    ]
-                )
-            )
-            values.append(
-                np.concatenate(
-                    [
-                        dequantised(
-                            tier.pool.v_pages, tier.pool.v_scales, tier.v_channel_scales, b, h
-                        ),
-                        full_precision(kv.pool.v_pages, b, h),
-                        v_new[b, h],
-                    ]
-                )
-            )
+        keys = [held_tokens("k", k_new, b, h) for h in range(2)]
+        values = [held_tokens("v", v_new, b, h) for h in range(2)]
         expected = _numpy_attention(q[b].astype(np.float64), np.stack(keys), np.stack(values), 0.25)
         np.testing.assert_allclose(np.asarray(out)[b], expected, atol=1e-5, rtol=1e-5)
 
