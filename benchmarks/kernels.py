@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from jaxkv import attention
 from pallas_kernels.paged_decode.ops import offsets_would_wrap
 
 
@@ -265,8 +266,6 @@ def _admitted_pairs(admitted: np.ndarray, window: int) -> int:
 
 
 def bench_wgkv_prefill(sweep, tokens, *, backend, repeats) -> list[dict]:
-    from jaxkv import attention  # the dispatch the models call
-
     keys = jax.random.split(jax.random.key(tokens + 1), 3)
     q = jax.random.normal(keys[0], (1, sweep.heads, tokens, sweep.head_dim), jnp.bfloat16)
     kv_shape = (1, sweep.kv_heads, tokens, sweep.head_dim)
