@@ -13,15 +13,22 @@ import numpy as np
 
 from jaxkv.attention import resolve_backend
 from jaxkv.cache import KVState, decode_geometry, int8_decode_geometry, repack
+from jaxkv.cache.geometry import (
+    decode_steps_bucket,
+    next_power_of_two,
+    pool_pages_bucket,
+    table_pages_bucket,
+)
 from jaxkv.cache.int8 import check_dtype, start_int8
 from jaxkv.policies import FullCache, Policy
 from jaxkv.policies.base import DecodeContext, PrefillObservations
-from jaxkv.policies.confkv import confidence
 from jaxkv.sampling import Sampler
 from models.decoder import Model, forward_cached, logits_from_hidden
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 512
+# Chunks shorter than this are not bucketed further (a prompt's chunk is a power of two >= it).
+MIN_PREFILL_CHUNK = 16
 
 
 @flax.struct.dataclass
@@ -30,15 +37,19 @@ class GenState:
 
     Attributes:
       kv: the KV state.
-      tokens: int32 [B, max_new_tokens] generated tokens (pad after a stop token).
+      tokens: int32 [B, S] generated tokens (pad after a stop token); S is max_new_tokens
+        rounded up to its bucket (`jaxkv.cache.geometry`), the loop stops at max_new_tokens.
       last_token: int32 [B] the newest token, fed to the next step.
       prompt_lengths: int32 [B].
       budget_tokens: int32 [B] (or [B, n]) tokens per head the policy may keep.
+      budget_ratio: f32 [B] the budget as a ratio of the sequence (0 for a token budget).
+      max_new_tokens: int32 [] steps to run (traced, so that it does not recompile).
       done: bool [B] sequence hit a stop token.
       step: int32 [] tokens generated so far.
-      pages_in_use: int32 [max_new_tokens] pages held after prefill (entry 0) and each step.
-      int8_pages_in_use: int32 [max_new_tokens] the same for the int8 tier (0 without one).
-      confidence: f32 [max_new_tokens, B] Conf-KV confidence of each step's next-token logits.
+      pages_in_use: int32 [S] pages held after prefill (entry 0) and each step.
+      int8_pages_in_use: int32 [S] the same for the int8 tier (0 without one).
+      confidence: f32 [S, B] the policy's `step_confidence` of each step's logits (Conf-KV);
+        None for policies that read none.
       key: PRNG key.
     """
 
@@ -47,11 +58,13 @@ class GenState:
     last_token: jax.Array
     prompt_lengths: jax.Array
     budget_tokens: jax.Array
+    budget_ratio: jax.Array
+    max_new_tokens: jax.Array
     done: jax.Array
     step: jax.Array
     pages_in_use: jax.Array
     int8_pages_in_use: jax.Array
-    confidence: jax.Array
+    confidence: jax.Array | None
     key: jax.Array
 
 
@@ -67,7 +80,8 @@ class GenerateOutput:
       int8_pages_in_use: int32 [steps] the same of the int8 tier (0 without int8 storage).
       memory_bytes: int64 [steps] the bytes all those pages hold (and the int8 channel scales,
         and the local ring of ring policies).
-      confidence: f32 [steps, B] confidence of the logits each token was sampled from.
+      confidence: f32 [steps, B] the policy's confidence of the logits each token was sampled
+        from (Conf-KV, with its weights); None for policies that read none.
       state: the final KV state.
     """
 
@@ -76,32 +90,65 @@ class GenerateOutput:
     pages_in_use: np.ndarray
     int8_pages_in_use: np.ndarray
     memory_bytes: np.ndarray
-    confidence: np.ndarray
+    confidence: np.ndarray | None
     state: KVState
 
 
 @dataclasses.dataclass(frozen=True)
 class _Prompts:
-    tokens: np.ndarray  # int32 [B, T_pad], right-padded
+    tokens: np.ndarray  # int32 [B, T_pad], right-padded; T_pad = chunk * a power of two
     lengths: np.ndarray  # int32 [B]
     chunk: int
+    num_chunks: int  # chunks that hold a prompt token (the rest of T_pad is never run)
 
 
-def _prepare_prompts(model: Model, prompts, prefill_chunk: int) -> _Prompts:
-    """Validates and right-pads prompts; T_pad is a multiple of the prefill chunk."""
+def _check_count(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return int(value)
+
+
+def _prompt_lists(prompts) -> list[list[int]]:
+    """One prompt (token ids) or a batch (lists, or an int array [T] / [B, T]) as lists."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], str)
+    ):
+        raise ValueError(
+            "prompt_ids must be token ids, not text: encode the prompt first "
+            "(e.g. models.load_tokenizer(path).encode(text))"
+        )
     if isinstance(prompts, np.ndarray | jax.Array):
         prompts = np.asarray(prompts)
         if prompts.ndim == 1:
             prompts = prompts[None]
         if prompts.ndim != 2:
             raise ValueError(f"prompt_ids has shape {prompts.shape}: expected [T] or [B, T]")
-        prompts = [list(row) for row in prompts]
-    elif not isinstance(prompts, Sequence) or not prompts:
+        if not np.issubdtype(prompts.dtype, np.integer):
+            raise ValueError(f"prompt_ids has dtype {prompts.dtype}: token ids are integers")
+        return [list(row) for row in prompts]
+    if not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompt_ids must be a non-empty list of token ids or of token-id lists")
-    elif all(isinstance(t, int | np.integer) for t in prompts):
-        prompts = [list(prompts)]
-    if prefill_chunk <= 0:
-        raise ValueError(f"prefill_chunk={prefill_chunk} must be > 0")
+    if all(isinstance(t, int | np.integer) for t in prompts):
+        return [list(prompts)]
+    return [list(p) for p in prompts]
+
+
+def _pad_prompts(prompts: list[list[int]], lengths: np.ndarray, prefill_chunk: int) -> _Prompts:
+    """Right-pads validated prompts. The chunk is a power of two (>= 16) when the prompts are
+    shorter than `prefill_chunk`; the padded length is the chunk times a power of two."""
+    prefill_chunk = _check_count("prefill_chunk", prefill_chunk, 1)
+    longest = int(lengths.max())
+    chunk = min(prefill_chunk, max(MIN_PREFILL_CHUNK, next_power_of_two(longest)))
+    num_chunks = -(-longest // chunk)
+    tokens = np.zeros((len(prompts), chunk * next_power_of_two(num_chunks)), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return _Prompts(tokens=tokens, lengths=lengths, chunk=chunk, num_chunks=num_chunks)
+
+
+def _prompt_lengths(model: Model, prompts: list[list[int]]) -> np.ndarray:
     lengths = np.array([len(p) for p in prompts], np.int32)
     if np.any(lengths == 0):
         raise ValueError(
@@ -110,31 +157,43 @@ def _prepare_prompts(model: Model, prompts, prefill_chunk: int) -> _Prompts:
     vocab = model.config.vocab_size
     for i, p in enumerate(prompts):
         ids = np.asarray(p)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompt {i} holds {ids.dtype} values: token ids are integers")
         if ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab})")
-    longest = int(lengths.max())
-    chunk = min(prefill_chunk, -(-longest // 16) * 16)
-    padded = -(-longest // chunk) * chunk
-    tokens = np.zeros((len(prompts), padded), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    return _Prompts(tokens=tokens, lengths=lengths, chunk=chunk)
+    return lengths
 
 
 def _full_cache_pages(
-    model: Model, lengths: np.ndarray, max_new_tokens: int, page_size: int
+    model: Model, lengths: np.ndarray, reserve_tokens: int, page_size: int
 ) -> int:
-    """Pages a keep-everything cache needs for these prompts and generation length."""
+    """Pages a keep-everything cache needs for these prompts and `reserve_tokens` more each."""
     cfg = model.config
-    # The last sampled token is never written, hence max_new_tokens - 1.
-    per_head = -(-(lengths + max(max_new_tokens - 1, 0)) // page_size)
+    per_head = -(-(lengths + reserve_tokens) // page_size)
     return int(cfg.num_layers * cfg.num_kv_heads * per_head.sum())
+
+
+def _kv_dtype(model: Model, kv_dtype):
+    """The cache's float dtype (the model's by default); int8 is a storage option."""
+    if kv_dtype is None:
+        return model.dtype
+    try:
+        dtype = jnp.dtype(kv_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"kv_dtype={kv_dtype!r}: the cache stores keys and values in a float dtype "
+            "(float32, bfloat16, float16); for an int8 cache give the policy storage='int8'"
+        )
+    return dtype
 
 
 def _create_state(
     model: Model,
     prompts: _Prompts,
-    max_new_tokens: int,
+    reserve_tokens: int,
+    positions_after_prompt: int,
     policy: Policy,
     page_size: int,
     num_pages: int | None,
@@ -143,35 +202,35 @@ def _create_state(
     cfg = model.config
     if page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a positive power of two")
-    max_tokens = int(prompts.lengths.max()) + max_new_tokens
-    if max_tokens > cfg.max_position_embeddings:
+    longest = int(prompts.lengths.max())
+    if longest + positions_after_prompt > cfg.max_position_embeddings:
         raise ValueError(
-            f"prompt length {int(prompts.lengths.max())} + max_new_tokens={max_new_tokens} = "
-            f"{max_tokens} exceeds the model's "
+            f"prompt length {longest} + {positions_after_prompt} new tokens = "
+            f"{longest + positions_after_prompt} exceeds the model's "
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
-    full_need = _full_cache_pages(model, prompts.lengths, max_new_tokens, page_size)
+    full_need = _full_cache_pages(model, prompts.lengths, reserve_tokens, page_size)
+    dtype = _kv_dtype(model, kv_dtype)
     if policy.int8_window is not None:
-        check_dtype(kv_dtype if kv_dtype is not None else model.dtype)
+        check_dtype(dtype)
     if num_pages is None:
-        bound = policy.prefill_pages(
-            prompts.lengths, prompts.chunk, cfg, page_size, max(max_new_tokens - 1, 0)
-        )
-        num_pages = full_need if bound is None else min(bound, full_need)
+        bound = policy.prefill_pages(prompts.lengths, prompts.chunk, cfg, page_size, reserve_tokens)
+        num_pages = pool_pages_bucket(full_need if bound is None else min(bound, full_need))
     elif isinstance(policy, FullCache) and num_pages < full_need:
         raise ValueError(
             f"num_pages={num_pages} is too small: the full cache needs {full_need} "
             f"pages of {page_size} tokens for these prompts"
         )
+    table_pages = table_pages_bucket(-(-(longest + reserve_tokens) // page_size))
     return KVState.create(
         num_layers=cfg.num_layers,
         batch=len(prompts.lengths),
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        max_tokens=max_tokens,
+        max_tokens=table_pages * page_size,
         page_size=page_size,
         num_pages=num_pages,
-        dtype=kv_dtype if kv_dtype is not None else model.dtype,
+        dtype=dtype,
         key_bounds=policy.selects_pages,
         local_window=policy.local_window,
     )
@@ -194,6 +253,7 @@ def _prefill(
     model: Model,
     tokens,
     lengths,
+    num_chunks,
     budget_tokens,
     kv: KVState,
     key,
@@ -203,23 +263,23 @@ def _prefill(
     policy: Policy,
     backend: str,
 ):
-    """Chunked prefill.
+    """Chunked prefill over the first `num_chunks` (traced) chunks of tokens [B, T_pad]: the
+    padded tail is never run, so a prompt-length bucket costs no compute.
 
     Returns (kv, final-normed hidden state of each prompt's last token [B, D], the
     PrefillObservations the policy asked for).
     """
     cfg = model.config
-    b, padded = tokens.shape
+    b = tokens.shape[0]
     w = policy.observation_window
     stats = policy.needs_input_stats
-    starts = jnp.arange(0, padded, chunk)
-    chunks = tokens.reshape(b, -1, chunk).transpose(1, 0, 2)
 
-    def step(carry, xs):
+    def step(index, carry):
         kv, last_hidden, window, sums = carry
-        chunk_tokens, start = xs
-        index = start + jnp.arange(chunk)
-        positions = jnp.where(index < lengths[:, None], index, -1)
+        start = index * chunk
+        chunk_tokens = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        token_index = start + jnp.arange(chunk)
+        positions = jnp.where(token_index < lengths[:, None], token_index, -1)
         hidden, kv, collected = forward_cached(
             model,
             chunk_tokens,
@@ -235,21 +295,21 @@ def _prefill(
         kv = policy.after_prefill_chunk(
             kv, seen=seen, prompt_lengths=lengths, budget_tokens=budget_tokens
         )
-        is_last = index == lengths[:, None] - 1
+        is_last = token_index == lengths[:, None] - 1
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
         last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, last_hidden)
         if w:
             window = _record_window_queries(window, collected["queries"], positions, lengths)
         if stats:
             sums = (sums[0] + collected["input_sum"], sums[1] + collected["input_sq_sum"])
-        return (kv, last_hidden, window, sums), None
+        return kv, last_hidden, window, sums
 
     shape = (cfg.num_layers, b, cfg.num_heads, w, cfg.head_dim)
     window = jnp.zeros(shape, model.dtype) if w else None
     zeros = jnp.zeros((cfg.num_layers, b, cfg.hidden_size), jnp.float32)
     sums = (zeros, zeros) if stats else None
     init = (kv, jnp.zeros((b, cfg.hidden_size), model.dtype), window, sums)
-    (kv, last_hidden, window, sums), _ = jax.lax.scan(step, init, (chunks, starts))
+    kv, last_hidden, window, sums = jax.lax.fori_loop(0, num_chunks, step, init)
     mean = var = None
     if stats:
         n = lengths[None, :, None].astype(jnp.float32)
@@ -269,7 +329,18 @@ def _prefill(
 
 @functools.partial(jax.jit, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv",))
 def _prefill_compressed(
-    model, tokens, lengths, budget_tokens, kv, key, policy_params, *, chunk, policy, backend
+    model,
+    tokens,
+    lengths,
+    num_chunks,
+    budget_tokens,
+    kv,
+    key,
+    policy_params,
+    *,
+    chunk,
+    policy,
+    backend,
 ):
     """Chunked prefill, the policy's compression, then (with int8 storage) every head's tokens
     but the newest `full_precision_window` move to int8; donates `kv`."""
@@ -277,6 +348,7 @@ def _prefill_compressed(
         model,
         tokens,
         lengths,
+        num_chunks,
         budget_tokens,
         kv,
         key,
@@ -315,22 +387,31 @@ def _decode_step(
     )
     logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
     step_key = jax.random.fold_in(state.key, state.step)
-    ctx = DecodeContext(
-        prompt_lengths=state.prompt_lengths,
-        budget_tokens=state.budget_tokens,
-        positions=positions,
-        logits=logits,
-        key=jax.random.fold_in(step_key, 1),
-        group_size=model.config.group_size,
-    )
-    kv = policy.on_decode(kv, ctx)
+    if policy.evicts_during_decode:
+        ctx = DecodeContext(
+            prompt_lengths=state.prompt_lengths,
+            budget_tokens=state.budget_tokens,
+            budget_ratio=state.budget_ratio,
+            positions=positions,
+            logits=logits,
+            key=jax.random.fold_in(step_key, 1),
+            step=state.step,
+            group_size=model.config.group_size,
+        )
+        due = state.step % policy.decode_interval == 0
+        kv = jax.lax.cond(due, lambda kv: policy.on_decode(kv, ctx), lambda kv: kv, kv)
     token = sampler(logits, jax.random.fold_in(step_key, 0))
-    return _record(state, kv, logits, token, stop_tokens, pad_id)
+    return _record(state, kv, logits, token, stop_tokens, pad_id, policy)
 
 
-def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: int) -> GenState:
+def _record(
+    state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: int, policy: Policy
+) -> GenState:
     token = jnp.where(state.done, pad_id, token)
     done = state.done | jnp.any(token[:, None] == stop_tokens[None, :], axis=-1)
+    confidence = state.confidence
+    if confidence is not None:
+        confidence = confidence.at[state.step].set(policy.step_confidence(logits))
     return dataclasses.replace(
         state,
         kv=kv,
@@ -342,22 +423,21 @@ def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: in
         int8_pages_in_use=state.int8_pages_in_use.at[state.step].set(
             0 if kv.pool.int8 is None else kv.pool.int8.pages_in_use()
         ),
-        confidence=state.confidence.at[state.step].set(confidence(logits)),
+        confidence=confidence,
     )
+
+
+@functools.partial(jax.jit, static_argnames=("num_pages", "max_pages", "int8_geometry"))
+def _repack(kv, *, num_pages, max_pages, int8_geometry):
+    """`repack` into the decode geometry, on its own: the caller drops the prefill state after
+    it, so that its pool is freed before the decode loop starts instead of living beside it."""
+    return repack(kv, num_pages=num_pages, max_pages=max_pages, int8_geometry=int8_geometry)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "max_new_tokens",
-        "num_pages",
-        "max_pages",
-        "int8_geometry",
-        "policy",
-        "sampler",
-        "pad_id",
-        "backend",
-    ),
+    static_argnames=("steps_bucket", "policy", "sampler", "pad_id", "backend"),
+    donate_argnames=("kv",),
 )
 def _decode(
     model,
@@ -365,43 +445,44 @@ def _decode(
     last_hidden,
     lengths,
     budget_tokens,
+    budget_ratio,
+    max_new_tokens,
     key,
     stop_tokens,
     policy_params,
     *,
-    max_new_tokens,
-    num_pages,
-    max_pages,
-    int8_geometry,
+    steps_bucket,
     policy,
     sampler,
     pad_id,
     backend,
 ) -> GenState:
-    """Repacks the compressed state into a pool of `num_pages` pages (tables of `max_pages`),
-    then decodes in a `lax.while_loop` until max_new_tokens, all sequences stopped, or the pool
-    overflowed. `kv` is not donated: the repacked state has other shapes."""
-    kv = repack(kv, num_pages=num_pages, max_pages=max_pages, int8_geometry=int8_geometry)
+    """Decodes in a `lax.while_loop` until `max_new_tokens` (traced; the per-step arrays have
+    `steps_bucket` entries), all sequences stopped, or the pool overflowed. Donates `kv`: the
+    loop updates the pool in place."""
     logits = logits_from_hidden(model.params, model.config, last_hidden)
     b = lengths.shape[0]
+    records_confidence = policy.step_confidence(logits) is not None
     state = GenState(
         kv=kv,
-        tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32),
+        tokens=jnp.full((b, steps_bucket), pad_id, jnp.int32),
         last_token=jnp.zeros((b,), jnp.int32),
         prompt_lengths=lengths,
         budget_tokens=budget_tokens,
+        budget_ratio=budget_ratio,
+        max_new_tokens=max_new_tokens,
         done=jnp.zeros((b,), bool),
         step=jnp.zeros((), jnp.int32),
-        pages_in_use=jnp.zeros((max_new_tokens,), jnp.int32),
-        int8_pages_in_use=jnp.zeros((max_new_tokens,), jnp.int32),
-        confidence=jnp.zeros((max_new_tokens, b), jnp.float32),
+        pages_in_use=jnp.zeros((steps_bucket,), jnp.int32),
+        int8_pages_in_use=jnp.zeros((steps_bucket,), jnp.int32),
+        confidence=jnp.zeros((steps_bucket, b), jnp.float32) if records_confidence else None,
         key=key,
     )
     token = sampler(logits, jax.random.fold_in(key, 0))
-    state = _record(state, kv, logits, token, stop_tokens, pad_id)
+    state = _record(state, kv, logits, token, stop_tokens, pad_id, policy)
 
     def keep_going(state: GenState):
-        return (state.step < max_new_tokens) & ~jnp.all(state.done) & ~state.kv.pool.overflow
+        return (state.step < state.max_new_tokens) & ~jnp.all(state.done) & ~state.kv.pool.overflow
 
     step = functools.partial(
         _decode_step,
@@ -416,6 +497,99 @@ def _decode(
     return jax.lax.while_loop(keep_going, step, state)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """A validated request, set up the same way for `generate` and `compress_prompt`."""
+
+    policy: Policy
+    prompts: _Prompts
+    budget_tokens: np.ndarray
+    kv: KVState
+
+
+def _set_up(
+    model: Model,
+    prompt_ids,
+    policy: Policy | None,
+    *,
+    reserve_tokens: int,
+    positions_after_prompt: int,
+    page_size: int,
+    num_pages: int | None,
+    prefill_chunk: int | None,
+    kv_dtype,
+    backend: str,
+    policy_params,
+) -> _Request:
+    """Checks everything on the host (before compiling) and creates the prefill state, with
+    room for `reserve_tokens` written after each prompt and `positions_after_prompt` more
+    positions than the prompt (checked against the model's context)."""
+    resolve_backend(backend)
+    policy = FullCache() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise ValueError(f"policy={policy!r} must be a jaxkv.policies.Policy (policies.get(name))")
+    policy.check_params(policy_params, model.config)
+    prompt_lists = _prompt_lists(prompt_ids)
+    lengths = _prompt_lengths(model, prompt_lists)
+    if prefill_chunk is None:
+        prefill_chunk = policy.prefill_chunk(lengths, DEFAULT_PREFILL_CHUNK)
+    prompts = _pad_prompts(prompt_lists, lengths, prefill_chunk)
+    budget_tokens = policy.budget_tokens(prompts.lengths)
+    policy.check_prefill(prompts.lengths, prompts.chunk)
+    kv = _create_state(
+        model,
+        prompts,
+        reserve_tokens,
+        positions_after_prompt,
+        policy,
+        page_size,
+        num_pages,
+        kv_dtype,
+    )
+    return _Request(policy=policy, prompts=prompts, budget_tokens=budget_tokens, kv=kv)
+
+
+def _run_prefill(model, request: _Request, key, policy_params, backend: str):
+    prompts = request.prompts
+    kv, last_hidden = _prefill_compressed(
+        model,
+        prompts.tokens,
+        prompts.lengths,
+        np.int32(prompts.num_chunks),
+        request.budget_tokens,
+        request.kv,
+        key,
+        policy_params,
+        chunk=prompts.chunk,
+        policy=request.policy.static(),
+        backend=backend,
+    )
+    kv.check()
+    return kv, last_hidden
+
+
+def _to_decode_geometry(
+    kv: KVState, policy: Policy, request: _Request, max_new_tokens: int, num_pages: int | None
+) -> KVState:
+    """The compressed state in a pool sized for what it holds and will hold during decode
+    (bounded by the policy's budget where it evicts); the same state when that is its size."""
+    bound = policy.decode_tokens_bound(
+        request.budget_tokens, request.prompts.lengths, max_new_tokens
+    )
+    decode_pages, max_pages = decode_geometry(kv, max_new_tokens, bound)
+    int8_geometry = None
+    if kv.pool.int8 is not None:
+        int8_geometry = int8_decode_geometry(kv, max_new_tokens)
+    if num_pages is not None:
+        decode_pages = min(decode_pages, num_pages)
+    if int8_geometry is None and (decode_pages, max_pages) == (
+        kv.pool.num_pages,
+        kv.page_table.shape[-1],
+    ):
+        return kv
+    return _repack(kv, num_pages=decode_pages, max_pages=max_pages, int8_geometry=int8_geometry)
+
+
 def generate(
     model: Model,
     prompt_ids,
@@ -428,7 +602,7 @@ def generate(
     pad_id: int = 0,
     page_size: int = DEFAULT_PAGE_SIZE,
     num_pages: int | None = None,
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    prefill_chunk: int | None = None,
     kv_dtype=None,
     backend: str = "xla",
     policy_params=None,
@@ -441,72 +615,67 @@ def generate(
       policy: cache policy (default: keep everything).
       sampler: default greedy. A PRNG `key` is required when the sampler is not greedy.
       stop_tokens: ids that end a sequence (default: the config's eos ids).
-      page_size, num_pages: the paged cache's geometry; num_pages defaults to what a full
-        cache needs for this request. After prefill and compression the state is repacked
-        into a pool and page tables sized for what it holds plus the generation (at most
-        num_pages), so the decode loop holds and reads only that.
-      prefill_chunk: tokens per prefill chunk.
+      page_size, num_pages: the paged cache's geometry; num_pages defaults to what the policy
+        holds during prefill (a full cache: the whole request). After prefill and compression
+        the state moves into a pool and page tables sized for what it holds plus the
+        generation, bounded by the policy's budget where it evicts during decode (at most
+        num_pages), so the decode loop holds and reads only that. The prefill state is
+        donated: its pool is freed before decoding starts.
+      prefill_chunk: tokens per prefill chunk (default: the policy's choice, else 512).
+      kv_dtype: a float dtype for the cache (default: the model's).
       policy_params: the policy's learned parameters (gates), leaves stacked [L, ...]; checked
         against the model by `policy.check_params`.
+    Shapes that depend on the request (pool and table sizes, prompt padding, max_new_tokens)
+    are bucketed (`jaxkv.cache.geometry`), so a stream of requests compiles a bounded number of
+    times; budgets travel as arrays and never recompile.
     Raises:
       ValueError on bad input before compiling; PoolExhaustedError if the pool runs out.
     """
-    resolve_backend(backend)
-    policy = FullCache() if policy is None else policy
-    policy.check_params(policy_params, model.config)
+    max_new_tokens = _check_count("max_new_tokens", max_new_tokens, 1)
     sampler = Sampler() if sampler is None else sampler
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if key is None:
         if not sampler.greedy:
             raise ValueError("a PRNG key is required when sampling (temperature > 0)")
         key = jax.random.PRNGKey(0)
     stop_tokens = model.config.eos_token_ids if stop_tokens is None else tuple(stop_tokens)
-    prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
-    budget_tokens = policy.budget_tokens(prompts.lengths)
-    policy.check_prefill(prompts.lengths, prompts.chunk)
-    kv = _create_state(model, prompts, max_new_tokens, policy, page_size, num_pages, kv_dtype)
-    policy_key, key = jax.random.split(key)
-    kv, last_hidden = _prefill_compressed(
+    request = _set_up(
         model,
-        prompts.tokens,
-        prompts.lengths,
-        budget_tokens,
-        kv,
-        policy_key,
-        policy_params,
-        chunk=prompts.chunk,
-        policy=policy.static(),
+        prompt_ids,
+        policy,
+        reserve_tokens=max_new_tokens - 1,  # the last sampled token is never written
+        positions_after_prompt=max_new_tokens,
+        page_size=page_size,
+        num_pages=num_pages,
+        prefill_chunk=prefill_chunk,
+        kv_dtype=kv_dtype,
         backend=backend,
+        policy_params=policy_params,
     )
-    kv.check()
-    decode_pages, max_pages = decode_geometry(kv, max_new_tokens)
-    int8_geometry = None
-    if kv.pool.int8 is not None:
-        int8_geometry = int8_decode_geometry(kv, max_new_tokens)
-    if num_pages is not None:
-        decode_pages = min(decode_pages, num_pages)
+    policy = request.policy
+    policy_key, key = jax.random.split(key)
+    kv, last_hidden = _run_prefill(model, request, policy_key, policy_params, backend)
+    kv = _to_decode_geometry(kv, policy, request, max_new_tokens, num_pages)
+    lengths = request.prompts.lengths
     state = _decode(
         model,
         kv,
         last_hidden,
-        prompts.lengths,
-        budget_tokens,
+        lengths,
+        request.budget_tokens,
+        policy.budget_ratio(len(lengths)),
+        np.int32(max_new_tokens),
         key,
         jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
         policy_params,
-        max_new_tokens=max_new_tokens,
-        num_pages=decode_pages,
-        max_pages=max_pages,
-        int8_geometry=int8_geometry,
+        steps_bucket=decode_steps_bucket(max_new_tokens),
         policy=policy.static(),
         sampler=sampler,
         pad_id=pad_id,
         backend=backend,
     )
     state.kv.check()
-    tokens = np.asarray(state.tokens)
     steps = int(state.step)
+    tokens = np.asarray(state.tokens)[:, :max_new_tokens]
     is_stop = np.isin(tokens, np.asarray(stop_tokens, np.int32))
     num_tokens = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, steps)
     pages = np.asarray(state.pages_in_use)[:steps]
@@ -516,13 +685,14 @@ def generate(
         tier = state.kv.pool.int8
         memory_bytes += int8_pages.astype(np.int64) * tier.pool.page_bytes
         memory_bytes += tier.channel_scale_bytes
+    confidence = None if state.confidence is None else np.asarray(state.confidence)[:steps]
     return GenerateOutput(
         tokens=tokens,
         num_tokens=num_tokens.astype(np.int32),
         pages_in_use=pages,
         int8_pages_in_use=int8_pages,
         memory_bytes=memory_bytes,
-        confidence=np.asarray(state.confidence)[:steps],
+        confidence=confidence,
         state=state.kv,
     )
 
@@ -534,7 +704,7 @@ def compress_prompt(
     *,
     page_size: int = DEFAULT_PAGE_SIZE,
     num_pages: int | None = None,
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    prefill_chunk: int | None = None,
     kv_dtype=None,
     key: jax.Array | None = None,
     backend: str = "xla",
@@ -546,28 +716,22 @@ def compress_prompt(
     `key` seeds stochastic policies (GVote); the same key gives the same result.
     `reserve_tokens`: room in every page table for that many tokens after the prompt, so the
     caller can go on writing to the returned state (questions, continuations).
-    `policy_params`: as for `generate`.
+    `policy_params`, `prefill_chunk`, `kv_dtype`: as for `generate`.
     """
-    resolve_backend(backend)
-    policy = FullCache() if policy is None else policy
-    policy.check_params(policy_params, model.config)
-    prompts = _prepare_prompts(model, prompt_ids, prefill_chunk)
-    budget_tokens = policy.budget_tokens(prompts.lengths)
-    policy.check_prefill(prompts.lengths, prompts.chunk)
-    if reserve_tokens < 0:
-        raise ValueError(f"reserve_tokens={reserve_tokens} must be >= 0")
-    kv = _create_state(model, prompts, reserve_tokens, policy, page_size, num_pages, kv_dtype)
-    kv, _ = _prefill_compressed(
+    reserve_tokens = _check_count("reserve_tokens", reserve_tokens, 0)
+    request = _set_up(
         model,
-        prompts.tokens,
-        prompts.lengths,
-        budget_tokens,
-        kv,
-        jax.random.PRNGKey(0) if key is None else key,
-        policy_params,
-        chunk=prompts.chunk,
-        policy=policy.static(),
+        prompt_ids,
+        policy,
+        reserve_tokens=reserve_tokens,
+        positions_after_prompt=reserve_tokens,
+        page_size=page_size,
+        num_pages=num_pages,
+        prefill_chunk=prefill_chunk,
+        kv_dtype=kv_dtype,
         backend=backend,
+        policy_params=policy_params,
     )
-    kv.check()
+    key = jax.random.PRNGKey(0) if key is None else key
+    kv, _ = _run_prefill(model, request, key, policy_params, backend)
     return kv

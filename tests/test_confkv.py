@@ -60,7 +60,7 @@ def test_peaked_distributions_are_more_confident():
 
 def test_chunked_prefill_ema_equals_query_by_query(model):
     prompt = [np.random.default_rng(1).integers(0, 64, 40).tolist()]
-    policy = policies.ConfKV(tight=128, loose=256, protected=8)
+    policy = policies.ConfKV(tight=128, loose=256, protected=8, evict_every=1)
     chunked = jaxkv.compress_prompt(model, prompt, policy, prefill_chunk=16, page_size=4)
     stepwise = jaxkv.compress_prompt(model, prompt, policy, prefill_chunk=1, page_size=4)
     np.testing.assert_allclose(
@@ -82,8 +82,9 @@ def _rank_reference(mass, positions, protected_mask, alpha):
 
 def test_tau_zero_is_a_fixed_tight_budget_ema_recency_eviction(model):
     prompt = [np.random.default_rng(2).integers(0, 64, 60).tolist()]
-    tight = policies.ConfKV(tight=40, loose=200, tau=0.0, protected=8)
-    never = policies.ConfKV(tight=40, loose=200, tau=1.0, protected=8)  # same step, no eviction
+    tight = policies.ConfKV(tight=40, loose=200, tau=0.0, protected=8, evict_every=1)
+    # The same step, no eviction.
+    never = policies.ConfKV(tight=40, loose=200, tau=1.0, protected=8, evict_every=1)
     # One decode step writes position 60, updates the EMA, then evicts down to 40 per head.
     before = jaxkv.generate(model, prompt, max_new_tokens=2, policy=never, stop_tokens=()).state
     after = jaxkv.generate(model, prompt, max_new_tokens=2, policy=tight, stop_tokens=()).state
@@ -104,8 +105,8 @@ def test_tau_zero_is_a_fixed_tight_budget_ema_recency_eviction(model):
 
 def test_confident_steps_use_the_tight_budget_and_protected_tokens_stay(model):
     prompt = [np.random.default_rng(3).integers(0, 64, 100).tolist()]
-    always_loose = policies.ConfKV(tight=32, loose=64, tau=1.0, protected=16)
-    always_tight = policies.ConfKV(tight=32, loose=64, tau=0.0, protected=16)
+    always_loose = policies.ConfKV(tight=32, loose=64, tau=1.0, protected=16, evict_every=1)
+    always_tight = policies.ConfKV(tight=32, loose=64, tau=0.0, protected=16, evict_every=1)
     loose = jaxkv.generate(model, prompt, max_new_tokens=6, policy=always_loose, stop_tokens=())
     tight = jaxkv.generate(model, prompt, max_new_tokens=6, policy=always_tight, stop_tokens=())
     assert np.all(np.asarray(loose.state.lengths) == 64)
@@ -121,7 +122,7 @@ def test_confident_steps_use_the_tight_budget_and_protected_tokens_stay(model):
 
 def test_pyramid_budgets_fall_with_depth(model):
     prompt = [np.random.default_rng(4).integers(0, 64, 120).tolist()]
-    policy = policies.ConfKV(tight=40, loose=80, tau=0.0, protected=8, pyramid=True)
+    policy = policies.ConfKV(tight=40, loose=80, tau=0.0, protected=8, pyramid=True, evict_every=1)
     out = jaxkv.generate(model, prompt, max_new_tokens=3, policy=policy, stop_tokens=())
     lengths = np.asarray(out.state.lengths)[:, 0, 0]
     np.testing.assert_array_equal(lengths, [60, 40, 20])
@@ -139,13 +140,15 @@ def test_pyramid_budgets_fall_with_depth(model):
 )
 def test_bad_confkv_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        policies.ConfKV(**kwargs)
+        policies.ConfKV(**kwargs, evict_every=1)
 
 
 def test_random_ranking_ablation_keeps_the_schedule_and_the_protected_window(model):
     prompt = [np.random.default_rng(5).integers(0, 64, 90).tolist()]
-    policy = policies.ConfKV(tight=32, loose=64, tau=0.0, protected=16, ranking="random")
-    composite = policies.ConfKV(tight=32, loose=64, tau=0.0, protected=16)
+    policy = policies.ConfKV(
+        tight=32, loose=64, tau=0.0, protected=16, ranking="random", evict_every=1
+    )
+    composite = policies.ConfKV(tight=32, loose=64, tau=0.0, protected=16, evict_every=1)
     out = jaxkv.generate(
         model, prompt, max_new_tokens=4, policy=policy, stop_tokens=(), key=jax.random.PRNGKey(1)
     )

@@ -127,7 +127,7 @@ def test_streaming_llm_window_slides_during_decode(model):
         prompts,
         max_new_tokens=12,
         stop_tokens=(),
-        policy=policies.StreamingLLM(budget=20),
+        policy=policies.StreamingLLM(budget=20, evict_every=1),
         page_size=4,
     )
     positions = np.asarray(out.state.positions())
@@ -142,7 +142,7 @@ def test_streaming_llm_window_slides_during_decode(model):
 
 def test_h2o_decode_keeps_budget_and_recent_window(model):
     prompts = [np.random.default_rng(4).integers(0, 64, 80).tolist()]
-    policy = policies.H2O(budget=24, recent=6, sinks=2)
+    policy = policies.H2O(budget=24, recent=6, sinks=2, evict_every=1)
     out = jaxkv.generate(
         model, prompts, max_new_tokens=10, stop_tokens=(), policy=policy, page_size=4
     )
@@ -164,7 +164,7 @@ def test_sage_kv_recent_window_slides(model):
         prompts,
         max_new_tokens=9,
         stop_tokens=(),
-        policy=policies.SageKV(budget=budget),
+        policy=policies.SageKV(budget=budget, evict_every=1),
         page_size=4,
     )
     before, after = np.asarray(state.positions()), np.asarray(out.state.positions())
@@ -246,7 +246,7 @@ def test_policies_run_in_bfloat16(model, name):
 
 
 def test_decode_runs_on_a_pool_sized_for_the_compressed_cache(model, long_prompts, full_state):
-    prompts = [p[:1024] for p in long_prompts]
+    prompts = long_prompts  # long enough for pools above the smallest pool bucket
     full = jaxkv.generate(model, prompts, max_new_tokens=4, stop_tokens=(), page_size=PAGE_SIZE)
     snap = jaxkv.generate(
         model,

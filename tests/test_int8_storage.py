@@ -218,7 +218,7 @@ def test_eviction_sees_one_slot_space_across_tiers(model):
 
 def test_h2o_mass_accumulates_over_both_tiers(model):
     prompt = _prompts([30])
-    policy = policies.H2O(budget=24, storage="int8", full_precision_window=6)
+    policy = policies.H2O(budget=24, storage="int8", full_precision_window=6, evict_every=1)
     out = jaxkv.generate(model, prompt, max_new_tokens=6, policy=policy, page_size=PAGE)
     scores = np.asarray(out.state.token_scores())
     held = np.asarray(out.state.positions()) >= 0
@@ -228,7 +228,7 @@ def test_h2o_mass_accumulates_over_both_tiers(model):
 
 def test_bad_storage_options_raise(model):
     prompt = _prompts([10])
-    with pytest.raises(ValueError, match="kv dtype"):
+    with pytest.raises(ValueError, match="kv_dtype=.*float dtype"):
         jaxkv.generate(
             model,
             prompt,

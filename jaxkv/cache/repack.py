@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
+from jaxkv.cache.geometry import pool_pages_bucket, table_pages_bucket
 from jaxkv.cache.state import KVState, PagePool
 
 
@@ -78,30 +79,44 @@ def repack(
     return dataclasses.replace(kv, pool=pool, page_table=table)
 
 
-def _rounded_geometry(grown: np.ndarray, p: int, round_pages: int, round_table: int):
+def _bucketed_geometry(grown: np.ndarray, p: int, bound_pages: int | None = None):
+    """(pool pages, table width) for heads growing to `grown` tokens, the pool at most
+    `bound_pages` when the policy bounds what it holds."""
     pages = int((-(-grown // p)).sum())
+    if bound_pages is not None:
+        pages = min(pages, bound_pages)
     width = max(int(-(-grown.max() // p)), 1)
-    return -(-pages // round_pages) * round_pages, -(-width // round_table) * round_table
+    return pool_pages_bucket(pages), table_pages_bucket(width)
 
 
 def decode_geometry(
-    kv: KVState, max_new_tokens: int, round_pages: int = 32, round_table: int = 8
+    kv: KVState, max_new_tokens: int, tokens_bound: np.ndarray | None = None
 ) -> tuple[int, int]:
     """(num_pages, max_pages) that hold `kv` plus up to `max_new_tokens - 1` more tokens per head
-    (host side; rounded up so that similar requests share one compiled decode loop). With int8
-    storage: of the model-dtype pages, which never hold more than the window plus one token."""
+    (host side; bucketed, `jaxkv.cache.geometry`). With int8 storage: of the model-dtype pages,
+    which never hold more than the window plus one token.
+
+    tokens_bound: int [B], the policy's bound on the tokens a head of each sequence holds on
+    average during decode (`Policy.decode_tokens_bound`); the pool then holds that many per
+    head (plus a partial page each), or what the state holds now if that is more.
+    """
     lengths = jax.device_get(kv.full_precision_lengths())
     grown = lengths + max(max_new_tokens - 1, 0)
     if kv.pool.int8 is not None:
         grown = np.minimum(grown, np.maximum(lengths, kv.pool.int8.window + 1))
-    return _rounded_geometry(grown, kv.pool.page_size, round_pages, round_table)
+    p = kv.pool.page_size
+    bound_pages = None
+    if tokens_bound is not None and kv.pool.int8 is None:
+        heads_per_sequence = lengths.shape[0] * lengths.shape[2]
+        per_head = -(-np.asarray(tokens_bound, np.int64) // p) + 1
+        held = int((-(-lengths // p)).sum())
+        bound_pages = max(int(per_head.sum()) * heads_per_sequence, held + lengths.size)
+    return _bucketed_geometry(grown, p, bound_pages)
 
 
-def int8_decode_geometry(
-    kv: KVState, max_new_tokens: int, round_pages: int = 32, round_table: int = 8
-) -> tuple[int, int]:
+def int8_decode_geometry(kv: KVState, max_new_tokens: int) -> tuple[int, int]:
     """(num_pages, max_pages) of the int8 tier for `max_new_tokens` more steps (host side)."""
     tier = kv.pool.int8
     full, held = jax.device_get((kv.full_precision_lengths(), tier.lengths))
     grown = held + np.maximum(full + max(max_new_tokens - 1, 0) - tier.window, 0)
-    return _rounded_geometry(grown, tier.pool.page_size, round_pages, round_table)
+    return _bucketed_geometry(grown, tier.pool.page_size)

@@ -72,13 +72,18 @@ class Budget:
         return cls(tokens=int(value))
 
     def tokens_for(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        """int32 [B] tokens per head; never more than the prompt (keeping all is the most)."""
+        """int32 [B] tokens per head for these prompts: floor(ratio * length) (at least 1), or
+        the token count. A budget is a cap, not a target: a count above the prompt keeps the
+        whole prompt, and decode-time eviction starts only once a head holds more."""
         lengths = np.asarray(prompt_lengths)
         if self.ratio is not None:
-            kept = np.maximum(1, np.floor(self.ratio * lengths)).astype(np.int32)
-        else:
-            kept = np.full(lengths.shape, self.tokens, np.int32)
-        return np.minimum(kept, lengths).astype(np.int32)
+            return np.maximum(1, np.floor(self.ratio * lengths)).astype(np.int32)
+        return np.full(lengths.shape, self.tokens, np.int32)
+
+    def ratio_array(self, batch: int) -> np.ndarray:
+        """f32 [B]: the ratio (0 for a token count), which decode applies to the current
+        length, so that a ratio keeps its share of a growing sequence (1.0 never evicts)."""
+        return np.full((batch,), 0.0 if self.ratio is None else self.ratio, np.float32)
 
 
 @flax.struct.dataclass
@@ -117,18 +122,23 @@ class DecodeContext:
     """Per-step values for `on_decode`.
 
     Attributes:
-      prompt_lengths, budget_tokens: int32 [B].
+      prompt_lengths, budget_tokens: int32 [B] (budget_tokens [B, n] for policies with several).
+      budget_ratio: f32 [B] the budget's ratio of the sequence (0 for a token budget).
       positions: int32 [B] position of the token just written (-1 for finished sequences).
       logits: f32 [B, V] this step's next-token logits (before sampling).
       key: PRNG key of this step for stochastic policies.
+      step: int32 [] decode tokens written so far, this one included (on_decode runs on the
+        steps where step % `decode_interval` == 0).
       group_size: static G, query heads per KV head.
     """
 
     prompt_lengths: jax.Array
     budget_tokens: jax.Array
+    budget_ratio: jax.Array
     positions: jax.Array
     logits: jax.Array
     key: jax.Array
+    step: jax.Array
     group_size: int = flax.struct.field(pytree_node=False, default=1)
 
 
@@ -175,9 +185,44 @@ class Policy:
         head), read whatever the admission; 0 for no ring (admission then decides the write)."""
         return 0
 
+    # Whether `on_decode` may evict (then it runs every `decode_interval` steps).
+    evicts_during_decode: ClassVar[bool] = False
+
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
         """int32 [B] (or [B, n]) tokens per head; checks budgets against the prompts (host side)."""
         return np.asarray(prompt_lengths, np.int32)
+
+    def budget_ratio(self, batch: int) -> np.ndarray:
+        """f32 [B]: the budget as a ratio of the sequence (0: a token budget or none)."""
+        return np.zeros((batch,), np.float32)
+
+    @property
+    def decode_interval(self) -> int:
+        """Decode steps between two `on_decode` calls. Eviction during decode compacts the
+        cache, which costs as much as reading it: a policy that evicts every `n` steps lets its
+        heads overshoot the budget by up to `n` tokens and amortises that cost over `n` steps."""
+        return 1
+
+    def decode_tokens_bound(
+        self, budget_tokens: np.ndarray, prompt_lengths: np.ndarray, max_new_tokens: int
+    ) -> np.ndarray | None:
+        """int [B]: the most tokens a head of each sequence holds at any decode step, on
+        average over the sequence's (layer, KV head)s, so that the decode pool is sized by
+        the budget rather than by prompt + generation; None when the cache only grows."""
+        del budget_tokens, prompt_lengths, max_new_tokens
+        return None
+
+    def prefill_chunk(self, prompt_lengths: np.ndarray, default: int) -> int:
+        """Tokens per prefill chunk when the caller gives none (`default` unless the policy's
+        method prescribes its own, as Fast KVzip's chunked-prefill eviction does)."""
+        del prompt_lengths
+        return default
+
+    def step_confidence(self, logits: jax.Array) -> jax.Array | None:
+        """f32 [B] what the policy reads from each step's next-token logits [B, V] and
+        `generate` records per step (Conf-KV's confidence); None for policies that read none."""
+        del logits
+        return None
 
     def static(self) -> Policy:
         """This policy with per-request values removed: what jit sees."""

@@ -23,6 +23,7 @@ import numpy as np
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, keep_top_per_head
 from jaxkv.policies import base
+from jaxkv.policies.eviction import check_evict_every
 
 
 class Ranking(enum.Enum):
@@ -98,10 +99,13 @@ class ConfKV(base.Policy):
       beta: EMA decay of attention mass; alpha: weight of mass against recency.
       pyramid: per-layer budgets B_t * (gamma_max - (gamma_max - gamma_min) * l / (L - 1)).
       ranking: COMPOSITE, or RANDOM for the matched-rate ablation.
+      evict_every: decode steps between evictions, each down to that step's budget B_t; in
+        between a head holds up to that many tokens more (1: the paper's every step).
     """
 
     name: ClassVar[str] = "confkv"
     accumulates_attention: ClassVar[bool] = True
+    evicts_during_decode: ClassVar[bool] = True
     tight: int | None = 128
     loose: int | None = 512
     tau: float = 0.7
@@ -113,9 +117,11 @@ class ConfKV(base.Policy):
     gamma_max: float = 1.5
     gamma_min: float = 0.5
     ranking: Ranking = Ranking.COMPOSITE
+    evict_every: int = 32
 
     def __post_init__(self):
         object.__setattr__(self, "ranking", Ranking(self.ranking))
+        check_evict_every(self.evict_every)
         if not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"tau={self.tau} must be in [0, 1]")
         if not 0.0 <= self.beta < 1.0:
@@ -149,6 +155,18 @@ class ConfKV(base.Policy):
     def static(self) -> ConfKV:
         return dataclasses.replace(self, tight=None, loose=None)
 
+    @property
+    def decode_interval(self) -> int:
+        return self.evict_every
+
+    def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
+        loose = budget_tokens[:, 1].astype(np.float64)
+        widest = np.round(loose * (self.gamma_max if self.pyramid else 1.0)).astype(np.int64)
+        return np.minimum(widest + self.evict_every, np.asarray(prompt_lengths) + max_new_tokens)
+
+    def step_confidence(self, logits: jax.Array) -> jax.Array:
+        return confidence(logits, self.weights)
+
     def mass_weights(self, positions: jax.Array):
         """Sequential EMA over a chunk's queries in position order: the newest query's mass has
         weight (1 - beta), each older one a further factor beta; old scores decay by beta^n."""
@@ -157,30 +175,47 @@ class ConfKV(base.Policy):
         weights = jnp.where(valid, (1 - self.beta) * self.beta ** (newest - positions), 0.0)
         return self.beta ** jnp.sum(valid, axis=-1).astype(jnp.float32), weights
 
+    def layer_budgets(self, budget: jax.Array, num_layers: int) -> jax.Array:
+        """int32 [L, B]: budget [B] per layer (scaled by the pyramid when `pyramid`)."""
+        if not self.pyramid:
+            return jnp.broadcast_to(budget, (num_layers, budget.shape[0]))
+        scale = pyramid_scale(num_layers, self.gamma_max, self.gamma_min)
+        return jnp.round(scale[:, None] * budget[None].astype(jnp.float32)).astype(jnp.int32)
+
     def step_budgets(self, kv: KVState, ctx: base.DecodeContext) -> jax.Array:
         """int32 [L, B]: this step's budget per layer and sequence."""
         confident = confidence(ctx.logits, self.weights) >= self.tau
         budget = jnp.where(confident, ctx.budget_tokens[:, 0], ctx.budget_tokens[:, 1])
-        if not self.pyramid:
-            return jnp.broadcast_to(budget, (kv.num_layers, budget.shape[0]))
-        scale = pyramid_scale(kv.num_layers, self.gamma_max, self.gamma_min)
-        return jnp.round(scale[:, None] * budget[None].astype(jnp.float32)).astype(jnp.int32)
+        return self.layer_budgets(budget, kv.num_layers)
 
-    def on_decode(self, kv: KVState, ctx: base.DecodeContext) -> KVState:
-        budgets = self.step_budgets(kv, ctx)
-        # Finished sequences (position -1) wrote nothing and are left as they are.
-        budgets = jnp.where(ctx.positions >= 0, budgets, kv.max_tokens_per_head)[..., None]
+    def _evict(self, kv: KVState, budgets, newest_positions, key) -> KVState:
+        """Each head keeps its newest `protected` positions (up to newest_positions [B]) and its
+        best-ranked others, budgets [L, B] tokens in all, when it holds more."""
+        budgets = budgets[..., None]
 
         def evict(kv: KVState) -> KVState:
             positions = kv.positions()
             held = positions >= 0
-            newest = positions > ctx.positions[None, :, None, None] - self.protected
+            newest = positions > newest_positions[None, :, None, None] - self.protected
             protected = held & newest
             if self.ranking is Ranking.RANDOM:
-                scores = jax.random.uniform(ctx.key, positions.shape)
+                scores = jax.random.uniform(key, positions.shape)
             else:
                 scores = rank_scores(kv.token_scores(), positions, held, protected, self.alpha)
             budget = jnp.broadcast_to(budgets, kv.lengths.shape)
             return compact(kv, keep_top_per_head(scores, budget, held, protected))
 
         return jax.lax.cond(jnp.any(kv.lengths > budgets), evict, lambda kv: kv, kv)
+
+    def compress(self, kv: KVState, obs: base.PrefillObservations, model) -> KVState:
+        """After prefill, down to the loose budget (no step can keep more), so that the decode
+        pool is sized by the budget and not by the prompt."""
+        del model
+        budgets = self.layer_budgets(obs.budget_tokens[:, 1], kv.num_layers)
+        return self._evict(kv, budgets, obs.prompt_lengths - 1, obs.key)
+
+    def on_decode(self, kv: KVState, ctx: base.DecodeContext) -> KVState:
+        budgets = self.step_budgets(kv, ctx)
+        # Finished sequences (position -1) wrote nothing and are left as they are.
+        budgets = jnp.where(ctx.positions >= 0, budgets, kv.max_tokens_per_head)
+        return self._evict(kv, budgets, ctx.positions, ctx.key)

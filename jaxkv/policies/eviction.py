@@ -8,7 +8,7 @@ the budget, and `compact` frees the pages left empty.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
@@ -188,18 +188,48 @@ class EvictionPolicy(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeEviction(EvictionPolicy):
-    """An eviction policy that also evicts during decode whenever a head exceeds its budget.
+    """An eviction policy that also evicts during decode.
 
-    During decode, the protected window is the newest `recent` positions before the current one
-    (plus the sinks), and `decode_scores` ranks the rest.
+    Every `evict_every` decode steps, a head holding more than its budget evicts down to it;
+    in between it holds up to `evict_every` tokens more (the one approximation of per-step
+    eviction, which `evict_every=1` restores: a compaction rewrites the cache, as costly as
+    reading it, so evicting at every step would cost more than the attention it saves). The
+    decode budget is the token budget, or for a ratio budget that ratio of the current length
+    (a ratio keeps its share of a growing sequence: 1.0 never evicts). The protected window is
+    the newest `recent` positions (plus the sinks), and `decode_scores` ranks the rest.
+
+    Attributes:
+      evict_every: decode steps between evictions (>= 1).
     """
+
+    evicts_during_decode: ClassVar[bool] = True
+    evict_every: int = 32
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_evict_every(self.evict_every)
+
+    @property
+    def decode_interval(self) -> int:
+        return self.evict_every
+
+    def budget_ratio(self, batch: int) -> np.ndarray:
+        if self.budget is None:
+            return super().budget_ratio(batch)
+        return self.budget.ratio_array(batch)
+
+    def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
+        grown = np.asarray(prompt_lengths) + max_new_tokens
+        ratio = self.budget_ratio(len(grown))
+        budget = np.maximum(budget_tokens, np.floor(ratio * grown)).astype(np.int64)
+        return np.minimum(budget + self.evict_every, grown)
 
     def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
         """f32 [L, B, K, S] scores during decode."""
         raise NotImplementedError
 
     def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
-        budget = ctx.budget_tokens[None, :, None]
+        budget = decode_budget(ctx)[None, :, None]
 
         def evict(kv: KVState) -> KVState:
             positions = kv.positions()
@@ -212,3 +242,19 @@ class DecodeEviction(EvictionPolicy):
             return compact(kv, keep)
 
         return jax.lax.cond(jnp.any(kv.lengths > budget), evict, lambda kv: kv, kv)
+
+
+def decode_budget(ctx: DecodeContext) -> jax.Array:
+    """int32 [B] tokens per head allowed at this decode step: the token budget, or the ratio of
+    the current length when larger; finished sequences (position -1) keep what they hold."""
+    current = (ctx.positions + 1).astype(jnp.float32)
+    grown = jnp.floor(ctx.budget_ratio * current).astype(jnp.int32)
+    budget = jnp.maximum(ctx.budget_tokens, grown)
+    return jnp.where(ctx.positions >= 0, budget, jnp.iinfo(jnp.int32).max)
+
+
+def check_evict_every(evict_every) -> None:
+    if isinstance(evict_every, bool) or not isinstance(evict_every, int | np.integer):
+        raise ValueError(f"evict_every={evict_every!r} must be an integer >= 1")
+    if evict_every < 1:
+        raise ValueError(f"evict_every={evict_every} must be >= 1 (1 evicts at every step)")

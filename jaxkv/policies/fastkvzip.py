@@ -27,7 +27,6 @@ import dataclasses
 import math
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -69,6 +68,7 @@ class FastKVzip(Policy):
     """
 
     name: ClassVar[str] = "fastkvzip"
+    evicts_during_decode: ClassVar[bool] = True
 
     ratio: float | None = None
     window: int | None = None
@@ -108,12 +108,22 @@ class FastKVzip(Policy):
             )
         return np.stack([kept, windows], axis=1).astype(np.int32)
 
+    def prefill_chunk(self, prompt_lengths: np.ndarray, default: int) -> int:
+        """The paper's 16K chunks at long context (four protected windows of 4K); at shorter
+        context `default`, or the widest window if that is larger."""
+        widest = int(self._windows(np.asarray(prompt_lengths)).max())
+        if widest >= LONG_CONTEXT_WINDOW:
+            return LONG_CONTEXT
+        return max(default, widest)
+
     def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
         widest = int(self._windows(np.asarray(prompt_lengths)).max())
         if chunk < widest:
             raise ValueError(
                 f"prefill_chunk={chunk} is smaller than the protected window w={widest}: "
-                "give prefill_chunk >= w"
+                f"give prefill_chunk >= {widest} (or leave it out: this policy then prefills "
+                f"in chunks of {self.prefill_chunk(prompt_lengths, widest)}), or a smaller "
+                "window="
             )
 
     def prefill_pages(self, prompt_lengths, chunk, model_config, page_size, reserve) -> int:
@@ -146,18 +156,34 @@ class FastKVzip(Policy):
         newest = positions >= (seen - window)[None, :, None, None]
         return self._evict(kv, total, (positions < self.sinks) | newest)
 
+    @property
+    def decode_interval(self) -> int:
+        return self.decode_buffer
+
+    def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
+        grown = np.asarray(prompt_lengths) + max_new_tokens
+        kept = np.floor(self.ratio_of(budget_tokens, prompt_lengths) * grown).astype(np.int64)
+        # Each eviction keeps max(floor(r * length), the forced sinks + newest buffer) per head
+        # on average; a buffer's worth of tokens arrives before the next one.
+        held = np.maximum(np.maximum(kept, budget_tokens[:, 0]), self.sinks + self.decode_buffer)
+        return np.minimum(held + self.decode_buffer, grown)
+
+    @staticmethod
+    def ratio_of(budget_tokens, prompt_lengths) -> np.ndarray:
+        """The kept share floor(r T) / T per prompt (r itself is stripped from the static copy)."""
+        return budget_tokens[:, 0] / np.maximum(np.asarray(prompt_lengths), 1)
+
     def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
-        generated = ctx.positions - ctx.prompt_lengths + 1
-        due = (ctx.positions >= 0) & (generated % self.decode_buffer == 0)
-
-        def evict(kv: KVState) -> KVState:
-            heads = kv.num_layers * kv.lengths.shape[2]
-            current = ctx.positions + 1
-            total = _scaled_total(ctx.budget_tokens[:, 0], current, ctx.prompt_lengths, heads)
-            held_total = jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32)
-            total = jnp.where(due, total, held_total)
-            positions = kv.positions()
-            newest = positions > (ctx.positions - self.decode_buffer)[None, :, None, None]
-            return self._evict(kv, total, (positions < self.sinks) | newest)
-
-        return jax.lax.cond(jnp.any(due), evict, lambda kv: kv, kv)
+        """Runs every `decode_buffer` steps (`decode_interval`): evicts each active sequence
+        globally to floor(r * current length) per head on average, keeping the first `sinks`
+        positions and the newest `decode_buffer`."""
+        active = ctx.positions >= 0
+        heads = kv.num_layers * kv.lengths.shape[2]
+        current = ctx.positions + 1
+        total = _scaled_total(ctx.budget_tokens[:, 0], current, ctx.prompt_lengths, heads)
+        held_total = jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32)
+        total = jnp.where(active, total, held_total)
+        positions = kv.positions()
+        newest = positions > (ctx.positions - self.decode_buffer)[None, :, None, None]
+        protected = (positions < self.sinks) | newest | ~active[None, :, None, None]
+        return self._evict(kv, total, protected)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.policies import base
-from jaxkv.policies.eviction import EvictionPolicy, LayerView
+from jaxkv.policies.eviction import DecodeEviction, LayerView
 
 
 def sage_split(budget_tokens: jax.Array, group_size: int):
@@ -29,7 +29,10 @@ def sage_split(budget_tokens: jax.Array, group_size: int):
 
 @base.register
 @dataclasses.dataclass(frozen=True)
-class SageKV(EvictionPolicy):
+class SageKV(DecodeEviction):
+    """SAGE-KV (module docstring). During decode the recent window slides every `evict_every`
+    steps (in between it holds up to that many tokens more)."""
+
     name: ClassVar[str] = "sage_kv"
 
     @property
@@ -66,7 +69,7 @@ class SageKV(EvictionPolicy):
         return compact(kv, is_sink | is_recent | union)
 
     def on_decode(self, kv: KVState, ctx: base.DecodeContext) -> KVState:
-        """Slides the recent window: its oldest token leaves as each new one arrives."""
+        """Slides the recent window: it holds the newest `recent` positions again."""
         _, _, recent = sage_split(ctx.budget_tokens, ctx.group_size)
         positions = kv.positions()
         before_window = positions < (ctx.prompt_lengths - recent)[None, :, None, None]

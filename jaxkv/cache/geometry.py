@@ -1,0 +1,42 @@
+"""Bucketed cache geometry: the shapes a request compiles for.
+
+Pool sizes, page-table widths, prompt paddings and decode lengths are shapes, so every new value
+compiles the prefill or the decode loop again. They are rounded up to buckets so that a stream
+of requests compiles a bounded number of times, at a bounded cost in memory:
+- pool pages: at least `MIN_POOL_PAGES`, then 16 buckets per octave (at most 1/16 = 6.25% more
+  pages than needed above the minimum, whose absolute size is small);
+- page-table widths, decode steps and prompt chunk counts: powers of two (tables hold one int32
+  per page and decode-step arrays one int32 per token, both negligible; padded prompt chunks
+  are never run, see `jaxkv.generation`).
+"""
+
+from __future__ import annotations
+
+MIN_POOL_PAGES = 256
+MIN_TABLE_PAGES = 32
+MIN_DECODE_STEPS = 64
+POOL_BUCKETS_PER_OCTAVE = 16
+
+
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def pool_pages_bucket(pages: int) -> int:
+    """Pool size for `pages` needed pages: >= pages, from a bounded set of sizes per octave."""
+    if pages <= MIN_POOL_PAGES:
+        return MIN_POOL_PAGES
+    step = max(next_power_of_two(pages) // POOL_BUCKETS_PER_OCTAVE, 1)
+    return -(-pages // step) * step
+
+
+def table_pages_bucket(pages: int) -> int:
+    """Page-table width for heads of at most `pages` pages."""
+    return max(MIN_TABLE_PAGES, next_power_of_two(pages))
+
+
+def decode_steps_bucket(max_new_tokens: int) -> int:
+    """Length of the decode loop's per-step arrays for `max_new_tokens` (the loop itself stops
+    at the true count)."""
+    return max(MIN_DECODE_STEPS, next_power_of_two(max_new_tokens))

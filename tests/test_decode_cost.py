@@ -1,0 +1,202 @@
+"""What a request costs beyond its attention: decode-time eviction in blocks, decode pools sized
+by the budget, budgets as caps, bucketed shapes that bound recompilation, long-context defaults."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import generation, policies
+from jaxkv.cache import geometry
+from models import init_model
+from tests.tiny_models import tiny_config
+
+CONFIG = tiny_config(max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CONFIG, seed=3, scale=0.3)
+
+
+def _prompt(length: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(1, CONFIG.vocab_size, length).tolist()
+
+
+def _kept(state) -> list[list[int]]:
+    positions = np.asarray(state.positions())
+    return [sorted(p[p >= 0].tolist()) for p in positions.reshape(-1, positions.shape[-1])]
+
+
+EVICTION_STEPS: list[int] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class _CountingStreamingLLM(policies.StreamingLLM):
+    """StreamingLLM that records the decode steps on which its eviction hook runs."""
+
+    def on_decode(self, kv, ctx):
+        jax.debug.callback(lambda step: EVICTION_STEPS.append(int(step)), ctx.step)
+        return super().on_decode(kv, ctx)
+
+
+def test_window_eviction_runs_every_n_steps_and_equals_per_step_eviction_then(model):
+    prompt = [_prompt(60)]
+    kwargs = dict(max_new_tokens=9, stop_tokens=(), page_size=4)
+    per_step = jaxkv.generate(
+        model, prompt, policy=policies.StreamingLLM(budget=20, evict_every=1), **kwargs
+    )
+    EVICTION_STEPS.clear()
+    blocked = jaxkv.generate(
+        model, prompt, policy=_CountingStreamingLLM(budget=20, evict_every=4), **kwargs
+    )
+    # Steps 1..8 write a token each; the hook (and its compaction) runs on steps 4 and 8 only.
+    assert EVICTION_STEPS == [4, 8]
+    assert _kept(blocked.state) == _kept(per_step.state)  # step 8 evicted: the same window
+    assert np.all(np.asarray(blocked.state.lengths) == 20)
+    # Between evictions the heads hold up to 4 tokens more: pages (of 4 tokens) grow, then drop.
+    heads = CONFIG.num_layers * CONFIG.num_kv_heads
+    assert blocked.pages_in_use.max() <= heads * (20 + 4) // 4
+    assert blocked.pages_in_use[3] > blocked.pages_in_use[4]
+
+
+def test_h2o_in_blocks_holds_at_most_budget_plus_block_and_keeps_the_recent_window(model):
+    prompt = [_prompt(80, seed=4)]
+    policy = policies.H2O(budget=24, recent=6, sinks=2, evict_every=4)
+    out = jaxkv.generate(model, prompt, max_new_tokens=11, stop_tokens=(), policy=policy)
+    lengths = np.asarray(out.state.lengths)
+    assert np.all(lengths == 24 + 2)  # evicted to 24 at step 8, two tokens written since
+    last = 80 + 11 - 2
+    for kept in _kept(out.state):
+        assert set(range(last - 7, last + 1)) <= set(kept) and {0, 1} <= set(kept)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: policies.H2O(budget=4096),
+        lambda: policies.H2O(budget=1.0),
+        lambda: policies.StreamingLLM(budget=1.0),
+        lambda: policies.SnapKV(budget=4096, window=8),
+    ],
+)
+def test_a_budget_above_the_sequence_keeps_everything(model, make):
+    prompt = [_prompt(30, seed=5)]
+    full = jaxkv.generate(model, prompt, max_new_tokens=20, stop_tokens=())
+    capped = jaxkv.generate(model, prompt, max_new_tokens=20, stop_tokens=(), policy=make())
+    np.testing.assert_array_equal(capped.tokens, full.tokens)
+    assert np.all(np.asarray(capped.state.lengths) == 30 + 19)
+
+
+def test_a_ratio_budget_keeps_its_share_of_the_growing_sequence(model):
+    prompt = [_prompt(100, seed=6)]
+    policy = policies.StreamingLLM(budget=0.5, evict_every=1)
+    out = jaxkv.generate(model, prompt, max_new_tokens=21, stop_tokens=(), policy=policy)
+    # The newest position written is 119: floor(0.5 * 120) tokens per head.
+    assert np.all(np.asarray(out.state.lengths) == 60)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: policies.StreamingLLM(budget=64),
+        lambda: policies.H2O(budget=64, recent=8),
+        lambda: policies.ConfKV(tight=32, loose=64, protected=8),
+        lambda: policies.SageKV(budget=64),
+    ],
+)
+def test_decode_pool_is_sized_by_the_budget_not_the_generation(model, make):
+    cfg = tiny_config(num_layers=4, num_kv_heads=4, num_heads=8, max_position_embeddings=8192)
+    wide = init_model(cfg, seed=0)
+    prompt = [np.random.default_rng(7).integers(1, 64, 3000).tolist()]
+    kwargs = dict(max_new_tokens=1000, stop_tokens=(), page_size=16)
+    policy = make()
+    request = generation._set_up(
+        wide,
+        prompt,
+        policy,
+        reserve_tokens=999,
+        positions_after_prompt=1000,
+        page_size=16,
+        num_pages=None,
+        prefill_chunk=None,
+        kv_dtype=None,
+        backend="xla",
+        policy_params=None,
+    )
+    heads = cfg.num_layers * cfg.num_kv_heads
+    full_pages = geometry.pool_pages_bucket(heads * -(-(3000 + 999) // 16))
+    bound = policy.decode_tokens_bound(request.budget_tokens, request.prompts.lengths, 1000)
+    assert int(bound[0]) <= 64 + policy.decode_interval
+    expected = geometry.pool_pages_bucket(heads * (-(-int(bound[0]) // 16) + 1))
+    assert expected < full_pages / 10
+    out = jaxkv.generate(wide, prompt, policy=policy, **dict(kwargs, max_new_tokens=40))
+    assert out.state.pool.num_pages <= geometry.pool_pages_bucket(
+        heads * (-(-(64 + policy.decode_interval) // 16) + 1)
+    )
+
+
+def test_full_cache_prefill_state_goes_to_decode_without_a_copy(model):
+    before = generation._repack._cache_size()
+    out = jaxkv.generate(model, [_prompt(300)], max_new_tokens=5, stop_tokens=())
+    assert generation._repack._cache_size() == before
+    heads = CONFIG.num_layers * CONFIG.num_kv_heads
+    assert out.state.pool.num_pages == geometry.pool_pages_bucket(heads * -(-(300 + 4) // 16))
+
+
+def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):
+    functions = (generation._prefill_compressed, generation._repack, generation._decode)
+    before = [f._cache_size() for f in functions]
+    rng = np.random.default_rng(8)
+    for index, budget in enumerate((0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.9, 0.95, 1.0)):
+        length = int(rng.integers(130, 250))
+        jaxkv.generate(
+            model,
+            [_prompt(length, seed=index)],
+            max_new_tokens=int(rng.integers(3, 40)),
+            stop_tokens=(),
+            policy=policies.SnapKV(budget=budget, window=8),
+        )
+    compiles = [f._cache_size() - b for f, b in zip(functions, before, strict=True)]
+    assert all(count <= 3 for count in compiles), compiles
+
+
+def test_fastkvzip_defaults_work_at_long_context(model):
+    policy = policies.FastKVzip(ratio=0.3)
+    lengths = np.array([131072])
+    assert policy.prefill_chunk(lengths, generation.DEFAULT_PREFILL_CHUNK) == 16384
+    policy.check_prefill(lengths, 16384)
+    with pytest.raises(ValueError, match="give prefill_chunk >= 4096"):
+        policy.check_prefill(lengths, 512)
+    # Short prompts keep the default chunk (the window is 2% of the prompt).
+    assert policy.prefill_chunk(np.array([2048]), 512) == 512
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(kv_dtype=jnp.int32), "kv_dtype=.*float dtype.*storage='int8'"),
+        (dict(kv_dtype="int8"), "kv_dtype='int8'"),
+        (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
+        (dict(max_new_tokens=True), "max_new_tokens=True must be an integer"),
+        (dict(prompt_ids="def f(x):"), "not text: encode the prompt first"),
+        (dict(prompt_ids=[["a", "b"]]), "token ids are integers"),
+        (dict(prefill_chunk=0), "prefill_chunk=0 must be >= 1"),
+        (dict(policy="snapkv"), "policies.get"),
+    ],
+)
+def test_bad_requests_raise_before_compiling(model, kwargs, match):
+    arguments = dict(prompt_ids=[_prompt(20)], max_new_tokens=4) | kwargs
+    prompt_ids = arguments.pop("prompt_ids")
+    with pytest.raises(ValueError, match=match):
+        jaxkv.generate(model, prompt_ids, **arguments)
+
+
+@pytest.mark.parametrize("make", [policies.StreamingLLM, policies.H2O, policies.ConfKV])
+def test_evict_every_must_be_a_positive_integer(make):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="evict_every="):
+            make(evict_every=bad)
