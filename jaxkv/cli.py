@@ -165,7 +165,8 @@ def policy_kwargs(name: str, pairs: list[str], budget: str | None) -> dict:
     return {**kwargs, "budget": value}
 
 
-def build_policy(args):
+def build_policy(args: argparse.Namespace):
+    """The policy of --policy, --budget and --policy-arg (a `jaxkv.policies.Policy`)."""
     from jaxkv import policies
 
     names = policies.registered()
@@ -221,7 +222,7 @@ def _retrieval_heads(args, policy, model, prompt_ids):
     return policies.retrieval_heads(mass, args.retrieval_heads), "picked on the prompt"
 
 
-def policy_params(args, policy, model, prompt_ids):
+def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]):
     """(policy_params, where they came from): --gates, the shipped gates, or None."""
     from jaxkv.gates.wgkv import load_write_gates
 
