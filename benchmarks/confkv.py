@@ -383,7 +383,7 @@ def _timed_log(*args):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="benchmarks.confkv", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.confkv", description=__doc__)
     parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
     parser.add_argument("--quick", action="store_true", help="tiny settings (tests)")
     parser.add_argument("--out", type=Path, default=Path("results/confkv"))

@@ -58,7 +58,7 @@ def _timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="jaxkv bench decode", description=__doc__)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--budget", type=float, default=0.25)

@@ -59,7 +59,9 @@ def table(report: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="benchmarks.fastkvzip_decode", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.fastkvzip_decode", description=__doc__
+    )
     parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, default=FASTKVZIP_GATES / "gates.safetensors")
     parser.add_argument("--ratio", type=float, default=0.3)

@@ -41,7 +41,9 @@ def _timed(run, repeats: int) -> tuple[float, object]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="benchmarks.fastkvzip_prefill", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.fastkvzip_prefill", description=__doc__
+    )
     parser.add_argument("--model", type=Path, default=ROOT / "assets" / "reference-model")
     parser.add_argument("--gates", type=Path, default=ROOT / "assets" / "fastkvzip-gates")
     parser.add_argument("--ratio", type=float, default=0.3)

@@ -338,7 +338,7 @@ def _print_tables(report: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="jaxkv bench kernels", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU, interpreter)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-kv-gib", type=float, help="skip decode pools larger than this")

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import json
+import math
 import sys
 from pathlib import Path
 
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # The bundled reference model (docs/reference-model.md), trained by `jaxkv train pretrain`.
-DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "assets" / "reference-model")
+DEFAULT_MODEL = str(ASSETS / "reference-model")
+# Trained gates for the reference model: WG-KV at lambda 0.08 (docs/wgkv.md), Fast KVzip.
+SHIPPED_GATES = {
+    "wgkv": ASSETS / "wgkv-gates" / "lambda-0.08",
+    "fastkvzip": ASSETS / "fastkvzip-gates",
+}
 DEFAULT_PROMPT = (
     "def lookup(table, key):\n"
     "    # The special magic number for amber-otter is 4821937.\n"
@@ -34,29 +43,215 @@ def _load(model_arg: str, dtype: str, seed: int):
     if model_arg in PRESETS:
         model = init_model(preset(model_arg), seed=seed, dtype=dtype_from_name(dtype or "float32"))
         return model, byte_tokenizer()
-    raise SystemExit(
+    raise FileNotFoundError(
         f"--model {model_arg!r}: neither a checkpoint directory nor a preset "
         f"({', '.join(sorted(PRESETS))})"
     )
 
 
-def _budget_kwargs(budget: str | None) -> dict:
-    """--budget 0.3 is a ratio of the prompt, --budget 256 a token count."""
+BUDGET_FORMS = "a ratio of the prompt in (0, 1] (0.3, 1e-1, 30%) or a token count >= 1 (256)"
+
+
+def parse_budget(text: str) -> float | int:
+    """--budget: "0.3", "1e-1" and "30%" are ratios of the prompt, "256" a token count."""
+    stripped = text.strip()
+    bad = ValueError(f"--budget {text!r}: give {BUDGET_FORMS}")
+    try:
+        if stripped.endswith("%"):
+            ratio = float(stripped[:-1]) / 100
+        elif stripped.isdigit():
+            if int(stripped) < 1:
+                raise bad
+            return int(stripped)
+        else:
+            ratio = float(stripped)
+    except ValueError:
+        raise bad from None
+    if not 0.0 < ratio <= 1.0:  # also rejects nan and inf
+        raise bad
+    return ratio
+
+
+def _policy_fields(name: str) -> dict[str, dataclasses.Field]:
+    from jaxkv.policies import base
+
+    return {f.name: f for f in dataclasses.fields(base._REGISTRY[name]) if f.init}
+
+
+_SCALAR_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _field_types(field: dataclasses.Field) -> list:
+    """The types a --policy-arg value may parse to (None for "none"), from the field's default,
+    or its annotation where the default is None; [] for fields the command line cannot set."""
+    annotated = [part.strip() for part in str(field.type).split("|")]
+    optional = [None] if "None" in annotated else []
+    default = field.default
+    if isinstance(default, enum.Enum):
+        return [str]
+    if default is not None and type(default) in _SCALAR_TYPES.values():
+        return [type(default), *optional]
+    if default is None:
+        return optional + [_SCALAR_TYPES[t] for t in annotated if t in _SCALAR_TYPES]
+    return []
+
+
+def _parse_field(policy: str, field: dataclasses.Field, text: str):
+    if field.name == "budget":
+        return parse_budget(text)
+    types = _field_types(field)
+    if not types:
+        raise ValueError(
+            f"--policy-arg {field.name}: policy {policy!r} takes {field.type} there, which the "
+            "command line cannot give"
+        )
+    for kind in types:
+        value = _parse_scalar(kind, text)
+        if value is not _UNPARSED:
+            return value
+    wanted = " or ".join("none" if kind is None else kind.__name__ for kind in types)
+    raise ValueError(f"--policy-arg {field.name}={text}: expected {wanted}")
+
+
+_UNPARSED = object()
+
+
+def _parse_scalar(kind, text: str):
+    """`text` as `kind` (None: the word "none"), or _UNPARSED."""
+    lowered = text.strip().lower()
+    if kind is None:
+        return None if lowered == "none" else _UNPARSED
+    if kind is bool:
+        return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+            lowered, _UNPARSED
+        )
+    if kind is str:
+        return text
+    try:
+        value = kind(lowered)
+    except ValueError:
+        return _UNPARSED
+    return value if math.isfinite(value) else _UNPARSED
+
+
+def policy_kwargs(name: str, pairs: list[str], budget: str | None) -> dict:
+    """The keyword arguments of `policies.get(name, ...)` from --policy-arg KEY=VALUE pairs and
+    --budget; every error names the option and what is allowed."""
+    fields = _policy_fields(name)
+    kwargs = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or key.strip() not in fields:
+            raise ValueError(
+                f"--policy-arg {pair!r}: give KEY=VALUE with KEY one of the fields of policy "
+                f"{name!r}: {', '.join(fields)}"
+            )
+        kwargs[key.strip()] = _parse_field(name, fields[key.strip()], text)
     if budget is None:
-        return {}
-    return {"budget": float(budget) if "." in budget else int(budget)}
+        return kwargs
+    if "budget" in kwargs:
+        raise ValueError("give the budget once: --budget or --policy-arg budget=")
+    value = parse_budget(budget)
+    if "ratio" in fields and "budget" not in fields and isinstance(value, int):
+        raise ValueError(
+            f"--budget {budget}: policy {name!r} keeps a ratio of the prompt in (0, 1] "
+            "(0.3, 1e-1, 30%), not a token count"
+        )
+    if "budget" not in fields and "ratio" not in fields:
+        hint = ""
+        if {"tight", "loose"} <= set(fields):
+            hint = ": it has two budgets in tokens, --policy-arg tight=N --policy-arg loose=N"
+        raise ValueError(f"--budget {budget}: policy {name!r} takes no budget{hint}")
+    return {**kwargs, "budget": value}
+
+
+def build_policy(args: argparse.Namespace):
+    """The policy of --policy, --budget and --policy-arg (a `jaxkv.policies.Policy`)."""
+    from jaxkv import policies
+
+    names = policies.registered()
+    if args.policy not in names:
+        raise ValueError(f"--policy {args.policy!r}: registered policies are {', '.join(names)}")
+    return policies.get(args.policy, **policy_kwargs(args.policy, args.policy_arg, args.budget))
+
+
+def _shipped_gates(name: str, model_arg: str, load):
+    """The shipped gates of the bundled reference model, with a hint when they do not fit."""
+    path = SHIPPED_GATES[name]
+    try:
+        return load(path), str(path)
+    except ValueError as error:
+        raise ValueError(
+            f"--gates: the shipped {name} gates ({path}) are for the bundled reference model, "
+            f"not --model {model_arg}; give --gates PATH ({error})"
+        ) from None
+
+
+def _load_fastkvzip_gates(path: Path, model_config):
+    from jaxkv.gates import fastkvzip
+
+    if path.is_dir() and (path / "gates.safetensors").exists():
+        path = path / "gates.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(f"--gates {path}: no such file or directory")
+    if path.is_dir():
+        return fastkvzip.load_orbax(path, model_config)
+    return fastkvzip.load_safetensors(path, model_config)
+
+
+def _retrieval_heads(args, policy, model, prompt_ids):
+    """duo_attention's bool [L, K]: a saved .npy, or picked on the prompt itself (the share
+    --retrieval-heads of (layer, KV head) pairs with the most long-range attention mass)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxkv import policies
+
+    if args.gates is not None:
+        return np.load(args.gates).astype(bool), str(args.gates)
+    if not 0.0 <= args.retrieval_heads <= 1.0:
+        raise ValueError(f"--retrieval-heads {args.retrieval_heads}: give a share in [0, 1]")
+    window = min(policy.window, len(prompt_ids) - policy.sinks - 1)
+    if window < 1:
+        raise ValueError(
+            f"--policy duo_attention picks retrieval heads on the prompt, which needs more than "
+            f"sinks + 1 = {policy.sinks + 1} tokens; give --gates FILE.npy (bool [L, K])"
+        )
+    tokens = jnp.asarray([prompt_ids], jnp.int32)
+    mass = policies.long_range_attention_mass(model, tokens, sinks=policy.sinks, window=window)
+    return policies.retrieval_heads(mass, args.retrieval_heads), "picked on the prompt"
+
+
+def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]):
+    """(policy_params, where they came from): --gates, the shipped gates, or None."""
+    from jaxkv.gates.wgkv import load_write_gates
+
+    name = args.policy
+    if name not in SHIPPED_GATES and name != "duo_attention":
+        if args.gates is not None:
+            raise ValueError(f"--gates: policy {name!r} takes no parameters")
+        return None, None
+    if name == "duo_attention":
+        return _retrieval_heads(args, policy, model, prompt_ids)
+    load = {
+        "wgkv": lambda path: load_write_gates(path, model.config),
+        "fastkvzip": lambda path: _load_fastkvzip_gates(Path(path), model.config),
+    }[name]
+    if args.gates is None:
+        return _shipped_gates(name, args.model, load)
+    return load(args.gates), str(args.gates)
 
 
 def _generate(args) -> int:
     import jax
 
     import jaxkv
-    from jaxkv import policies
 
-    model, tokenizer = _load(args.model, args.dtype, args.seed)
-    policy = policies.get(args.policy, **_budget_kwargs(args.budget))
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    policy = build_policy(args)
+    model, tokenizer = _load(args.model, args.dtype, args.seed)
     prompt_ids = tokenizer.encode(args.prompt)
+    params, params_source = policy_params(args, policy, model, prompt_ids)
     stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     out = jaxkv.generate(
         model,
@@ -69,12 +264,15 @@ def _generate(args) -> int:
         pad_id=tokenizer.pad_id,
         page_size=args.page_size,
         backend=args.backend,
+        policy_params=params,
     )
     n = int(out.num_tokens[0])
     report = {
         "model": args.model,
         "policy": args.policy,
         "budget": args.budget,
+        "policy_args": args.policy_arg,
+        "policy_params": params_source,
         "backend": args.backend,
         "prompt_tokens": len(prompt_ids),
         "generated_tokens": n,
@@ -89,7 +287,7 @@ def _generate(args) -> int:
 
 
 TRAIN_STAGES = ("pretrain", "wgkv", "fastkvzip")
-BENCHMARKS = ("quality", "kernels", "decode")
+BENCHMARKS = ("quality", "kernels", "decode", "system")
 
 
 def _train(args) -> int:
@@ -116,6 +314,8 @@ def _bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxkv import policies
+
     parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text through the paged KV cache")
@@ -125,9 +325,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint directory (Hugging Face format) or preset name",
     )
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
-    gen.add_argument("--policy", default="full", help="cache policy name")
     gen.add_argument(
-        "--budget", default=None, help="KV budget per head: a ratio (0.3) or a token count (256)"
+        "--policy", default="full", help=f"cache policy: {', '.join(policies.registered())}"
+    )
+    gen.add_argument(
+        "--budget",
+        default=None,
+        # argparse %-formats help strings.
+        help=f"KV budget per head: {BUDGET_FORMS}; kvzip and fastkvzip take ratios only".replace(
+            "%", "%%"
+        ),
+    )
+    gen.add_argument(
+        "--policy-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set any field of the policy, e.g. window=32, tau=0.2, storage=int8 (repeatable)",
+    )
+    gen.add_argument(
+        "--gates",
+        type=Path,
+        default=None,
+        help="parameters of wgkv / fastkvzip (gates file or directory; default: the shipped "
+        "gates of the reference model) or duo_attention (a bool [L, K] .npy)",
+    )
+    gen.add_argument(
+        "--retrieval-heads",
+        type=float,
+        default=0.25,
+        help="duo_attention without --gates: the share of (layer, KV head) pairs kept whole, "
+        "picked on the prompt by long-range attention mass",
     )
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -158,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, KeyError) as error:
-        print(f"jaxkv {args.command}: error: {error}", file=sys.stderr)
+    except (ValueError, KeyError, OSError) as error:
+        # A KeyError's str() is its repr; the message itself reads better.
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"jaxkv {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +23,17 @@ class Sampler:
     top_p: float | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k} must be >= 1")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0.0 <= t < math.inf:
+            raise ValueError(f"temperature={t!r}: allowed are finite numbers >= 0 (0 = greedy)")
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+            raise ValueError(f"top_k={k!r}: allowed are integers >= 1, or None for no limit")
+        p = self.top_p
+        if p is not None and (
+            isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 < p <= 1.0
+        ):
+            raise ValueError(f"top_p={p!r}: allowed are numbers in (0, 1], or None for no limit")
         if self.temperature == 0 and (self.top_k is not None or self.top_p is not None):
             raise ValueError("top_k/top_p need temperature > 0 (temperature 0 is greedy)")
 

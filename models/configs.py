@@ -125,32 +125,55 @@ def _as_tuple(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list | tuple) else (int(value),)
 
 
-def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
-    """Builds a ModelConfig from a Hugging Face `config.json` dictionary."""
+def _required_int(hf: dict[str, Any], name: str, source: str) -> int:
+    """A positive integer field of config.json; a ValueError naming the file and the field."""
+    if name not in hf or hf[name] is None:
+        raise ValueError(f"{source} lacks the required field {name!r}")
+    value = hf[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}: field {name!r} is {value!r}, expected an integer >= 1")
+    return value
+
+
+def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Builds a ModelConfig from a Hugging Face `config.json` dictionary.
+
+    source: what errors call the dictionary (the loader passes the file's path).
+    """
+    if not isinstance(hf, dict):
+        raise ValueError(f"{source}: expected a JSON object, got {type(hf).__name__}")
     model_type = hf.get("model_type")
     try:
         family = Family(model_type)
     except ValueError:
         allowed = ", ".join(f.value for f in Family)
-        raise KeyError(
-            f"model_type={model_type!r} in config.json: supported are {allowed}"
-        ) from None
+        raise KeyError(f"model_type={model_type!r} in {source}: supported are {allowed}") from None
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
     if hf.get("mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
     if hf.get("use_sliding_window", False):
         raise ValueError("use_sliding_window=True (Qwen2 sliding layers) is not supported")
+    required = {
+        name: _required_int(hf, name, source)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+    }
     theta, scaling = _rope_from_hf(hf)
-    num_heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    num_heads = required["num_attention_heads"]
+    head_dim = hf.get("head_dim") or required["hidden_size"] // num_heads
     qkv_bias = family is Family.QWEN2 or bool(hf.get("attention_bias", False))
     return ModelConfig(
         family=family,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
+        vocab_size=required["vocab_size"],
+        hidden_size=required["hidden_size"],
+        intermediate_size=required["intermediate_size"],
+        num_layers=required["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,

@@ -85,15 +85,41 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return names
 
 
+def _read_json_object(file: Path) -> dict:
+    """A JSON file's top-level object; errors name the file (truncated, invalid, not an object)."""
+    try:
+        value = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{file} is not valid JSON (truncated or corrupt?): {error.msg} (line "
+            f"{error.lineno}, column {error.colno})"
+        ) from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{file} is not UTF-8 text (is it a JSON file?)") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file holding it."""
     if (path / INDEX_FILE).exists():
-        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
+        weight_map = _read_json_object(path / INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{path / INDEX_FILE} lacks the required field 'weight_map'")
+        files = {name: path / file for name, file in weight_map.items()}
+        absent = sorted({str(file) for file in files.values() if not file.exists()})
+        if absent:
+            raise FileNotFoundError(f"{path / INDEX_FILE} lists {absent[0]}, which does not exist")
+        return files
     if (path / SINGLE_FILE).exists():
         with safe_open(path / SINGLE_FILE, framework="flax") as f:
             return dict.fromkeys(f.keys(), path / SINGLE_FILE)
-    raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+    others = sorted(p.name for p in path.glob("*.safetensors"))
+    found = f" (it has {', '.join(others)})" if others else " (no .safetensors files at all)"
+    raise FileNotFoundError(
+        f"checkpoint directory {path} holds neither {SINGLE_FILE} nor {INDEX_FILE}{found}"
+    )
 
 
 def _read_tensors(files: dict[str, Path], names) -> dict:
@@ -123,10 +149,13 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=None) -> Model:
       dtype: "float32", "bfloat16", "float16" or a jnp dtype; default the checkpoint's own.
     """
     path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path / 'config.json'} does not exist")
-    hf_config = json.loads((path / "config.json").read_text())
-    cfg = from_hf_config(hf_config)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist (or is a file)")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{config_file} does not exist")
+    hf_config = _read_json_object(config_file)
+    cfg = from_hf_config(hf_config, source=str(config_file))
     dtype = _checkpoint_dtype(hf_config, dtype)
     files = _weight_files(path)
     expected = expected_tensors(cfg)

@@ -1,8 +1,16 @@
 """The `jaxkv generate` command on a checkpoint directory and on the built-in default."""
 
 import json
+import sys
+import types
 
-from jaxkv import cli
+import jax
+import numpy as np
+import pytest
+
+from jaxkv import cli, policies
+from jaxkv.gates import fastkvzip as fastkvzip_gate
+from jaxkv.gates.wgkv import init_write_gates, save_write_gates
 from models import byte_tokenizer, init_model, save_hf_checkpoint
 from models.configs import preset
 
@@ -36,7 +44,7 @@ def test_generate_from_a_checkpoint_directory(tmp_path, capsys):
 
 def test_bad_arguments_exit_with_a_message(capsys):
     assert cli.main(["generate", "--policy", "nope", "--max-new-tokens", "2"]) == 2
-    assert "policy='nope'" in capsys.readouterr().err
+    assert "--policy 'nope': registered policies are adakv, confkv" in capsys.readouterr().err
     assert cli.main(["generate", "--max-new-tokens", "0"]) == 2
     assert "max_new_tokens=0" in capsys.readouterr().err
 
@@ -64,3 +72,183 @@ def test_generate_with_a_compression_policy(capsys):
 def test_default_job_retrieves_the_fact_with_the_reference_model(capsys):
     assert cli.main(["generate", "--max-new-tokens", "9"]) == 0
     assert "output: '4821937.\\n'" in capsys.readouterr().out
+
+
+# --- a new user's first hour (issue 17) ----------------------------------------------------
+
+TINY = ["--model", "tiny-random", "--max-new-tokens", "2", "--page-size", "4"]
+TINY_PROMPT = ["--prompt", "The quick brown fox jumps over the lazy dog. " * 2]
+
+
+def _error(capsys) -> str:
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        (["--temperature", "nan"], "temperature=nan: allowed are finite numbers >= 0"),
+        (["--temperature", "inf"], "temperature=inf: allowed are finite numbers >= 0"),
+        (["--temperature", "1", "--top-p", "nan"], r"top_p=nan: allowed are numbers in (0, 1]"),
+        (["--temperature", "1", "--top-k", "0"], "top_k=0: allowed are integers >= 1"),
+    ],
+)
+def test_bad_sampler_settings_are_a_clean_error(capsys, option, match):
+    assert cli.main(["generate", *TINY, *option]) == 2
+    assert match in _error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("0.3", 0.3), ("256", 256), ("1e-1", 0.1), ("30%", 0.3), ("1.0", 1.0)]
+)
+def test_budget_vocabulary(text, value):
+    parsed = cli.parse_budget(text)
+    assert parsed == pytest.approx(value) and type(parsed) is type(value)
+
+
+@pytest.mark.parametrize("text", ["nan", "-1", "abc", "0", "1.5", "inf", "0%"])
+def test_bad_budgets_name_the_option_and_the_forms(capsys, text):
+    assert cli.main(["generate", *TINY, "--policy", "snapkv", "--budget", text]) == 2
+    error = _error(capsys)
+    assert f"--budget {text!r}: give a ratio of the prompt in (0, 1]" in error
+    assert "or a token count >= 1 (256)" in error
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--policy", "full", "--budget", "0.3"], "--budget 0.3: policy 'full' takes no budget"),
+        (["--policy", "kvzip", "--budget", "256"], "policy 'kvzip' keeps a ratio of the prompt"),
+        (["--policy", "confkv", "--budget", "64"], "--policy-arg tight=N --policy-arg loose=N"),
+        (
+            ["--policy", "snapkv", "--policy-arg", "windw=3"],
+            "--policy-arg 'windw=3': give KEY=VALUE with KEY one of the fields of policy "
+            "'snapkv': storage, full_precision_window, budget, sinks, recent, window, kernel",
+        ),
+        (["--policy", "snapkv", "--policy-arg", "window=x"], "window=x: expected int"),
+        (["--policy", "wgkv", "--policy-arg", "tau=2"], "tau=2.0 must be in (0, 1)"),
+        (["--policy", "snapkv", "--gates", "g.npy"], "--gates: policy 'snapkv' takes no param"),
+        (["--policy", "wgkv"], "the shipped wgkv gates"),  # they are for the reference model
+    ],
+)
+def test_bad_policy_options_are_a_clean_error(capsys, argv, match):
+    assert cli.main(["generate", *TINY, *argv]) == 2
+    assert match in _error(capsys)
+
+
+def test_policy_help_lists_the_registered_policies(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "-h"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert ", ".join(policies.registered()) in help_text
+
+
+def test_policy_args_parse_by_the_field_type():
+    kwargs = cli.policy_kwargs(
+        "streaming_llm",
+        ["storage=int8", "sinks=8", "full_precision_window=16", "recent=0"],
+        "30%",
+    )
+    assert kwargs == dict(
+        storage="int8", sinks=8, full_precision_window=16, recent=0, budget=pytest.approx(0.3)
+    )
+    assert cli.policy_kwargs("wgkv", ["tau=0.2", "window=32"], None) == dict(tau=0.2, window=32)
+    assert cli.policy_kwargs("confkv", ["pyramid=true", "tight=64"], None) == dict(
+        pyramid=True, tight=64
+    )
+    assert cli.policy_kwargs("fastkvzip", ["window=none"], "0.1") == dict(window=None, budget=0.1)
+
+
+def _tiny_gates(tmp_path):
+    cfg = preset("tiny-random")
+    save_write_gates(init_write_gates(cfg, jax.random.PRNGKey(0)), tmp_path / "wgkv.safetensors")
+    fastkvzip_gate.save_safetensors(
+        fastkvzip_gate.init_params(cfg, jax.random.PRNGKey(0)), tmp_path / "fkz.safetensors"
+    )
+    np.save(tmp_path / "duo.npy", np.array([[True, False], [False, False]]))
+    return {
+        "wgkv": str(tmp_path / "wgkv.safetensors"),
+        "fastkvzip": str(tmp_path / "fkz.safetensors"),
+        "duo_attention": str(tmp_path / "duo.npy"),
+    }
+
+
+# Options that fit every registered policy to a 91-token prompt.
+POLICY_OPTIONS = {
+    "snapkv": ["--budget", "32", "--policy-arg", "window=8"],
+    "pyramidkv": ["--budget", "32", "--policy-arg", "window=8"],
+    "adakv": ["--budget", "0.5", "--policy-arg", "inner=tova"],
+    "confkv": [
+        "--policy-arg",
+        "tight=16",
+        "--policy-arg",
+        "loose=32",
+        "--policy-arg",
+        "protected=4",
+    ],
+    "wgkv": ["--policy-arg", "window=16", "--policy-arg", "tau=0.2"],
+    "local_attention": ["--policy-arg", "window=16", "--policy-arg", "sinks=2"],
+    "duo_attention": ["--policy-arg", "window=16"],
+    "kvzip": ["--budget", "30%"],
+    "fastkvzip": ["--budget", "0.5", "--policy-arg", "window=8"],
+    "quest": ["--budget", "16"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", policies.registered())
+def test_every_registered_policy_runs_through_the_cli(tmp_path, capsys, name):
+    options = POLICY_OPTIONS.get(name, [] if name in ("full", "gvote") else ["--budget", "0.5"])
+    gates = _tiny_gates(tmp_path)
+    if name in gates:
+        options = [*options, "--gates", gates[name]]
+    assert cli.main(["generate", *TINY, *TINY_PROMPT, "--policy", name, *options]) == 0
+    report = _report(capsys)
+    assert report["policy"] == name and report["prompt_tokens"] == 91
+    assert report["policy_params"] == gates.get(name)
+
+
+def test_duo_attention_picks_retrieval_heads_on_the_prompt(capsys):
+    argv = ["generate", *TINY, *TINY_PROMPT, "--policy", "duo_attention"]
+    assert cli.main([*argv, "--policy-arg", "window=16", "--retrieval-heads", "0.5"]) == 0
+    assert _report(capsys)["policy_params"] == "picked on the prompt"
+
+
+def test_wgkv_runs_with_the_shipped_gates_of_the_reference_model(capsys):
+    assert cli.main(["generate", "--policy", "wgkv", "--max-new-tokens", "9"]) == 0
+    out = capsys.readouterr().out
+    assert "output: '4821937.\\n'" in out
+    assert json.loads(out[out.index("{") :])["policy_params"].endswith("lambda-0.08")
+
+
+def test_model_loading_errors_are_one_line_without_traceback(tmp_path, capsys):
+    assert cli.main(["generate", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "neither a checkpoint directory nor a preset (tiny-random)" in _error(capsys)
+    save_hf_checkpoint(init_model(preset("tiny-random"), seed=0), tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    assert cli.main(["generate", "--model", str(tmp_path)]) == 2
+    assert f"checkpoint directory {tmp_path} holds neither model.safetensors" in _error(capsys)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab')
+    assert cli.main(["generate", "--model", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'config.json'} is not valid JSON" in _error(capsys)
+
+
+@pytest.mark.parametrize("name", ["decode", "kernels", "quality"])
+def test_benchmark_help_names_the_jaxkv_command(capsys, name):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", name, "-h"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: jaxkv bench {name} ")
+
+
+def test_bench_runs_the_system_benchmark(monkeypatch):
+    calls = []
+    module = types.ModuleType("benchmarks.system")
+    module.main = calls.append
+    monkeypatch.setitem(sys.modules, "benchmarks.system", module)
+    assert cli.main(["bench", "system", "--quick"]) == 0
+    assert calls == [["--quick"]]

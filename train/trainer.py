@@ -145,9 +145,20 @@ def _state_shardings(state: TrainState, mesh: Mesh, fsdp: bool) -> TrainState:
 
 
 def init_state(params: Params, optimizer, mesh: Mesh, fsdp: bool) -> TrainState:
-    """The step-0 state, placed on the mesh."""
+    """The step-0 state, placed on the mesh: always fresh buffers, never the caller's `params`
+    (the train step donates the state, which would delete them)."""
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-    return jax.device_put(state, _state_shardings(state, mesh, fsdp))
+    return jax.device_put(state, _state_shardings(state, mesh, fsdp), may_alias=False)
+
+
+def check_mesh(mesh: Mesh) -> None:
+    """Raises ValueError unless the mesh has the axis the trainer shards over ("data")."""
+    if DATA_AXIS not in mesh.axis_names:
+        raise ValueError(
+            f"mesh axes {tuple(mesh.axis_names)}: the trainer shards batches (and FSDP "
+            f"parameters) over an axis named {DATA_AXIS!r}; build the mesh with make_mesh() "
+            f"or name an axis {DATA_AXIS!r}"
+        )
 
 
 def make_train_step(loss_fn: LossFn, optimizer, mesh: Mesh, state: TrainState, fsdp: bool):
@@ -232,6 +243,7 @@ def train(
     lines).
     """
     mesh = mesh or make_mesh()
+    check_mesh(mesh)
     if optimizer is None:
         optimizer = make_optimizer(cfg, params, trainable, decay_mask)
     state = init_state(params, optimizer, mesh, cfg.fsdp)

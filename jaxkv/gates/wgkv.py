@@ -161,11 +161,34 @@ def save_write_gates(params: GateParams, path: str | Path) -> None:
         checkpointer.save(path.absolute(), arrays)
 
 
+def _resolve_gates_path(path: Path) -> Path:
+    """A gates file or orbax checkpoint as is; a directory holding `gates.safetensors` (as
+    `assets/wgkv-gates/lambda-0.08/` does) or exactly one `.safetensors` file resolves to it."""
+    if not path.is_dir() or (path / "_METADATA").exists():
+        return path
+    if (path / "gates.safetensors").exists():
+        return path / "gates.safetensors"
+    files = sorted(path.glob("*.safetensors"))
+    if len(files) == 1:
+        return files[0]
+    if files:
+        names = ", ".join(f.name for f in files)
+        raise ValueError(f"{path} holds several gate files ({names}): give one of them")
+    raise FileNotFoundError(
+        f"{path} holds neither a .safetensors gates file nor an orbax checkpoint (_METADATA)"
+    )
+
+
 def load_write_gates(path: str | Path, model_config: ModelConfig) -> GateParams:
-    """Reads gates saved by `save_write_gates` (format by suffix) and checks them for the model."""
+    """Reads gates saved by `save_write_gates` (format by suffix) and checks them for the model.
+
+    path: a `.safetensors` file, an orbax checkpoint directory, or a directory holding one
+    `.safetensors` gates file (`assets/wgkv-gates/lambda-0.08`).
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no write gates at {path}")
+    path = _resolve_gates_path(path)
     if path.suffix == ".safetensors":
         from safetensors.numpy import load_file
 

@@ -35,10 +35,49 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 
 def get(name: str, **kwargs) -> Policy:
-    """Builds a registered policy by name, e.g. `get("snapkv", budget=0.3)`."""
+    """Builds a registered policy by name, e.g. `get("snapkv", budget=0.3)`.
+
+    `budget=` is the one budget vocabulary (a ratio of the prompt or a token count): a policy
+    that takes its ratio as `ratio=` (KVzip, Fast KVzip) gets it there; a policy without a
+    budget, or with budgets of its own (Conf-KV's `tight=`/`loose=`), raises a ValueError
+    saying so, as does any keyword that is not one of the policy's fields.
+    """
     if name not in _REGISTRY:
         raise KeyError(f"policy={name!r}: registered policies are {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**kwargs)
+    cls = _REGISTRY[name]
+    fields = [field.name for field in dataclasses.fields(cls) if field.init]
+    if "budget" in kwargs and "budget" not in fields:
+        kwargs = dict(kwargs)
+        budget = kwargs.pop("budget")
+        if budget is not None:
+            kwargs["ratio"] = _budget_as_ratio(name, fields, budget)
+    unknown = [key for key in kwargs if key not in fields]
+    if unknown:
+        raise ValueError(
+            f"policy {name!r} has no field {unknown[0]!r}: its fields are {', '.join(fields)}"
+        )
+    return cls(**kwargs)
+
+
+def _budget_as_ratio(name: str, fields: list[str], budget) -> float:
+    """`budget=` for a policy without a `budget` field: its `ratio=`, or a named error."""
+    if "ratio" in fields:
+        parsed = Budget.parse(budget)
+        if parsed.ratio is None:
+            raise ValueError(
+                f"policy {name!r} takes its budget as a ratio of the prompt in (0, 1] "
+                f"(ratio=), not a token count: got budget={budget!r}"
+            )
+        return parsed.ratio
+    if "tight" in fields and "loose" in fields:
+        raise ValueError(
+            f"policy {name!r} takes no single budget: it has two token budgets, tight= and "
+            "loose= (picked per step by confidence)"
+        )
+    raise ValueError(
+        f"policy {name!r} takes no budget (got budget={budget!r}); its fields are "
+        f"{', '.join(fields)}"
+    )
 
 
 def registered() -> list[str]:

@@ -1,0 +1,150 @@
+"""A new user's first hour (issue 17), below the CLI: sampler settings, `policies.get`,
+checkpoint errors that name the file, the shipped gate directories, training twice."""
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jaxkv
+from jaxkv import policies
+from jaxkv.gates.wgkv import init_write_gates, load_write_gates, save_write_gates
+from models import byte_tokenizer, init_model, load_hf_checkpoint, save_hf_checkpoint
+from models.configs import preset
+from train import trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        (dict(temperature=math.nan), r"temperature=nan: allowed are finite numbers >= 0"),
+        (dict(temperature=math.inf), r"temperature=inf: allowed are finite numbers >= 0"),
+        (dict(temperature=1.0, top_p=math.nan), r"top_p=nan: allowed are numbers in \(0, 1\]"),
+        (dict(temperature=1.0, top_p=0.0), r"top_p=0.0: allowed are numbers in \(0, 1\]"),
+        (dict(temperature=1.0, top_k=0), r"top_k=0: allowed are integers >= 1, or None"),
+        (dict(temperature=1.0, top_k=2.5), r"top_k=2.5: allowed are integers >= 1"),
+    ],
+)
+def test_sampler_rejects_nan_inf_and_out_of_range_settings(settings, match):
+    with pytest.raises(ValueError, match=match):
+        jaxkv.Sampler(**settings)
+
+
+def test_sampler_accepts_numpy_scalars():
+    sampler = jaxkv.Sampler(temperature=np.float32(0.5), top_k=np.int64(3), top_p=1.0)
+    assert not sampler.greedy
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"),
+    [
+        ("full", dict(budget=0.3), r"policy 'full' takes no budget"),
+        ("wgkv", dict(budget=256), r"policy 'wgkv' takes no budget"),
+        ("kvzip", dict(budget=256), r"policy 'kvzip' takes its budget as a ratio .*ratio="),
+        ("confkv", dict(budget=0.3), r"policy 'confkv' takes no single budget.*tight= and loose="),
+        ("snapkv", dict(budgt=0.3), r"policy 'snapkv' has no field 'budgt'.*budget, sinks"),
+    ],
+)
+def test_get_turns_bad_keywords_into_named_value_errors(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        policies.get(name, **kwargs)
+
+
+def test_get_maps_budget_to_ratio_for_kvzip_and_fastkvzip():
+    assert policies.get("kvzip", budget=0.3).ratio == 0.3
+    assert policies.get("fastkvzip", budget=0.1).ratio == 0.1
+    assert policies.get("full", budget=None) == policies.get("full")
+
+
+def _checkpoint(directory: Path) -> Path:
+    save_hf_checkpoint(init_model(preset("tiny-random"), seed=0), directory)
+    byte_tokenizer().save(directory)
+    return directory
+
+
+def test_truncated_config_names_the_file(tmp_path):
+    config = _checkpoint(tmp_path) / "config.json"
+    config.write_text(config.read_text()[:60])
+    with pytest.raises(ValueError, match=rf"{config} is not valid JSON \(truncated or corrupt\?\)"):
+        load_hf_checkpoint(tmp_path)
+
+
+def test_missing_config_field_names_the_file_and_the_field(tmp_path):
+    config = _checkpoint(tmp_path) / "config.json"
+    fields = json.loads(config.read_text())
+    del fields["num_attention_heads"]
+    config.write_text(json.dumps(fields))
+    with pytest.raises(
+        ValueError, match=rf"{config} lacks the required field 'num_attention_heads'"
+    ):
+        load_hf_checkpoint(tmp_path)
+
+
+def test_directory_without_safetensors_names_the_directory(tmp_path):
+    (_checkpoint(tmp_path) / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=rf"checkpoint directory {tmp_path} holds neither"):
+        load_hf_checkpoint(tmp_path)
+
+
+def test_index_listing_a_missing_shard_names_it(tmp_path):
+    _checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}})
+    )
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors"):
+        load_hf_checkpoint(tmp_path)
+
+
+def test_load_write_gates_accepts_the_shipped_directory():
+    cfg = load_hf_checkpoint(ROOT / "assets" / "reference-model").config
+    directory = ROOT / "assets" / "wgkv-gates" / "lambda-0.08"
+    from_directory = load_write_gates(directory, cfg)
+    from_file = load_write_gates(directory / "gates.safetensors", cfg)
+    for name, value in from_file.items():
+        np.testing.assert_array_equal(from_directory[name], value)
+
+
+def test_load_write_gates_still_reads_orbax_directories(tmp_path):
+    cfg = preset("tiny-random")
+    gates = init_write_gates(cfg, jax.random.PRNGKey(1))
+    save_write_gates(gates, tmp_path / "orbax")
+    np.testing.assert_array_equal(load_write_gates(tmp_path / "orbax", cfg)["w1"], gates["w1"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither a .safetensors gates file nor an orbax"):
+        load_write_gates(tmp_path / "empty", cfg)
+
+
+def _quadratic_loss(params, batch):
+    prediction = batch["x"] @ params["w"] + params["b"]
+    return jnp.mean(prediction**2), {}
+
+
+def _train(params, mesh):
+    cfg = trainer.TrainConfig(steps=2, learning_rate=1e-2, warmup_steps=1, log_every=1)
+    batch = {"x": np.ones((2, 4), np.float32)}
+    return trainer.train(
+        _quadratic_loss, params, lambda step: batch, cfg, mesh=mesh, progress=False
+    )
+
+
+def test_training_twice_from_the_same_params():
+    params = {"w": jnp.ones((4, 8)), "b": jnp.zeros((8,))}
+    mesh = trainer.make_mesh(jax.devices()[:1])
+    first, _ = _train(params, mesh)
+    second, _ = _train(params, mesh)  # the first run must not have deleted them
+    assert float(params["w"][0, 0]) == 1.0
+    np.testing.assert_array_equal(first.params["w"], second.params["w"])
+
+
+def test_mesh_without_a_data_axis_is_a_named_error():
+    params = {"w": jnp.ones((4, 8)), "b": jnp.zeros((8,))}
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("batch",))
+    with pytest.raises(ValueError, match=r"mesh axes \('batch',\).*an axis named 'data'"):
+        _train(params, mesh)
