@@ -249,3 +249,16 @@ def test_bad_storage_options_raise(model):
         jaxkv.generate(
             model, prompt, max_new_tokens=2, policy=policies.Quest(storage="int8", budget=8)
         )
+
+
+def test_a_cache_smaller_than_the_window_decodes_with_an_empty_int8_tier(model):
+    # SnapKV keeps 16 tokens per head, fewer than the 32-token window: nothing is quantised,
+    # and the (empty) int8 tier must still be readable during decode.
+    prompt = _prompts([80])
+    policy = policies.SnapKV(budget=16, window=8, storage="int8", full_precision_window=32)
+    out = jaxkv.generate(model, prompt, max_new_tokens=5, policy=policy, page_size=PAGE)
+    plain = jaxkv.generate(
+        model, prompt, max_new_tokens=5, policy=policies.SnapKV(budget=16, window=8), page_size=PAGE
+    )
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    assert np.all(out.int8_pages_in_use == 0)
