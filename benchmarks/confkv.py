@@ -36,7 +36,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv import policies, tasks
-from jaxkv.policies.base import DecodeContext
+from jaxkv.policies.base import DecodeContext, after_decode_step
 from jaxkv.policies.confkv import Ranking, confidence
 from models import forward_cached, load_hf_checkpoint
 from models.decoder import forward, logits_from_hidden
@@ -94,8 +94,11 @@ def _rng(task: str) -> np.random.Generator:
 
 
 @functools.partial(jax.jit, static_argnames="policy")
-def _read(model, kv, tokens, targets, starts, budget_tokens, key, policy_params, policy):
-    """Reads tokens [B, N] one by one from positions `starts` [B], evicting after each.
+def _read(
+    model, kv, tokens, targets, starts, budget_tokens, budget_ratio, key, policy_params, policy
+):
+    """Reads tokens [B, N] one by one from positions `starts` [B], the policy's decode hook
+    after each (on the steps it is due, as in `generate`).
 
     Returns per step: nll f32 [N, B] of targets, confidence [N, B], pages in use of both
     tiers [N, 2], mean tokens held per head [N].
@@ -117,12 +120,14 @@ def _read(model, kv, tokens, targets, starts, budget_tokens, key, policy_params,
         ctx = DecodeContext(
             prompt_lengths=starts,
             budget_tokens=budget_tokens,
+            budget_ratio=budget_ratio,
             positions=positions,
             logits=logits,
             key=jax.random.fold_in(key, i),
+            step=i + 1,
             group_size=model.config.group_size,
         )
-        kv = policy.on_decode(kv, ctx)
+        kv = after_decode_step(policy, kv, ctx)
         int8_pages = 0 if kv.pool.int8 is None else kv.pool.int8.pages_in_use()
         pages = jnp.stack([kv.pages_in_use(), jnp.asarray(int8_pages, jnp.int32)])
         held = jnp.mean(kv.lengths.astype(jnp.float32))
@@ -164,6 +169,7 @@ def teacher_forced(model, policy, texts: list[bytes], s: Settings, policy_params
         jnp.asarray(rows[:, prefix + 1 : prefix + 1 + s.continuation]),
         jnp.asarray(starts),
         budget_tokens,
+        jnp.asarray(policy.budget_ratio(len(texts))),
         jax.random.PRNGKey(SEED),
         policy_params,
         policy.static(),

@@ -21,7 +21,7 @@ from jaxkv.cache.geometry import (
 )
 from jaxkv.cache.int8 import check_dtype, start_int8
 from jaxkv.policies import FullCache, Policy
-from jaxkv.policies.base import DecodeContext, PrefillObservations
+from jaxkv.policies.base import DecodeContext, PrefillObservations, after_decode_step
 from jaxkv.sampling import Sampler
 from models.decoder import Model, forward_cached, logits_from_hidden
 
@@ -387,19 +387,17 @@ def _decode_step(
     )
     logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
     step_key = jax.random.fold_in(state.key, state.step)
-    if policy.evicts_during_decode:
-        ctx = DecodeContext(
-            prompt_lengths=state.prompt_lengths,
-            budget_tokens=state.budget_tokens,
-            budget_ratio=state.budget_ratio,
-            positions=positions,
-            logits=logits,
-            key=jax.random.fold_in(step_key, 1),
-            step=state.step,
-            group_size=model.config.group_size,
-        )
-        due = state.step % policy.decode_interval == 0
-        kv = jax.lax.cond(due, lambda kv: policy.on_decode(kv, ctx), lambda kv: kv, kv)
+    ctx = DecodeContext(
+        prompt_lengths=state.prompt_lengths,
+        budget_tokens=state.budget_tokens,
+        budget_ratio=state.budget_ratio,
+        positions=positions,
+        logits=logits,
+        key=jax.random.fold_in(step_key, 1),
+        step=state.step,
+        group_size=model.config.group_size,
+    )
+    kv = after_decode_step(policy, kv, ctx)
     token = sampler(logits, jax.random.fold_in(step_key, 0))
     return _record(state, kv, logits, token, stop_tokens, pad_id, policy)
 

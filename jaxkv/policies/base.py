@@ -373,3 +373,12 @@ class FullCache(Policy):
     """Keep every token: the uncompressed baseline."""
 
     name: ClassVar[str] = "full"
+
+
+def after_decode_step(policy: Policy, kv, ctx: DecodeContext):
+    """The state after a decode step: the policy's `on_decode` on the steps it is due
+    (ctx.step % `decode_interval` == 0), skipped (not run and discarded) on the others."""
+    if not policy.evicts_during_decode:
+        return kv
+    due = ctx.step % policy.decode_interval == 0
+    return jax.lax.cond(due, lambda kv: policy.on_decode(kv, ctx), lambda kv: kv, kv)
