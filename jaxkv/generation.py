@@ -20,6 +20,7 @@ from jaxkv.cache.geometry import (
     table_pages_bucket,
 )
 from jaxkv.cache.int8 import check_dtype, start_int8
+from jaxkv.cache.repack import grow
 from jaxkv.policies import FullCache, Policy
 from jaxkv.policies.base import DecodeContext, PrefillObservations, after_decode_step
 from jaxkv.sampling import Sampler
@@ -249,33 +250,55 @@ def _record_window_queries(window, queries, positions, lengths):
     return window.at[:, rows, :, slot].set(updates, mode="drop")
 
 
-def _prefill(
+@flax.struct.dataclass
+class _PrefillCarry:
+    """What prefill carries from chunk to chunk besides the KV state.
+
+    Attributes:
+      last_hidden: [B, D] final-normed hidden state of each prompt's last token (once seen).
+      window: [L, B, N, w, H] observed queries (None unless the policy observes any).
+      sums: f32 [L, B, D] sums of the attention input and of its square (None unless asked).
+    """
+
+    last_hidden: jax.Array
+    window: jax.Array | None
+    sums: tuple[jax.Array, jax.Array] | None
+
+
+def _empty_carry(model: Model, batch: int, policy: Policy) -> _PrefillCarry:
+    cfg = model.config
+    w = policy.observation_window
+    shape = (cfg.num_layers, batch, cfg.num_heads, w, cfg.head_dim)
+    zeros = jnp.zeros((cfg.num_layers, batch, cfg.hidden_size), jnp.float32)
+    return _PrefillCarry(
+        last_hidden=jnp.zeros((batch, cfg.hidden_size), model.dtype),
+        window=jnp.zeros(shape, model.dtype) if w else None,
+        sums=(zeros, zeros) if policy.needs_input_stats else None,
+    )
+
+
+def _prefill_span(
     model: Model,
     tokens,
     lengths,
-    num_chunks,
+    first_chunk,
+    end_chunk,
     budget_tokens,
     kv: KVState,
-    key,
+    carry: _PrefillCarry,
     policy_params,
     *,
     chunk: int,
     policy: Policy,
     backend: str,
 ):
-    """Chunked prefill over the first `num_chunks` (traced) chunks of tokens [B, T_pad]: the
-    padded tail is never run, so a prompt-length bucket costs no compute.
-
-    Returns (kv, final-normed hidden state of each prompt's last token [B, D], the
-    PrefillObservations the policy asked for).
-    """
-    cfg = model.config
-    b = tokens.shape[0]
+    """Prefills chunks [first_chunk, end_chunk) (traced) of tokens [B, T_pad]; the padded tail
+    past the last prompt token is never run, so a prompt-length bucket costs no compute.
+    Returns (kv, carry)."""
     w = policy.observation_window
-    stats = policy.needs_input_stats
 
-    def step(index, carry):
-        kv, last_hidden, window, sums = carry
+    def step(index, state):
+        kv, carry = state
         start = index * chunk
         chunk_tokens = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
         token_index = start + jnp.arange(chunk)
@@ -288,7 +311,7 @@ def _prefill(
             policy=policy,
             backend=backend,
             collect_queries=w > 0,
-            collect_input_stats=stats,
+            collect_input_stats=carry.sums is not None,
             policy_params=policy_params,
         )
         seen = jnp.minimum(start + chunk, lengths)
@@ -297,34 +320,39 @@ def _prefill(
         )
         is_last = token_index == lengths[:, None] - 1
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
-        last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, last_hidden)
+        last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, carry.last_hidden)
+        window, sums = carry.window, carry.sums
         if w:
             window = _record_window_queries(window, collected["queries"], positions, lengths)
-        if stats:
+        if sums is not None:
             sums = (sums[0] + collected["input_sum"], sums[1] + collected["input_sq_sum"])
-        return kv, last_hidden, window, sums
+        return kv, _PrefillCarry(last_hidden=last_hidden, window=window, sums=sums)
 
-    shape = (cfg.num_layers, b, cfg.num_heads, w, cfg.head_dim)
-    window = jnp.zeros(shape, model.dtype) if w else None
-    zeros = jnp.zeros((cfg.num_layers, b, cfg.hidden_size), jnp.float32)
-    sums = (zeros, zeros) if stats else None
-    init = (kv, jnp.zeros((b, cfg.hidden_size), model.dtype), window, sums)
-    kv, last_hidden, window, sums = jax.lax.fori_loop(0, num_chunks, step, init)
+    return jax.lax.fori_loop(first_chunk, end_chunk, step, (kv, carry))
+
+
+def _compress(model, tokens, lengths, budget_tokens, kv, carry: _PrefillCarry, key, *, policy):
+    """The policy's compression from what prefill observed, then (with int8 storage) every
+    head's tokens but the newest `full_precision_window` move to int8.
+    Returns (kv, last_hidden)."""
     mean = var = None
-    if stats:
+    if carry.sums is not None:
         n = lengths[None, :, None].astype(jnp.float32)
-        mean = sums[0] / n
-        var = jnp.maximum(sums[1] - n * mean * mean, 0.0) / jnp.maximum(n - 1, 1)
+        mean = carry.sums[0] / n
+        var = jnp.maximum(carry.sums[1] - n * mean * mean, 0.0) / jnp.maximum(n - 1, 1)
     obs = PrefillObservations(
         prompt_lengths=lengths,
         budget_tokens=budget_tokens,
-        queries=window,
+        queries=carry.window,
         input_mean=mean,
         input_var=var,
         key=key,
         prompt_tokens=tokens if policy.needs_prompt_tokens else None,
     )
-    return kv, last_hidden, obs
+    kv = policy.compress(kv, obs, model)
+    if policy.int8_window is not None:
+        kv = start_int8(kv, policy.int8_window)
+    return kv, carry.last_hidden
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv",))
@@ -342,25 +370,68 @@ def _prefill_compressed(
     policy,
     backend,
 ):
-    """Chunked prefill, the policy's compression, then (with int8 storage) every head's tokens
-    but the newest `full_precision_window` move to int8; donates `kv`."""
-    kv, last_hidden, obs = _prefill(
+    """Chunked prefill of every chunk, then `_compress`; donates `kv`."""
+    carry = _empty_carry(model, tokens.shape[0], policy)
+    kv, carry = _prefill_span(
         model,
         tokens,
         lengths,
+        0,
         num_chunks,
         budget_tokens,
         kv,
-        key,
+        carry,
         policy_params,
         chunk=chunk,
         policy=policy,
         backend=backend,
     )
-    kv = policy.compress(kv, obs, model)
-    if policy.int8_window is not None:
-        kv = start_int8(kv, policy.int8_window)
-    return kv, last_hidden
+    return _compress(model, tokens, lengths, budget_tokens, kv, carry, key, policy=policy)
+
+
+# The growing path (`Policy.prefill_pool_grows`): one chunk per call, the pool checked between.
+_prefill_span_jit = jax.jit(
+    _prefill_span, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv", "carry")
+)
+_compress_jit = jax.jit(_compress, static_argnames=("policy",), donate_argnames=("kv",))
+_grow_jit = jax.jit(grow, static_argnames=("num_pages",))
+
+
+def _prefill_growing(model, request: _Request, key, policy_params, backend: str):
+    """Chunked prefill for a policy that admits an unknown share of the prompt: the pool starts
+    at the policy's guess and, before each chunk, grows (x2, bucketed) when fewer pages are
+    free than the chunk could need, so that it holds what is admitted plus about one chunk."""
+    prompts, policy = request.prompts, request.policy.static()
+    kv = request.kv
+    cfg = model.config
+    heads = cfg.num_layers * cfg.num_kv_heads * len(prompts.lengths)
+    chunk_need = heads * (-(-prompts.chunk // kv.pool.page_size) + 1)
+    carry = _empty_carry(model, len(prompts.lengths), policy)
+    for index in range(prompts.num_chunks):
+        kv.check()
+        free = int(kv.pool.allocator.num_free)
+        if free < chunk_need:
+            in_use = kv.pool.num_pages - free
+            wanted = max(2 * kv.pool.num_pages, in_use + chunk_need)
+            kv = _grow_jit(kv, num_pages=pool_pages_bucket(wanted))
+        kv, carry = _prefill_span_jit(
+            model,
+            prompts.tokens,
+            prompts.lengths,
+            np.int32(index),
+            np.int32(index + 1),
+            request.budget_tokens,
+            kv,
+            carry,
+            policy_params,
+            chunk=prompts.chunk,
+            policy=policy,
+            backend=backend,
+        )
+    tokens, lengths = prompts.tokens, prompts.lengths
+    return _compress_jit(
+        model, tokens, lengths, request.budget_tokens, kv, carry, key, policy=policy
+    )
 
 
 def _decode_step(
@@ -503,6 +574,7 @@ class _Request:
     prompts: _Prompts
     budget_tokens: np.ndarray
     kv: KVState
+    grows: bool  # the prefill pool starts at the policy's guess and grows as it fills
 
 
 def _set_up(
@@ -544,11 +616,16 @@ def _set_up(
         num_pages,
         kv_dtype,
     )
-    return _Request(policy=policy, prompts=prompts, budget_tokens=budget_tokens, kv=kv)
+    grows = num_pages is None and policy.prefill_pool_grows
+    return _Request(policy=policy, prompts=prompts, budget_tokens=budget_tokens, kv=kv, grows=grows)
 
 
 def _run_prefill(model, request: _Request, key, policy_params, backend: str):
     prompts = request.prompts
+    if request.grows:
+        kv, last_hidden = _prefill_growing(model, request, key, policy_params, backend)
+        kv.check()
+        return kv, last_hidden
     kv, last_hidden = _prefill_compressed(
         model,
         prompts.tokens,

@@ -200,3 +200,34 @@ def test_evict_every_must_be_a_positive_integer(make):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="evict_every="):
             make(evict_every=bad)
+
+
+def _admit_all_gates(cfg):
+    from jaxkv.gates.wgkv import init_write_gates
+
+    params = init_write_gates(cfg, jax.random.PRNGKey(0))
+    return params | {"w2": jnp.zeros_like(params["w2"]), "b2": jnp.full_like(params["b2"], 8.0)}
+
+
+def test_admission_prefill_pool_starts_small_and_grows_only_as_tokens_are_admitted(model):
+    prompt = [_prompt(1500, seed=9)]
+    gates = _admit_all_gates(CONFIG)
+    policy = policies.WGKV(tau=0.5, window=32)
+    kwargs = dict(policy=policy, policy_params=gates, page_size=16, prefill_chunk=128)
+    grows_before = generation._grow_jit._cache_size()
+    grown = jaxkv.compress_prompt(model, prompt, **kwargs)
+    assert generation._grow_jit._cache_size() > grows_before  # every token admitted: it grew
+    fixed = jaxkv.compress_prompt(model, prompt, num_pages=512, **kwargs)  # one pool, no growth
+    assert _kept(grown) == _kept(fixed)
+    np.testing.assert_array_equal(
+        np.asarray(grown.token_scores()), np.asarray(fixed.token_scores())
+    )
+    out = jaxkv.generate(model, prompt, max_new_tokens=6, stop_tokens=(), **kwargs)
+    want = jaxkv.generate(model, prompt, max_new_tokens=6, stop_tokens=(), num_pages=512, **kwargs)
+    np.testing.assert_array_equal(out.tokens, want.tokens)
+    # Sinks-only admission never grows past the smallest pool, whatever the prompt length.
+    local = jaxkv.compress_prompt(
+        model, [_prompt(4000)], policies.LocalAttention(window=32), prefill_chunk=256
+    )
+    heads = CONFIG.num_layers * CONFIG.num_kv_heads
+    assert local.pool.num_pages == geometry.MIN_POOL_PAGES < heads * 4000 // 16

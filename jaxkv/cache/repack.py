@@ -79,6 +79,36 @@ def repack(
     return dataclasses.replace(kv, pool=pool, page_table=table)
 
 
+def grow(kv: KVState, num_pages: int) -> KVState:
+    """`kv` with a pool of `num_pages` (>= its own) pages: the same pages under the same ids,
+    the new ones free. Used during prefill by policies whose need is known only as they admit
+    tokens (`Policy.prefill_pool_grows`)."""
+    pool = kv.pool
+    added = num_pages - pool.num_pages
+    if added < 0 or pool.int8 is not None:
+        raise ValueError(f"grow: num_pages={num_pages} must be >= {pool.num_pages}, no int8 tier")
+
+    def pad(pages, fill=0):
+        if pages is None:
+            return None
+        return jnp.pad(pages, [(0, added)] + [(0, 0)] * (pages.ndim - 1), constant_values=fill)
+
+    # free_stack[:num_free] are the free ids: the new pages first, then the old free ones.
+    new_ids = jnp.arange(num_pages - 1, pool.num_pages - 1, -1, dtype=jnp.int32)
+    allocator = PageAllocator(
+        free_stack=jnp.concatenate([new_ids, pool.allocator.free_stack]),
+        num_free=pool.allocator.num_free + added,
+    )
+    pool = dataclasses.replace(
+        pool.map_token_data(pad),
+        token_positions=pad(pool.token_positions, -1),
+        key_min=pad(pool.key_min),
+        key_max=pad(pool.key_max),
+        allocator=allocator,
+    )
+    return dataclasses.replace(kv, pool=pool)
+
+
 def _bucketed_geometry(grown: np.ndarray, p: int, bound_pages: int | None = None):
     """(pool pages, table width) for heads growing to `grown` tokens, the pool at most
     `bound_pages` when the policy bounds what it holds."""

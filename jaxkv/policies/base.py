@@ -212,6 +212,9 @@ class Policy:
     needs_params: ClassVar[bool] = False
     # Whether `compress` reads the prompt's token ids (`PrefillObservations.prompt_tokens`).
     needs_prompt_tokens: ClassVar[bool] = False
+    # Whether what prefill holds is known only as tokens are admitted: `prefill_pages` is then
+    # a first guess, and the pool grows during prefill as it fills (admission policies).
+    prefill_pool_grows: ClassVar[bool] = False
 
     @property
     def observation_window(self) -> int:

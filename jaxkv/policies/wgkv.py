@@ -48,9 +48,25 @@ class RingAdmission(base.Policy):
         if self.window <= 0:
             raise ValueError(f"window={self.window} must be > 0")
 
+    prefill_pool_grows: ClassVar[bool] = True
+    # The share of a prompt the prefill pool is first sized for; it grows when more is admitted.
+    admitted_guess: ClassVar[float] = 0.25
+
     @property
     def local_window(self) -> int:
         return int(self.window)
+
+    def prefill_pages(self, prompt_lengths, chunk, model_config, page_size, reserve) -> int:
+        """The admitted share guessed, plus a chunk and `reserve` tokens per head: the global
+        pages hold admitted tokens only (the ring is a side array)."""
+        heads = model_config.num_layers * model_config.num_kv_heads
+        admitted = np.ceil(self.admitted_tokens(np.asarray(prompt_lengths)) / page_size)
+        per_head = admitted + -(-(chunk + reserve) // page_size) + 2
+        return int(heads * per_head.sum())
+
+    def admitted_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        """Tokens per head the prefill pool is first sized for."""
+        return self.admitted_guess * prompt_lengths
 
     def admit(self, *, layer, k, v, positions, scores=None):
         del layer, k, v, positions
@@ -106,6 +122,9 @@ class LocalAttention(RingAdmission):
     def __post_init__(self):
         super().__post_init__()
         _check_sinks(self.sinks)
+
+    def admitted_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        return np.minimum(self.sinks, prompt_lengths)
 
     def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
         del layer_params, h, k_unrotated
