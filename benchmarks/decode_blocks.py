@@ -1,0 +1,108 @@
+"""The quality cost of evicting in blocks during decode (`evict_every`) on the reference model.
+
+Decode-time eviction runs every `evict_every` steps (default 32) instead of at every step, so
+that its compaction is amortised; in between, heads hold up to that many tokens more. This
+measures what that changes: bits per byte of a teacher-forced read with the policy's decode hook
+(the Conf-KV benchmark's reader: prefix prefilled, continuation read token by token), per policy
+and block size, and the mean tokens held per head.
+
+    python -m benchmarks.decode_blocks [--quick] [--out results/decode-blocks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks import confkv as reader
+from jaxkv import policies
+from models import load_hf_checkpoint
+from train import corpus as corpus_lib
+
+REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
+BLOCKS = (1, 8, 32)
+
+
+def block_policies(s: reader.Settings, evict_every: int) -> dict[str, policies.Policy]:
+    """The decode-evicting policies at the Conf-KV benchmark's budgets, evicting in blocks."""
+    return {
+        "h2o": policies.H2O(budget=s.tight, recent=s.protected, evict_every=evict_every),
+        "streaming_llm": policies.StreamingLLM(budget=s.tight, evict_every=evict_every),
+        "confkv": policies.ConfKV(
+            tight=s.tight, loose=s.loose, protected=s.protected, evict_every=evict_every
+        ),
+    }
+
+
+def run(model, texts: list[bytes], s: reader.Settings, blocks=BLOCKS) -> dict:
+    rows = {"full": reader.teacher_forced(model, policies.FullCache(), texts, s)}
+    jobs = [(n, name, p) for n in blocks for name, p in block_policies(s, n).items()]
+    for evict_every, name, policy in tqdm(jobs, desc="decode blocks", unit="run"):
+        rows[f"{name}/every-{evict_every}"] = reader.teacher_forced(model, policy, texts, s)
+    summary = {}
+    for key, result in rows.items():
+        name = key.split("/")[0]
+        per_step = rows.get(f"{name}/every-1", result)
+        summary[key] = {
+            "bits_per_byte": result["bits_per_byte"],
+            "delta_vs_every_step": result["bits_per_byte"] - per_step["bits_per_byte"],
+            "tokens_per_head": result["tokens_per_head"],
+        }
+    return summary
+
+
+def table(summary: dict, texts: int, s: reader.Settings) -> str:
+    lines = [
+        f"Teacher-forced read of {s.continuation} bytes after a {s.prefix}-byte prefix, "
+        f"{texts} held-out texts, reference model (CPU).",
+        "",
+        "| policy / block | bits per byte | change vs every step | tokens per head (mean) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for key, row in summary.items():
+        lines.append(
+            f"| {key} | {row['bits_per_byte']:.4f} | {row['delta_vs_every_step']:+.4f} | "
+            f"{row['tokens_per_head']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_blocks", description=__doc__)
+    parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
+    parser.add_argument("--texts", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="tiny settings (tests)")
+    parser.add_argument("--out", type=Path, default=Path("results/decode-blocks"))
+    args = parser.parse_args(argv)
+    s = reader.QUICK if args.quick else reader.Settings()
+    model = load_hf_checkpoint(args.model, dtype="float32")
+    heldout = corpus_lib.load_corpus("heldout")
+    rng = np.random.default_rng([reader.SEED, 7])
+    texts = [heldout.text(rng, s.prefix + s.continuation + 1) for _ in range(args.texts)]
+    summary = run(model, texts, s)
+    report = {
+        "command": "python -m benchmarks.decode_blocks " + " ".join(argv or []),
+        "date": time.strftime("%Y-%m-%d"),
+        "jax": jax.__version__,
+        "device": str(jax.devices()[0]),
+        "settings": dataclasses.asdict(s),
+        "texts": args.texts,
+        "results": summary,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_blocks.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = table(summary, args.texts, s)
+    (args.out / "decode_blocks.md").write_text(text)
+    print(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()
