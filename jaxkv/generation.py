@@ -14,11 +14,12 @@ import numpy as np
 from jaxkv.attention import resolve_backend
 from jaxkv.cache import KVState, decode_geometry, int8_decode_geometry, repack
 from jaxkv.cache.int8 import check_dtype, start_int8
+from jaxkv.forward import forward_cached
 from jaxkv.policies import FullCache, Policy
 from jaxkv.policies.base import DecodeContext, PrefillObservations
 from jaxkv.policies.confkv import confidence
 from jaxkv.sampling import Sampler
-from models.decoder import Model, forward_cached, logits_from_hidden
+from models.decoder import Model, logits_from_hidden
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 512
