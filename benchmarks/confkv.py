@@ -36,9 +36,10 @@ import numpy as np
 
 import jaxkv
 from jaxkv import policies, tasks
+from jaxkv.forward import forward_cached
 from jaxkv.policies.base import DecodeContext, after_decode_step
 from jaxkv.policies.confkv import Ranking, confidence
-from models import forward_cached, load_hf_checkpoint
+from models import load_hf_checkpoint
 from models.decoder import forward, logits_from_hidden
 from train import corpus as corpus_lib
 

@@ -19,7 +19,7 @@ import json
 import jax
 
 import pallas_kernels as pk
-from benchmarks.kernels import FULL, _decode_inputs, _prefill_lists, _seconds
+from benchmarks.kernels import FULL, decode_inputs, prefill_lists, seconds_per_call
 
 
 def tune_decode(shapes, repeats: int) -> list[dict]:
@@ -27,7 +27,7 @@ def tune_decode(shapes, repeats: int) -> list[dict]:
     grid = itertools.product((4, 8, 16), (4, 8), (2, 3), (256, 1024, 4096))
     variants = [pk.PagedDecodeBlockSizes(ppb, None, None, w, s, t) for ppb, w, s, t in grid]
     for batch, tokens in shapes:
-        q, k_pages, v_pages, table, lengths, _ = _decode_inputs(
+        q, k_pages, v_pages, table, lengths, _ = decode_inputs(
             FULL, batch, tokens, False, jax.random.key(tokens)
         )
         kv_bytes = 2 * k_pages.size * k_pages.dtype.itemsize
@@ -36,7 +36,9 @@ def tune_decode(shapes, repeats: int) -> list[dict]:
                 functools.partial(pk.paged_decode_attention, sm_scale=0.088, block_sizes=sizes)
             )
             try:
-                seconds = _seconds(kernel, q, k_pages, v_pages, table, lengths, repeats=repeats)
+                seconds = seconds_per_call(
+                    kernel, q, k_pages, v_pages, table, lengths, repeats=repeats
+                )
             except Exception as error:  # a variant Triton cannot compile is recorded, not fatal
                 rows.append(
                     {
@@ -82,7 +84,7 @@ def tune_prefill(tokens: int, densities, repeats: int) -> list[dict]:
             )
         )
         for density in densities:
-            idx, cnt, visited = _prefill_lists(sweep, tokens, density, seed=tokens)
+            idx, cnt, visited = prefill_lists(sweep, tokens, density, seed=tokens)
             row = {
                 "tokens": tokens,
                 "density": density,
@@ -92,7 +94,7 @@ def tune_prefill(tokens: int, densities, repeats: int) -> list[dict]:
                 "num_stages": stages,
             }
             try:
-                seconds = _seconds(kernel, q, k, v, idx, cnt, repeats=repeats)
+                seconds = seconds_per_call(kernel, q, k, v, idx, cnt, repeats=repeats)
             except Exception as error:
                 rows.append({**row, "error": str(error)[:200]})
                 continue

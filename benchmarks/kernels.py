@@ -96,7 +96,7 @@ QUICK = Sweep(
 )
 
 
-def _seconds(fn, *args, repeats: int, calls: int = 10) -> float:
+def seconds_per_call(fn, *args, repeats: int, calls: int = 10) -> float:
     """Median over `repeats` of the wall time of `calls` back-to-back calls, per call, after one
     compiling call. Dispatch is asynchronous, so the launches of one batch overlap the work."""
     jax.block_until_ready(fn(*args))
@@ -113,10 +113,11 @@ def _seconds(fn, *args, repeats: int, calls: int = 10) -> float:
 def copy_bandwidth(num_bytes: int, repeats: int) -> float:
     """Bytes per second moved by an elementwise op that reads and writes `num_bytes` each."""
     x = jnp.ones(num_bytes // 4, jnp.float32)
-    return 2 * num_bytes / _seconds(jax.jit(lambda x: x + 1), x, repeats=repeats)
+    return 2 * num_bytes / seconds_per_call(jax.jit(lambda x: x + 1), x, repeats=repeats)
 
 
-def _decode_inputs(sweep: Sweep, batch: int, tokens: int, int8: bool, key):
+def decode_inputs(sweep: Sweep, batch: int, tokens: int, int8: bool, key):
+    """Decode inputs for one shape: q [B, N, H], pages, page table, lengths, int8 scales."""
     pages_per_head = tokens // sweep.page_size
     num_pages = batch * sweep.kv_heads * pages_per_head
     keys = jax.random.split(key, 5)
@@ -156,7 +157,7 @@ def bench_decode(sweep, batch, tokens, int8, copy_bps, *, interpret, repeats) ->
     pool = jax.ShapeDtypeStruct((batch * sweep.kv_heads * tokens, sweep.head_dim), jnp.int8)
     if int8 and offsets_would_wrap(pool):
         return {**row, "skipped": "int8 pool in the Triton lowering's int32-offset gap"}
-    q, k_pages, v_pages, table, lengths, quant = _decode_inputs(
+    q, k_pages, v_pages, table, lengths, quant = decode_inputs(
         sweep, batch, tokens, int8, jax.random.key(batch * tokens)
     )
     sm_scale = sweep.head_dim**-0.5
@@ -165,13 +166,13 @@ def bench_decode(sweep, batch, tokens, int8, copy_bps, *, interpret, repeats) ->
             pk.paged_decode_attention, sm_scale=sm_scale, interpret=interpret, **quant
         )
     )
-    seconds = _seconds(kernel, q, k_pages, v_pages, table, lengths, repeats=repeats)
+    seconds = seconds_per_call(kernel, q, k_pages, v_pages, table, lengths, repeats=repeats)
     del k_pages, v_pages
     dense_shape = (batch, sweep.kv_heads, tokens, sweep.head_dim)
     dense_keys = jax.random.split(jax.random.key(tokens), 2)
     k_dense, v_dense = (jax.random.normal(key, dense_shape, jnp.bfloat16) for key in dense_keys)
     dense = jax.jit(functools.partial(_dense_decode, sm_scale=sm_scale))
-    dense_seconds = _seconds(dense, q, k_dense, v_dense, repeats=repeats)
+    dense_seconds = seconds_per_call(dense, q, k_dense, v_dense, repeats=repeats)
     scale_bytes = 2 * batch * sweep.kv_heads * tokens * 4 if int8 else 0
     read_bytes = pool_bytes + scale_bytes
     return {
@@ -185,7 +186,7 @@ def bench_decode(sweep, batch, tokens, int8, copy_bps, *, interpret, repeats) ->
     }
 
 
-def _prefill_lists(sweep: Sweep, tokens: int, density: float, seed: int):
+def prefill_lists(sweep: Sweep, tokens: int, density: float, seed: int):
     """Lists per KV head keeping a random `density` of the causal blocks, diagonal kept."""
     rng = np.random.default_rng(seed)
     q_first = np.arange(0, tokens, sweep.block_q)
@@ -218,7 +219,7 @@ def bench_prefill(sweep, tokens, densities, *, interpret, repeats) -> list[dict]
     q_t, k_t, v_t = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
     try:
-        dense_ms = 1e3 * _seconds(
+        dense_ms = 1e3 * seconds_per_call(
             _dense_attention(implementation), q_t, k_t, v_t, sm_scale, repeats=repeats
         )
         dense = {"dense_ms": dense_ms}
@@ -238,8 +239,8 @@ def bench_prefill(sweep, tokens, densities, *, interpret, repeats) -> list[dict]
     group = sweep.heads // sweep.kv_heads
     rows = []
     for density in densities:
-        idx, cnt, visited = _prefill_lists(sweep, tokens, density, seed=tokens)
-        seconds = _seconds(kernel, q, k, v, idx, cnt, repeats=repeats)
+        idx, cnt, visited = prefill_lists(sweep, tokens, density, seed=tokens)
+        seconds = seconds_per_call(kernel, q, k, v, idx, cnt, repeats=repeats)
         flops = 4 * visited * group * sweep.block_q * sweep.block_k * sweep.head_dim
         row = {
             "tokens": tokens,
@@ -275,7 +276,7 @@ def bench_wgkv_prefill(sweep, tokens, *, backend, repeats) -> list[dict]:
     dense_kernel = jax.jit(
         functools.partial(attention.causal_attention, sm_scale=sm_scale, backend=backend)
     )
-    dense_kernel_ms = 1e3 * _seconds(dense_kernel, q, k, v, repeats=repeats)
+    dense_kernel_ms = 1e3 * seconds_per_call(dense_kernel, q, k, v, repeats=repeats)
     vertical_slash = jax.jit(
         functools.partial(
             attention.vertical_slash_chunk_attention,
@@ -288,7 +289,7 @@ def bench_wgkv_prefill(sweep, tokens, *, backend, repeats) -> list[dict]:
     rows = []
     for rate in sweep.wgkv_admission:
         admitted = rng.random((1, sweep.kv_heads, tokens)) < rate
-        seconds = _seconds(
+        seconds = seconds_per_call(
             vertical_slash, q, k, v, positions, jnp.asarray(admitted), repeats=repeats
         )
         pairs = _admitted_pairs(admitted[0], sweep.wgkv_window)

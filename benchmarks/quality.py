@@ -33,9 +33,10 @@ import numpy as np
 
 import jaxkv
 from jaxkv import policies, tasks
+from jaxkv.forward import forward_cached
 from jaxkv.gates.wgkv import load_write_gates
 from jaxkv.generation import compress_prompt
-from models import Model, forward_cached, load_hf_checkpoint
+from models import Model, load_hf_checkpoint
 from models.decoder import logits_from_hidden
 from train import corpus as corpus_lib
 

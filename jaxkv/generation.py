@@ -21,10 +21,11 @@ from jaxkv.cache.geometry import (
 )
 from jaxkv.cache.int8 import check_dtype, start_int8
 from jaxkv.cache.repack import grow
+from jaxkv.forward import forward_cached
 from jaxkv.policies import FullCache, Policy
 from jaxkv.policies.base import DecodeContext, PrefillObservations, after_decode_step
 from jaxkv.sampling import Sampler
-from models.decoder import Model, forward_cached, logits_from_hidden
+from models.decoder import Model, logits_from_hidden
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 512

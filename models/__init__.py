@@ -1,7 +1,7 @@
 """Functional Llama / Qwen decoders, their configs, checkpoints and tokenizers."""
 
 from models.configs import Family, ModelConfig, RopeScaling, from_hf_config, preset, to_hf_config
-from models.decoder import Model, forward, forward_cached, init_model, init_params
+from models.decoder import Model, forward, init_model, init_params, scan_layers
 from models.hf_loading import load_hf_checkpoint, save_hf_checkpoint
 from models.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 
@@ -13,7 +13,6 @@ __all__ = [
     "Tokenizer",
     "byte_tokenizer",
     "forward",
-    "forward_cached",
     "from_hf_config",
     "init_model",
     "init_params",
@@ -21,5 +20,6 @@ __all__ = [
     "load_tokenizer",
     "preset",
     "save_hf_checkpoint",
+    "scan_layers",
     "to_hf_config",
 ]

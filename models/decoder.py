@@ -2,7 +2,13 @@
 
 The families differ only by config flags (q/k/v bias, q/k RMSNorm, RoPE scaling, tied embeddings),
 so one implementation serves all of them. Layer parameters are stacked on a leading axis [L, ...]
-and the layers run under `lax.scan`, which keeps compile time independent of depth.
+and the layers run under `lax.scan` (`scan_layers`), which keeps compile time independent of
+depth.
+
+The model provides its blocks (projections, RoPE, output projection + MLP, embedding, logits)
+and the cache-free `forward`; it knows nothing of the KV cache or of attention kernels: the
+cached forward that threads the paged KV state is `jaxkv.forward.forward_cached`, and kernel
+backends reach `forward` as its `attention_fn` (`jaxkv.forward.forward`).
 
 Params layout (D hidden, N query heads, K KV heads, H head dim, F MLP width, V vocab):
   embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied);
@@ -13,19 +19,26 @@ Params layout (D hidden, N query heads, K KV heads, H head dim, F MLP width, V v
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxkv import attention as attention_ops
-from jaxkv.cache import KVState, attend_and_write, attend_and_write_with_ring, check_ring_policy
 from models import layers
 from models.configs import ModelConfig
 
 Params = dict[str, Any]
+
+
+class AttentionFn(Protocol):
+    """Causal self-attention over whole sequences: q [B, N, T, H], k, v [B, K, T, H] ->
+    [B, N, T, H] in q's dtype (`layers.causal_attention`, or a kernel dispatch above models)."""
+
+    def __call__(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float
+    ) -> jax.Array: ...
 
 
 @flax.struct.dataclass
@@ -108,7 +121,7 @@ def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float 
     return Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(seed), dtype, scale))
 
 
-def _rope_for(cfg: ModelConfig, positions: jax.Array):
+def rope_for(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos/sin for positions [B, T]; padding positions (-1) get an arbitrary but finite rotation."""
     return layers.rope_cos_sin(cfg, jnp.maximum(positions, 0))
 
@@ -173,123 +186,53 @@ def logits_from_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array) -> j
     return jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
 
 
+def scan_layers(
+    layer: Callable[[Any, Params, Any], tuple[Any, Any]],
+    carry: Any,
+    layer_params: Params,
+    per_layer: Any = None,
+    *,
+    remat: bool = False,
+) -> tuple[Any, Any]:
+    """Runs `layer(carry, lp, xs) -> (carry, y)` over the stacked layers under `lax.scan`.
+
+    layer_params: the params' "layers" subtree (leaves [L, ...]); `lp` is one layer's slice.
+    per_layer: any pytree with leaves [L, ...] sliced alongside (`xs`; None when absent).
+    remat: recompute each layer's activations in the backward pass instead of storing them.
+    Returns the final carry and the per-layer outputs stacked [L, ...].
+    """
+
+    def step(carry, xs):
+        lp, layer_xs = xs
+        return layer(carry, lp, layer_xs)
+
+    if remat:
+        step = jax.checkpoint(step)
+    return jax.lax.scan(step, carry, (layer_params, per_layer))
+
+
 def forward(
-    model: Model, tokens: jax.Array, *, backend: str = "xla", remat: bool = False
+    model: Model,
+    tokens: jax.Array,
+    *,
+    attention_fn: AttentionFn = layers.causal_attention,
+    remat: bool = False,
 ) -> jax.Array:
     """Causal forward over whole sequences without a cache: logits [B, T, V] (f32).
 
+    attention_fn: the causal self-attention every layer runs (plain jnp by default; kernel
+      backends through `jaxkv.forward.forward`).
     remat: recompute each layer's activations in the backward pass instead of storing them
-    (training at long context).
+      (training at long context).
     """
     cfg, params = model.config, model.params
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    cos, sin = _rope_for(cfg, positions)
+    cos, sin = rope_for(cfg, positions)
 
-    def layer(x, lp):
+    def layer(x, lp, _):
         q, k, v = attention_inputs(lp, cfg, x, cos, sin)
-        attn = attention_ops.causal_attention(q, k, v, sm_scale=cfg.head_dim**-0.5, backend=backend)
+        attn = attention_fn(q, k, v, sm_scale=cfg.head_dim**-0.5)
         return attention_output_and_mlp(lp, cfg, x, attn), None
 
-    if remat:
-        layer = jax.checkpoint(layer)
-    x, _ = jax.lax.scan(layer, embed(params, tokens), params["layers"])
+    x, _ = scan_layers(layer, embed(params, tokens), params["layers"], remat=remat)
     return logits_from_hidden(params, cfg, final_hidden(params, cfg, x))
-
-
-def _check_chunk_shapes(cfg: ModelConfig, tokens, positions, kv: KVState) -> None:
-    """Static shape checks, raised while tracing (before compilation)."""
-    if tokens.ndim != 2 or tokens.shape != positions.shape:
-        raise ValueError(
-            f"tokens {tokens.shape} and positions {positions.shape} must both be [B, C]"
-        )
-    expected = (cfg.num_layers, tokens.shape[0], cfg.num_kv_heads)
-    if kv.page_table.shape[:3] != expected:
-        raise ValueError(
-            f"kv state is for [L, B, K] = {kv.page_table.shape[:3]}, "
-            f"the model and tokens need {expected}"
-        )
-    if kv.pool.k_pages.shape[-1] != cfg.head_dim:
-        raise ValueError(
-            f"kv pages have head dim {kv.pool.k_pages.shape[-1]}, the model {cfg.head_dim}"
-        )
-
-
-def forward_cached(
-    model: Model,
-    tokens: jax.Array,
-    positions: jax.Array,
-    kv: KVState,
-    *,
-    policy,
-    backend: str = "xla",
-    collect_queries: bool = False,
-    collect_input_stats: bool = False,
-    read_budget: jax.Array | None = None,
-    policy_params=None,
-) -> tuple[jax.Array, KVState, dict[str, jax.Array]]:
-    """One chunk (prefill chunk or decode step) through the paged KV state.
-
-    Args:
-      tokens: int32 [B, C]; positions: int32 [B, C] original positions, -1 marks padding
-        (not attended from, never written).
-      kv: the KV state holding everything before this chunk.
-      policy: the cache policy (static); decides admission at write time.
-      collect_queries: also return every layer's rotated queries, "queries" [L, B, N, C, H].
-      collect_input_stats: also return per-layer sums over the valid tokens of the attention
-        input and of its square, "input_sum" and "input_sq_sum" f32 [L, B, D].
-      read_budget: int32 [B] tokens' worth of pages a page-selecting policy reads (Quest).
-      policy_params: the policy's learned parameters (gates), every leaf stacked [L, ...];
-        layer l's slice reaches `policy.write_scores`. None for policies without parameters.
-    Returns:
-      final-normed hidden states [B, C, D], the KV state with the chunk written, and the
-      collected per-layer values (an empty dict when nothing is collected).
-    """
-    cfg, params = model.config, model.params
-    _check_chunk_shapes(cfg, tokens, positions, kv)
-    check_ring_policy(policy, kv.ring)
-    cos, sin = _rope_for(cfg, positions)
-    valid = (positions >= 0)[..., None]
-
-    def layer(carry, xs):
-        x, pool = carry
-        lp, page_table, lengths, layer_index, layer_policy_params, ring = xs
-        h = attention_input(lp, cfg, x)
-        q = project_queries(lp, cfg, h, cos, sin)
-        k_unrotated, v = project_unrotated_keys_values(lp, cfg, h)
-        k = layers.apply_rope(k_unrotated, cos, sin)
-        write_scores = policy.write_scores(
-            layer_policy_params, h=h, k_unrotated=k_unrotated, k=k, positions=positions
-        )
-        step = dict(
-            layer=layer_index,
-            sm_scale=cfg.head_dim**-0.5,
-            policy=policy,
-            backend=backend,
-            read_budget=read_budget,
-            write_scores=write_scores,
-        )
-        if ring is None:
-            attn, pool, page_table, lengths = attend_and_write(
-                pool, page_table, lengths, q, k, v, positions, **step
-            )
-        else:
-            attn, pool, page_table, lengths, ring = attend_and_write_with_ring(
-                pool, page_table, lengths, ring, q, k, v, positions, **step
-            )
-        collected = {}
-        if collect_queries:
-            collected["queries"] = q
-        if collect_input_stats:
-            h32 = jnp.where(valid, h.astype(jnp.float32), 0.0)
-            collected["input_sum"] = jnp.sum(h32, axis=1)
-            collected["input_sq_sum"] = jnp.sum(h32 * h32, axis=1)
-        x = attention_output_and_mlp(lp, cfg, x, attn)
-        return (x, pool), (page_table, lengths, ring, collected)
-
-    layer_indices = jnp.arange(cfg.num_layers)
-    xs = (params["layers"], kv.page_table, kv.lengths, layer_indices, policy_params, kv.ring)
-    (x, pool), (page_table, lengths, ring, collected) = jax.lax.scan(
-        layer, (embed(params, tokens), kv.pool), xs
-    )
-    kv = dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths, ring=ring)
-    return final_hidden(params, cfg, x), kv, collected

@@ -61,3 +61,21 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """down(silu(gate(x)) * up(x)); x [B, T, D], w_gate/w_up [D, F], w_down [F, D]."""
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float) -> jax.Array:
+    """Plain causal softmax attention in f32 (the model's own, cache-free): q [B, N, T, H],
+    k, v [B, K, T, H], query head n reading KV head n // (N // K). Returns [B, N, T, H] in q's
+    dtype. Kernel backends live above the model (`jaxkv.attention.causal_attention`)."""
+    b, n, t, h = q.shape
+    num_kv_heads = k.shape[1]
+    qg = q.reshape(b, num_kv_heads, n // num_kv_heads, t, h)
+    scores = jnp.einsum("bkgth,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores * sm_scale, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.exp(scores - row_max)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    out = jnp.einsum("bkgts,bksh->bkgth", probs, v.astype(jnp.float32))
+    out = out / jnp.where(denom > 0, denom, 1.0)
+    return out.reshape(b, n, t, h).astype(q.dtype)

@@ -10,11 +10,9 @@ import pytest
 import jaxkv
 from jaxkv import attention, generation, policies
 from jaxkv.cache.eviction import compact
+from jaxkv.forward import forward_cached
 from models import init_model
-from models.decoder import (
-    forward_cached,
-    logits_from_hidden,
-)
+from models.decoder import logits_from_hidden
 from tests import dense_reference
 from tests.tiny_models import tiny_config
 

@@ -9,8 +9,8 @@ import pytest
 
 import jaxkv
 from jaxkv import policies
-from jaxkv.cache import attend_and_write
 from jaxkv.cache.int8 import quantize, start_int8
+from jaxkv.layer_step import attend_and_write, int8_tier_attention
 from models import init_model
 from models.configs import Family
 from tests.tiny_models import tiny_config
@@ -172,7 +172,9 @@ def test_attention_over_both_tiers_equals_dense_reference_on_dequantised_values(
 
     # The decode kernel (interpreted) dequantises the same pages to the same result.
     read = [
-        tier.attention(jnp.asarray(q), layer, sm_scale=0.25, return_probs=True, backend=backend)
+        int8_tier_attention(
+            tier, jnp.asarray(q), layer, sm_scale=0.25, return_probs=True, backend=backend
+        )
         for backend in ("xla", "interpret")
     ]
     for xla, kernel in zip(*read, strict=True):

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from jaxkv.cache import KVState
+from jaxkv.forward import forward_cached
 from jaxkv.policies import FullCache
-from models import ModelConfig, forward, forward_cached, init_model
+from models import ModelConfig, forward, init_model
 from models.configs import Family, RopeScaling
 from models.decoder import logits_from_hidden
 

@@ -9,7 +9,8 @@ import jaxkv
 from jaxkv import policies
 from jaxkv.cache import KVState, write_tokens
 from jaxkv.cache.eviction import compact
-from models import forward_cached, init_model
+from jaxkv.forward import forward_cached
+from models import init_model
 from models.configs import Family
 from models.decoder import logits_from_hidden
 from tests import dense_reference

@@ -16,8 +16,9 @@ import pytest
 import jaxkv
 from jaxkv import policies
 from jaxkv.cache import KVState, PoolExhaustedError
+from jaxkv.forward import forward_cached
 from jaxkv.gates.wgkv import init_write_gates, write_gate_values
-from models import forward_cached, init_model
+from models import init_model
 from models.configs import Family
 from models.decoder import (
     attention_input,

@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 import jaxkv
+from jaxkv import attention as attention_ops
 from jaxkv import tasks
 from jaxkv.gates import fastkvzip as gate
 from jaxkv.policies.kvzip import (
@@ -37,7 +38,13 @@ from jaxkv.policies.kvzip import (
     reconstruction_scores,
 )
 from models import Model, load_hf_checkpoint
-from models.decoder import attention_input, attention_inputs, attention_output_and_mlp, embed
+from models.decoder import (
+    attention_input,
+    attention_inputs,
+    attention_output_and_mlp,
+    embed,
+    scan_layers,
+)
 from models.layers import rope_cos_sin
 from train import corpus as corpus_lib
 from train import trainer
@@ -54,12 +61,12 @@ def layer_inputs(model: Model, tokens: jax.Array) -> jax.Array:
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     cos, sin = rope_cos_sin(cfg, positions)
 
-    def layer(x, lp):
+    def layer(x, lp, _):
         q, k, v = attention_inputs(lp, cfg, x, cos, sin)
-        attn = jaxkv.attention.causal_attention(q, k, v, sm_scale=cfg.head_dim**-0.5)
+        attn = attention_ops.causal_attention(q, k, v, sm_scale=cfg.head_dim**-0.5)
         return attention_output_and_mlp(lp, cfg, x, attn), attention_input(lp, cfg, x)
 
-    _, inputs = jax.lax.scan(layer, embed(params, tokens), params["layers"])
+    _, inputs = scan_layers(layer, embed(params, tokens), params["layers"])
     return inputs
 
 

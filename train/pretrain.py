@@ -25,7 +25,8 @@ import numpy as np
 import optax
 
 from jaxkv import tasks
-from models import Family, Model, ModelConfig, byte_tokenizer, forward, init_params
+from jaxkv.forward import forward
+from models import Family, Model, ModelConfig, byte_tokenizer, init_params
 from models.hf_loading import save_hf_checkpoint
 from train import corpus as corpus_lib
 from train import trainer

@@ -41,6 +41,7 @@ from models.decoder import (
     final_hidden,
     project_queries,
     project_unrotated_keys_values,
+    scan_layers,
 )
 from train import corpus as corpus_lib
 from train import pretrain, trainer
@@ -110,8 +111,7 @@ def decoder_hidden(
     cos, sin = model_layers.rope_cos_sin(cfg, positions)
     sm_scale = cfg.head_dim**-0.5
 
-    def layer(x, xs):
-        lp, layer_gates = xs
+    def layer(x, lp, layer_gates):
         h = attention_input(lp, cfg, x)
         q = project_queries(lp, cfg, h, cos, sin)
         k_unrotated, v = project_unrotated_keys_values(lp, cfg, h)
@@ -125,9 +125,9 @@ def decoder_hidden(
         )
         return attention_output_and_mlp(lp, cfg, x, attn), gate
 
-    if remat:
-        layer = jax.checkpoint(layer)
-    x, gate_values = jax.lax.scan(layer, embed(backbone, tokens), (backbone["layers"], gates))
+    x, gate_values = scan_layers(
+        layer, embed(backbone, tokens), backbone["layers"], gates, remat=remat
+    )
     return final_hidden(backbone, cfg, x), gate_values
 
 

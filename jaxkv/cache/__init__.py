@@ -1,23 +1,26 @@
-"""The ragged paged KV state, its page allocator, and the writes into it."""
+"""The ragged paged KV state, its page allocator, and the writes into it (storage only: the
+attention that reads it lives in `jaxkv.attention`, the step that reads then writes it in
+`jaxkv.layer_step`)."""
 
 from jaxkv.cache.allocator import PageAllocator, allocate, release
 from jaxkv.cache.repack import decode_geometry, int8_decode_geometry, repack
-from jaxkv.cache.ring import attend_and_write_with_ring, check_ring_policy
-from jaxkv.cache.state import KVState, LocalRing, PagePool, PoolExhaustedError
-from jaxkv.cache.writes import attend_and_write, write_tokens
+from jaxkv.cache.ring import check_ring_policy, promote_and_push
+from jaxkv.cache.state import Int8Tier, KVState, LocalRing, PagePool, PoolExhaustedError
+from jaxkv.cache.writes import accumulate_cached_mass, write_tokens
 
 __all__ = [
+    "Int8Tier",
     "KVState",
     "LocalRing",
     "PageAllocator",
     "PagePool",
     "PoolExhaustedError",
+    "accumulate_cached_mass",
     "allocate",
-    "attend_and_write",
-    "attend_and_write_with_ring",
     "check_ring_policy",
     "decode_geometry",
     "int8_decode_geometry",
+    "promote_and_push",
     "repack",
     "release",
     "write_tokens",

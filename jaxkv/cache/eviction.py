@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache.allocator import release
-from jaxkv.cache.int8 import split_slots
+from jaxkv.cache.slots import split_slots
 from jaxkv.cache.state import KVState, PagePool
 
 

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxkv import attention as attention_ops
 from jaxkv.cache.allocator import PageAllocator
-from jaxkv.cache.state import KVState, PagePool, slot_view
+from jaxkv.cache.eviction import compact_layer
+from jaxkv.cache.slots import merge_slots, split_slots
+from jaxkv.cache.state import Int8Tier, KVState, PagePool
+from jaxkv.cache.writes import write_tokens
 
 QUANT_MAX = 127
 # Dtypes the tokens leaving the window may come from (and the attention dequantises back to).
@@ -60,87 +60,6 @@ def channel_scales_of(x: jax.Array, held: jax.Array) -> jax.Array:
     """f32 [..., H]: max |x| per channel over the held tokens of x [..., S, H] (1 where 0)."""
     largest = jnp.max(jnp.where(held[..., None], jnp.abs(x.astype(jnp.float32)), 0.0), axis=-2)
     return jnp.where(largest > 0, largest, 1.0)
-
-
-def merge_slots(older: jax.Array, newer: jax.Array, older_lengths: jax.Array, empty):
-    """One slot space per head: `older` [..., S1]'s first `older_lengths` [...] slots, then
-    `newer` [..., S2] (already `empty` past its length): [..., S1 + S2]."""
-    s1, s2 = older.shape[-1], newer.shape[-1]
-    slots = jnp.arange(s1 + s2)
-    lengths = older_lengths[..., None]
-    index = jnp.where(slots < lengths, slots, s1 + slots - lengths)
-    both = jnp.concatenate([older, newer], axis=-1)
-    merged = jnp.take_along_axis(both, jnp.minimum(index, s1 + s2 - 1), axis=-1)
-    return jnp.where(slots - lengths < s2, merged, empty)
-
-
-def split_slots(keep: jax.Array, older_lengths: jax.Array, older_slots: int):
-    """Inverse of `merge_slots` for a mask keep [..., S]: (older [..., S1], newer [..., S - S1])."""
-    total = keep.shape[-1]
-    newer_index = older_lengths[..., None] + jnp.arange(total - older_slots)
-    newer = jnp.take_along_axis(keep, jnp.minimum(newer_index, total - 1), axis=-1)
-    return keep[..., :older_slots], newer & (newer_index < total)
-
-
-@flax.struct.dataclass
-class Int8Tier:
-    """The int8 pages of a mixed-precision cache: each head's tokens older than its window.
-
-    Attributes:
-      pool: int8 PagePool: k_pages, v_pages int8 [P8, p, H] with per-token scales k_scales,
-        v_scales f32 [P8, p], positions and scores like the model-dtype pool.
-      page_table: int32 [L, B, K, M8]; lengths: int32 [L, B, K] int8 tokens per head.
-      k_channel_scales, v_channel_scales: f32 [L, B, K, H] per-channel scales.
-      window: static F, the most tokens a head keeps in the model dtype.
-    """
-
-    pool: PagePool
-    page_table: jax.Array
-    lengths: jax.Array
-    k_channel_scales: jax.Array
-    v_channel_scales: jax.Array
-    window: int = flax.struct.field(pytree_node=False)
-
-    @property
-    def max_tokens_per_head(self) -> int:
-        return self.page_table.shape[-1] * self.pool.page_size
-
-    def pages_in_use(self) -> jax.Array:
-        return self.pool.allocator.pages_in_use()
-
-    @property
-    def channel_scale_bytes(self) -> int:
-        return self.k_channel_scales.nbytes + self.v_channel_scales.nbytes
-
-    def memory_bytes(self) -> int:
-        """Host-side int: int8 pages held (values, token scales, metadata) + channel scales."""
-        pages = int(np.asarray(self.pages_in_use()))
-        return pages * self.pool.page_bytes + self.channel_scale_bytes
-
-    def merged_view(self, field: str, newer: jax.Array, layer: int | None, empty) -> jax.Array:
-        """The int8 tokens' `field` followed by the model-dtype view `newer`, per head slot."""
-        table = self.page_table if layer is None else self.page_table[layer]
-        lengths = self.lengths if layer is None else self.lengths[layer]
-        older = slot_view(getattr(self.pool, field), table, lengths, empty)
-        return merge_slots(older, newer, lengths, empty)
-
-    def attention(self, q, layer, *, sm_scale: float, return_probs: bool, backend: str):
-        """`paged_attention` of q [B, N, C, H] over one layer's int8 tokens, dequantised inside
-        the attention (out, lse and, with `return_probs`, per-slot probabilities)."""
-        return attention_ops.paged_attention(
-            q,
-            self.pool.k_pages,
-            self.pool.v_pages,
-            self.page_table[layer],
-            self.lengths[layer],
-            sm_scale=sm_scale,
-            k_scales=self.pool.k_scales,
-            v_scales=self.pool.v_scales,
-            k_channel_scales=self.k_channel_scales[layer],
-            v_channel_scales=self.v_channel_scales[layer],
-            return_probs=return_probs,
-            backend=backend,
-        )
 
 
 def create_tier(kv: KVState, window: int, num_pages: int, max_pages: int) -> Int8Tier:
@@ -200,9 +119,6 @@ def spill_layer(pool: PagePool, page_table, lengths, layer):
     One layer: page_table [B, K, M], lengths [B, K] (both tiers); layer: int32 [] its index.
     Returns (pool, page_table, lengths); lengths are unchanged unless the int8 tier overflowed.
     """
-    from jaxkv.cache.eviction import compact_layer  # eviction imports this module's helpers
-    from jaxkv.cache.writes import write_tokens
-
     tier = pool.int8
     int8_lengths = tier.lengths[layer]
     full_lengths = lengths - int8_lengths
@@ -240,3 +156,16 @@ def spill_layer(pool: PagePool, page_table, lengths, layer):
     pool, page_table, full_lengths = compact_layer(pool, page_table, full_lengths, ~leaving)
     pool = dataclasses.replace(pool, int8=tier, overflow=pool.overflow | int8_pool.overflow)
     return pool, page_table, full_lengths + new_int8_lengths
+
+
+__all__ = [
+    "Int8Tier",
+    "channel_scales_of",
+    "check_dtype",
+    "create_tier",
+    "merge_slots",
+    "quantize",
+    "spill_layer",
+    "split_slots",
+    "start_int8",
+]

@@ -5,13 +5,12 @@ The ring is a dense side array (not pages of the pool): it is written every step
 whole, and its size is fixed, so paging it would add table lookups and nothing else. Slot
 `t % W` holds a sequence's t-th written token; the pointer is the count of tokens written.
 
-A chunk (prefill chunk or decode token, one code path) attends to the global pages (paged
-attention), the ring (dense: W keys) and itself (the vertical-slash pattern, through the
-kernels on the kernel backends); a ring or chunk token j is visible to a query at position i
-when causal and (i - j < W or admitted(j)). Then the chunk enters the ring, and the tokens it
-pushes out (the ring's oldest, or the chunk's own earliest when C > W) are promoted to the
-global cache when admitted, else dropped: lazy promotion. Query i thus sees every admitted
-token and the band.
+A chunk (prefill chunk or decode token, one code path: `jaxkv.layer_step.attend_and_write`)
+attends to the global pages, the ring and itself; a ring or chunk token j is visible to a query
+at position i when causal and (i - j < W or admitted(j)). Then the chunk enters the ring
+(`promote_and_push`), and the tokens it pushes out (the ring's oldest, or the chunk's own
+earliest when C > W) are promoted to the global cache when admitted, else dropped: lazy
+promotion. Query i thus sees every admitted token and the band.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv import attention as attention_ops
 from jaxkv.cache.state import LocalRing, PagePool
 from jaxkv.cache.writes import write_tokens
 
@@ -51,7 +49,7 @@ def promote_and_push(
     positions: jax.Array,
     scores: jax.Array,
     admitted: jax.Array,
-):
+) -> tuple[PagePool, jax.Array, jax.Array, LocalRing]:
     """Writes a chunk into one layer's ring; the tokens it pushes out go to the global pages
     when admitted (lazy promotion), else are dropped.
 
@@ -105,77 +103,6 @@ def promote_and_push(
     return pool, page_table, lengths, ring
 
 
-def attend_and_write_with_ring(
-    pool: PagePool,
-    page_table,
-    lengths,
-    ring: LocalRing,
-    q,
-    k,
-    v,
-    positions,
-    *,
-    layer,
-    sm_scale: float,
-    policy,
-    backend: str,
-    read_budget=None,
-    write_scores=None,
-):
-    """`attend_and_write` for a state with a local ring (one layer, one chunk).
-
-    The chunk's queries read the global pages (all of them, or the pages a page-selecting policy
-    picks under `read_budget`), the ring and the chunk (band or admitted, causal); the three
-    partial attentions merge through their logsumexps. Admission is `policy.admit` on `write_scores`
-    (every valid token when it returns None). Returns (attn [B, N, C, H] in q.dtype, pool,
-    page_table, lengths, ring).
-    """
-    if policy.accumulates_attention:
-        raise ValueError(
-            f"policy {policy.name!r} accumulates attention mass, which a state with a local "
-            "ring does not track"
-        )
-    if pool.int8 is not None:
-        raise ValueError("a KV state with a local ring does not support int8 storage yet")
-    page_mask = None
-    if read_budget is not None:
-        page_mask = policy.select_pages(q, pool, page_table, lengths, read_budget)
-    global_out, global_lse = attention_ops.paged_attention(
-        q,
-        pool.k_pages,
-        pool.v_pages,
-        page_table,
-        lengths,
-        sm_scale=sm_scale,
-        page_mask=page_mask,
-        backend=backend,
-    )
-    valid = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
-    admitted = policy.admit(layer=layer, k=k, v=v, positions=positions, scores=write_scores)
-    admitted = valid if admitted is None else valid & admitted
-    ring_out, ring_lse = attention_ops.local_attention(
-        q,
-        ring.k.astype(k.dtype),
-        ring.v.astype(v.dtype),
-        positions,
-        ring.positions,
-        ring.admitted,
-        window=ring.window,
-        sm_scale=sm_scale,
-        backend=backend,
-    )
-    chunk_out, chunk_lse = attention_ops.vertical_slash_chunk_attention(
-        q, k, v, positions, admitted, window=ring.window, sm_scale=sm_scale, backend=backend
-    )
-    out, lse = attention_ops.merge_partials(global_out, global_lse, ring_out, ring_lse)
-    out, _ = attention_ops.merge_partials(out, lse, chunk_out, chunk_lse)
-    scores = jnp.zeros(k.shape[:3], jnp.float32) if write_scores is None else write_scores
-    pool, page_table, lengths, ring = promote_and_push(
-        pool, page_table, lengths, ring, k, v, positions, scores, admitted
-    )
-    return out.astype(q.dtype), pool, page_table, lengths, ring
-
-
 def check_ring_policy(policy, ring: LocalRing | None) -> None:
     """Raises when a policy that needs a local ring meets a state without one of its size."""
     wanted = policy.local_window
@@ -188,7 +115,6 @@ def check_ring_policy(policy, ring: LocalRing | None) -> None:
 
 
 __all__ = [
-    "attend_and_write_with_ring",
     "check_ring_policy",
     "promote_and_push",
 ]

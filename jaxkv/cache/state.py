@@ -11,7 +11,6 @@ to attention; `token_positions` keeps each token's original position for policie
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import flax.struct
 import jax
@@ -19,9 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
-
-if TYPE_CHECKING:
-    from jaxkv.cache.int8 import Int8Tier
+from jaxkv.cache.slots import merge_slots, slot_view
 
 
 @flax.struct.dataclass
@@ -39,7 +36,7 @@ class PagePool:
       k_scales, v_scales: f32 [P, p] per-token dequantisation scales of an int8 pool (value =
         int8 * token scale * channel scale); None for a pool in a float dtype.
       int8: the int8 tier holding each head's older tokens (mixed-precision storage,
-        `jaxkv.cache.int8`); None unless int8 storage is on.
+        `Int8Tier`, written by `jaxkv.cache.int8`); None unless int8 storage is on.
     """
 
     k_pages: jax.Array
@@ -101,6 +98,49 @@ class PagePool:
             key_min=self.key_min.at[index].set(low, mode="drop"),
             key_max=self.key_max.at[index].set(high, mode="drop"),
         )
+
+
+@flax.struct.dataclass
+class Int8Tier:
+    """The int8 pages of a mixed-precision cache: each head's tokens older than its window.
+
+    Attributes:
+      pool: int8 PagePool: k_pages, v_pages int8 [P8, p, H] with per-token scales k_scales,
+        v_scales f32 [P8, p], positions and scores like the model-dtype pool.
+      page_table: int32 [L, B, K, M8]; lengths: int32 [L, B, K] int8 tokens per head.
+      k_channel_scales, v_channel_scales: f32 [L, B, K, H] per-channel scales.
+      window: static F, the most tokens a head keeps in the model dtype.
+    """
+
+    pool: PagePool
+    page_table: jax.Array
+    lengths: jax.Array
+    k_channel_scales: jax.Array
+    v_channel_scales: jax.Array
+    window: int = flax.struct.field(pytree_node=False)
+
+    @property
+    def max_tokens_per_head(self) -> int:
+        return self.page_table.shape[-1] * self.pool.page_size
+
+    def pages_in_use(self) -> jax.Array:
+        return self.pool.allocator.pages_in_use()
+
+    @property
+    def channel_scale_bytes(self) -> int:
+        return self.k_channel_scales.nbytes + self.v_channel_scales.nbytes
+
+    def memory_bytes(self) -> int:
+        """Host-side int: int8 pages held (values, token scales, metadata) + channel scales."""
+        pages = int(np.asarray(self.pages_in_use()))
+        return pages * self.pool.page_bytes + self.channel_scale_bytes
+
+    def merged_view(self, field: str, newer: jax.Array, layer: int | None, empty) -> jax.Array:
+        """The int8 tokens' `field` followed by the model-dtype view `newer`, per head slot."""
+        table = self.page_table if layer is None else self.page_table[layer]
+        lengths = self.lengths if layer is None else self.lengths[layer]
+        older = slot_view(getattr(self.pool, field), table, lengths, empty)
+        return merge_slots(older, newer, lengths, empty)
 
 
 @flax.struct.dataclass
@@ -288,15 +328,6 @@ class KVState:
                 f"{self.pool.page_size}) ran out of pages; the write was not performed. "
                 "Give generate() a larger num_pages or a tighter cache policy."
             )
-
-
-def slot_view(per_token: jax.Array, table: jax.Array, lengths: jax.Array, empty) -> jax.Array:
-    """A page-aligned field [P, p] seen through page tables [..., M]: [..., M * p], `empty`
-    past each head's length [...]."""
-    gathered = per_token[jnp.maximum(table, 0)]
-    gathered = gathered.reshape(*table.shape[:-1], -1)
-    held = jnp.arange(gathered.shape[-1]) < lengths[..., None]
-    return jnp.where(held, gathered, empty)
 
 
 class PoolExhaustedError(ValueError):

@@ -1,4 +1,4 @@
-"""Writing tokens into the paged state, and the per-layer attend-then-write step of the models."""
+"""Writing into one layer of a page pool: appending a chunk's tokens, accumulating their scores."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxkv import attention as attention_ops
 from jaxkv.cache.allocator import allocate
-from jaxkv.cache.int8 import spill_layer
 from jaxkv.cache.state import PagePool
 
 
@@ -29,7 +27,7 @@ def write_tokens(
     *,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
-):
+) -> tuple[PagePool, jax.Array, jax.Array]:
     """Appends the masked tokens of a chunk to each (sequence, KV head) of one layer.
 
     Args:
@@ -98,99 +96,11 @@ def write_tokens(
     return pool, page_table, jnp.where(ok, new_lengths, lengths)
 
 
-def attend_and_write(
-    pool: PagePool,
-    page_table,
-    lengths,
-    q,
-    k,
-    v,
-    positions,
-    *,
-    layer,
-    sm_scale: float,
-    policy,
-    backend: str,
-    read_budget=None,
-    write_scores=None,
-):
-    """One layer's attention for a chunk: over the cached tokens and the chunk itself, then write.
-
-    With `read_budget` (int32 [B] tokens), a page-selecting policy (Quest) picks the cached pages
-    each head reads. `write_scores` f32 [B, K, C] (a learned gate's per-token scores) reach the
-    policy's `admit` and are stored as the written tokens' scores.
-
-    q [B, N, C, H], k, v [B, K, C, H], positions [B, C] (-1 = padding). The chunk's queries see
-    every cached token of their head plus the chunk's earlier tokens, whether or not the policy
-    admits those to the cache. Returns (attn [B, N, C, H] in q.dtype, pool, page_table, lengths).
-    With int8 storage (`pool.int8`), the int8 tier is read as a second paged attention merged
-    through the logsumexps, and the write is followed by the spill out of the model-dtype window.
-    """
-    tier = pool.int8
-    full_lengths = lengths if tier is None else lengths - tier.lengths[layer]
-    page_mask = None
-    if read_budget is not None:
-        page_mask = policy.select_pages(q, pool, page_table, full_lengths, read_budget)
-    cached = attention_ops.paged_attention(
-        q,
-        pool.k_pages,
-        pool.v_pages,
-        page_table,
-        full_lengths,
-        sm_scale=sm_scale,
-        page_mask=page_mask,
-        return_probs=policy.accumulates_attention,
-        backend=backend,
-    )
-    cached_out, cached_lse = cached[:2]
-    if tier is not None:
-        quantized = tier.attention(
-            q, layer, sm_scale=sm_scale, return_probs=policy.accumulates_attention, backend=backend
-        )
-        cached_out, cached_lse = attention_ops.merge_partials(
-            cached_out, cached_lse, *quantized[:2]
-        )
-    chunk_out, chunk_lse = attention_ops.chunk_attention(
-        q, k, v, positions, sm_scale=sm_scale, backend=backend
-    )
-    out, lse = attention_ops.merge_partials(cached_out, cached_lse, chunk_out, chunk_lse)
-
-    new_scores = write_scores
-    if policy.accumulates_attention:
-        if write_scores is not None:
-            raise ValueError(f"policy {policy.name!r} both accumulates attention and gates writes")
-        decay, query_weights = policy.mass_weights(positions)
-        mass = attention_ops.mass_from_probs(
-            cached[2], cached[1], lse, query_weights, num_kv_heads=k.shape[1]
-        )
-        pool = _accumulate_cached_mass(pool, page_table, full_lengths, mass, decay)
-        if tier is not None:
-            mass = attention_ops.mass_from_probs(
-                quantized[2], quantized[1], lse, query_weights, num_kv_heads=k.shape[1]
-            )
-            table, held = tier.page_table[layer], tier.lengths[layer]
-            tier_pool = _accumulate_cached_mass(tier.pool, table, held, mass, decay)
-            pool = dataclasses.replace(pool, int8=dataclasses.replace(tier, pool=tier_pool))
-        new_scores = attention_ops.chunk_attention_mass(
-            q, k, positions, lse, query_weights, sm_scale=sm_scale, backend=backend
-        )
-    write_mask = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
-    admitted = policy.admit(layer=layer, k=k, v=v, positions=positions, scores=write_scores)
-    if admitted is not None:
-        write_mask = write_mask & admitted
-    pool, page_table, full_lengths = write_tokens(
-        pool, page_table, full_lengths, k, v, positions, write_mask, new_scores
-    )
-    if tier is None:
-        return out.astype(q.dtype), pool, page_table, full_lengths
-    lengths = full_lengths + pool.int8.lengths[layer]
-    pool, page_table, lengths = spill_layer(pool, page_table, lengths, layer)
-    return out.astype(q.dtype), pool, page_table, lengths
-
-
-def _accumulate_cached_mass(pool: PagePool, page_table, lengths, mass, decay):
-    """score <- decay * score + mass [B, K, M * p] (the weighted attention the chunk gave each
-    cached slot)."""
+def accumulate_cached_mass(
+    pool: PagePool, page_table: jax.Array, lengths: jax.Array, mass: jax.Array, decay: jax.Array
+) -> PagePool:
+    """score <- decay * score + mass f32 [B, K, M * p] (the weighted attention a chunk gave each
+    cached slot of one layer: page_table [B, K, M], lengths [B, K], decay f32 [B])."""
     p = pool.page_size
     slots = jnp.arange(mass.shape[-1])
     page = jnp.take_along_axis(page_table, slots // p + jnp.zeros_like(mass, jnp.int32), axis=-1)

@@ -37,6 +37,7 @@ from models.decoder import (
     embed,
     project_keys_values,
     project_queries,
+    scan_layers,
 )
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
@@ -140,15 +141,15 @@ def reconstruction_scores(
         ids, positions = _replay_inputs(tokens, lengths, index, chunk, repeat_ids, continue_ids)
         cos, sin = layers.rope_cos_sin(cfg, jnp.maximum(positions, 0))
 
-        def layer(x, xs):
-            lp, page_table, layer_lengths = xs
+        def layer(x, lp, xs):
+            page_table, layer_lengths = xs
             prefix_k = attention_ops.gather_pages(kv.pool.k_pages, page_table)
             prefix_v = attention_ops.gather_pages(kv.pool.v_pages, page_table)
             held = slots < layer_lengths[..., None]
             return _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, held)
 
-        xs = (params["layers"], kv.page_table, kv.lengths)
-        _, received = jax.lax.scan(layer, embed(params, ids), xs)
+        xs = (kv.page_table, kv.lengths)
+        _, received = scan_layers(layer, embed(params, ids), params["layers"], xs)
         return jnp.maximum(best, received), None
 
     best = jnp.zeros(kv.lengths.shape + (kv.max_tokens_per_head,), jnp.float32)

@@ -189,7 +189,7 @@ def long_range_attention_mass(model, tokens, *, sinks: int, window: int) -> jax.
 
     tokens int32 [B, T] with T > sinks + window (no padding).
     """
-    from models.decoder import attention_inputs, attention_output_and_mlp, embed
+    from models.decoder import attention_inputs, attention_output_and_mlp, embed, scan_layers
     from models.layers import rope_cos_sin
 
     cfg, params = model.config, model.params
@@ -203,7 +203,7 @@ def long_range_attention_mass(model, tokens, *, sinks: int, window: int) -> jax.
     far = causal & (j >= sinks) & (i - j >= window)
     queries = (jnp.arange(t) >= sinks + window).astype(jnp.float32)
 
-    def layer(x, lp):
+    def layer(x, lp, _):
         q, k, v = attention_inputs(lp, cfg, x, cos, sin)
         probs = attention_ops.attention_probabilities(q, k, causal, cfg.head_dim**-0.5)
         mass = jnp.sum(jnp.where(far, probs, 0.0), axis=-1)  # [B, N, T]
@@ -212,5 +212,5 @@ def long_range_attention_mass(model, tokens, *, sinks: int, window: int) -> jax.
         attn = jnp.einsum("bnts,bnsh->bnth", probs, jnp.repeat(v, cfg.group_size, axis=1))
         return attention_output_and_mlp(lp, cfg, x, attn), per_kv_head
 
-    _, scores = jax.lax.scan(layer, embed(params, tokens), params["layers"])
+    _, scores = scan_layers(layer, embed(params, tokens), params["layers"])
     return scores

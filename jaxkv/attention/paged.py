@@ -1,0 +1,161 @@
+"""Attention over cached pages: each (sequence, KV head) reads its first `lengths` tokens.
+
+On "xla" the pages are gathered into a dense view (int8 pages dequantised there) and attended in
+jnp; on the kernel backends the ragged paged decode kernel reads them in place, a chunk's C
+queries as extra rows of their KV head (`CHUNK_ROWS` rows a program), dequantising int8 inside
+the kernel. Quest's page mask becomes a compacted page table (`selected_page_table`) so
+unselected pages are never read. With `return_probs` both paths give each slot's probability, so
+attention-mass policies need no second pass over the cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from jaxkv.attention.dense import grouped_scores, masked_attention
+from jaxkv.attention.dispatch import CHUNK_ROWS, interpret, uses_kernels
+
+
+def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """Dense view [B, K, M * p, ...] of a page-aligned pool field [P, p, ...] through
+    page_table [B, K, M]."""
+    gathered = pages[jnp.maximum(page_table, 0)]
+    b, k, m, p = gathered.shape[:4]
+    return gathered.reshape(b, k, m * p, *gathered.shape[4:])
+
+
+def dequantize(
+    pages: jax.Array,
+    page_table: jax.Array,
+    token_scales: jax.Array | None,
+    channel_scales: jax.Array | None,
+    dtype=jnp.float32,
+) -> jax.Array:
+    """Dense [B, K, M * p, H] values of (int8) pages: stored * token_scale * channel_scale.
+
+    token_scales f32 [P, p] or None; channel_scales f32 [B, K, H] or None.
+    """
+    values = gather_pages(pages, page_table).astype(dtype)
+    if token_scales is not None:
+        values = values * gather_pages(token_scales, page_table)[..., None]
+    if channel_scales is not None:
+        values = values * channel_scales[:, :, None, :]
+    return values
+
+
+def selected_page_table(
+    page_table: jax.Array, lengths: jax.Array, page_mask: jax.Array, page_size: int
+) -> tuple[jax.Array, jax.Array]:
+    """The page table with each head's selected pages first (in order) and their token count.
+
+    page_table int32 [B, K, M], lengths [B, K], page_mask bool [B, K, M]. A head's last page is
+    its only partial one, so it stays last among the selected and the count stays exact.
+    Returns (page_table [B, K, M], lengths [B, K]).
+    """
+    num_entries = page_table.shape[-1]
+    slot = jnp.arange(num_entries)
+    held = jnp.clip(lengths[..., None] - slot * page_size, 0, page_size)
+    selected = page_mask & (held > 0)
+    order = jnp.argsort(jnp.where(selected, slot, num_entries + slot), axis=-1, stable=True)
+    table = jnp.take_along_axis(page_table, order, axis=-1)
+    table = jnp.where(jnp.take_along_axis(selected, order, axis=-1), table, -1)
+    return table, jnp.sum(jnp.where(selected, held, 0), axis=-1).astype(jnp.int32)
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float,
+    page_mask: jax.Array | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    k_channel_scales: jax.Array | None = None,
+    v_channel_scales: jax.Array | None = None,
+    return_probs: bool = False,
+    backend: str = "xla",
+) -> tuple[jax.Array, ...]:
+    """Attention of q [B, N, C, H] over each (sequence, KV head)'s first `lengths` cached tokens.
+
+    k_pages, v_pages [P, p, H] (float, or int8 with scales); page_table int32 [B, K, M]
+    (-1 = unallocated); lengths [B, K]; page_mask bool [B, K, M] optionally restricts the read
+    to selected pages (Quest). Int8 pages dequantise as stored * token scale ([P, p]) *
+    channel scale ([B, K, H]), either scale optional. Every cached token precedes every query,
+    so no causal mask applies.
+    Returns out f32 [B, N, C, H], lse f32 [B, N, C] (-inf where nothing is read) and, with
+    `return_probs`, each page-table slot's probability f32 [B, N, C, M * p] (0 where unread):
+    policies accumulate attention mass from it without a second pass over the cache.
+    """
+    scales = (k_scales, v_scales, k_channel_scales, v_channel_scales)
+    if return_probs and page_mask is not None:
+        raise ValueError("return_probs=True with a page_mask: selection reads no mass statistics")
+    if uses_kernels(backend):
+        return _kernel_paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            lengths,
+            scales,
+            sm_scale,
+            page_mask,
+            return_probs,
+            backend,
+        )
+    k = dequantize(k_pages, page_table, k_scales, k_channel_scales, q.dtype)
+    v = dequantize(v_pages, page_table, v_scales, v_channel_scales, q.dtype)
+    slots = jnp.arange(k.shape[2])
+    read = slots < lengths[..., None]
+    if page_mask is not None:
+        read = read & page_mask[..., slots // k_pages.shape[1]]
+    out, lse = masked_attention(q, k, v, read[:, :, None, None, :], sm_scale)
+    if not return_probs:
+        return out, lse
+    scores = grouped_scores(q, k)
+    b, n, c, _ = q.shape
+    probs = jnp.where(
+        read[:, :, None, None, :] & jnp.isfinite(lse.reshape(scores.shape[:4]))[..., None],
+        jnp.exp(scores * sm_scale - lse.reshape(scores.shape[:4])[..., None]),
+        0.0,
+    )
+    return out, lse, probs.reshape(b, n, c, -1)
+
+
+def _kernel_paged_attention(
+    q, k_pages, v_pages, page_table, lengths, scales, sm_scale, page_mask, return_probs, backend
+):
+    """`paged_attention` through the ragged paged decode kernel (C queries per head as rows)."""
+    b, n, c, h = q.shape
+    k_scales, v_scales, k_channel_scales, v_channel_scales = scales
+    capacity = page_table.shape[-1] * k_pages.shape[1]
+    if page_mask is not None:
+        page_table, lengths = selected_page_table(page_table, lengths, page_mask, k_pages.shape[1])
+    rows = n // page_table.shape[1] * c
+    block_sizes = pallas_kernels.PagedDecodeBlockSizes(
+        block_h=CHUNK_ROWS if rows > CHUNK_ROWS else None
+    )
+    out, stats = pallas_kernels.paged_decode_attention(
+        q.reshape(b, n * c, h),
+        k_pages,
+        v_pages,
+        page_table,
+        lengths,
+        sm_scale=sm_scale,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        k_channel_scales=k_channel_scales,
+        v_channel_scales=v_channel_scales,
+        return_stats=True,
+        return_probs=return_probs,
+        block_sizes=block_sizes,
+        interpret=interpret(backend),
+    )
+    out, lse = out.reshape(b, n, c, h), stats.lse.reshape(b, n, c)
+    if not return_probs:
+        return out, lse
+    return out, lse, stats.probs.reshape(b, n, c, capacity)

@@ -1,0 +1,138 @@
+"""The model's forward passes over jaxkv's attention and paged KV cache.
+
+`forward` is the model's cache-free forward with the attention on a chosen backend.
+`forward_cached` runs one chunk (prefill chunk or decode token) through the model's blocks
+(`models.decoder`), threading the paged KV state layer by layer: per layer, the model projects
+q, k, v, the policy scores the chunk's keys (`Policy.write_scores`), `layer_step.attend_and_write`
+attends and writes, and the model's output projection and MLP follow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import attention as attention_ops
+from jaxkv.cache import KVState, check_ring_policy
+from jaxkv.layer_step import attend_and_write
+from models import decoder, layers
+from models.configs import ModelConfig
+from models.decoder import Model
+
+
+def forward(
+    model: Model, tokens: jax.Array, *, backend: str = "xla", remat: bool = False
+) -> jax.Array:
+    """Causal forward over whole sequences without a cache: logits [B, T, V] (f32), the
+    attention on `backend` ("xla", "pallas" or "interpret"; `jaxkv.attention`).
+
+    remat: recompute each layer's activations in the backward pass instead of storing them
+    (training at long context).
+    """
+    attention_fn = functools.partial(attention_ops.causal_attention, backend=backend)
+    return decoder.forward(model, tokens, attention_fn=attention_fn, remat=remat)
+
+
+def _check_chunk_shapes(
+    cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv: KVState
+) -> None:
+    """Static shape checks, raised while tracing (before compilation)."""
+    if tokens.ndim != 2 or tokens.shape != positions.shape:
+        raise ValueError(
+            f"tokens {tokens.shape} and positions {positions.shape} must both be [B, C]"
+        )
+    expected = (cfg.num_layers, tokens.shape[0], cfg.num_kv_heads)
+    if kv.page_table.shape[:3] != expected:
+        raise ValueError(
+            f"kv state is for [L, B, K] = {kv.page_table.shape[:3]}, "
+            f"the model and tokens need {expected}"
+        )
+    if kv.pool.k_pages.shape[-1] != cfg.head_dim:
+        raise ValueError(
+            f"kv pages have head dim {kv.pool.k_pages.shape[-1]}, the model {cfg.head_dim}"
+        )
+
+
+def forward_cached(
+    model: Model,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv: KVState,
+    *,
+    policy: Any,
+    backend: str = "xla",
+    collect_queries: bool = False,
+    collect_input_stats: bool = False,
+    read_budget: jax.Array | None = None,
+    policy_params: Any = None,
+) -> tuple[jax.Array, KVState, dict[str, jax.Array]]:
+    """One chunk (prefill chunk or decode step) through the paged KV state.
+
+    Args:
+      tokens: int32 [B, C]; positions: int32 [B, C] original positions, -1 marks padding
+        (not attended from, never written).
+      kv: the KV state holding everything before this chunk.
+      policy: the cache policy (static); decides admission at write time.
+      collect_queries: also return every layer's rotated queries, "queries" [L, B, N, C, H].
+      collect_input_stats: also return per-layer sums over the valid tokens of the attention
+        input and of its square, "input_sum" and "input_sq_sum" f32 [L, B, D].
+      read_budget: int32 [B] tokens' worth of pages a page-selecting policy reads (Quest).
+      policy_params: the policy's learned parameters (gates), every leaf stacked [L, ...];
+        layer l's slice reaches `policy.write_scores`. None for policies without parameters.
+    Returns:
+      final-normed hidden states [B, C, D], the KV state with the chunk written, and the
+      collected per-layer values (an empty dict when nothing is collected).
+    """
+    cfg, params = model.config, model.params
+    _check_chunk_shapes(cfg, tokens, positions, kv)
+    check_ring_policy(policy, kv.ring)
+    cos, sin = decoder.rope_for(cfg, positions)
+    valid = (positions >= 0)[..., None]
+
+    def layer(carry, lp, xs):
+        x, pool = carry
+        page_table, lengths, layer_index, layer_policy_params, ring = xs
+        h = decoder.attention_input(lp, cfg, x)
+        q = decoder.project_queries(lp, cfg, h, cos, sin)
+        k_unrotated, v = decoder.project_unrotated_keys_values(lp, cfg, h)
+        k = layers.apply_rope(k_unrotated, cos, sin)
+        write_scores = policy.write_scores(
+            layer_policy_params, h=h, k_unrotated=k_unrotated, k=k, positions=positions
+        )
+        attn, pool, page_table, lengths, ring = attend_and_write(
+            pool,
+            page_table,
+            lengths,
+            q,
+            k,
+            v,
+            positions,
+            layer=layer_index,
+            sm_scale=cfg.head_dim**-0.5,
+            policy=policy,
+            backend=backend,
+            read_budget=read_budget,
+            write_scores=write_scores,
+            ring=ring,
+        )
+        collected = {}
+        if collect_queries:
+            collected["queries"] = q
+        if collect_input_stats:
+            h32 = jnp.where(valid, h.astype(jnp.float32), 0.0)
+            collected["input_sum"] = jnp.sum(h32, axis=1)
+            collected["input_sq_sum"] = jnp.sum(h32 * h32, axis=1)
+        x = decoder.attention_output_and_mlp(lp, cfg, x, attn)
+        return (x, pool), (page_table, lengths, ring, collected)
+
+    layer_indices = jnp.arange(cfg.num_layers)
+    xs = (kv.page_table, kv.lengths, layer_indices, policy_params, kv.ring)
+    (x, pool), (page_table, lengths, ring, collected) = decoder.scan_layers(
+        layer, (decoder.embed(params, tokens), kv.pool), params["layers"], xs
+    )
+    kv = dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths, ring=ring)
+    return decoder.final_hidden(params, cfg, x), kv, collected

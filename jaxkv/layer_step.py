@@ -1,0 +1,208 @@
+"""One layer's attend-then-write step for a chunk: the one path for every storage tier.
+
+A chunk (prefill chunk or decode token, C >= 1 tokens) reads, as partial attentions merged through
+their logsumexps, in this order:
+  1. the cached model-dtype pages (all of them, or the pages a page-selecting policy picks under
+     `read_budget`), with per-slot probabilities when the policy accumulates attention mass;
+  2. the int8 tier's pages (mixed-precision storage), dequantised in the attention;
+  3. the local ring (WG-KV and its static baselines): W dense keys, band or admitted;
+  4. the chunk itself: causal, or WG-KV's vertical-slash pattern with a ring.
+Then it writes: the policy's attention mass into the cached slots' scores, and the chunk's
+admitted tokens into the pages (through the ring's lazy promotion with a ring; followed by the
+spill out of the model-dtype window with int8 storage).
+
+Storage (`jaxkv.cache`) knows nothing of attention; this module composes the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import attention as attention_ops
+from jaxkv.cache.int8 import spill_layer
+from jaxkv.cache.ring import promote_and_push
+from jaxkv.cache.state import Int8Tier, LocalRing, PagePool
+from jaxkv.cache.writes import accumulate_cached_mass, write_tokens
+
+
+def int8_tier_attention(
+    tier: Int8Tier,
+    q: jax.Array,
+    layer: jax.Array | int,
+    *,
+    sm_scale: float,
+    return_probs: bool,
+    backend: str,
+) -> tuple[jax.Array, ...]:
+    """`paged_attention` of q [B, N, C, H] over one layer's int8 tokens, dequantised inside
+    the attention (out, lse and, with `return_probs`, per-slot probabilities)."""
+    return attention_ops.paged_attention(
+        q,
+        tier.pool.k_pages,
+        tier.pool.v_pages,
+        tier.page_table[layer],
+        tier.lengths[layer],
+        sm_scale=sm_scale,
+        k_scales=tier.pool.k_scales,
+        v_scales=tier.pool.v_scales,
+        k_channel_scales=tier.k_channel_scales[layer],
+        v_channel_scales=tier.v_channel_scales[layer],
+        return_probs=return_probs,
+        backend=backend,
+    )
+
+
+def _check_step(policy, pool: PagePool, ring: LocalRing | None, write_scores) -> None:
+    """Raises for combinations the step does not support (static, while tracing)."""
+    if ring is not None and policy.accumulates_attention:
+        raise ValueError(
+            f"policy {policy.name!r} accumulates attention mass, which a state with a local "
+            "ring does not track"
+        )
+    if ring is not None and pool.int8 is not None:
+        raise ValueError("a KV state with a local ring does not support int8 storage yet")
+    if policy.accumulates_attention and write_scores is not None:
+        raise ValueError(f"policy {policy.name!r} both accumulates attention and gates writes")
+
+
+def _cached_partials(q, pool: PagePool, page_table, held, layer, *, policy, read_budget, step):
+    """Partial attentions over the cached pages, then the int8 tier's: [(out, lse[, probs])]."""
+    page_mask = None
+    if read_budget is not None:
+        page_mask = policy.select_pages(q, pool, page_table, held, read_budget)
+    partials = [
+        attention_ops.paged_attention(
+            q,
+            pool.k_pages,
+            pool.v_pages,
+            page_table,
+            held,
+            page_mask=page_mask,
+            return_probs=policy.accumulates_attention,
+            **step,
+        )
+    ]
+    if pool.int8 is not None:
+        partials.append(
+            int8_tier_attention(
+                pool.int8, q, layer, return_probs=policy.accumulates_attention, **step
+            )
+        )
+    return partials
+
+
+def _chunk_partials(q, k, v, positions, admitted, ring: LocalRing | None, *, step):
+    """Partial attentions of the chunk to the ring (if any) and to itself: [(out, lse)]."""
+    if ring is None:
+        return [attention_ops.chunk_attention(q, k, v, positions, **step)]
+    ring_partial = attention_ops.local_attention(
+        q,
+        ring.k.astype(k.dtype),
+        ring.v.astype(v.dtype),
+        positions,
+        ring.positions,
+        ring.admitted,
+        window=ring.window,
+        **step,
+    )
+    chunk_partial = attention_ops.vertical_slash_chunk_attention(
+        q, k, v, positions, admitted, window=ring.window, **step
+    )
+    return [ring_partial, chunk_partial]
+
+
+def _accumulate_mass(pool: PagePool, page_table, held, cached, lse, layer, *, policy, positions):
+    """Adds the chunk's attention mass to the cached slots' scores (pages, then the int8 tier)."""
+    decay, query_weights = policy.mass_weights(positions)
+    num_kv_heads = page_table.shape[1]
+
+    def mass(partial):
+        return attention_ops.mass_from_probs(
+            partial[2], partial[1], lse, query_weights, num_kv_heads=num_kv_heads
+        )
+
+    pool = accumulate_cached_mass(pool, page_table, held, mass(cached[0]), decay)
+    tier = pool.int8
+    if tier is not None:
+        table, tier_held = tier.page_table[layer], tier.lengths[layer]
+        tier_pool = accumulate_cached_mass(tier.pool, table, tier_held, mass(cached[1]), decay)
+        pool = dataclasses.replace(pool, int8=dataclasses.replace(tier, pool=tier_pool))
+    return pool, query_weights
+
+
+def attend_and_write(
+    pool: PagePool,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    *,
+    layer: jax.Array | int,
+    sm_scale: float,
+    policy: Any,
+    backend: str,
+    read_budget: jax.Array | None = None,
+    write_scores: jax.Array | None = None,
+    ring: LocalRing | None = None,
+) -> tuple[jax.Array, PagePool, jax.Array, jax.Array, LocalRing | None]:
+    """One layer's attention for a chunk over the cached tokens, the ring and itself, then write.
+
+    Args:
+      pool: the shared page pool; page_table int32 [B, K, M] and lengths int32 [B, K] this
+        layer's (lengths count both tiers with int8 storage); ring: this layer's local ring, or
+        None for a state without one.
+      q [B, N, C, H]; k, v [B, K, C, H]; positions int32 [B, C] (-1 = padding: never attended
+        from nor written). The chunk's queries see every cached token their head reads plus the
+        chunk's earlier tokens, whether or not the policy admits those to the cache.
+      layer: int32 [] this layer's index (the int8 tier's tables are indexed by it).
+      policy: the static cache policy (a `jaxkv.policies.Policy`: admission, page selection,
+        attention-mass rule).
+      read_budget: int32 [B] tokens' worth of pages a page-selecting policy (Quest) reads.
+      write_scores: f32 [B, K, C] a learned gate's per-token scores: they reach `policy.admit`
+        and are stored as the written tokens' scores.
+    Returns:
+      (attn [B, N, C, H] in q.dtype, pool, page_table, lengths, ring).
+    """
+    _check_step(policy, pool, ring, write_scores)
+    step = dict(sm_scale=sm_scale, backend=backend)
+    tier = pool.int8
+    held = lengths if tier is None else lengths - tier.lengths[layer]  # model-dtype tokens
+    valid = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
+    admitted = policy.admit(layer=layer, k=k, v=v, positions=positions, scores=write_scores)
+    admitted = valid if admitted is None else valid & admitted
+
+    cached = _cached_partials(
+        q, pool, page_table, held, layer, policy=policy, read_budget=read_budget, step=step
+    )
+    partials = [partial[:2] for partial in cached]
+    partials += _chunk_partials(q, k, v, positions, admitted, ring, step=step)
+    out, lse = partials[0]
+    for partial in partials[1:]:
+        out, lse = attention_ops.merge_partials(out, lse, *partial)
+
+    new_scores = write_scores
+    if policy.accumulates_attention:
+        pool, query_weights = _accumulate_mass(
+            pool, page_table, held, cached, lse, layer, policy=policy, positions=positions
+        )
+        new_scores = attention_ops.chunk_attention_mass(q, k, positions, lse, query_weights, **step)
+    if ring is not None:
+        scores = jnp.zeros(k.shape[:3], jnp.float32) if new_scores is None else new_scores
+        pool, page_table, held, ring = promote_and_push(
+            pool, page_table, held, ring, k, v, positions, scores, admitted
+        )
+        return out.astype(q.dtype), pool, page_table, held, ring
+    pool, page_table, held = write_tokens(
+        pool, page_table, held, k, v, positions, admitted, new_scores
+    )
+    if tier is None:
+        return out.astype(q.dtype), pool, page_table, held, ring
+    lengths = held + pool.int8.lengths[layer]
+    pool, page_table, lengths = spill_layer(pool, page_table, lengths, layer)
+    return out.astype(q.dtype), pool, page_table, lengths, ring
