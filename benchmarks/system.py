@@ -25,7 +25,7 @@ work at a context reports jaxkv's ValueError in its row. Writes `<out>.json`, `<
     jaxkv bench system --model llama3-8b-shape --layers 16 --contexts 32768 131072 \\
         --batches 1 8 --policies full snapkv:0.25 streaming_llm:0.25 h2o:0.25 \\
         --backend pallas --out results/system/h100
-    jaxkv bench system --cpu --out results/system/cpu/system   # a few minutes on 2 CPU cores
+    jaxkv bench system --cpu --out results/system/cpu/system   # 12 rows, ~10 min on 2 busy cores
 
 Policy specs are `name[:value][:key=value...]`: the value is the policy's budget (`ratio` for
 fastkvzip/kvzip, `tau` for wgkv, `window` for local_attention, `tight` for confkv, retrieval
