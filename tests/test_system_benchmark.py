@@ -1,0 +1,62 @@
+"""The end-to-end system benchmark runs, reports against the full cache, and refuses sizes that
+cannot fit with the largest size that does."""
+
+import json
+
+from benchmarks import system
+
+TINY = ["--cpu", "--model", "tiny-random", "--batches", "1", "--decode-tokens", "2"]
+TINY += ["--repeats", "1", "--bandwidth-gbs", "10"]
+
+
+def _rows(report):
+    return {row["policy"]: row for row in report["rows"]}
+
+
+def test_in_process_rows_fields_and_ratios(tmp_path):
+    out = tmp_path / "tiny"
+    argv = [*TINY, "--contexts", "256", "--in-process", "--out", str(out)]
+    argv += ["--policies", "full", "streaming_llm:0.25", "fastkvzip:0.01:window=64"]
+    report = system.main(argv)
+    assert json.loads(out.with_suffix(".json").read_text())["rows"] == report["rows"]
+    assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
+    assert report["cpu_numbers"] and report["environment"]["jax"]
+    assert report["decode_method"] and report["command"].startswith("jaxkv bench system")
+    rows = _rows(report)
+    full, streaming = rows["full"], rows["streaming_llm:0.25"]
+    for key in ("prefill_ratio", "decode_ratio", "kv_ratio_final", "roofline_speedup_vs_full"):
+        assert full[key] == 1.0, key
+    for key in (
+        "first_call_s",
+        "prefill_s",
+        "decode_ms_per_step",
+        "pool_bytes_allocated",
+        "host_peak_rss_bytes",
+        "roofline_ms_per_step",
+    ):
+        assert streaming[key] is not None, key
+    assert streaming["device_peak_bytes"] is None  # CPU: no device memory stats
+    assert streaming["kv_bytes_final"] < full["kv_bytes_final"]
+    assert streaming["kv_bytes_after_prefill"] < full["kv_bytes_after_prefill"]
+    assert streaming["pool_bytes_allocated"] < full["pool_bytes_allocated"]
+    # A policy that cannot work at this context reports jaxkv's error; the run goes on.
+    assert "window" in rows["fastkvzip:0.01:window=64"]["error"]
+    assert "fastkvzip" in out.with_suffix(".md").read_text()
+
+
+def test_context_that_cannot_fit_names_the_largest_that_does(tmp_path):
+    argv = [*TINY, "--contexts", str(10**9), "--memory-limit-gib", "1", "--in-process"]
+    report = system.main([*argv, "--policies", "full", "--out", str(tmp_path / "big")])
+    (row,) = report["rows"]
+    assert row["error"].startswith("does not fit")
+    assert "largest context that fits at batch 1: ~" in row["error"]
+    largest = int(row["error"].split("batch 1: ~")[1].split()[0])
+    assert 0 < largest < 10**9
+
+
+def test_subprocess_row(tmp_path):
+    out = tmp_path / "sub"
+    argv = [*TINY, "--contexts", "64", "--policies", "full", "--out", str(out)]
+    (row,) = system.main(argv)["rows"]
+    assert "error" not in row, row.get("error")
+    assert row["kv_ratio_final"] == 1.0 and row["host_peak_rss_bytes"] > 0
