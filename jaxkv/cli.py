@@ -8,6 +8,7 @@ import enum
 import json
 import math
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -286,31 +287,29 @@ def _generate(args) -> int:
     return 0
 
 
-TRAIN_STAGES = ("pretrain", "wgkv", "fastkvzip")
-BENCHMARKS = ("quality", "kernels", "decode", "system")
+# `jaxkv train STAGE` and `jaxkv bench NAME` run commands that the packages above jaxkv
+# (train/, benchmarks/) register as entry points in pyproject.toml: the CLI never imports them.
+TRAIN_GROUP = "jaxkv.train"
+BENCH_GROUP = "jaxkv.bench"
+
+
+def registered_commands(group: str) -> dict:
+    """{name: entry point} of an installed entry-point group."""
+    return {entry.name: entry for entry in entry_points(group=group)}
+
+
+def _run_registered(group: str, name: str, argv: list[str]) -> int:
+    commands = registered_commands(group)
+    commands[name].load()(argv)
+    return 0
 
 
 def _train(args) -> int:
-    if args.stage == "pretrain":
-        from train import pretrain
-
-        pretrain.main(args.args)
-    elif args.stage == "wgkv":
-        from train import wgkv
-
-        wgkv.main(args.args)
-    elif args.stage == "fastkvzip":
-        from train import fastkvzip
-
-        fastkvzip.main(args.args)
-    return 0
+    return _run_registered(TRAIN_GROUP, args.stage, args.args)
 
 
 def _bench(args) -> int:
-    import importlib
-
-    importlib.import_module(f"benchmarks.{args.name}").main(args.args)
-    return 0
+    return _run_registered(BENCH_GROUP, args.name, args.args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -372,11 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(run=_generate)
     train = commands.add_parser("train", help="train a model or gates (`jaxkv train STAGE -h`)")
-    train.add_argument("stage", choices=TRAIN_STAGES)
+    train.add_argument("stage", choices=sorted(registered_commands(TRAIN_GROUP)))
     train.add_argument("args", nargs=argparse.REMAINDER, help="the stage's own arguments")
     train.set_defaults(run=_train)
     bench = commands.add_parser("bench", help="run a benchmark (`jaxkv bench NAME -h`)")
-    bench.add_argument("name", choices=BENCHMARKS)
+    bench.add_argument("name", choices=sorted(registered_commands(BENCH_GROUP)))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(run=_bench)
     return parser
