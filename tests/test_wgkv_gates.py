@@ -17,7 +17,8 @@ QWEN3 = tiny_config(Family.QWEN3)
 
 
 def numpy_gate(layer, k_unrotated, k):
-    """g[b, k, t] written loop by loop from METHODS.md in float64."""
+    """g[b, k, t] written loop by loop in float64 from the formula in `jaxkv.gates.wgkv`'s
+    docstring (docs/wgkv.md)."""
     erf = np.vectorize(math.erf)
 
     def norm(x, w):

@@ -44,7 +44,7 @@ def plain_rope(x, positions, theta):
 
 
 def plain_gate(gp, layer, k_unrotated, k):
-    """g [K, T] from keys [K, T, H], the formula of METHODS.md written out."""
+    """g [K, T] from keys [K, T, H], the formula of `jaxkv.gates.wgkv` (docs/wgkv.md)."""
     x = jnp.concatenate(
         [
             plain_rms(k_unrotated, gp["norm_unrotated"][layer], 1e-6),

@@ -1,5 +1,9 @@
 """Fast KVzip gate training: KVzip reconstruction targets, then per-layer BCE on the frozen model.
 
+Fast KVzip: "Fast KVzip: Efficient and Accurate LLM Inference with Gated KV Eviction",
+arXiv:2601.17668; KVzip: "KVzip: Query-Agnostic KV Cache Compression with Context
+Reconstruction", arXiv:2505.23416 (docs/fastkvzip.md).
+
 1. Targets (`--targets PATH`, built when PATH does not exist): contexts of `--length` tokens
    (plain text of the corpus's train split and retrieval episodes with training seeds,
    `<bos>` first) are prefilled; KVzip's reconstruction (`jaxkv.policies.kvzip`) gives every
@@ -7,8 +11,9 @@
    contexts come from the held-out split. Saved as one .npz.
 2. Training: the gate is a per-token function of the attention input, so a batch is a random
    set of tokens; every layer's gate trains on its own BCE (the loss is their sum: the layers'
-   parameters and gradients are disjoint). SGD with momentum 0.9, lr 0.2, linear warmup and a
-   step decay (METHODS.md), or AdamW; through `train.trainer` (mesh, orbax resume, metrics).
+   parameters and gradients are disjoint). SGD with momentum 0.9 at the paper's lr 0.2, a
+   linear warmup from lr/100, then the rate divided by 10 at 50% and 80% of the steps
+   (`sgd_optimizer`), or AdamW; through `train.trainer` (mesh, orbax resume, metrics).
 
     jaxkv train fastkvzip --targets /tmp/fkz/targets.npz --out assets/fastkvzip-gates
 """

@@ -1,4 +1,7 @@
-"""Training WG-KV write gates by distillation from the frozen backbone (METHODS.md, "WG-KV").
+"""Training WG-KV write gates by distillation from the frozen backbone.
+
+WG-KV: "Learning What to Write: Write-Gated KV for Efficient Long-Context Inference",
+arXiv:2512.17452 (the gate itself: `jaxkv.gates.wgkv`; this recipe: docs/wgkv.md).
 
 The student is the backbone with write-gated attention: the score of query i on key j gets
 log(max(g_j, 1e-3)) added when i - j >= band (nothing inside the band), so a key with a small

@@ -1,6 +1,8 @@
 """Fast KVzip's sink-attention gate: a per-token keep score from the layer's attention input.
 
-For each KV head k, its G query heads j and a token's attention input h [D] (METHODS.md):
+Fast KVzip: "Fast KVzip: Efficient and Accurate LLM Inference with Gated KV Eviction",
+arXiv:2601.17668 (docs/fastkvzip.md). For each KV head k, its G query heads j and a token's
+attention input h [D]:
   q_j = RMSNorm_q(W_q h + b_q)_j  [D'],   key = RMSNorm_k(W_k h)_k  [D']  (RMSNorm over D'),
   logit_j = q_j . key / sqrt(D') + b_{k,j}  (the bias added once),
   sink_{j,r} = q_j . sink_{k,r} / sqrt(D')  for the S learned sink keys (not normalised),

@@ -1,6 +1,7 @@
 """WG-KV write gate: per layer, per KV head, a small MLP on the token's key scores its admission.
 
-For token j of KV head k in layer l (METHODS.md, "WG-KV"):
+WG-KV: "Learning What to Write: Write-Gated KV for Efficient Long-Context Inference",
+arXiv:2512.17452 (docs/wgkv.md). For token j of KV head k in layer l:
   x = [RMSNorm_a(k_unrotated_j); RMSNorm_b(k_rotated_j)]            (2H, f32, eps 1e-6)
   g = sigmoid(w2_k . GELU_exact(x @ W1_k + b1_k) + b2_k)  clamped to >= 1e-3.
 The two RMSNorm weights [H] are shared by the layer's heads; the MLP weights are per KV head.

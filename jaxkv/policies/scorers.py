@@ -1,7 +1,16 @@
-"""The standard eviction baselines, with kvpress 0.5.5 semantics (see shared METHODS.md).
+"""The standard eviction baselines, with the semantics of NVIDIA kvpress 0.5.5's presses.
 
 StreamingLLM, SnapKV, PyramidKV, TOVA, Knorm, H2O, ObservedAttention and the AdaKV wrapper. All
 share the budget, protection and compaction of `EvictionPolicy`; each only says how it scores.
+Papers (docs/references.md): StreamingLLM "Efficient Streaming Language Models with Attention
+Sinks" (arXiv:2309.17453); SnapKV "SnapKV: LLM Knows What You are Looking for Before
+Generation" (arXiv:2404.14469); PyramidKV "PyramidKV: Dynamic KV Cache Compression based on
+Pyramidal Information Funneling" (arXiv:2406.02069); TOVA "Transformers are Multi-State RNNs"
+(arXiv:2401.06104); H2O "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+Language Models" (arXiv:2306.14048); AdaKV "Ada-KV: Optimizing KV Cache Eviction by Adaptive
+Budget Allocation for Efficient LLM Inference" (arXiv:2407.11550); Knorm "A Simple and Effective
+L2 Norm-Based Strategy for KV Cache Compression" (arXiv:2406.11430). ObservedAttention (H2O's
+attention averaged over the queries that saw each key) is kvpress's ObservedAttentionPress.
 """
 
 from __future__ import annotations
