@@ -56,7 +56,7 @@ class Settings:
     texts: int = 2
     tight: int = 96
     loose: int = 192
-    protected: int = 40  # < tight * gamma_min for the pyramid (METHODS' R = 64 would not fit)
+    protected: int = 40  # < tight * gamma_min for the pyramid (the default 64 would not fit)
     needle_length: int = 1024
     needle_samples: int = 4
     needle_tight: int = 256

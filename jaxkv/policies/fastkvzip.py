@@ -4,8 +4,8 @@ during chunked prefill and every 128 decode steps, with one threshold over layer
 - Scores: `write_scores` runs the layer's gate (`jaxkv.gates.fastkvzip`) on the attention input
   of every written token; the score is stored with the token (`token_scores`).
 - Prefill: after each chunk, each sequence keeps its newest w tokens and its first `sinks` = 4
-  (every head; METHODS lists the sinks for decode only: keeping them in prefill too means a
-  decode eviction never finds them gone) plus the best-gated others, floor(r * seen) tokens per
+  (every head; the paper lists the sinks for decode only: keeping them in prefill too means
+  a decode eviction never finds them gone) plus the best-gated others, floor(r * seen) tokens per
   head on average over layers x heads (one global threshold, so head budgets are non-uniform),
   where seen is the number of prompt tokens written so far. The budget is the ratio of what has
   been seen, so after the last chunk the total kept is exactly floor(r * T) x L x K (the public
@@ -14,7 +14,9 @@ during chunked prefill and every 128 decode steps, with one threshold over layer
   peak is that, not the full context.
 - Window: w = ceil(2% of the prompt) for prompts shorter than 16K tokens (the paper's prefill
   chunk; the reference model's contexts are 2-8K), 4096 from there (the paper's value);
-  `window=` overrides it. The budget floor(r * T) must be >= w and the prefill chunk >= w.
+  `window=` overrides it. The budget floor(r * T) must be >= w and the prefill chunk >= w;
+  without a `prefill_chunk`, `generate` prefills in the paper's 16K chunks once w is 4096, else
+  in its default chunks (`prefill_chunk`).
 - Decode: a token's gate score is computed when it is written (the same per-token function the
   paper applies to its 128-token buffer of hidden states). Every `decode_buffer` = 128 generated
   tokens, each sequence evicts globally down to floor(r * current length) per head on average,
