@@ -78,8 +78,9 @@ def forward_cached(
       kv: the KV state holding everything before this chunk.
       policy: the cache policy (static); decides admission at write time.
       collect_queries: also return every layer's rotated queries, "queries" [L, B, N, C, H].
-      collect_input_stats: also return per-layer sums over the valid tokens of the attention
-        input and of its square, "input_sum" and "input_sq_sum" f32 [L, B, D].
+      collect_input_stats: also return per-layer statistics of the attention input over the
+        chunk's valid tokens: "input_mean" and "input_m2" (sum of squared deviations from that
+        mean, two-pass) f32 [L, B, D], to be combined across chunks (`combine_moments`).
       read_budget: int32 [B] tokens' worth of pages a page-selecting policy reads (Quest).
       policy_params: the policy's learned parameters (gates), every leaf stacked [L, ...];
         layer l's slice reaches `policy.write_scores`. None for policies without parameters.
@@ -123,9 +124,7 @@ def forward_cached(
         if collect_queries:
             collected["queries"] = q
         if collect_input_stats:
-            h32 = jnp.where(valid, h.astype(jnp.float32), 0.0)
-            collected["input_sum"] = jnp.sum(h32, axis=1)
-            collected["input_sq_sum"] = jnp.sum(h32 * h32, axis=1)
+            collected["input_mean"], collected["input_m2"] = chunk_moments(h, valid)
         x = decoder.attention_output_and_mlp(lp, cfg, x, attn)
         return (x, pool), (page_table, lengths, ring, collected)
 
@@ -136,3 +135,24 @@ def forward_cached(
     )
     kv = dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths, ring=ring)
     return decoder.final_hidden(params, cfg, x), kv, collected
+
+
+def chunk_moments(h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Mean and sum of squared deviations f32 [B, D] of h [B, C, D] over the valid [B, C, 1]
+    tokens, in two passes (a large mean does not cancel the variance away)."""
+    h32 = h.astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(valid, axis=1), 1).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(valid, h32, 0.0), axis=1) / count
+    deviation = jnp.where(valid, h32 - mean[:, None], 0.0)
+    return mean, jnp.sum(deviation * deviation, axis=1)
+
+
+def combine_moments(count_a, mean_a, m2_a, count_b, mean_b, m2_b):
+    """Chan et al.'s parallel update: (count, mean, m2) of two disjoint sets of tokens from each
+    one's. Counts broadcast against the means (e.g. [B, 1] with [L, B, D])."""
+    count = count_a + count_b
+    safe = jnp.maximum(count, 1).astype(jnp.float32)
+    delta = mean_b - mean_a
+    mean = mean_a + delta * (count_b / safe)
+    m2 = m2_a + m2_b + delta * delta * (count_a * count_b / safe)
+    return count, mean, m2

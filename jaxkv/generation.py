@@ -21,7 +21,7 @@ from jaxkv.cache.geometry import (
 )
 from jaxkv.cache.int8 import check_dtype, start_int8
 from jaxkv.cache.repack import grow
-from jaxkv.forward import forward_cached
+from jaxkv.forward import combine_moments, forward_cached
 from jaxkv.policies import FullCache, Policy
 from jaxkv.policies.base import DecodeContext, PrefillObservations, after_decode_step
 from jaxkv.sampling import Sampler
@@ -258,12 +258,13 @@ class _PrefillCarry:
     Attributes:
       last_hidden: [B, D] final-normed hidden state of each prompt's last token (once seen).
       window: [L, B, N, w, H] observed queries (None unless the policy observes any).
-      sums: f32 [L, B, D] sums of the attention input and of its square (None unless asked).
+      moments: the attention input's (count f32 [B, 1], mean, m2 f32 [L, B, D]) over the
+        prompt tokens seen so far, combined chunk by chunk (None unless the policy asks).
     """
 
     last_hidden: jax.Array
     window: jax.Array | None
-    sums: tuple[jax.Array, jax.Array] | None
+    moments: tuple[jax.Array, jax.Array, jax.Array] | None
 
 
 def _empty_carry(model: Model, batch: int, policy: Policy) -> _PrefillCarry:
@@ -274,7 +275,7 @@ def _empty_carry(model: Model, batch: int, policy: Policy) -> _PrefillCarry:
     return _PrefillCarry(
         last_hidden=jnp.zeros((batch, cfg.hidden_size), model.dtype),
         window=jnp.zeros(shape, model.dtype) if w else None,
-        sums=(zeros, zeros) if policy.needs_input_stats else None,
+        moments=(jnp.zeros((batch, 1)), zeros, zeros) if policy.needs_input_stats else None,
     )
 
 
@@ -312,7 +313,7 @@ def _prefill_span(
             policy=policy,
             backend=backend,
             collect_queries=w > 0,
-            collect_input_stats=carry.sums is not None,
+            collect_input_stats=carry.moments is not None,
             policy_params=policy_params,
         )
         seen = jnp.minimum(start + chunk, lengths)
@@ -322,12 +323,15 @@ def _prefill_span(
         is_last = token_index == lengths[:, None] - 1
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
         last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, carry.last_hidden)
-        window, sums = carry.window, carry.sums
+        window, moments = carry.window, carry.moments
         if w:
             window = _record_window_queries(window, collected["queries"], positions, lengths)
-        if sums is not None:
-            sums = (sums[0] + collected["input_sum"], sums[1] + collected["input_sq_sum"])
-        return kv, _PrefillCarry(last_hidden=last_hidden, window=window, sums=sums)
+        if moments is not None:
+            count = jnp.sum(positions >= 0, axis=1, keepdims=True).astype(jnp.float32)
+            moments = combine_moments(
+                *moments, count, collected["input_mean"], collected["input_m2"]
+            )
+        return kv, _PrefillCarry(last_hidden=last_hidden, window=window, moments=moments)
 
     return jax.lax.fori_loop(first_chunk, end_chunk, step, (kv, carry))
 
@@ -337,10 +341,9 @@ def _compress(model, tokens, lengths, budget_tokens, kv, carry: _PrefillCarry, k
     head's tokens but the newest `full_precision_window` move to int8.
     Returns (kv, last_hidden)."""
     mean = var = None
-    if carry.sums is not None:
-        n = lengths[None, :, None].astype(jnp.float32)
-        mean = carry.sums[0] / n
-        var = jnp.maximum(carry.sums[1] - n * mean * mean, 0.0) / jnp.maximum(n - 1, 1)
+    if carry.moments is not None:
+        count, mean, m2 = carry.moments
+        var = m2 / jnp.maximum(count - 1, 1)  # unbiased
     obs = PrefillObservations(
         prompt_lengths=lengths,
         budget_tokens=budget_tokens,
