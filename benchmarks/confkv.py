@@ -185,7 +185,7 @@ def teacher_forced(model, policy, texts: list[bytes], s: Settings, policy_params
         ],
         "kv_bytes_per_sequence": float(memory.mean()),
         "tokens_per_head": float(held.mean()),
-        "confident_fraction": float(np.mean(conf >= 0.7)),
+        "confident_fraction": float(np.mean(conf >= getattr(policy, "tau", policies.ConfKV.tau))),
         "trace": {
             "kv_bytes": memory.tolist(),
             "tokens_per_head": held.tolist(),

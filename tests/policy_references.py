@@ -155,10 +155,18 @@ def adakv_snapkv(fwd: Forward, budget: int, window: int, safeguard: float = 0.2)
     return out
 
 
+def sage_split(budget: int, group: int) -> tuple[int, int, int]:
+    """SAGE-KV appendix A.2: B/4 sinks; k = B/(2G) per query head, rounded down to a power of
+    two as the paper does for Qwen2.5 (B = 8192, G = 7: 585 -> 512); the rest is recent."""
+    sinks = budget // 4
+    half = budget // (2 * group)
+    per_head = 2 ** int(np.floor(np.log2(half))) if half >= 1 else 0
+    return sinks, per_head, budget - sinks - group * per_head
+
+
 def sage_kv(fwd: Forward, budget: int):
     group = fwd.group
-    sinks, per_head = budget // 4, budget // (4 * group)
-    recent = budget - sinks - group * per_head
+    sinks, per_head, recent = sage_split(budget, group)
     out = []
     for attn in fwd.attentions:
         t = attn.shape[-1]

@@ -155,7 +155,9 @@ def test_h2o_decode_keeps_budget_and_recent_window(model):
 
 def test_sage_kv_recent_window_slides(model):
     prompts = [np.random.default_rng(5).integers(0, 64, 100).tolist()]
-    budget = 32  # sinks 8, top-k 4 per query head (G = 2), recent 32 - 8 - 8 = 16
+    # The paper's split, G = 2: sinks 32/4 = 8, top-k 32/(2*2) = 8 per query head (a power of
+    # two already), recent 32 - 8 - 2*8 = 8.
+    budget, recent = 32, 8
     state = jaxkv.compress_prompt(model, prompts, policies.SageKV(budget=budget), page_size=4)
     out = jaxkv.generate(
         model,
@@ -169,8 +171,8 @@ def test_sage_kv_recent_window_slides(model):
     last = 100 + 9 - 2
     for index in np.ndindex(before.shape[:3]):
         kept_before = before[index][before[index] >= 0]
-        selected = kept_before[kept_before < 100 - 16]
-        expected = sorted(set(selected.tolist()) | set(range(last - 15, last + 1)))
+        selected = kept_before[kept_before < 100 - recent]
+        expected = sorted(set(selected.tolist()) | set(range(last - recent + 1, last + 1)))
         assert after[index][after[index] >= 0].tolist() == expected
 
 

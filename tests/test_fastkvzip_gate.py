@@ -23,25 +23,60 @@ def random_params(seed=0):
 
 
 def numpy_scores(p, h):
-    """The paper's formula token by token, head by head, in float64. h [C, D] -> [K, C]."""
-    k_heads, g = p["bias"].shape
-    e = p["q_norm"].shape[0]
+    """METHODS.md's gate, written from its text, token by token and head by head in float64.
 
-    def rms(x, w):
-        return x / np.sqrt(np.mean(x * x) + 1e-6) * w
+    h [C, D] -> [K, C]. For KV head k, query head j: q = RMSNorm_q(W_q h + b_q), key =
+    RMSNorm_k(W_k h) (RMSNorm over D' = E, one weight, eps 1e-6); logit = q . key / sqrt(D') + b
+    with b[k, j] added once; sinks_r = q . k_sink_r / sqrt(D'); the token's own key competes
+    with the S sinks in one softmax: score = e^logit / (e^logit + sum_r e^sinks_r), the same
+    as 1 / (1 + sum_r exp(sinks_r - logit)); s_k = mean over j.
+    """
+    wq, bq, wk = (np.asarray(p[n], np.float64) for n in ("wq", "bq", "wk"))
+    q_weight, k_weight = np.asarray(p["q_norm"], np.float64), np.asarray(p["k_norm"], np.float64)
+    sink_keys, logit_bias = np.asarray(p["sinks"], np.float64), np.asarray(p["bias"], np.float64)
+    num_kv, group, dim = bq.shape
 
-    out = np.zeros((k_heads, len(h)))
-    for t, x in enumerate(h.astype(np.float64)):
-        for k in range(k_heads):
-            key = rms(x @ p["wk"][:, k], p["k_norm"])
-            per_head = []
-            for j in range(g):
-                q = rms(x @ p["wq"][:, k, j] + p["bq"][k, j], p["q_norm"])
-                logit = q @ key / np.sqrt(e) + p["bias"][k, j]
-                sinks = p["sinks"][k] @ q / np.sqrt(e)
-                per_head.append(1.0 / (1.0 + np.sum(np.exp(sinks - logit))))
-            out[k, t] = np.mean(per_head)
+    def rms_norm(x, weight):
+        return weight * x / np.sqrt(np.sum(x**2) / len(x) + 1e-6)
+
+    out = np.zeros((num_kv, len(h)))
+    for t, token in enumerate(np.asarray(h, np.float64)):
+        for k in range(num_kv):
+            key = rms_norm(np.einsum("d,de->e", token, wk[:, k]), k_weight)
+            scores = []
+            for j in range(group):
+                q = rms_norm(np.einsum("d,de->e", token, wq[:, k, j]) + bq[k, j], q_weight)
+                logits = np.concatenate(
+                    [
+                        [q.dot(key) / np.sqrt(dim) + logit_bias[k, j]],
+                        sink_keys[k].dot(q) / np.sqrt(dim),
+                    ]
+                )
+                e = np.exp(logits - logits.max())
+                scores.append(e[0] / e.sum())
+            out[k, t] = sum(scores) / group
     return out
+
+
+def test_logit_bias_is_added_once():
+    """Raising b[k, j] by delta multiplies the score's odds e^logit / sum_r e^sinks_r by
+    e^delta (added twice it would be e^(2 delta))."""
+    params = jax.tree.map(np.float32, random_params(3))
+    lp = gate.layer_slice(params, 0)
+    h = np.random.default_rng(4).standard_normal((1, 5, CONFIG.hidden_size)).astype(np.float32)
+    delta = 0.75
+    shifted = dict(lp, bias=lp["bias"] + np.float32(delta))
+    before = np.asarray(gate.head_scores(lp, h), np.float64)
+    after = np.asarray(gate.head_scores(shifted, h), np.float64)
+    odds_ratio = (after / (1 - after)) / (before / (1 - before))
+    np.testing.assert_allclose(odds_ratio, np.exp(delta), rtol=1e-4)
+
+
+def test_fastkvzip_needs_policy_params():
+    from jaxkv import policies
+
+    assert policies.FastKVzip.needs_params
+    assert policies.get("fastkvzip", ratio=0.5).needs_params
 
 
 def test_gate_matches_numpy_formula():

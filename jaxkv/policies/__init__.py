@@ -12,7 +12,16 @@ from jaxkv.policies.base import (
     registered,
 )
 from jaxkv.policies.compose import Composed, compose
-from jaxkv.policies.confkv import ConfidenceWeights, ConfKV, Ranking, confidence
+from jaxkv.policies.confkv import (
+    ConfidenceWeights,
+    ConfKV,
+    Ranking,
+    confidence,
+    confidence_features,
+    confidence_from_features,
+    confidence_logit,
+    is_confident,
+)
 from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView
 from jaxkv.policies.fastkvzip import FastKVzip
 from jaxkv.policies.gvote import GVote
@@ -73,7 +82,11 @@ __all__ = [
     "StreamingLLM",
     "compose",
     "confidence",
+    "confidence_features",
+    "confidence_from_features",
+    "confidence_logit",
     "get",
+    "is_confident",
     "long_range_attention_mass",
     "register",
     "registered",

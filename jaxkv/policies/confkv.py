@@ -2,18 +2,28 @@
 
 Each decode step: confidence c from the step's logits (normalised entropy, top-2 log-prob
 margin, top probability, through a sigmoid of a weighted sum); budget B_t = tight if c >= tau
-else loose; a head holding more than B_t (per layer: B_t scaled by a linear pyramid when
+else loose; a layer holding more than B_t per head (B_t scaled by a linear pyramid when
 `pyramid`) evicts its lowest-ranked tokens. Rank = alpha * mass + (1 - alpha) * recency, both
 min-max normalised over the candidates (everything but the newest `protected` positions); mass
-is an exponential moving average of the attention each token receives, averaged over its KV
-head's query heads, updated by every query (prompt queries included, in order).
+is an exponential moving average of the attention each token receives, updated by every query
+(prompt queries included, in order).
 Formulas and defaults: shared METHODS.md (the paper's text lost them).
+
+Readings where the paper is ambiguous (docs/confkv.md):
+- One ranking per layer (the paper: "for token i in layer l, attention mass is averaged over
+  heads"): the mass is averaged over all the layer's query heads, and every KV head of the
+  layer evicts the same positions. `per_head=True` ranks each KV head on its own (mass
+  averaged over its G query heads), as this library did before.
+- The threshold: c >= tau is decided on the logit, z >= logit(tau), because the f32 sigmoid
+  saturates to exactly 1.0 (for z above ~17) and would make tau = 1 - tiny (or tau = 1) pass.
+  So tau = 0 is always tight and tau = 1 never.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import ClassVar
 
 import jax
@@ -54,11 +64,42 @@ def confidence_features(logits: jax.Array):
     return normalised, top2[:, 0] - top2[:, 1], jnp.exp(top2[:, 0])
 
 
+def confidence_logit(features, weights: ConfidenceWeights = ConfidenceWeights()) -> jax.Array:
+    """f32 [B]: z = entropy * ent + margin * log-margin + top * p1 + bias, from the features
+    (ent, margin, p1) of `confidence_features`; the confidence is sigmoid(z)."""
+    ent, margin, top = (jnp.asarray(x, jnp.float32) for x in features)
+    return weights.entropy * ent + weights.margin * margin + weights.top * top + weights.bias
+
+
+def confidence_from_features(
+    features, weights: ConfidenceWeights = ConfidenceWeights()
+) -> jax.Array:
+    """f32 [B] in [0, 1]: sigmoid(`confidence_logit`); increasing in each feature whose weight
+    is positive (strictly in z; f32 sigmoid rounds to 1.0 for z above ~17)."""
+    return jax.nn.sigmoid(confidence_logit(features, weights))
+
+
 def confidence(logits: jax.Array, weights: ConfidenceWeights = ConfidenceWeights()) -> jax.Array:
-    """f32 [B] in (0, 1): the step's confidence."""
-    ent, margin, top = confidence_features(logits)
-    z = weights.entropy * ent + weights.margin * margin + weights.top * top + weights.bias
-    return jax.nn.sigmoid(z)
+    """f32 [B] in [0, 1]: the step's confidence from its next-token logits [B, V]."""
+    return confidence_from_features(confidence_features(logits), weights)
+
+
+def tau_logit(tau: float) -> float:
+    """logit(tau) in float64 (-inf for 0, +inf for 1): c >= tau exactly when z >= logit(tau)."""
+    if tau <= 0.0:
+        return -math.inf
+    if tau >= 1.0:
+        return math.inf
+    return math.log(tau) - math.log1p(-tau)
+
+
+def is_confident(
+    logits: jax.Array, tau: float, weights: ConfidenceWeights = ConfidenceWeights()
+) -> jax.Array:
+    """bool [B]: c >= tau, decided on the logit (z >= logit(tau)) rather than on the f32
+    sigmoid, which rounds every z above ~17 to exactly 1.0 (c = 1 - 1e-8 would otherwise pass
+    tau = 1 - 5e-9). tau = 0 is always confident, tau = 1 never (for finite logits)."""
+    return confidence_logit(confidence_features(logits), weights) >= tau_logit(tau)
 
 
 def pyramid_scale(num_layers: int, gamma_max: float, gamma_min: float) -> jax.Array:
@@ -94,13 +135,17 @@ class ConfKV(base.Policy):
     Attributes:
       tight, loose: budgets in tokens per (layer, sequence, head) on confident / uncertain steps
         (per-request values: stripped in the copy jit sees).
-      tau: confidence threshold; tau = 0 always picks the tight budget.
+      tau: confidence threshold in [0, 1], compared as z >= logit(tau) (`is_confident`):
+        tau = 0 always picks the tight budget, tau = 1 never does.
       protected: the newest positions never evicted (R).
       beta: EMA decay of attention mass; alpha: weight of mass against recency.
       pyramid: per-layer budgets B_t * (gamma_max - (gamma_max - gamma_min) * l / (L - 1)).
       ranking: COMPOSITE, or RANDOM for the matched-rate ablation.
       evict_every: decode steps between evictions, each down to that step's budget B_t; in
         between a head holds up to that many tokens more (1: the paper's every step).
+      per_head: False (the paper): one ranking per layer, the attention mass averaged over all
+        its query heads, the same positions evicted from every KV head; True: each KV head
+        ranks and evicts on its own, its mass averaged over its G query heads.
     """
 
     name: ClassVar[str] = "confkv"
@@ -118,6 +163,7 @@ class ConfKV(base.Policy):
     gamma_min: float = 0.5
     ranking: Ranking = Ranking.COMPOSITE
     evict_every: int = 32
+    per_head: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "ranking", Ranking(self.ranking))
@@ -184,9 +230,19 @@ class ConfKV(base.Policy):
 
     def step_budgets(self, kv: KVState, ctx: base.DecodeContext) -> jax.Array:
         """int32 [L, B]: this step's budget per layer and sequence."""
-        confident = confidence(ctx.logits, self.weights) >= self.tau
+        confident = is_confident(ctx.logits, self.tau, self.weights)
         budget = jnp.where(confident, ctx.budget_tokens[:, 0], ctx.budget_tokens[:, 1])
         return self.layer_budgets(budget, kv.num_layers)
+
+    def ranking_mass(self, kv: KVState) -> jax.Array:
+        """f32 [L, B, K, S]: the attention mass the ranking reads. Per layer (the default), the
+        mean over the layer's KV heads of their group means, i.e. over all its query heads:
+        every eviction removes the same positions from all the layer's heads, so they hold the
+        same positions in the same slots (prefill writes every token to every head)."""
+        mass = kv.token_scores()
+        if self.per_head:
+            return mass
+        return jnp.broadcast_to(jnp.mean(mass, axis=2, keepdims=True), mass.shape)
 
     def _evict(self, kv: KVState, budgets, newest_positions, key) -> KVState:
         """Each head keeps its newest `protected` positions (up to newest_positions [B]) and its
@@ -199,9 +255,12 @@ class ConfKV(base.Policy):
             newest = positions > newest_positions[None, :, None, None] - self.protected
             protected = held & newest
             if self.ranking is Ranking.RANDOM:
-                scores = jax.random.uniform(key, positions.shape)
+                heads = positions.shape[2] if self.per_head else 1
+                shape = (*positions.shape[:2], heads, positions.shape[3])
+                scores = jnp.broadcast_to(jax.random.uniform(key, shape), positions.shape)
             else:
-                scores = rank_scores(kv.token_scores(), positions, held, protected, self.alpha)
+                mass = self.ranking_mass(kv)
+                scores = rank_scores(mass, positions, held, protected, self.alpha)
             budget = jnp.broadcast_to(budgets, kv.lengths.shape)
             return compact(kv, keep_top_per_head(scores, budget, held, protected))
 

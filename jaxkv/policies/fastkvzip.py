@@ -71,6 +71,7 @@ class FastKVzip(Policy):
 
     name: ClassVar[str] = "fastkvzip"
     evicts_during_decode: ClassVar[bool] = True
+    needs_params: ClassVar[bool] = True
 
     ratio: float | None = None
     window: int | None = None

@@ -33,6 +33,22 @@ def nucleus_budget(probs: jax.Array, nucleus: float) -> jax.Array:
     return jnp.sum(jnp.cumsum(sorted_probs, axis=-1) < nucleus, axis=-1) + 1
 
 
+def vote(queries: jax.Array, keys: jax.Array, held: jax.Array, step_budget: jax.Array):
+    """bool [B, K, S]: each sampled query of each query head votes for its top-b keys by logit
+    q . k (b = its head's step budget); a KV head keeps the union of its group's votes.
+
+    queries [B, N, X, H] (X samples), keys [B, K, S, H], held bool [B, K, S], step_budget [B, N].
+    """
+    b, num_kv, s, h = keys.shape
+    num_samples = queries.shape[2]
+    group = queries.shape[1] // num_kv
+    qg = queries.reshape(b, num_kv, group, num_samples, h)
+    logits = jnp.einsum("bkgxh,bksh->bkgxs", qg, keys, preferred_element_type=jnp.float32)
+    logits = jnp.where(held[:, :, None, None, :], logits, -jnp.inf)
+    votes = rank_descending(logits) < step_budget.reshape(b, num_kv, group)[..., None, None]
+    return jnp.any(votes, axis=(2, 3)) & held
+
+
 def sample_hidden_states(key, mean, var, num_samples: int) -> jax.Array:
     """[B, S, D] draws of N(mean, var) with mean, var [B, D]."""
     noise = jax.random.normal(key, (mean.shape[0], num_samples, mean.shape[1]), jnp.float32)
@@ -87,13 +103,7 @@ class GVote(base.Policy):
         sin = jnp.broadcast_to(sin.mean(axis=1, keepdims=True), cos.shape)
         hidden = hidden.astype(view.keys.dtype)
         queries = project_queries(view.params, cfg, hidden, cos, sin)  # [B, N, S_samples, H]
-        b, num_kv, s, h = view.keys.shape
-        group = queries.shape[1] // num_kv
-        qg = queries.reshape(b, num_kv, group, self.num_samples, h)
-        logits = jnp.einsum("bkgxh,bksh->bkgxs", qg, view.keys, preferred_element_type=jnp.float32)
-        logits = jnp.where(view.held[:, :, None, None, :], logits, -jnp.inf)
-        votes = rank_descending(logits) < step_budget.reshape(b, num_kv, group)[..., None, None]
-        return jnp.any(votes, axis=(2, 3)) & view.held
+        return vote(queries, view.keys, view.held, step_budget)
 
     def compress(self, kv: KVState, obs: base.PrefillObservations, model) -> KVState:
         keep = map_layers(kv, obs, model, lambda view: self.keep_mask(view, model.config))

@@ -1,9 +1,15 @@
 """SAGE-KV: one-shot top-k after prefill from the last token's attention, with sinks and recents.
 
-With a budget of B tokens per head and G query heads per KV head: B/4 sinks, each query head
-picks its top B/(4G) candidates by the last query's attention, the KV head keeps the union over
-its G heads, and the newest B - B/4 - G * B/(4G) tokens (the last one included) form the recent
-window. During decode each new token joins the recent window and its oldest token is evicted.
+With a budget of B tokens per head and G query heads per KV head (the paper's appendix A.2,
+whose formula is garbled in the text; this split reproduces its worked numbers): B/4 sinks;
+each query head picks its top k candidates by the last query's attention, k = B/(2G) rounded
+down to a power of two (B = 8192: Llama, G = 4, k = 1024; Qwen2.5, G = 7, k = 512); the KV head
+keeps the union over its G heads; the newest B - B/4 - G*k tokens (the last one included) form
+the recent window (2048 for Llama, 2560 for Qwen2.5). During decode each new token joins the
+recent window and its oldest token is evicted.
+
+The sinks and the recent window come from the budget, so `SageKV` rejects the `sinks=` and
+`recent=` fields it inherits from `EvictionPolicy` (a named ValueError) rather than ignore them.
 """
 
 from __future__ import annotations
@@ -21,9 +27,13 @@ from jaxkv.policies.eviction import DecodeEviction, LayerView
 
 
 def sage_split(budget_tokens: jax.Array, group_size: int):
-    """(sinks, top-k per query head, recent window) int32 [B] for budgets [B]."""
+    """(sinks, top-k per query head, recent window) int32 [B] for budgets [B]: B // 4 sinks,
+    k = the power of two at or below B // (2G) (0 when B < 2G), recent = B - B // 4 - G * k."""
+    budget_tokens = jnp.asarray(budget_tokens, jnp.int32)
     sinks = budget_tokens // 4
-    per_head = budget_tokens // (4 * group_size)
+    half_per_head = budget_tokens // (2 * group_size)
+    highest_bit = 31 - jax.lax.clz(jnp.maximum(half_per_head, 1))
+    per_head = jnp.where(half_per_head > 0, jnp.left_shift(1, highest_bit), 0)
     return sinks, per_head, budget_tokens - sinks - group_size * per_head
 
 
@@ -34,6 +44,15 @@ class SageKV(DecodeEviction):
     steps (in between it holds up to that many tokens more)."""
 
     name: ClassVar[str] = "sage_kv"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sinks or self.recent:
+            raise ValueError(
+                f"policy 'sage_kv' takes no sinks= or recent= (got sinks={self.sinks}, "
+                f"recent={self.recent}): its split comes from the budget B (B/4 sinks, top-k "
+                "= B/(2G) rounded down to a power of two per query head, the rest recent)"
+            )
 
     @property
     def observation_window(self) -> int:
