@@ -7,7 +7,9 @@ else loose; a layer holding more than B_t per head (B_t scaled by a linear pyram
 min-max normalised over the candidates (everything but the newest `protected` positions); mass
 is an exponential moving average of the attention each token receives, updated by every query
 (prompt queries included, in order).
-Formulas and defaults: shared METHODS.md (the paper's text lost them).
+Paper: "CONF-KV: Confidence-Aware KV Cache Eviction with Mixed-Precision Storage for Long-Horizon
+LLM" (no arXiv id known). Formulas and defaults: docs/confkv.md, "Method" (the paper's text does
+not give them).
 
 Readings where the paper is ambiguous (docs/confkv.md):
 - One ranking per layer (the paper: "for token i in layer l, attention mass is averaged over
