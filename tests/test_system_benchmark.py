@@ -15,7 +15,8 @@ def _rows(report):
 
 def test_in_process_rows_fields_and_ratios(tmp_path):
     out = tmp_path / "tiny"
-    argv = [*TINY, "--contexts", "256", "--in-process", "--out", str(out)]
+    # Long enough for the full cache's pool to outgrow the smallest pool bucket (256 pages).
+    argv = [*TINY, "--contexts", "2048", "--in-process", "--out", str(out)]
     argv += ["--policies", "full", "streaming_llm:0.25", "fastkvzip:0.01:window=64"]
     report = system.main(argv)
     assert json.loads(out.with_suffix(".json").read_text())["rows"] == report["rows"]
