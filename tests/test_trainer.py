@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+import jaxkv  # noqa: F401  (before models: `import models` alone is a circular import today)
 from models import init_params
 from train import corpus as corpus_lib
 from train import pretrain, trainer

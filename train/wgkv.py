@@ -43,6 +43,7 @@ from models.decoder import (
     project_unrotated_keys_values,
 )
 from train import corpus as corpus_lib
+from train import mesh as mesh_lib
 from train import pretrain, trainer
 
 PROMPT_PREFIX = b"Please analyze and summarize the following text:\n\n"
@@ -252,10 +253,12 @@ def train_gates(
     if work_dir is not None:
         work_dir = Path(work_dir)
         work_dir.mkdir(parents=True, exist_ok=True)
+    mesh = mesh or trainer.make_mesh()
     state, logged = trainer.train(
         make_loss(cfg, spec, backend=backend, remat=remat),
         params,
-        lambda step: make_batch(corpus, spec, seed, step),
+        # Every process builds the step's global batch and feeds its own rows.
+        lambda step: mesh_lib.process_rows(make_batch(corpus, spec, seed, step), mesh),
         train_config,
         mesh=mesh,
         trainable=trainable,
@@ -265,7 +268,7 @@ def train_gates(
         stop_after=stop_after,
         progress=progress,
     )
-    return jax.device_get(state.params["gates"]), state, logged
+    return trainer.gather_to_host(state.params["gates"]), state, logged
 
 
 def evaluate_gates(
