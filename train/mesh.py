@@ -34,8 +34,8 @@ def check_axes(mesh: Mesh) -> None:
     if unused or not mesh.axis_names:
         raise ValueError(
             f"mesh axes {tuple(mesh.axis_names)}: the trainer does not use {tuple(unused)}; "
-            f"supported axes are {SUPPORTED_AXES} ({DATA_AXIS!r}: batch rows, parameters "
-            f"replicated; {FSDP_AXIS!r}: batch rows and parameters sharded)"
+            f"it splits batch rows over an axis named {DATA_AXIS!r} (parameters replicated) "
+            f"and/or {FSDP_AXIS!r} (parameters sharded too): supported axes are {SUPPORTED_AXES}"
         )
 
 

@@ -61,7 +61,7 @@ class GateTraining:
       band: W, the local window inside which the gate does not act (and the policy's ring).
       sparsity_weight: lambda, the weight of the admission cost in the loss.
       seq_len: tokens per row.
-      batch_size: rows per step (a multiple of the devices; the paper uses one sequence).
+      batch_size: rows per step (a multiple of the mesh's devices; the paper uses one sequence).
       episode_fraction: share of rows that are retrieval episodes rather than plain text.
     """
 
@@ -328,6 +328,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--work-dir", type=Path, help="checkpoints and metrics (default OUT/run)")
     parser.add_argument("--stop-after", type=int, help="stop after this many steps in all")
+    mesh_lib.add_mesh_argument(parser)
     args = parser.parse_args(argv)
     spec = GateTraining(
         band=args.band,
@@ -339,6 +340,7 @@ def main(argv=None) -> dict:
     config = gate_train_config(
         args.steps, args.learning_rate, checkpoint_every=args.checkpoint_every
     )
+    mesh = mesh_lib.cli_mesh(args.mesh, spec.batch_size)
     model = load_hf_checkpoint(args.model, dtype="float32")
     work_dir = args.work_dir or args.out / "run"
     started = time.perf_counter()
@@ -352,6 +354,7 @@ def main(argv=None) -> dict:
         expand=args.expand,
         backend=args.backend,
         remat=args.remat,
+        mesh=mesh,
         work_dir=work_dir,
         stop_after=args.stop_after,
     )
@@ -365,6 +368,8 @@ def main(argv=None) -> dict:
         "steps": args.steps,
         "wall_seconds_this_run": train_seconds,
         "device": jax.devices()[0].device_kind,
+        "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
         "final": logged[-1] if logged else None,
     }
     if int(state.step) == args.steps:
@@ -379,6 +384,7 @@ def main(argv=None) -> dict:
             backend=args.backend,
         )
         summary["heldout"]["rows"] = args.eval_rows
+    if int(state.step) == args.steps and jax.process_index() == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         gates_lib.save_write_gates(gates, args.out / "gates.safetensors")
         (args.out / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
