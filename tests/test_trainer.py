@@ -1,15 +1,21 @@
-"""The trainer: 8 devices equal 1, resumption equals an uninterrupted run, frozen subtrees stay."""
+"""The trainer: 8 devices equal 1, resumption equals an uninterrupted run, frozen subtrees stay;
+meshes: the data and fsdp axes, others refused, batch rows checked, the stages' --mesh."""
 
 import dataclasses
 import json
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from models import init_params
+from jaxkv import cli  # before models: `import models` alone is a circular import today
+from models import init_model, init_params, save_hf_checkpoint
 from train import corpus as corpus_lib
-from train import pretrain, trainer
+from train import fastkvzip, pretrain, trainer, wgkv
+from train import mesh as mesh_lib
 
 RECIPE = pretrain.RECIPES["smoke"]
 CONFIG = dataclasses.replace(
@@ -139,3 +145,131 @@ def test_batch_rows_must_divide_over_devices(train_text):
             trainer.TrainConfig(steps=2, warmup_steps=0),
             progress=False,
         )
+
+
+# Meshes: every axis used or refused, batches checked against them, the stages' --mesh.
+
+
+def test_data_and_fsdp_axes_match_one_device(train_text):
+    _, one = _run(train_text, mesh=trainer.make_mesh(jax.devices()[:1]), steps=3)
+    state, both = _run(train_text, mesh=mesh_lib.make_mesh(fsdp=2), steps=3)  # data=4, fsdp=2
+    assert dict(state.params["layers"]["w_up"].sharding.mesh.shape) == {"data": 4, "fsdp": 2}
+    assert state.params["layers"]["w_up"].sharding.spec == P(None, None, "fsdp")
+    np.testing.assert_allclose([r["loss"] for r in both], [r["loss"] for r in one], atol=1e-5)
+
+
+def _quadratic_loss(params, batch):
+    return jnp.mean((batch["x"] @ params["w"]) ** 2), {}
+
+
+def _quadratic_run(mesh, rows=8):
+    batch = {"x": np.ones((rows, 4), np.float32)}
+    cfg = trainer.TrainConfig(steps=1, warmup_steps=0)
+    params = {"w": np.ones((4, 2), np.float32)}
+    return trainer.train(_quadratic_loss, params, lambda _: batch, cfg, mesh=mesh, progress=False)
+
+
+def test_unused_mesh_axis_is_refused():
+    mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices())
+    with pytest.raises(ValueError, match=r"does not use \('model',\).*\('data', 'fsdp'\)"):
+        _quadratic_run(mesh)
+
+
+def test_rows_not_dividing_the_batch_axes_name_them():
+    with pytest.raises(ValueError, match=r"has 6 rows, not a multiple of the 8 .*data=4, fsdp=2"):
+        _quadratic_run(mesh_lib.make_mesh(fsdp=2), rows=6)
+
+
+@pytest.mark.parametrize(
+    ("text", "sizes"),
+    [("data=4", {"data": 4}), ("data=2,fsdp=4", {"data": 2, "fsdp": 4}), ("fsdp=-1", {"fsdp": -1})],
+)
+def test_parse_mesh(text, sizes):
+    assert mesh_lib.parse_mesh(text) == sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("data=2,model=4", r"axis 'model' is not used by the trainer; supported axes are"),
+        ("data", r"'data' is not AXIS=SIZE"),
+        ("data=two", r"size 'two' of 'data' is not an integer"),
+        ("data=2,data=4", r"'data' given twice"),
+        ("data=0", r"data=0 must be >= 1"),
+        ("data=-1,fsdp=-1", r"at most one axis may be -1"),
+    ],
+)
+def test_bad_mesh_text(text, message):
+    with pytest.raises(ValueError, match=message):
+        mesh_lib.parse_mesh(text)
+
+
+def test_cli_mesh_defaults_and_errors():
+    assert dict(mesh_lib.cli_mesh(None, 1).shape) == {"data": 1}  # jaxkv train wgkv's default
+    assert dict(mesh_lib.cli_mesh(None, 6).shape) == {"data": 6}
+    assert dict(mesh_lib.cli_mesh(None, 32).shape) == {"data": 8}
+    assert dict(mesh_lib.cli_mesh("data=-1,fsdp=2", 8).shape) == {"data": 4, "fsdp": 2}
+    assert dict(mesh_lib.cli_mesh("fsdp=4", 4).shape) == {"fsdp": 4}
+    with pytest.raises(ValueError, match=r"--batch-size a multiple of 8, or pass --mesh data=1"):
+        mesh_lib.cli_mesh("data=8", 1)
+    with pytest.raises(ValueError, match=r"needs 16 devices .* jax.distributed is not initialised"):
+        mesh_lib.cli_mesh("data=16", 16)
+
+
+@pytest.fixture(scope="module")
+def gate_model_dir(tmp_path_factory):
+    from tests.test_wgkv_training import CONFIG as GATE_CONFIG
+
+    path = tmp_path_factory.mktemp("gate-model")
+    save_hf_checkpoint(init_model(GATE_CONFIG, seed=0, scale=0.3), path)
+    return path
+
+
+WGKV_TINY = ["--seq-len", "128", "--band", "32", "--episode-fraction", "0", "--steps", "2"]
+WGKV_TINY += ["--eval-rows", "1", "--checkpoint-every", "0"]
+
+
+def test_wgkv_stage_default_batch_and_a_two_axis_mesh(gate_model_dir, tmp_path):
+    common = ["--model", str(gate_model_dir), *WGKV_TINY]
+    default = wgkv.main([*common, "--out", str(tmp_path / "a")])  # batch 1 on 8 devices
+    assert default["mesh"] == {"data": 1} and default["steps_done"] == 2
+    both = wgkv.main(
+        [*common, "--out", str(tmp_path / "b"), "--batch-size", "4", "--mesh", "data=2,fsdp=2"]
+    )
+    assert (
+        both["mesh"] == {"data": 2, "fsdp": 2} and (tmp_path / "b" / "gates.safetensors").exists()
+    )
+
+
+def test_fastkvzip_stage_on_a_two_axis_mesh(gate_model_dir, tmp_path):
+    from tests.test_wgkv_training import CONFIG as GATE_CONFIG
+
+    rng = np.random.default_rng(0)
+    shape = (GATE_CONFIG.num_layers, GATE_CONFIG.hidden_size)
+    targets_shape = (GATE_CONFIG.num_layers, GATE_CONFIG.num_kv_heads)
+    np.savez(
+        tmp_path / "targets.npz",
+        train_h=rng.standard_normal((256, *shape)).astype(np.float16),
+        train_targets=rng.random((256, *targets_shape)).astype(np.float32),
+        validation_h=rng.standard_normal((32, *shape)).astype(np.float16),
+        validation_targets=rng.random((32, *targets_shape)).astype(np.float32),
+    )
+    argv = ["--model", str(gate_model_dir), "--targets", str(tmp_path / "targets.npz")]
+    argv += ["--steps", "4", "--warmup", "1", "--batch-tokens", "64", "--mesh", "data=2,fsdp=4"]
+    summary = fastkvzip.main([*argv, "--out", str(tmp_path / "out")])
+    assert summary["mesh"] == {"data": 2, "fsdp": 4}
+    assert np.all(np.isfinite(summary["train_bce"]))
+    assert (tmp_path / "out" / "gates.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mesh", "data=8,model=1"], "axis 'model' is not used by the trainer"),
+        (["--mesh", "data=16"], "jax.distributed is not initialised"),
+        (["--mesh", "data=3"], "make every phase's batch size a multiple of 3, or pass"),
+    ],
+)
+def test_pretrain_stage_refuses_bad_meshes(argv, message, tmp_path, capsys):
+    code = cli.main(["train", "pretrain", "--recipe", "smoke", "--out", str(tmp_path), *argv])
+    assert code == 2 and re.search(message, capsys.readouterr().err)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxkv
 from jaxkv import attention as attention_ops
@@ -52,6 +53,7 @@ from models.decoder import (
 )
 from models.layers import rope_cos_sin
 from train import corpus as corpus_lib
+from train import mesh as mesh_lib
 from train import trainer
 
 BOS = 256
@@ -196,7 +198,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for gates.safetensors + metrics")
     parser.add_argument("--work-dir", default=None, help="orbax checkpoints (resumed)")
+    mesh_lib.add_mesh_argument(parser)
     args = parser.parse_args(argv)
+    mesh = mesh_lib.cli_mesh(args.mesh, args.batch_tokens, "--batch-tokens")
 
     model = load_hf_checkpoint(args.model, dtype="float32")
     targets_path = Path(args.targets)
@@ -213,14 +217,15 @@ def main(argv=None) -> dict:
         return {}
     data = np.load(targets_path)
     train_h, train_t = data["train_h"], data["train_targets"]
-    val = {
-        "h": jnp.asarray(data["validation_h"]),
-        "targets": jnp.asarray(data["validation_targets"]),
-    }
+    # Replicated over the mesh, so that validation runs beside the (global) parameters.
+    val = jax.device_put(
+        {"h": data["validation_h"], "targets": data["validation_targets"]},
+        NamedSharding(mesh, PartitionSpec()),
+    )
 
     def batch_for_step(step: int):
         rows = np.random.default_rng([args.seed, step]).integers(0, len(train_h), args.batch_tokens)
-        return {"h": train_h[rows], "targets": train_t[rows]}
+        return mesh_lib.process_rows({"h": train_h[rows], "targets": train_t[rows]}, mesh)
 
     validation_loss = jax.jit(per_layer_loss)
 
@@ -242,7 +247,7 @@ def main(argv=None) -> dict:
     optimizer = sgd_optimizer(args.steps, lr, args.warmup) if args.optimizer == "sgd" else None
     params = gate.init_params(model.config, jax.random.PRNGKey(args.seed))
     out = Path(args.out) if args.out else None
-    if out:
+    if out and jax.process_index() == 0:
         out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     state, logged = trainer.train(
@@ -251,6 +256,7 @@ def main(argv=None) -> dict:
         batch_for_step,
         cfg,
         optimizer=optimizer,
+        mesh=mesh,
         checkpoint_dir=Path(args.work_dir) / "checkpoints" if args.work_dir else None,
         metrics_path=out / "metrics.jsonl" if out else None,
         eval_fn=eval_fn,
@@ -260,11 +266,14 @@ def main(argv=None) -> dict:
     seconds = time.perf_counter() - began
     final = logged[-1]
     layers = model.config.num_layers
+    params = trainer.gather_to_host(state.params)
     summary = {
         "optimizer": args.optimizer,
         "learning_rate": lr,
         "steps": args.steps,
         "batch_tokens": args.batch_tokens,
+        "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
         "train_tokens": int(len(train_h)),
         "validation_tokens": int(len(val["h"])),
         "seconds": seconds,
@@ -273,11 +282,10 @@ def main(argv=None) -> dict:
         "validation_bce": [final[f"val_bce_layer{i}"] for i in range(layers)],
         "validation_bce_of_mean_target": baseline_bce(train_t, val["targets"]),
         "validation_top30_overlap": top_overlap(
-            jax.device_get(state.params), data["validation_h"], data["validation_targets"]
+            params, data["validation_h"], data["validation_targets"]
         ),
     }
-    if out:
-        params = jax.device_get(state.params)
+    if out and jax.process_index() == 0:
         gate.save_safetensors(params, out / "gates.safetensors", metadata={"summary": summary})
         (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))

@@ -29,6 +29,7 @@ from jaxkv.forward import forward
 from models import Family, Model, ModelConfig, byte_tokenizer, init_params
 from models.hf_loading import save_hf_checkpoint
 from train import corpus as corpus_lib
+from train import mesh as mesh_lib
 from train import trainer
 
 BOS, EOS, PAD = 256, 257, 258
@@ -241,11 +242,18 @@ def pretrain(
     work_dir: Path | None = None,
     stop_after: int | None = None,
     progress: bool = True,
+    mesh: str | None = None,
 ) -> dict:
-    """Trains `recipe_name`, writes the HF-format model, tokenizer and metrics to `out`."""
+    """Trains `recipe_name`, writes the HF-format model, tokenizer and metrics to `out`.
+
+    mesh: `--mesh` text (train.mesh), default data parallel over the devices that divide every
+    phase's batch. With several processes, each feeds its own rows and process 0 writes `out`.
+    """
     if recipe_name not in RECIPES:
         raise ValueError(f"recipe={recipe_name!r}: allowed are {sorted(RECIPES)}")
     recipe = RECIPES[recipe_name]
+    rows = math.gcd(*(phase.batch_size for phase in recipe.phases))
+    device_mesh = mesh_lib.cli_mesh(mesh, rows, "every phase's batch size")
     train_text, heldout = corpus_lib.load_corpus("train"), corpus_lib.load_corpus("heldout")
     work_dir = Path(work_dir or out / "run")
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -261,8 +269,9 @@ def pretrain(
     state, logged = trainer.train(
         make_loss(recipe.model, recipe.compute_dtype, backend, remat=True),
         params,
-        lambda step: make_batch(recipe, train_text, seed, step),
+        lambda step: mesh_lib.process_rows(make_batch(recipe, train_text, seed, step), device_mesh),
         cfg,
+        mesh=device_mesh,
         decay_mask=decay_mask(params),
         checkpoint_dir=work_dir / "checkpoints",
         metrics_path=work_dir / "metrics.jsonl",
@@ -276,6 +285,8 @@ def pretrain(
         "seed": seed,
         "backend": backend,
         "device": jax.devices()[0].device_kind,
+        "mesh": dict(device_mesh.shape),
+        "processes": jax.process_count(),
         "jax": jax.__version__,
         "steps_done": int(state.step),
         "wall_seconds_this_run": time.perf_counter() - started,
@@ -288,9 +299,11 @@ def pretrain(
         },
     }
     if int(state.step) == recipe.steps:
+        params = trainer.gather_to_host(state.params)
+    if int(state.step) == recipe.steps and jax.process_index() == 0:
         out.mkdir(parents=True, exist_ok=True)
         # Stored in bf16 (half the bytes; the file stays under the 20 MB the repo allows).
-        params = jax.tree.map(lambda p: np.asarray(p).astype(jnp.bfloat16), state.params)
+        params = jax.tree.map(lambda p: np.asarray(p).astype(jnp.bfloat16), params)
         save_hf_checkpoint(Model(config=recipe.model, params=params), out)
         byte_tokenizer().save(out)
         shutil.copy(work_dir / "metrics.jsonl", out / "metrics.jsonl")
@@ -306,6 +319,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--backend", default="xla", help="attention backend (xla | pallas)")
     parser.add_argument("--work-dir", type=Path, help="checkpoints and metrics (default OUT/run)")
     parser.add_argument("--stop-after", type=int, help="stop after this many steps in all")
+    mesh_lib.add_mesh_argument(parser)
     args = parser.parse_args(argv)
     summary = pretrain(
         args.recipe,
@@ -314,6 +328,7 @@ def main(argv=None) -> dict:
         backend=args.backend,
         work_dir=args.work_dir,
         stop_after=args.stop_after,
+        mesh=args.mesh,
     )
     print(json.dumps(summary, indent=2))
     return summary

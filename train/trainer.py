@@ -2,13 +2,17 @@
 
 A run is a pure function of its inputs: `batch_for_step(step)` must give the same batch for the
 same step, so that a run resumed from a checkpoint reaches the same parameters as one that never
-stopped. Data parallelism shards the batch over the mesh axis "data"; with `fsdp=True` every
-parameter's largest divisible axis is sharded over it too (the optimizer state follows).
+stopped. The mesh (`train.mesh`) has the axes "data" and/or "fsdp": batch rows are split over
+both; every parameter's largest divisible axis is sharded over "fsdp" (or over "data" with
+`fsdp=True` and no "fsdp" axis), and the optimizer state follows. Other axes are refused.
 
 Multi-host: call `jax.distributed.initialize()` (coordinator address, process count and id from
 the environment or arguments) before building the mesh; `make_mesh()` then spans every process's
-devices, and each process passes its own share of the batch through `batch_for_step`. That is
-the same code path as one host: nothing else changes.
+devices, and each process's `batch_for_step` returns its own share of the batch: the rows its
+devices hold (`train.mesh.process_rows` cuts it from a global batch), as many on every process
+and a multiple of its devices in the mesh. The global batch is built from the shares with
+`jax.make_array_from_process_local_data`; with one process the share is the whole batch.
+Metrics are written by process 0 only. See docs/multi-host.md.
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
+
+from train import mesh as mesh_lib
+from train.mesh import DATA_AXIS, FSDP_AXIS, make_mesh  # noqa: F401  (re-exported)
 
 Params = Any
 Batch = dict[str, np.ndarray]
 LossFn = Callable[[Params, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
-
-DATA_AXIS = "data"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +56,8 @@ class TrainConfig:
       checkpoint_every: save every this many steps (and at the end); 0 disables checkpoints.
       keep_checkpoints: how many recent checkpoints orbax keeps.
       log_every: metrics are written every this many steps.
-      fsdp: shard parameters and optimizer state over the data axis as well as the batch.
+      fsdp: shard parameters and optimizer state over the data axis as well as the batch (a
+        mesh with an "fsdp" axis shards them over that axis whatever this says).
     """
 
     steps: int
@@ -87,21 +94,17 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def make_mesh(devices=None) -> Mesh:
-    """A 1-D mesh over `devices` (all devices of all processes by default), axis "data"."""
-    devices = np.asarray(jax.devices() if devices is None else devices)
-    return Mesh(devices.reshape(-1), (DATA_AXIS,))
-
-
-def param_partition(shape: tuple[int, ...], num_shards: int, fsdp: bool) -> PartitionSpec:
-    """Replicated, or (FSDP) sharded along the largest axis that `num_shards` divides."""
-    if not fsdp or num_shards == 1:
+def param_partition(
+    shape: tuple[int, ...], num_shards: int, mesh_axis: str | None
+) -> PartitionSpec:
+    """Replicated, or sharded over `mesh_axis` along the largest axis that `num_shards` divides."""
+    if mesh_axis is None or num_shards == 1:
         return PartitionSpec()
     divisible = [axis for axis, size in enumerate(shape) if size % num_shards == 0]
     if not divisible:
         return PartitionSpec()
     axis = max(divisible, key=lambda a: shape[a])
-    return PartitionSpec(*[DATA_AXIS if a == axis else None for a in range(len(shape))])
+    return PartitionSpec(*[mesh_axis if a == axis else None for a in range(len(shape))])
 
 
 def make_optimizer(
@@ -135,11 +138,12 @@ def make_optimizer(
 
 
 def _state_shardings(state: TrainState, mesh: Mesh, fsdp: bool) -> TrainState:
-    num_shards = mesh.shape[DATA_AXIS]
+    mesh_axis = mesh_lib.param_axis(mesh, fsdp)
+    num_shards = mesh.shape[mesh_axis] if mesh_axis else 1
 
     def sharding(x):
         shape = jnp.shape(x)
-        return NamedSharding(mesh, param_partition(shape, num_shards, fsdp))
+        return NamedSharding(mesh, param_partition(shape, num_shards, mesh_axis))
 
     return jax.tree.map(sharding, state)
 
@@ -152,19 +156,21 @@ def init_state(params: Params, optimizer, mesh: Mesh, fsdp: bool) -> TrainState:
 
 
 def check_mesh(mesh: Mesh) -> None:
-    """Raises ValueError unless the mesh has the axis the trainer shards over ("data")."""
-    if DATA_AXIS not in mesh.axis_names:
-        raise ValueError(
-            f"mesh axes {tuple(mesh.axis_names)}: the trainer shards batches (and FSDP "
-            f"parameters) over an axis named {DATA_AXIS!r}; build the mesh with make_mesh() "
-            f"or name an axis {DATA_AXIS!r}"
-        )
+    """Raises ValueError unless every mesh axis is one the trainer uses ("data", "fsdp")."""
+    mesh_lib.check_axes(mesh)
+
+
+def gather_to_host(tree: Params) -> Params:
+    """Numpy copies of (possibly sharded, possibly multi-process) arrays, on every process."""
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def make_train_step(loss_fn: LossFn, optimizer, mesh: Mesh, state: TrainState, fsdp: bool):
-    """Jitted (state, batch) -> (state, metrics); the batch is sharded over "data"."""
+    """Jitted (state, batch) -> (state, metrics); batch rows are split over the batch axes."""
     state_shardings = _state_shardings(state, mesh, fsdp)
-    batch_sharding = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    batch_sharding = mesh_lib.batch_sharding(mesh)
 
     def step(state: TrainState, batch):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
@@ -203,15 +209,29 @@ def restore_latest(manager: ocp.CheckpointManager, state: TrainState) -> TrainSt
         ) from error
 
 
-def _shard_batch(batch: Batch, mesh: Mesh) -> dict[str, jax.Array]:
-    sharding = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
-    size = mesh.shape[DATA_AXIS]
+def check_batch(batch: Batch, mesh: Mesh) -> None:
+    """Raises ValueError unless this process's rows split evenly over its devices in the mesh
+    (the global batch is the processes' shares stacked in process order)."""
+    shards = mesh_lib.local_batch_shards(mesh)
+    axes = ", ".join(f"{name}={mesh.shape[name]}" for name in mesh_lib.batch_axes(mesh))
+    where = "" if jax.process_count() == 1 else f" in process {jax.process_index()}"
     for name, array in batch.items():
-        if array.shape[0] % size:
+        if np.ndim(array) == 0 or np.shape(array)[0] % shards:
+            rows = np.shape(array)[0] if np.ndim(array) else 0
             raise ValueError(
-                f"batch[{name!r}] has {array.shape[0]} rows, not a multiple of the {size} devices"
+                f"batch[{name!r}] has {rows} rows{where}, not a multiple of the {shards} "
+                f"devices{where} on the batch axes ({axes}): make the batch (per process) a "
+                f"multiple of {shards} or use a smaller mesh"
             )
-    return {name: jax.device_put(array, sharding) for name, array in batch.items()}
+
+
+def _shard_batch(batch: Batch, mesh: Mesh) -> dict[str, jax.Array]:
+    check_batch(batch, mesh)
+    sharding = mesh_lib.batch_sharding(mesh)
+    return {
+        name: jax.make_array_from_process_local_data(sharding, np.asarray(array))
+        for name, array in batch.items()
+    }
 
 
 def train(
@@ -240,7 +260,7 @@ def train(
     `optimizer` replaces the AdamW of `make_optimizer` (then cfg's learning rate, warmup, decay
     and clipping are unused; gate training uses SGD with momentum).
     Returns the final state and the logged metrics (also appended to `metrics_path` as JSON
-    lines).
+    lines, by process 0). With several processes, `batch_for_step` gives this process's share.
     """
     mesh = mesh or make_mesh()
     check_mesh(mesh)
@@ -256,7 +276,8 @@ def train(
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     logged: list[dict] = []
     started = time.perf_counter()
-    metrics_file = open(metrics_path, "a") if metrics_path else None  # noqa: SIM115
+    write_metrics = metrics_path and jax.process_index() == 0
+    metrics_file = open(metrics_path, "a") if write_metrics else None  # noqa: SIM115
     try:
         for step in tqdm(range(first, last), initial=first, total=cfg.steps, disable=not progress):
             state, metrics = train_step(state, _shard_batch(batch_for_step(step), mesh))

@@ -47,6 +47,7 @@ from models.decoder import (
     scan_layers,
 )
 from train import corpus as corpus_lib
+from train import mesh as mesh_lib
 from train import pretrain, trainer
 
 PROMPT_PREFIX = b"Please analyze and summarize the following text:\n\n"
@@ -64,7 +65,7 @@ class GateTraining:
       band: W, the local window inside which the gate does not act (and the policy's ring).
       sparsity_weight: lambda, the weight of the admission cost in the loss.
       seq_len: tokens per row.
-      batch_size: rows per step (a multiple of the devices; the paper uses one sequence).
+      batch_size: rows per step (a multiple of the mesh's devices; the paper uses one sequence).
       episode_fraction: share of rows that are retrieval episodes rather than plain text.
     """
 
@@ -255,10 +256,12 @@ def train_gates(
     if work_dir is not None:
         work_dir = Path(work_dir)
         work_dir.mkdir(parents=True, exist_ok=True)
+    mesh = mesh or trainer.make_mesh()
     state, logged = trainer.train(
         make_loss(cfg, spec, backend=backend, remat=remat),
         params,
-        lambda step: make_batch(corpus, spec, seed, step),
+        # Every process builds the step's global batch and feeds its own rows.
+        lambda step: mesh_lib.process_rows(make_batch(corpus, spec, seed, step), mesh),
         train_config,
         mesh=mesh,
         trainable=trainable,
@@ -268,7 +271,7 @@ def train_gates(
         stop_after=stop_after,
         progress=progress,
     )
-    return jax.device_get(state.params["gates"]), state, logged
+    return trainer.gather_to_host(state.params["gates"]), state, logged
 
 
 def evaluate_gates(
@@ -328,6 +331,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--work-dir", type=Path, help="checkpoints and metrics (default OUT/run)")
     parser.add_argument("--stop-after", type=int, help="stop after this many steps in all")
+    mesh_lib.add_mesh_argument(parser)
     args = parser.parse_args(argv)
     spec = GateTraining(
         band=args.band,
@@ -339,6 +343,7 @@ def main(argv=None) -> dict:
     config = gate_train_config(
         args.steps, args.learning_rate, checkpoint_every=args.checkpoint_every
     )
+    mesh = mesh_lib.cli_mesh(args.mesh, spec.batch_size)
     model = load_hf_checkpoint(args.model, dtype="float32")
     work_dir = args.work_dir or args.out / "run"
     started = time.perf_counter()
@@ -352,6 +357,7 @@ def main(argv=None) -> dict:
         expand=args.expand,
         backend=args.backend,
         remat=args.remat,
+        mesh=mesh,
         work_dir=work_dir,
         stop_after=args.stop_after,
     )
@@ -365,6 +371,8 @@ def main(argv=None) -> dict:
         "steps": args.steps,
         "wall_seconds_this_run": train_seconds,
         "device": jax.devices()[0].device_kind,
+        "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
         "final": logged[-1] if logged else None,
     }
     if int(state.step) == args.steps:
@@ -379,6 +387,7 @@ def main(argv=None) -> dict:
             backend=args.backend,
         )
         summary["heldout"]["rows"] = args.eval_rows
+    if int(state.step) == args.steps and jax.process_index() == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         gates_lib.save_write_gates(gates, args.out / "gates.safetensors")
         (args.out / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
