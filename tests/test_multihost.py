@@ -28,7 +28,6 @@ STEPS = 2
 def _setup():
     """Model, spec, config and corpus of the runs (imported lazily: jax must see the child's
     XLA_FLAGS and distributed setup first)."""
-    import jaxkv  # noqa: F401  (before models: `import models` alone is a circular import)
     from models import init_model
     from tests.test_wgkv_training import CONFIG
     from train import corpus as corpus_lib

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxkv import cli  # before models: `import models` alone is a circular import today
+from jaxkv import cli
 from models import init_model, init_params, save_hf_checkpoint
 from train import corpus as corpus_lib
 from train import fastkvzip, pretrain, trainer, wgkv
