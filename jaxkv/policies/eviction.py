@@ -134,18 +134,23 @@ class EvictionPolicy(Policy):
         if self.budget is None:
             raise ValueError(f"policy {self.name!r} needs budget= (a ratio or a token count)")
         lengths = np.asarray(prompt_lengths)
-        if self.observation_window >= lengths.min():
+        shortest = int(lengths.min())
+        if self.observation_window >= shortest:
             raise ValueError(
                 f"policy {self.name!r}: window={self.observation_window} must be smaller than the "
-                f"prompt (shortest prompt: {int(lengths.min())} tokens)"
+                f"prompt (shortest prompt: {shortest} tokens): give window={shortest - 1} or "
+                "less, or leave the shortest prompts out of this batch"
             )
         tokens = self.budget.tokens_for(lengths)
         protected = self.sinks + self.protected_recent
         too_small = (tokens < protected) & (tokens < lengths)
         if np.any(too_small):
+            row = int(np.argmax(too_small))
             raise ValueError(
-                f"policy {self.name!r}: budget of {int(tokens[too_small][0])} tokens is smaller "
-                f"than sinks + window = {self.sinks} + {self.protected_recent}"
+                f"policy {self.name!r}: budget of {int(tokens[row])} tokens is smaller "
+                f"than sinks + window = {self.sinks} + {self.protected_recent} (prompt {row}, "
+                f"{int(lengths[row])} tokens): give budget >= {protected} tokens (a ratio >= "
+                f"{protected / lengths[row]:.3g} for this prompt), or a smaller window/sinks"
             )
         return tokens
 
