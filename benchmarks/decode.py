@@ -15,6 +15,7 @@ import time
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 import jaxkv
 from jaxkv import policies
@@ -71,7 +72,7 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, args.prompt_tokens).tolist() for _ in range(args.batch)]
     rows = {}
-    for name, policy in _policies(args.budget).items():
+    for name, policy in tqdm(_policies(args.budget).items(), desc="decode", unit="policy"):
         seconds, out = _timed(
             lambda policy=policy: jaxkv.generate(
                 model, prompts, max_new_tokens=args.new_tokens, policy=policy, stop_tokens=()

@@ -30,6 +30,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 import jaxkv
 from jaxkv import policies, tasks
@@ -304,18 +305,25 @@ def run_task(model, policy, corpus, task: str, length: int, samples: int, policy
 
 def run_sweep(model, sweep: Sweep, corpus, *, log=print, policy_params=None) -> list[dict]:
     """`policy_params` maps a policy name to its parameters (e.g. {"wgkv": gates})."""
-    policy_params = policy_params or {}
+    policy_params = dict(policy_params or {})
     check_sweep(sweep, policy_params)
     rows = []
-    for name, budget in policy_runs(sweep):
+    cells = [
+        (name, budget, length, task)
+        for name, budget in policy_runs(sweep)
+        for length in sweep.lengths
+        for task in sweep.tasks
+    ]
+    for name in sweep.policies:
+        if name not in policy_params:
+            policy_params[name] = policy_params_for(name, model)
+    for name, budget, length, task in tqdm(cells, desc="quality", unit="cell"):
         policy = build_policy(name, budget)
-        params = policy_params.get(name, policy_params_for(name, model))
-        for length in sweep.lengths:
-            for task in sweep.tasks:
-                result = run_task(model, policy, corpus, task, length, sweep.samples, params)
-                row = {"policy": name, "budget": budget, "length": length, "task": task}
-                rows.append({**row, "samples": sweep.samples, **result})
-                log(json.dumps(rows[-1]))
+        params = policy_params[name]
+        result = run_task(model, policy, corpus, task, length, sweep.samples, params)
+        row = {"policy": name, "budget": budget, "length": length, "task": task}
+        rows.append({**row, "samples": sweep.samples, **result})
+        log(json.dumps(rows[-1]))
     return rows
 
 
