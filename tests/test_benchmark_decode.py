@@ -10,7 +10,7 @@ def test_decode_benchmark_quick(tmp_path):
     report = decode.main(
         [
             "--prompt-tokens",
-            "256",
+            "1024",  # pools above the smallest pool bucket (256 pages)
             "--new-tokens",
             "3",
             "--batch",
