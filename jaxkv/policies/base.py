@@ -4,6 +4,8 @@ A policy may implement any hook; the defaults keep everything:
   write_scores(...)     at write time, a learned per-token score (gate) from the layer's slice
                         of the policy's parameters; stored with the token and seen by `admit`;
   admit(...)            at write time, which new tokens each (sequence, KV head) stores;
+  update_scores(...)    with `accumulates_attention`, how a chunk's attention updates each
+                        cached token's score (H2O's sum, Conf-KV's EMA, Scissorhands' count);
   after_prefill_chunk   after each prefill chunk is written (eviction during prefill);
   compress(kv, obs, m)  after prefill, which cached tokens to keep (eviction);
   on_decode(kv, ctx)    after each decode step.
