@@ -17,6 +17,7 @@ Storage (`jaxkv.cache`) knows nothing of attention; this module composes the two
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -115,21 +116,25 @@ def _chunk_partials(q, k, v, positions, admitted, ring: LocalRing | None, *, ste
     return [ring_partial, chunk_partial]
 
 
-def _accumulate_mass(pool: PagePool, page_table, held, cached, lse, layer, *, policy, positions):
-    """Adds the chunk's attention mass to the cached slots' scores (pages, then the int8 tier)."""
-    decay, query_weights = policy.mass_weights(positions)
+def _accumulate_mass(
+    pool: PagePool, page_table, held, lengths, cached, lse, layer, *, policy, positions
+):
+    """Adds the chunk's attention mass to the cached slots' scores (pages, then the int8 tier)
+    by the policy's rule (`update_scores`); lengths [B, K]: every tier's tokens per head."""
+    _, query_weights = policy.mass_weights(positions)
     num_kv_heads = page_table.shape[1]
+    update = functools.partial(policy.update_scores, positions=positions, cached_lengths=lengths)
 
     def mass(partial):
         return attention_ops.mass_from_probs(
             partial[2], partial[1], lse, query_weights, num_kv_heads=num_kv_heads
         )
 
-    pool = accumulate_cached_mass(pool, page_table, held, mass(cached[0]), decay)
+    pool = accumulate_cached_mass(pool, page_table, held, mass(cached[0]), update)
     tier = pool.int8
     if tier is not None:
         table, tier_held = tier.page_table[layer], tier.lengths[layer]
-        tier_pool = accumulate_cached_mass(tier.pool, table, tier_held, mass(cached[1]), decay)
+        tier_pool = accumulate_cached_mass(tier.pool, table, tier_held, mass(cached[1]), update)
         pool = dataclasses.replace(pool, int8=dataclasses.replace(tier, pool=tier_pool))
     return pool, query_weights
 
@@ -189,9 +194,12 @@ def attend_and_write(
     new_scores = write_scores
     if policy.accumulates_attention:
         pool, query_weights = _accumulate_mass(
-            pool, page_table, held, cached, lse, layer, policy=policy, positions=positions
+            pool, page_table, held, lengths, cached, lse, layer, policy=policy, positions=positions
         )
-        new_scores = attention_ops.chunk_attention_mass(q, k, positions, lse, query_weights, **step)
+        chunk_mass = attention_ops.chunk_attention_mass(q, k, positions, lse, query_weights, **step)
+        new_scores = policy.update_scores(
+            None, chunk_mass, positions=positions, cached_lengths=lengths
+        )
     if ring is not None:
         scores = jnp.zeros(k.shape[:3], jnp.float32) if new_scores is None else new_scores
         pool, page_table, held, ring = promote_and_push(

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
+from jaxkv.forward import forward_cached
 from jaxkv.policies.base import DecodeContext
-from models.decoder import forward_cached, logits_from_hidden
+from models.decoder import logits_from_hidden
 
 
 @dataclasses.dataclass

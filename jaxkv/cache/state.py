@@ -320,6 +320,20 @@ class KVState:
         """f32 per head slot like `positions`: the policy scores of the kept tokens, 0 padded."""
         return self._per_slot("token_scores", layer, 0.0)
 
+    def with_token_scores_zeroed(self) -> KVState:
+        """This state with every stored token's score set to 0, in both tiers (a policy that
+        ranks by what it counts during decode, Scissorhands, starts counting here)."""
+
+        def zeroed(pool: PagePool) -> PagePool:
+            return dataclasses.replace(pool, token_scores=jnp.zeros_like(pool.token_scores))
+
+        pool = zeroed(self.pool)
+        if pool.int8 is not None:
+            pool = dataclasses.replace(
+                pool, int8=dataclasses.replace(pool.int8, pool=zeroed(pool.int8.pool))
+            )
+        return dataclasses.replace(self, pool=pool)
+
     def check(self) -> None:
         """Raises on the host if a write ran out of pages (call after a jitted step)."""
         if bool(np.asarray(self.pool.overflow)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -97,10 +98,15 @@ def write_tokens(
 
 
 def accumulate_cached_mass(
-    pool: PagePool, page_table: jax.Array, lengths: jax.Array, mass: jax.Array, decay: jax.Array
+    pool: PagePool,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    mass: jax.Array,
+    update: Callable[[jax.Array, jax.Array], jax.Array],
 ) -> PagePool:
-    """score <- decay * score + mass f32 [B, K, M * p] (the weighted attention a chunk gave each
-    cached slot of one layer: page_table [B, K, M], lengths [B, K], decay f32 [B])."""
+    """score <- update(score, mass) for the held slots of one layer (page_table [B, K, M],
+    lengths [B, K]); mass f32 [B, K, M * p] is the weighted attention a chunk gave each slot,
+    `update` the policy's rule on [B, K, M * p] arrays (decay * score + mass for H2O)."""
     p = pool.page_size
     slots = jnp.arange(mass.shape[-1])
     page = jnp.take_along_axis(page_table, slots // p + jnp.zeros_like(mass, jnp.int32), axis=-1)
@@ -108,6 +114,6 @@ def accumulate_cached_mass(
     flat = jnp.where(held, page * p + slots % p, pool.num_pages * p).reshape(-1)
     old = pool.token_scores.reshape(-1)
     held_old = old[jnp.minimum(flat, old.shape[0] - 1)].reshape(mass.shape)
-    new = decay[:, None, None] * held_old + mass
+    new = update(held_old, mass)
     scores = old.at[flat].set(new.reshape(-1), mode="drop")  # each held slot is one head's
     return dataclasses.replace(pool, token_scores=scores.reshape(pool.token_scores.shape))

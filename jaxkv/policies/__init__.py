@@ -28,6 +28,7 @@ from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.quest import Quest
 from jaxkv.policies.sage import SageKV
+from jaxkv.policies.scissorhands import Scissorhands
 from jaxkv.policies.scorers import (
     H2O,
     TOVA,
@@ -76,6 +77,7 @@ __all__ = [
     "Ranking",
     "RingAdmission",
     "SageKV",
+    "Scissorhands",
     "SlidingWindow",
     "SnapKV",
     "Storage",

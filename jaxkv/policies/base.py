@@ -4,6 +4,8 @@ A policy may implement any hook; the defaults keep everything:
   write_scores(...)     at write time, a learned per-token score (gate) from the layer's slice
                         of the policy's parameters; stored with the token and seen by `admit`;
   admit(...)            at write time, which new tokens each (sequence, KV head) stores;
+  update_scores(...)    with `accumulates_attention`, how a chunk's attention updates each
+                        cached token's score (H2O's sum, Conf-KV's EMA, Scissorhands' count);
   after_prefill_chunk   after each prefill chunk is written (eviction during prefill);
   compress(kv, obs, m)  after prefill, which cached tokens to keep (eviction);
   on_decode(kv, ctx)    after each decode step.
@@ -292,6 +294,29 @@ class Policy:
         weights f32 [B, C] for positions [B, C]; by default a plain sum over valid queries.
         """
         return jnp.ones(positions.shape[:1], jnp.float32), (positions >= 0).astype(jnp.float32)
+
+    def update_scores(
+        self,
+        old: jax.Array | None,
+        mass: jax.Array,
+        *,
+        positions: jax.Array,
+        cached_lengths: jax.Array,
+    ) -> jax.Array:
+        """f32 [B, K, S] the scores after a chunk (when `accumulates_attention`).
+
+        old: f32 [B, K, S] the cached slots' scores before the chunk, or None for the chunk's
+        own tokens, whose scores start here; mass: f32 [B, K, S] the attention the chunk's
+        queries gave each slot, weighted by `mass_weights` and averaged over the KV head's
+        query heads; positions: int32 [B, C] the chunk's; cached_lengths: int32 [B, K] the
+        tokens each head held before the chunk (every tier). By default decay * old + mass
+        (`mass_weights`' decay), and a new token's mass.
+        """
+        del cached_lengths
+        if old is None:
+            return mass
+        decay, _ = self.mass_weights(positions)
+        return decay[:, None, None] * old + mass
 
     def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
         """Validates the prefill geometry (chunk size against the prompts) on the host."""
