@@ -264,3 +264,18 @@ def test_a_cache_smaller_than_the_window_decodes_with_an_empty_int8_tier(model):
     )
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     assert np.all(out.int8_pages_in_use == 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(storage="int4"), "storage='int4': allowed are 'model', 'int8'"),
+        (dict(storage="int8", full_precision_window=-1), "full_precision_window=-1"),
+    ],
+)
+def test_storage_options_are_checked_when_the_policy_is_built(kwargs, match):
+    for name, extra in (("snapkv", dict(budget=0.3)), ("confkv", {}), ("wgkv", {})):
+        with pytest.raises(ValueError, match=match):
+            policies.get(name, **extra, **kwargs)
+    with pytest.raises(ValueError, match="selects pages"):
+        policies.Quest(budget=0.3, storage="int8")

@@ -218,6 +218,9 @@ class Policy:
     # a first guess, and the pool grows during prefill as it fills (admission policies).
     prefill_pool_grows: ClassVar[bool] = False
 
+    def __post_init__(self):
+        self.int8_window  # noqa: B018  (validates storage= and full_precision_window=)
+
     @property
     def observation_window(self) -> int:
         """How many of each prompt's last queries prefill records per layer for `compress`."""

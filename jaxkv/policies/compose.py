@@ -26,6 +26,7 @@ class Composed(base.Policy):
     selection: base.Policy
 
     def __post_init__(self):
+        super().__post_init__()
         if not self.selection.selects_pages:
             raise ValueError(f"selection={self.selection.name!r} does not select pages")
         if self.admission.selects_pages:

@@ -168,6 +168,7 @@ class ConfKV(base.Policy):
     per_head: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         object.__setattr__(self, "ranking", Ranking(self.ranking))
         check_evict_every(self.evict_every)
         if not 0.0 <= self.tau <= 1.0:

@@ -119,6 +119,7 @@ class EvictionPolicy(Policy):
     recent: int = 0
 
     def __post_init__(self):
+        super().__post_init__()
         if self.budget is not None:
             object.__setattr__(self, "budget", Budget.parse(self.budget))
         for name in ("sinks", "recent"):

@@ -79,6 +79,7 @@ class FastKVzip(Policy):
     decode_buffer: int = 128
 
     def __post_init__(self):
+        super().__post_init__()
         if self.ratio is not None:
             Budget(ratio=self.ratio)  # raises unless 0 < ratio <= 1
         if self.window is not None and self.window < 1:

@@ -73,6 +73,7 @@ class GVote(base.Policy):
     future_positions: int = 16
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0.0 < self.nucleus <= 1.0:
             raise ValueError(f"nucleus={self.nucleus} must be in (0, 1]")
         if self.num_samples < 1:

@@ -193,6 +193,7 @@ class KVzip(Policy):
     continue_ids: tuple[int, ...] = byte_ids(CONTINUE_PROMPT)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.ratio is not None:
             Budget(ratio=self.ratio)  # validates (0, 1]
         if self.chunk < 1:

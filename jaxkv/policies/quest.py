@@ -45,6 +45,7 @@ class Quest(base.Policy):
     budget: base.Budget | float | int | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         if self.budget is not None:
             object.__setattr__(self, "budget", base.Budget.parse(self.budget))
 

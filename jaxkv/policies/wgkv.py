@@ -39,6 +39,7 @@ class RingAdmission(base.Policy):
     window: int = 256
 
     def __post_init__(self):
+        super().__post_init__()
         if isinstance(self.tau, bool) or not isinstance(self.tau, int | float):
             raise ValueError(f"tau={self.tau!r} must be a number in (0, 1)")
         if not 0.0 < self.tau < 1.0:
