@@ -135,6 +135,30 @@ def test_decode_evicts_every_buffer_to_the_ratio(setup):
                 assert set(range(n, n + buffer + 1)) <= held
 
 
+def test_a_fixed_decode_budget_evicts_to_that_many_tokens_per_head(setup):
+    # The paper's reasoning-model setting: decode evictions go down to a fixed token budget.
+    _, model, params, prompts = setup
+    buffer, fixed = 32, 40  # fixed > sinks + buffer, so the forced tokens fit inside it
+    heads = model.config.num_layers * model.config.num_kv_heads
+    policy = policies.FastKVzip(ratio=RATIO, decode_buffer=buffer, decode_tokens=fixed)
+    out = jaxkv.generate(
+        model,
+        prompts,
+        max_new_tokens=buffer + 2,
+        policy=policy,
+        policy_params=params,
+        page_size=PAGE_SIZE,
+        prefill_chunk=32,
+        stop_tokens=[],
+    )
+    lengths = np.asarray(out.state.lengths)
+    for row in range(len(LENGTHS)):
+        assert lengths[:, row].sum() == fixed * heads + heads  # plus the token written since
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="decode_tokens="):
+            policies.FastKVzip(ratio=RATIO, decode_tokens=bad)
+
+
 def test_bad_input_raises_before_compiling(setup):
     _, model, params, prompts = setup
     for ratio in (0.0, 1.5, -0.1):

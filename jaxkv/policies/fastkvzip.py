@@ -67,6 +67,10 @@ class FastKVzip(Policy):
       window: protected newest tokens during prefill (None: `default_window`).
       sinks: first positions always kept (prefill and decode).
       decode_buffer: decode steps between evictions; the newest that many tokens stay.
+      decode_tokens: a fixed decode budget (the paper's reasoning-model setting): each decode
+        eviction goes down to this many tokens per head on average, instead of the ratio of the
+        current length; a per-request value, stripped in the copy jit sees (it travels as the
+        third column of `budget_tokens`, 0 for the ratio rule).
     """
 
     name: ClassVar[str] = "fastkvzip"
@@ -77,6 +81,7 @@ class FastKVzip(Policy):
     window: int | None = None
     sinks: int = 4
     decode_buffer: int = 128
+    decode_tokens: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -84,13 +89,19 @@ class FastKVzip(Policy):
             Budget(ratio=self.ratio)  # raises unless 0 < ratio <= 1
         if self.window is not None and self.window < 1:
             raise ValueError(f"window={self.window} must be >= 1")
+        if self.decode_tokens is not None and (
+            isinstance(self.decode_tokens, bool)
+            or not isinstance(self.decode_tokens, int | np.integer)
+            or self.decode_tokens < 1
+        ):
+            raise ValueError(f"decode_tokens={self.decode_tokens!r} must be an integer >= 1")
         if self.sinks < 0 or self.decode_buffer < 1:
             raise ValueError(
                 f"sinks={self.sinks} must be >= 0 and decode_buffer={self.decode_buffer} >= 1"
             )
 
     def static(self) -> FastKVzip:
-        return dataclasses.replace(self, ratio=None)
+        return dataclasses.replace(self, ratio=None, decode_tokens=None)
 
     def _windows(self, prompt_lengths: np.ndarray) -> np.ndarray:
         if self.window is not None:
@@ -110,7 +121,8 @@ class FastKVzip(Policy):
                 f"of prompt {row} ({int(lengths[row])} tokens), fewer than the protected "
                 f"window w={int(windows[row])}: raise the ratio or give window="
             )
-        return np.stack([kept, windows], axis=1).astype(np.int32)
+        decode = np.full(lengths.shape, self.decode_tokens or 0)
+        return np.stack([kept, windows, decode], axis=1).astype(np.int32)
 
     def prefill_chunk(self, prompt_lengths: np.ndarray, default: int) -> int:
         """The paper's 16K chunks at long context (four protected windows of 4K); at shorter
@@ -132,7 +144,7 @@ class FastKVzip(Policy):
 
     def prefill_pages(self, prompt_lengths, chunk, model_config, page_size, reserve) -> int:
         heads = model_config.num_layers * model_config.num_kv_heads
-        kept = self.budget_tokens(prompt_lengths).max(axis=1)  # max(floor(r T), w) per prompt
+        kept = self.budget_tokens(prompt_lengths)[:, :2].max(axis=1)  # max(floor(r T), w)
         held = heads * (kept + chunk) / page_size + heads * (2 + -(-reserve // page_size))
         return int(np.ceil(held).sum())
 
@@ -167,6 +179,8 @@ class FastKVzip(Policy):
     def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
         grown = np.asarray(prompt_lengths) + max_new_tokens
         kept = np.floor(self.ratio_of(budget_tokens, prompt_lengths) * grown).astype(np.int64)
+        fixed = budget_tokens[:, 2]
+        kept = np.where(fixed > 0, fixed, kept)
         # Each eviction keeps max(floor(r * length), the forced sinks + newest buffer) per head
         # on average; a buffer's worth of tokens arrives before the next one.
         held = np.maximum(np.maximum(kept, budget_tokens[:, 0]), self.sinks + self.decode_buffer)
@@ -179,12 +193,14 @@ class FastKVzip(Policy):
 
     def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
         """Runs every `decode_buffer` steps (`decode_interval`): evicts each active sequence
-        globally to floor(r * current length) per head on average, keeping the first `sinks`
-        positions and the newest `decode_buffer`."""
+        globally to floor(r * current length) (or the fixed `decode_tokens`) per head on
+        average, keeping the first `sinks` positions and the newest `decode_buffer`."""
         active = ctx.positions >= 0
         heads = kv.num_layers * kv.lengths.shape[2]
         current = ctx.positions + 1
         total = _scaled_total(ctx.budget_tokens[:, 0], current, ctx.prompt_lengths, heads)
+        fixed = ctx.budget_tokens[:, 2]
+        total = jnp.where(fixed > 0, fixed * heads, total)
         held_total = jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32)
         total = jnp.where(active, total, held_total)
         positions = kv.positions()
