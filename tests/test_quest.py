@@ -1,15 +1,16 @@
 """Quest: per-page key bounds stay exact through writes and compaction; decode reads exactly the
 pages a numpy version of Quest's selection picks."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv import forward as forward_lib
 from jaxkv import policies
 from jaxkv.cache import KVState, write_tokens
 from jaxkv.cache.eviction import compact
-from jaxkv.forward import forward_cached
 from models import init_model
 from models.configs import Family
 from models.decoder import logits_from_hidden
@@ -80,6 +81,11 @@ def _quest_select(p, budget):
         return np.concatenate([np.arange(j * p, min(n, (j + 1) * p)) for j in sorted(chosen)])
 
     return select
+
+
+# Jitted: compiling these calls eagerly (one primitive at a time) crashed XLA's CPU compiler in a
+# long-lived test worker (a segfault in backend_compile, not reproducible alone).
+forward_cached = jax.jit(forward_lib.forward_cached, static_argnames=("policy", "backend"))
 
 
 @pytest.mark.parametrize(("length", "budget"), [(150, 32), (133, 40)])
