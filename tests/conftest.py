@@ -5,6 +5,26 @@ import os
 # Must be set before jax initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+# Every compiled CPU program keeps memory mappings, and a test worker compiles a whole share of
+# the suite: past the kernel's vm.max_map_count (65530 by default) the next compilation
+# segfaults inside XLA. Raise the limit where this process may (root); elsewhere, warn.
+_MAP_COUNT = "/proc/sys/vm/max_map_count"
+_MAPS_NEEDED = 262144
+try:
+    with open(_MAP_COUNT) as _f:
+        _maps = int(_f.read())
+    if _maps < _MAPS_NEEDED:
+        with open(_MAP_COUNT, "w") as _f:
+            _f.write(str(_MAPS_NEEDED))
+except OSError:
+    import warnings
+
+    warnings.warn(
+        f"{_MAP_COUNT} could not be raised to {_MAPS_NEEDED}: a test worker that compiles many "
+        "programs may crash in XLA (run `sysctl -w vm.max_map_count=262144` as root)",
+        stacklevel=1,
+    )
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -83,8 +83,7 @@ def _quest_select(p, budget):
     return select
 
 
-# Jitted: compiling these calls eagerly (one primitive at a time) crashed XLA's CPU compiler in a
-# long-lived test worker (a segfault in backend_compile, not reproducible alone).
+# Jitted: one compiled program per call instead of one per primitive.
 forward_cached = jax.jit(forward_lib.forward_cached, static_argnames=("policy", "backend"))
 
 
