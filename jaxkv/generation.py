@@ -13,12 +13,7 @@ import numpy as np
 
 from jaxkv.attention import resolve_backend
 from jaxkv.cache import KVState, decode_geometry, int8_decode_geometry, repack
-from jaxkv.cache.geometry import (
-    decode_steps_bucket,
-    next_power_of_two,
-    pool_pages_bucket,
-    table_pages_bucket,
-)
+from jaxkv.cache.geometry import decode_steps_bucket, pool_pages_bucket, table_pages_bucket
 from jaxkv.cache.int8 import check_dtype, start_int8
 from jaxkv.cache.repack import grow
 from jaxkv.forward import combine_moments, forward_cached
@@ -26,6 +21,7 @@ from jaxkv.policies import FullCache, Policy
 from jaxkv.policies.base import DecodeContext, PrefillObservations, after_decode_step
 from jaxkv.sampling import Sampler
 from models.decoder import Model, logits_from_hidden
+from pallas_kernels.common import next_power_of_two
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 512

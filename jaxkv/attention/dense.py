@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from jaxkv.attention.dispatch import interpret, prefill_block, resolve_backend, uses_kernels
+from models import layers
 
 
 def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -118,10 +119,7 @@ def causal_attention(
     if uses_kernels(backend):
         out, _ = kernel_causal(q, k, v, sm_scale=sm_scale, backend=backend)
         return out
-    t = q.shape[2]
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    out, _ = masked_attention(q, k, v, causal, sm_scale)
-    return out.astype(q.dtype)
+    return layers.causal_attention(q, k, v, sm_scale=sm_scale)
 
 
 def gated_causal_attention(

@@ -12,15 +12,12 @@ of requests compiles a bounded number of times, at a bounded cost in memory:
 
 from __future__ import annotations
 
+from pallas_kernels.common import next_power_of_two
+
 MIN_POOL_PAGES = 256
 MIN_TABLE_PAGES = 32
 MIN_DECODE_STEPS = 64
 POOL_BUCKETS_PER_OCTAVE = 16
-
-
-def next_power_of_two(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def pool_pages_bucket(pages: int) -> int:
