@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import sharding
 from jaxkv.attention import resolve_backend
 from jaxkv.cache import KVState, decode_geometry, int8_decode_geometry, repack
 from jaxkv.cache.geometry import decode_steps_bucket, pool_pages_bucket, table_pages_bucket
@@ -20,6 +21,8 @@ from jaxkv.forward import combine_moments, forward_cached
 from jaxkv.policies import FullCache, Policy
 from jaxkv.policies.base import DecodeContext, PrefillObservations, after_decode_step
 from jaxkv.sampling import Sampler
+from jaxkv.sharding import InferenceMesh
+from models.configs import ModelConfig
 from models.decoder import Model, logits_from_hidden
 from pallas_kernels.common import next_power_of_two
 
@@ -80,7 +83,8 @@ class GenerateOutput:
         and the local ring of ring policies).
       confidence: f32 [steps, B] the policy's confidence of the logits each token was sampled
         from (Conf-KV, with its weights); None for policies that read none.
-      state: the final KV state.
+      state: the final KV state; on a mesh, every device's state stacked on a leading axis
+        [S] (`jaxkv.sharding`: shard s holds data shard s // model, model shard s % model).
     """
 
     tokens: np.ndarray
@@ -163,10 +167,9 @@ def _prompt_lengths(model: Model, prompts: list[list[int]]) -> np.ndarray:
 
 
 def _full_cache_pages(
-    model: Model, lengths: np.ndarray, reserve_tokens: int, page_size: int
+    cfg: ModelConfig, lengths: np.ndarray, reserve_tokens: int, page_size: int
 ) -> int:
     """Pages a keep-everything cache needs for these prompts and `reserve_tokens` more each."""
-    cfg = model.config
     per_head = -(-(lengths + reserve_tokens) // page_size)
     return int(cfg.num_layers * cfg.num_kv_heads * per_head.sum())
 
@@ -187,6 +190,17 @@ def _kv_dtype(model: Model, kv_dtype):
     return dtype
 
 
+def _device_shares(
+    model: Model, lengths: np.ndarray, placement: InferenceMesh | None
+) -> list[tuple[ModelConfig, np.ndarray]]:
+    """(model config, prompt lengths) of each device's share of a request: its heads and rows
+    (the whole request on one device; one entry per data shard on a mesh)."""
+    if placement is None:
+        return [(model.config, lengths)]
+    cfg = placement.local_config(model.config)
+    return [(cfg, lengths[rows]) for rows in placement.row_groups(len(lengths))]
+
+
 def _create_state(
     model: Model,
     prompts: _Prompts,
@@ -196,7 +210,9 @@ def _create_state(
     page_size: int,
     num_pages: int | None,
     kv_dtype,
+    placement: InferenceMesh | None,
 ) -> KVState:
+    """The empty prefill state (on a mesh: each device's, stacked); `num_pages` is per device."""
     cfg = model.config
     if page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a positive power of two")
@@ -207,23 +223,35 @@ def _create_state(
             f"{longest + positions_after_prompt} exceeds the model's "
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
-    full_need = _full_cache_pages(model, prompts.lengths, reserve_tokens, page_size)
     dtype = _kv_dtype(model, kv_dtype)
     if policy.int8_window is not None:
         check_dtype(dtype)
+    shares = _device_shares(model, prompts.lengths, placement)
+    full_need = max(
+        _full_cache_pages(local_cfg, lengths, reserve_tokens, page_size)
+        for local_cfg, lengths in shares
+    )
     if num_pages is None:
-        bound = policy.prefill_pages(prompts.lengths, prompts.chunk, cfg, page_size, reserve_tokens)
-        num_pages = pool_pages_bucket(full_need if bound is None else min(bound, full_need))
+        needs = []
+        for local_cfg, lengths in shares:
+            # A budget shared across heads may all go to this device's heads.
+            bound_cfg = cfg if policy.decides_across_heads else local_cfg
+            bound = policy.prefill_pages(lengths, prompts.chunk, bound_cfg, page_size, reserve_tokens)
+            full = _full_cache_pages(local_cfg, lengths, reserve_tokens, page_size)
+            needs.append(full if bound is None else min(bound, full))
+        num_pages = pool_pages_bucket(max(needs))
     elif isinstance(policy, FullCache) and num_pages < full_need:
         raise ValueError(
             f"num_pages={num_pages} is too small: the full cache needs {full_need} "
             f"pages of {page_size} tokens for these prompts"
+            + ("" if placement is None else " on the fullest device")
         )
     table_pages = table_pages_bucket(-(-(longest + reserve_tokens) // page_size))
-    return KVState.create(
+    local_cfg, lengths = shares[0]
+    geometry = dict(
         num_layers=cfg.num_layers,
-        batch=len(prompts.lengths),
-        num_kv_heads=cfg.num_kv_heads,
+        batch=len(lengths),
+        num_kv_heads=local_cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         max_tokens=table_pages * page_size,
         page_size=page_size,
@@ -232,6 +260,9 @@ def _create_state(
         key_bounds=policy.selects_pages,
         local_window=policy.local_window,
     )
+    if placement is None:
+        return KVState.create(**geometry)
+    return placement.run(KVState.create, (), (), geometry)
 
 
 def _record_window_queries(window, queries, positions, lengths):
@@ -395,26 +426,40 @@ _prefill_span_jit = jax.jit(
 )
 _compress_jit = jax.jit(_compress, static_argnames=("policy",), donate_argnames=("kv",))
 _grow_jit = jax.jit(grow, static_argnames=("num_pages",))
+_empty_carry_jit = jax.jit(_empty_carry, static_argnames=("batch", "policy"))
+
+
+def _call(jitted, placement: InferenceMesh | None, kinds: tuple[str, ...], *args, **statics):
+    """`jitted(*args, **statics)` on one device, or its function as a sharded program on the
+    mesh (`InferenceMesh.run`: `kinds` says how each argument is split)."""
+    if placement is None:
+        return jitted(*args, **statics)
+    return placement.run(jitted.__wrapped__, kinds, args, statics)
 
 
 def _prefill_growing(model, request: _Request, key, policy_params, backend: str):
     """Chunked prefill for a policy that admits an unknown share of the prompt: the pool starts
     at the policy's guess and, before each chunk, grows (x2, bucketed) when fewer pages are
-    free than the chunk could need, so that it holds what is admitted plus about one chunk."""
-    prompts, policy = request.prompts, request.policy.static()
+    free than the chunk could need, so that it holds what is admitted plus about one chunk.
+    On a mesh every device's pool has the same size: the fullest device decides."""
+    prompts, policy, placement = request.prompts, request.policy.static(), request.placement
     kv = request.kv
-    cfg = model.config
-    heads = cfg.num_layers * cfg.num_kv_heads * len(prompts.lengths)
+    local_cfg, rows = _device_shares(model, prompts.lengths, placement)[0]
+    heads = local_cfg.num_layers * local_cfg.num_kv_heads * len(rows)
     chunk_need = heads * (-(-prompts.chunk // kv.pool.page_size) + 1)
-    carry = _empty_carry(model, len(prompts.lengths), policy)
+    carry = _call(_empty_carry_jit, placement, ("model",), model, batch=len(rows), policy=policy)
+    span_kinds = ("model", "rows", "rows", "same", "same", "rows", "donate", "donate", "params")
     for index in range(prompts.num_chunks):
         kv.check()
-        free = int(kv.pool.allocator.num_free)
+        free = int(np.min(kv.pool.allocator.num_free))
         if free < chunk_need:
             in_use = kv.pool.num_pages - free
             wanted = max(2 * kv.pool.num_pages, in_use + chunk_need)
-            kv = _grow_jit(kv, num_pages=pool_pages_bucket(wanted))
-        kv, carry = _prefill_span_jit(
+            kv = _call(_grow_jit, placement, ("shard",), kv, num_pages=pool_pages_bucket(wanted))
+        kv, carry = _call(
+            _prefill_span_jit,
+            placement,
+            span_kinds,
             model,
             prompts.tokens,
             prompts.lengths,
@@ -428,9 +473,18 @@ def _prefill_growing(model, request: _Request, key, policy_params, backend: str)
             policy=policy,
             backend=backend,
         )
-    tokens, lengths = prompts.tokens, prompts.lengths
-    return _compress_jit(
-        model, tokens, lengths, request.budget_tokens, kv, carry, key, policy=policy
+    return _call(
+        _compress_jit,
+        placement,
+        ("model", "rows", "rows", "rows", "donate", "shard", "same"),
+        model,
+        prompts.tokens,
+        prompts.lengths,
+        request.budget_tokens,
+        kv,
+        carry,
+        key,
+        policy=policy,
     )
 
 
@@ -551,7 +605,10 @@ def _decode(
     state = _record(state, kv, logits, token, stop_tokens, pad_id, policy)
 
     def keep_going(state: GenState):
-        return (state.step < state.max_new_tokens) & ~jnp.all(state.done) & ~state.kv.pool.overflow
+        # Every device of a mesh runs the same number of steps (the steps hold collectives).
+        finished = sharding.all_shards(jnp.all(state.done))
+        overflow = sharding.any_shard(state.kv.pool.overflow)
+        return (state.step < state.max_new_tokens) & ~finished & ~overflow
 
     step = functools.partial(
         _decode_step,
@@ -573,8 +630,9 @@ class _Request:
     policy: Policy
     prompts: _Prompts
     budget_tokens: np.ndarray
-    kv: KVState
+    kv: KVState  # on a mesh: every device's, stacked [S, ...]
     grows: bool  # the prefill pool starts at the policy's guess and grows as it fills
+    placement: InferenceMesh | None  # the mesh, or None on one device
 
 
 def _set_up(
@@ -590,11 +648,13 @@ def _set_up(
     kv_dtype,
     backend: str,
     policy_params,
+    mesh,
 ) -> _Request:
     """Checks everything on the host (before compiling) and creates the prefill state, with
     room for `reserve_tokens` written after each prompt and `positions_after_prompt` more
     positions than the prompt (checked against the model's context)."""
     resolve_backend(backend)
+    placement = sharding.as_inference_mesh(mesh)
     policy = FullCache() if policy is None else policy
     if not isinstance(policy, Policy):
         raise ValueError(f"policy={policy!r} must be a jaxkv.policies.Policy (policies.get(name))")
@@ -604,6 +664,8 @@ def _set_up(
     if prefill_chunk is None:
         prefill_chunk = policy.prefill_chunk(lengths, DEFAULT_PREFILL_CHUNK)
     prompts = _pad_prompts(prompt_lists, lengths, prefill_chunk)
+    if placement is not None:
+        placement.check(model.config, len(lengths))
     budget_tokens = policy.budget_tokens(prompts.lengths)
     policy.check_prefill(prompts.lengths, prompts.chunk)
     kv = _create_state(
@@ -615,9 +677,17 @@ def _set_up(
         page_size,
         num_pages,
         kv_dtype,
+        placement,
     )
     grows = num_pages is None and policy.prefill_pool_grows
-    return _Request(policy=policy, prompts=prompts, budget_tokens=budget_tokens, kv=kv, grows=grows)
+    return _Request(
+        policy=policy,
+        prompts=prompts,
+        budget_tokens=budget_tokens,
+        kv=kv,
+        grows=grows,
+        placement=placement,
+    )
 
 
 def _run_prefill(model, request: _Request, key, policy_params, backend: str):
@@ -626,7 +696,10 @@ def _run_prefill(model, request: _Request, key, policy_params, backend: str):
         kv, last_hidden = _prefill_growing(model, request, key, policy_params, backend)
         kv.check()
         return kv, last_hidden
-    kv, last_hidden = _prefill_compressed(
+    kv, last_hidden = _call(
+        _prefill_compressed,
+        request.placement,
+        ("model", "rows", "rows", "same", "rows", "donate", "same", "params"),
         model,
         prompts.tokens,
         prompts.lengths,
@@ -651,6 +724,11 @@ def _to_decode_geometry(
     bound = policy.decode_tokens_bound(
         request.budget_tokens, request.prompts.lengths, max_new_tokens
     )
+    if bound is not None and request.placement is not None:
+        # The bound is an average over heads; a budget shared across heads may all go to
+        # this device's heads.
+        share = request.placement.model if policy.decides_across_heads else 1
+        bound = request.placement.rows_per_device(bound) * share
     decode_pages, max_pages = decode_geometry(kv, max_new_tokens, bound)
     int8_geometry = None
     if kv.pool.int8 is not None:
@@ -662,7 +740,15 @@ def _to_decode_geometry(
         kv.page_table.shape[-1],
     ):
         return kv
-    return _repack(kv, num_pages=decode_pages, max_pages=max_pages, int8_geometry=int8_geometry)
+    return _call(
+        _repack,
+        request.placement,
+        ("shard",),
+        kv,
+        num_pages=decode_pages,
+        max_pages=max_pages,
+        int8_geometry=int8_geometry,
+    )
 
 
 def generate(
@@ -681,6 +767,7 @@ def generate(
     kv_dtype=None,
     backend: str = "xla",
     policy_params=None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens for a batch of prompts of different lengths.
 
@@ -700,6 +787,11 @@ def generate(
       kv_dtype: a float dtype for the cache (default: the model's).
       policy_params: the policy's learned parameters (gates), leaves stacked [L, ...]; checked
         against the model by `policy.check_params`.
+      mesh: a (data, model) device mesh (`jaxkv.sharding.make_inference_mesh`) to run on:
+        batch rows split over "data", KV heads (with their query heads and MLP columns) over
+        "model"; each device holds the pages of its own rows and heads, and `num_pages` is per
+        device. Greedy tokens equal one device's; a sampler draws per device, so sampled ones
+        differ. None: one device.
     Shapes that depend on the request (pool and table sizes, prompt padding, max_new_tokens)
     are bucketed (`jaxkv.cache.geometry`), so a stream of requests compiles a bounded number of
     times; budgets travel as arrays and never recompile.
@@ -725,13 +817,17 @@ def generate(
         kv_dtype=kv_dtype,
         backend=backend,
         policy_params=policy_params,
+        mesh=mesh,
     )
-    policy = request.policy
+    policy, placement = request.policy, request.placement
     policy_key, key = jax.random.split(key)
     kv, last_hidden = _run_prefill(model, request, policy_key, policy_params, backend)
     kv = _to_decode_geometry(kv, policy, request, max_new_tokens, num_pages)
     lengths = request.prompts.lengths
-    state = _decode(
+    state = _call(
+        _decode,
+        placement,
+        ("model", "donate", "shard", "rows", "rows", "rows", "same", "same", "same", "params"),
         model,
         kv,
         last_hidden,
@@ -748,19 +844,32 @@ def generate(
         pad_id=pad_id,
         backend=backend,
     )
+    return _output(state, max_new_tokens, stop_tokens, placement)
+
+
+def _output(
+    state: GenState, max_new_tokens: int, stop_tokens, placement: InferenceMesh | None
+) -> GenerateOutput:
+    """The host-side result of the decode loop (a mesh's rows joined, its pages summed)."""
     state.kv.check()
-    steps = int(state.step)
-    tokens = np.asarray(state.tokens)[:, :max_new_tokens]
+    if placement is None:
+        per_row, summed = np.asarray, np.asarray
+    else:
+        per_row, summed = placement.join_rows, placement.sum_shards
+    steps = int(np.max(state.step))
+    tokens = per_row(state.tokens)[:, :max_new_tokens]
     is_stop = np.isin(tokens, np.asarray(stop_tokens, np.int32))
     num_tokens = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, steps)
-    pages = np.asarray(state.pages_in_use)[:steps]
-    int8_pages = np.asarray(state.int8_pages_in_use)[:steps]
+    pages = summed(state.pages_in_use)[:steps]
+    int8_pages = summed(state.int8_pages_in_use)[:steps]
     memory_bytes = pages.astype(np.int64) * state.kv.pool.page_bytes + state.kv.ring_bytes
     if state.kv.pool.int8 is not None:
         tier = state.kv.pool.int8
         memory_bytes += int8_pages.astype(np.int64) * tier.pool.page_bytes
         memory_bytes += tier.channel_scale_bytes
-    confidence = None if state.confidence is None else np.asarray(state.confidence)[:steps]
+    confidence = None
+    if state.confidence is not None:
+        confidence = per_row(np.swapaxes(state.confidence, -1, -2)).T[:steps]
     return GenerateOutput(
         tokens=tokens,
         num_tokens=num_tokens.astype(np.int32),
@@ -785,13 +894,15 @@ def compress_prompt(
     backend: str = "xla",
     reserve_tokens: int = 0,
     policy_params=None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> KVState:
     """Prefills the prompts and applies the policy's compression; returns the KV state.
 
     `key` seeds stochastic policies (GVote); the same key gives the same result.
     `reserve_tokens`: room in every page table for that many tokens after the prompt, so the
     caller can go on writing to the returned state (questions, continuations).
-    `policy_params`, `prefill_chunk`, `kv_dtype`: as for `generate`.
+    `policy_params`, `prefill_chunk`, `kv_dtype`, `mesh`: as for `generate` (on a mesh the
+    result is every device's state, stacked [S, ...]).
     """
     reserve_tokens = _check_count("reserve_tokens", reserve_tokens, 0)
     request = _set_up(
@@ -806,6 +917,7 @@ def compress_prompt(
         kv_dtype=kv_dtype,
         backend=backend,
         policy_params=policy_params,
+        mesh=mesh,
     )
     key = jax.random.PRNGKey(0) if key is None else key
     kv, _ = _run_prefill(model, request, key, policy_params, backend)

@@ -31,6 +31,30 @@ from models.configs import ModelConfig
 
 Params = dict[str, Any]
 
+# Logical axis names of every parameter (the layout above); a mesh's rules table maps them to
+# device axes (`jaxkv.sharding`).
+PARAM_AXES: dict[str, Any] = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+    "layers": {
+        "attn_norm": ("layers", "embed"),
+        "wq": ("layers", "embed", "heads", "head_dim"),
+        "wk": ("layers", "embed", "kv_heads", "head_dim"),
+        "wv": ("layers", "embed", "kv_heads", "head_dim"),
+        "wo": ("layers", "heads", "head_dim", "embed"),
+        "bq": ("layers", "heads", "head_dim"),
+        "bk": ("layers", "kv_heads", "head_dim"),
+        "bv": ("layers", "kv_heads", "head_dim"),
+        "q_norm": ("layers", "head_dim"),
+        "k_norm": ("layers", "head_dim"),
+        "mlp_norm": ("layers", "embed"),
+        "w_gate": ("layers", "embed", "mlp"),
+        "w_up": ("layers", "embed", "mlp"),
+        "w_down": ("layers", "mlp", "embed"),
+    },
+}
+
 
 class AttentionFn(Protocol):
     """Causal self-attention over whole sequences: q [B, N, T, H], k, v [B, K, T, H] ->
@@ -165,11 +189,23 @@ def attention_inputs(lp: Params, cfg: ModelConfig, x: jax.Array, cos: jax.Array,
     return (project_queries(lp, cfg, h, cos, sin), *project_keys_values(lp, cfg, h, cos, sin))
 
 
-def attention_output_and_mlp(lp: Params, cfg: ModelConfig, x: jax.Array, attn: jax.Array):
-    """Output projection of attn [B, N, T, H], residual add, then the MLP block; returns x."""
-    x = x + jnp.einsum("bnth,nhd->btd", attn.astype(x.dtype), lp["wo"])
+def attention_output_and_mlp(
+    lp: Params,
+    cfg: ModelConfig,
+    x: jax.Array,
+    attn: jax.Array,
+    reduce_partial_sums: Callable[[jax.Array], jax.Array] | None = None,
+):
+    """Output projection of attn [B, N, T, H], residual add, then the MLP block; returns x.
+
+    reduce_partial_sums: with tensor parallelism (a device holding some heads and MLP columns),
+      sums the output projection's and the MLP's partial products over the devices; None on one
+      device.
+    """
+    reduce = reduce_partial_sums or (lambda y: y)
+    x = x + reduce(jnp.einsum("bnth,nhd->btd", attn.astype(x.dtype), lp["wo"]))
     h = layers.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    return x + layers.swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+    return x + reduce(layers.swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:

@@ -192,7 +192,6 @@ def gvote(
     fwd: Forward,
     key,
     batch_index: int,
-    batch_size: int,
     nucleus=0.95,
     num_samples=8,
     future_positions=16,
@@ -216,9 +215,8 @@ def gvote(
         sorted_last = -np.sort(-last, axis=-1)
         step_budget = np.sum(np.cumsum(sorted_last, axis=-1) < nucleus, axis=-1) + 1
         mu, std = h.mean(axis=0), h.std(axis=0, ddof=1)
-        noise = np.asarray(
-            jax.random.normal(jax.random.fold_in(key, layer), (batch_size, num_samples, h.shape[1]))
-        )[batch_index]
+        row_key = jax.random.fold_in(jax.random.fold_in(key, layer), batch_index)
+        noise = np.asarray(jax.random.normal(row_key, (num_samples, h.shape[1])))
         sampled = mu + std * noise
         attn_module = model.model.layers[layer].self_attn
         w = attn_module.q_proj.weight.detach().double().numpy()

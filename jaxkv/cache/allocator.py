@@ -34,7 +34,7 @@ class PageAllocator:
 
     @property
     def num_pages(self) -> int:
-        return self.free_stack.shape[0]
+        return self.free_stack.shape[-1]
 
     def pages_in_use(self) -> jax.Array:
         return self.num_pages - self.num_free

@@ -129,14 +129,34 @@ def decode_geometry(
     tokens_bound: int [B], the policy's bound on the tokens a head of each sequence holds on
     average during decode (`Policy.decode_tokens_bound`); the pool then holds that many per
     head (plus a partial page each), or what the state holds now if that is more.
+    A mesh's per-device states stacked [S, ...] (`jaxkv.sharding`) get the geometry of the
+    fullest device; tokens_bound is then [S, B/d], each device's rows.
     """
-    lengths = jax.device_get(kv.full_precision_lengths())
+    lengths = _per_device(jax.device_get(kv.full_precision_lengths()))
+    bounds = [None] * len(lengths) if tokens_bound is None else np.reshape(tokens_bound, (len(lengths), -1))
+    window = None if kv.pool.int8 is None else kv.pool.int8.window
+    return _largest(
+        _device_decode_geometry(held, bound, max_new_tokens, kv.pool.page_size, window)
+        for held, bound in zip(lengths, bounds, strict=True)
+    )
+
+
+def _per_device(lengths: np.ndarray) -> np.ndarray:
+    """[L, B, K] or stacked [S, L, B, K] -> [S, L, B, K]."""
+    return lengths.reshape(-1, *lengths.shape[-3:])
+
+
+def _largest(geometries) -> tuple[int, int]:
+    pages, widths = zip(*geometries, strict=True)
+    return max(pages), max(widths)
+
+
+def _device_decode_geometry(lengths, tokens_bound, max_new_tokens, p, int8_window):
     grown = lengths + max(max_new_tokens - 1, 0)
-    if kv.pool.int8 is not None:
-        grown = np.minimum(grown, np.maximum(lengths, kv.pool.int8.window + 1))
-    p = kv.pool.page_size
+    if int8_window is not None:
+        grown = np.minimum(grown, np.maximum(lengths, int8_window + 1))
     bound_pages = None
-    if tokens_bound is not None and kv.pool.int8 is None:
+    if tokens_bound is not None and int8_window is None:
         heads_per_sequence = lengths.shape[0] * lengths.shape[2]
         per_head = -(-np.asarray(tokens_bound, np.int64) // p) + 1
         held = int((-(-lengths // p)).sum())
@@ -145,8 +165,11 @@ def decode_geometry(
 
 
 def int8_decode_geometry(kv: KVState, max_new_tokens: int) -> tuple[int, int]:
-    """(num_pages, max_pages) of the int8 tier for `max_new_tokens` more steps (host side)."""
+    """(num_pages, max_pages) of the int8 tier for `max_new_tokens` more steps (host side; of
+    the fullest device for stacked states, as `decode_geometry`)."""
     tier = kv.pool.int8
     full, held = jax.device_get((kv.full_precision_lengths(), tier.lengths))
     grown = held + np.maximum(full + max(max_new_tokens - 1, 0) - tier.window, 0)
-    return _bucketed_geometry(grown, tier.pool.page_size)
+    return _largest(
+        _bucketed_geometry(device, tier.pool.page_size) for device in _per_device(grown)
+    )

@@ -51,18 +51,20 @@ class PagePool:
     v_scales: jax.Array | None = None
     int8: Int8Tier | None = None
 
+    # Shapes are read from the last axes, so that a mesh's per-device pools stacked [S, ...]
+    # (`jaxkv.sharding`) answer per device.
     @property
     def num_pages(self) -> int:
-        return self.k_pages.shape[0]
+        return self.k_pages.shape[-3]
 
     @property
     def page_size(self) -> int:
-        return self.k_pages.shape[1]
+        return self.k_pages.shape[-2]
 
     @property
     def page_bytes(self) -> int:
         """Bytes one page holds: its keys, values and per-token metadata (and scales)."""
-        p, h = self.k_pages.shape[1:]
+        p, h = self.k_pages.shape[-2:]
         kv_bytes = p * h * (self.k_pages.dtype.itemsize + self.v_pages.dtype.itemsize)
         metadata = p * (self.token_positions.dtype.itemsize + self.token_scores.dtype.itemsize)
         bounds = 0 if self.key_min is None else 2 * h * self.key_min.dtype.itemsize
@@ -132,7 +134,7 @@ class Int8Tier:
 
     def memory_bytes(self) -> int:
         """Host-side int: int8 pages held (values, token scales, metadata) + channel scales."""
-        pages = int(np.asarray(self.pages_in_use()))
+        pages = int(np.sum(self.pages_in_use()))
         return pages * self.pool.page_bytes + self.channel_scale_bytes
 
     def merged_view(self, field: str, newer: jax.Array, layer: int | None, empty) -> jax.Array:
@@ -275,7 +277,7 @@ class KVState:
 
     @property
     def num_layers(self) -> int:
-        return self.page_table.shape[0]
+        return self.page_table.shape[-4]
 
     @property
     def max_tokens_per_head(self) -> int:
@@ -297,8 +299,8 @@ class KVState:
 
     def memory_bytes(self) -> int:
         """Bytes really held: the pages in use (keys, values, scales and per-token metadata, in
-        both tiers) and the local ring; host-side int."""
-        held = int(np.asarray(self.pages_in_use())) * self.pool.page_bytes + self.ring_bytes
+        both tiers) and the local ring; host-side int (all devices' for stacked states)."""
+        held = int(np.sum(self.pages_in_use())) * self.pool.page_bytes + self.ring_bytes
         return held if self.pool.int8 is None else held + self.pool.int8.memory_bytes()
 
     def _per_slot(self, field: str, layer: int | None, empty) -> jax.Array:
@@ -336,7 +338,7 @@ class KVState:
 
     def check(self) -> None:
         """Raises on the host if a write ran out of pages (call after a jitted step)."""
-        if bool(np.asarray(self.pool.overflow)):
+        if np.any(self.pool.overflow):
             raise PoolExhaustedError(
                 f"the KV page pool (num_pages={self.pool.num_pages}, page_size="
                 f"{self.pool.page_size}) ran out of pages; the write was not performed. "

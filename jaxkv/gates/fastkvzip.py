@@ -47,6 +47,18 @@ def param_shapes(
     }
 
 
+# Logical axis names of every gate parameter (`jaxkv.sharding`: a mesh splits KV heads).
+PARAM_AXES = {
+    "wq": ("layers", "embed", "kv_heads", "gate", "gate"),
+    "bq": ("layers", "kv_heads", "gate", "gate"),
+    "q_norm": ("layers", "gate"),
+    "wk": ("layers", "embed", "kv_heads", "gate"),
+    "k_norm": ("layers", "gate"),
+    "sinks": ("layers", "kv_heads", "gate", "gate"),
+    "bias": ("layers", "kv_heads", "gate"),
+}
+
+
 def init_params(
     model_config, key: jax.Array, gate_dim: int = GATE_DIM, num_sinks: int = NUM_SINKS
 ) -> dict[str, jax.Array]:

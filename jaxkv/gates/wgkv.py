@@ -105,6 +105,17 @@ AXIS_NAMES = {
 }
 
 
+# Logical axis names (`jaxkv.sharding`: a mesh splits the gates with their KV heads).
+PARAM_AXES = {
+    "norm_unrotated": ("layers", "head_dim"),
+    "norm_rotated": ("layers", "head_dim"),
+    "w1": ("layers", "kv_heads", "gate", "gate"),
+    "b1": ("layers", "kv_heads", "gate"),
+    "w2": ("layers", "kv_heads", "gate"),
+    "b2": ("layers", "kv_heads"),
+}
+
+
 def expected_shapes(model_config: ModelConfig, width: int) -> dict[str, tuple[int, ...]]:
     """The shape of every gate parameter for this model and hidden width E."""
     num_layers, heads, dim = (

@@ -214,6 +214,10 @@ class Policy:
     needs_params: ClassVar[bool] = False
     # Whether `compress` reads the prompt's token ids (`PrefillObservations.prompt_tokens`).
     needs_prompt_tokens: ClassVar[bool] = False
+    # Whether a budget is shared by a layer's or the model's KV heads (AdaKV, KVzip, Fast KVzip):
+    # one head may keep more than its share, so on a mesh a device's pool is sized for its
+    # heads keeping every head's share.
+    decides_across_heads: ClassVar[bool] = False
     # Whether what prefill holds is known only as tokens are admitted: `prefill_pages` is then
     # a first guess, and the pool grows during prefill as it fills (admission policies).
     prefill_pool_grows: ClassVar[bool] = False
@@ -353,6 +357,13 @@ class Policy:
         del model_config
         if params is not None:
             raise ValueError(f"policy {self.name!r} takes no policy_params, got some")
+
+    def param_axes(self, params):
+        """The logical axis names of each `policy_params` leaf (a tree like `params` with a
+        tuple per leaf, `jaxkv.sharding.LOGICAL_AXIS_RULES`), so that a mesh splits learned
+        gates with their KV heads; None: replicated (no parameters)."""
+        del params
+        return None
 
     def write_scores(
         self, layer_params, *, h: jax.Array, k_unrotated: jax.Array, k: jax.Array, positions

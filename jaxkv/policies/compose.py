@@ -59,6 +59,9 @@ class Composed(base.Policy):
     def check_params(self, params, model_config) -> None:
         self.admission.check_params(params, model_config)
 
+    def param_axes(self, params):
+        return self.admission.param_axes(params)
+
     def write_scores(self, layer_params, **kwargs):
         return self.admission.write_scores(layer_params, **kwargs)
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import sharding
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, keep_top_per_head
 from jaxkv.policies import base
@@ -245,7 +246,8 @@ class ConfKV(base.Policy):
         mass = kv.token_scores()
         if self.per_head:
             return mass
-        return jnp.broadcast_to(jnp.mean(mass, axis=2, keepdims=True), mass.shape)
+        layer_mean = jnp.mean(sharding.gather_heads(mass, axis=2), axis=2, keepdims=True)
+        return jnp.broadcast_to(layer_mean, mass.shape)
 
     def _evict(self, kv: KVState, budgets, newest_positions, key) -> KVState:
         """Each head keeps its newest `protected` positions (up to newest_positions [B]) and its
@@ -267,7 +269,9 @@ class ConfKV(base.Policy):
             budget = jnp.broadcast_to(budgets, kv.lengths.shape)
             return compact(kv, keep_top_per_head(scores, budget, held, protected))
 
-        return jax.lax.cond(jnp.any(kv.lengths > budgets), evict, lambda kv: kv, kv)
+        # Every device takes the same branch: the per-layer ranking gathers across devices.
+        over_budget = sharding.any_shard(jnp.any(kv.lengths > budgets))
+        return jax.lax.cond(over_budget, evict, lambda kv: kv, kv)
 
     def compress(self, kv: KVState, obs: base.PrefillObservations, model) -> KVState:
         """After prefill, down to the loose budget (no step can keep more), so that the decode

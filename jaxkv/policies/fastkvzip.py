@@ -32,6 +32,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import sharding
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact
 from jaxkv.gates import fastkvzip as gate
@@ -76,6 +77,7 @@ class FastKVzip(Policy):
     name: ClassVar[str] = "fastkvzip"
     evicts_during_decode: ClassVar[bool] = True
     needs_params: ClassVar[bool] = True
+    decides_across_heads: ClassVar[bool] = True
 
     ratio: float | None = None
     window: int | None = None
@@ -153,19 +155,33 @@ class FastKVzip(Policy):
             raise ValueError(f"policy {self.name!r} needs policy_params: the trained gates")
         gate.check_params(params, model_config)
 
+    def param_axes(self, params):
+        return {name: gate.PARAM_AXES[name] for name in params}
+
     def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
         del k_unrotated, k, positions
         return gate.gate_scores(layer_params, h)
 
     def _evict(self, kv: KVState, total, protected) -> KVState:
+        """Keeps `total` [B] tokens per sequence over every layer and KV head (all devices'
+        heads on a mesh), the protected ones first."""
+
+        def keep(scores, held, protected):
+            protected = protected & held
+            forced = jnp.sum(protected, axis=(0, 2, 3), dtype=jnp.int32)
+            return keep_top_globally(scores, jnp.maximum(total, forced), held, protected)
+
         held = kv.positions() >= 0
-        protected = protected & held
-        forced = jnp.sum(protected, axis=(0, 2, 3), dtype=jnp.int32)
-        total = jnp.maximum(total, forced)
-        return compact(kv, keep_top_globally(kv.token_scores(), total, held, protected))
+        keep_mask = sharding.over_all_heads(keep, kv.token_scores(), held, protected, axis=2)
+        return compact(kv, keep_mask)
+
+    @staticmethod
+    def _heads(kv: KVState) -> int:
+        """(layer, KV head) pairs of a sequence, every device's on a mesh."""
+        return kv.num_layers * kv.lengths.shape[2] * sharding.head_shards()
 
     def after_prefill_chunk(self, kv: KVState, *, seen, prompt_lengths, budget_tokens):
-        heads = kv.num_layers * kv.lengths.shape[2]
+        heads = self._heads(kv)
         final, window = budget_tokens[:, 0], budget_tokens[:, 1]
         total = _scaled_total(final, seen, prompt_lengths, heads)
         positions = kv.positions()
@@ -196,12 +212,12 @@ class FastKVzip(Policy):
         globally to floor(r * current length) (or the fixed `decode_tokens`) per head on
         average, keeping the first `sinks` positions and the newest `decode_buffer`."""
         active = ctx.positions >= 0
-        heads = kv.num_layers * kv.lengths.shape[2]
+        heads = self._heads(kv)
         current = ctx.positions + 1
         total = _scaled_total(ctx.budget_tokens[:, 0], current, ctx.prompt_lengths, heads)
         fixed = ctx.budget_tokens[:, 2]
         total = jnp.where(fixed > 0, fixed * heads, total)
-        held_total = jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32)
+        held_total = sharding.sum_heads(jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32))
         total = jnp.where(active, total, held_total)
         positions = kv.positions()
         newest = positions > (ctx.positions - self.decode_buffer)[None, :, None, None]

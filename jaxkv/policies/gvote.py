@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import sharding
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.policies import base
@@ -50,8 +51,14 @@ def vote(queries: jax.Array, keys: jax.Array, held: jax.Array, step_budget: jax.
 
 
 def sample_hidden_states(key, mean, var, num_samples: int) -> jax.Array:
-    """[B, S, D] draws of N(mean, var) with mean, var [B, D]."""
-    noise = jax.random.normal(key, (mean.shape[0], num_samples, mean.shape[1]), jnp.float32)
+    """[B, S, D] draws of N(mean, var) with mean, var [B, D]; row b's noise is drawn with
+    `fold_in(key, b)` (b: the row in the whole request, so a mesh draws the same samples)."""
+
+    def row_noise(row):
+        shape = (num_samples, mean.shape[1])
+        return jax.random.normal(jax.random.fold_in(key, row), shape, jnp.float32)
+
+    noise = jax.vmap(row_noise)(sharding.global_rows(mean.shape[0]))
     return mean[:, None] + jnp.sqrt(var)[:, None] * noise
 
 

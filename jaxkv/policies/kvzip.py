@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import attention as attention_ops
+from jaxkv import sharding
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.policies.base import Budget, Policy, PrefillObservations, register
@@ -108,7 +109,7 @@ def _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, prefix_he
     attn = jnp.einsum("bkgcs,bksh->bkgch", grouped, values.astype(jnp.float32))
     received = jnp.max(grouped[..., :s], axis=(2, 3))
     attn = attn.reshape(b, cfg.num_heads, c, -1)
-    return attention_output_and_mlp(lp, cfg, x, attn), received
+    return attention_output_and_mlp(lp, cfg, x, attn, sharding.reduce_partial_sums), received
 
 
 def reconstruction_scores(
@@ -186,6 +187,7 @@ class KVzip(Policy):
 
     name: ClassVar[str] = "kvzip"
     needs_prompt_tokens: ClassVar[bool] = True
+    decides_across_heads: ClassVar[bool] = True
 
     ratio: float | None = None
     chunk: int = DEFAULT_REPLAY_CHUNK
@@ -225,5 +227,11 @@ class KVzip(Policy):
             continue_ids=self.continue_ids,
         )
         held = kv.positions() >= 0
-        total = obs.budget_tokens * kv.num_layers * kv.lengths.shape[2]
-        return compact(kv, keep_top_globally(scores, total, held, jnp.zeros_like(held)))
+        total = obs.budget_tokens * kv.num_layers * kv.lengths.shape[2] * sharding.head_shards()
+        keep = sharding.over_all_heads(
+            lambda scores, held: keep_top_globally(scores, total, held, jnp.zeros_like(held)),
+            scores,
+            held,
+            axis=2,
+        )
+        return compact(kv, keep)

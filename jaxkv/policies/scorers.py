@@ -21,6 +21,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from jaxkv import sharding
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import keep_top_across_heads
 from jaxkv.policies import base
@@ -146,7 +147,7 @@ class TOVA(EvictionPolicy):
         return 1
 
     def layer_scores(self, view: LayerView) -> jax.Array:
-        last = view.window_probabilities()[:, :, 0]  # [B, N, S]
+        last = sharding.gather_heads(view.window_probabilities()[:, :, 0], axis=1)  # [B, N, S]
         return jnp.broadcast_to(last.mean(axis=1, keepdims=True), view.positions.shape)
 
 
@@ -205,6 +206,7 @@ class AdaKV(EvictionPolicy):
     """
 
     name: ClassVar[str] = "adakv"
+    decides_across_heads: ClassVar[bool] = True
     inner: EvictionPolicy | str = "snapkv"
     safeguard: float = 0.2
 
@@ -233,4 +235,7 @@ class AdaKV(EvictionPolicy):
         return self.inner.layer_scores(view)
 
     def select(self, scores, budgets, held, protected) -> jax.Array:
-        return keep_top_across_heads(scores, budgets, held, protected, self.safeguard)
+        def keep(scores, held, protected):
+            return keep_top_across_heads(scores, budgets, held, protected, self.safeguard)
+
+        return sharding.over_all_heads(keep, scores, held, protected, axis=2)

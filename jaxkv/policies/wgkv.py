@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import attention as attention_ops
-from jaxkv.gates.wgkv import check_write_gates, write_gate_values
+from jaxkv.gates.wgkv import PARAM_AXES, check_write_gates, write_gate_values
 from jaxkv.policies import base
 
 
@@ -103,6 +103,9 @@ class WGKV(RingAdmission):
             )
         check_write_gates(params, model_config)
 
+    def param_axes(self, params):
+        return {name: PARAM_AXES[name] for name in params}
+
     def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
         del h, positions
         return write_gate_values(layer_params, k_unrotated, k)
@@ -161,6 +164,10 @@ class DuoAttention(RingAdmission):
             )
         if jnp.result_type(params) != jnp.bool_:
             raise ValueError(f"duo_attention policy_params must be bool, got {params.dtype}")
+
+    def param_axes(self, params):
+        del params
+        return ("layers", "kv_heads")
 
     def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
         del h, k_unrotated

@@ -1,0 +1,383 @@
+"""Sharded inference: `generate` and `compress_prompt` on a (data, model) device mesh.
+
+Every device runs the single-device program (`jax.shard_map`) on its share:
+  data   batch rows: data shard i holds rows [i * B/d, (i + 1) * B/d);
+  model  KV heads: model shard j holds KV heads [j * K/m, (j + 1) * K/m), their query heads,
+         and columns [j * F/m, (j + 1) * F/m) of the MLP (tensor parallelism).
+A device's KV state is a whole paged state of its own (pool, page tables, allocator) for its
+rows and heads, so it holds and reads only its share of the cache. Outside the devices those
+states are stacked on a leading shard axis [S = d * m] (shard s = data shard s // m, model shard
+s % m), which is the one sharded array axis.
+
+Collectives, and nothing else crosses devices:
+  - the output projection and the MLP's down projection sum their partial products over
+    "model" (one all-reduce each per layer, `reduce_partial_sums`);
+  - policies whose decisions span a layer's KV heads (AdaKV's bottom-k, Fast KVzip's and
+    KVzip's global thresholds, TOVA's and Conf-KV's head-averaged rankings) gather the scores
+    they rank (`gather_heads`), never the cache, and keep their own heads' slice;
+  - loop and branch conditions that must agree on every device (`any_shard`, `all_shards`).
+These helpers are identities outside a sharded program, so the same policy code runs on one
+device and on a mesh.
+
+One rules table (`LOGICAL_AXIS_RULES`) maps the logical axes of parameters (`models.decoder.
+PARAM_AXES`, a policy's `param_axes`) and of the stacked cache to the mesh's axes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from models.configs import ModelConfig
+from models.decoder import PARAM_AXES, Model
+
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+MESH_AXES = (DATA_AXIS, MODEL_AXIS)
+
+# Logical axis -> mesh axis (None: replicated on every device).
+LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": DATA_AXIS,
+    "heads": MODEL_AXIS,
+    "kv_heads": MODEL_AXIS,
+    "mlp": MODEL_AXIS,
+    "cache_shards": MESH_AXES,  # the stacked per-device KV states (and all per-device outputs)
+    "layers": None,
+    "embed": None,
+    "vocab": None,
+    "head_dim": None,
+    "gate": None,  # a learned gate's own feature axes
+}
+
+_SHARDS_SPEC = PartitionSpec(MESH_AXES)
+
+
+def logical_spec(axes: Sequence[str | None]) -> PartitionSpec:
+    """The PartitionSpec of an array whose axes have these logical names (None: replicated)."""
+    unknown = [axis for axis in axes if axis is not None and axis not in LOGICAL_AXIS_RULES]
+    if unknown:
+        raise ValueError(f"logical axes {unknown} are not in LOGICAL_AXIS_RULES")
+    return PartitionSpec(*(None if axis is None else LOGICAL_AXIS_RULES[axis] for axis in axes))
+
+
+# --- collectives that are identities on one device ------------------------------------------
+
+_MODEL_AXIS_IN_USE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxkv_model_axis_in_use", default=False
+)
+_IN_SHARDED_PROGRAM: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxkv_in_sharded_program", default=False
+)
+
+
+@contextlib.contextmanager
+def _tracing_on_mesh():
+    """Marks the code traced inside as one device's share of a sharded program."""
+    tokens = (_IN_SHARDED_PROGRAM.set(True), _MODEL_AXIS_IN_USE.set(True))
+    try:
+        yield
+    finally:
+        _MODEL_AXIS_IN_USE.reset(tokens[1])
+        _IN_SHARDED_PROGRAM.reset(tokens[0])
+
+
+def head_shards() -> int:
+    """How many devices share a layer's KV heads (1 outside a sharded program)."""
+    return jax.lax.axis_size(MODEL_AXIS) if _MODEL_AXIS_IN_USE.get() else 1
+
+
+def reduce_partial_sums(x: jax.Array) -> jax.Array:
+    """Sums a tensor-parallel partial product (over a device's heads or MLP columns) over the
+    model axis; x itself on one device."""
+    return jax.lax.psum(x, MODEL_AXIS) if _MODEL_AXIS_IN_USE.get() else x
+
+
+def sum_heads(x: jax.Array) -> jax.Array:
+    """The sum over every device's KV heads of a per-device partial sum over its own heads."""
+    return reduce_partial_sums(x)
+
+
+def gather_heads(tree: Any, axis: int) -> Any:
+    """Every KV head's values of each leaf (its KV-head axis `axis`), in head order."""
+    if not _MODEL_AXIS_IN_USE.get():
+        return tree
+    return jax.tree.map(
+        lambda x: jax.lax.all_gather(x, MODEL_AXIS, axis=axis, tiled=True), tree
+    )
+
+
+def local_heads(x: jax.Array, axis: int) -> jax.Array:
+    """This device's KV heads of x (every head on its KV-head axis `axis`)."""
+    shards = head_shards()
+    if shards == 1:
+        return x
+    size = x.shape[axis] // shards
+    start = jax.lax.axis_index(MODEL_AXIS) * size
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def over_all_heads(fn: Callable[..., jax.Array], *arrays: jax.Array, axis: int) -> jax.Array:
+    """fn(*arrays) over every device's KV heads (each array's head axis `axis` gathered; fn's
+    result has the same head axis), and this device's heads of the result. The inputs are
+    gathered whole, so the result is bit for bit the one device's."""
+    return local_heads(fn(*gather_heads(arrays, axis)), axis)
+
+
+def global_rows(batch: int) -> jax.Array:
+    """int32 [batch]: the request's row index of each of this device's `batch` rows, so that
+    per-row randomness (`jax.random.fold_in(key, row)`) does not depend on the mesh."""
+    rows = jnp.arange(batch, dtype=jnp.int32)
+    if not _IN_SHARDED_PROGRAM.get():
+        return rows
+    return rows + jax.lax.axis_index(DATA_AXIS).astype(jnp.int32) * batch
+
+
+def any_shard(flag: jax.Array) -> jax.Array:
+    """bool []: `flag` (bool []) on any device of the program (itself on one device), for
+    conditions every device must agree on (a branch or loop holding collectives)."""
+    if not _IN_SHARDED_PROGRAM.get():
+        return flag
+    return jax.lax.psum(flag.astype(jnp.int32), MESH_AXES) > 0
+
+
+def all_shards(flag: jax.Array) -> jax.Array:
+    """bool []: `flag` (bool []) on every device of the program."""
+    return ~any_shard(~flag)
+
+
+# --- the mesh and what lives on it ----------------------------------------------------------
+
+
+def make_inference_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
+    """A (data, model) mesh over the first data * model devices (Auto axes)."""
+    for name, size in (("data", data), ("model", model)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh axis {name}={size!r} must be an integer >= 1")
+    devices = list(jax.devices() if devices is None else devices)
+    if data * model > len(devices):
+        hint = ""
+        if jax.process_count() == 1 and not jax.distributed.is_initialized():
+            hint = (
+                "; jax.distributed is not initialised: for a mesh over several hosts, call "
+                "jax.distributed.initialize() in every process first (docs/multi-host.md)"
+            )
+        raise ValueError(
+            f"mesh data={data} x model={model} needs {data * model} devices, "
+            f"{len(devices)} are visible{hint}"
+        )
+    return jax.make_mesh(
+        (data, model), MESH_AXES, (AxisType.Auto,) * 2, devices=devices[: data * model]
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceMesh:
+    """A checked (data, model) mesh and how a request's arrays are laid out on it (static,
+    hashable: jit sees it as a static argument)."""
+
+    mesh: Mesh
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):
+            raise ValueError(f"mesh={self.mesh!r} must be a jax.sharding.Mesh")
+        if tuple(self.mesh.axis_names) != MESH_AXES:
+            raise ValueError(
+                f"mesh axes {tuple(self.mesh.axis_names)}: inference meshes have the axes "
+                f"{MESH_AXES} (batch rows, KV heads), sizes >= 1; build one with "
+                "jaxkv.sharding.make_inference_mesh(data=, model=)"
+            )
+
+    @property
+    def data(self) -> int:
+        return self.mesh.shape[DATA_AXIS]
+
+    @property
+    def model(self) -> int:
+        return self.mesh.shape[MODEL_AXIS]
+
+    @property
+    def num_shards(self) -> int:
+        return self.data * self.model
+
+    def check(self, cfg: ModelConfig, batch: int) -> None:
+        """Raises ValueError unless the axes divide the batch, the heads and the MLP."""
+        if batch % self.data:
+            raise ValueError(
+                f"mesh axis 'data' has {self.data} devices and the batch {batch} prompts: the "
+                f"batch must be a multiple of {self.data}"
+            )
+        for name, size in (
+            ("num_kv_heads", cfg.num_kv_heads),
+            ("num_heads", cfg.num_heads),
+            ("intermediate_size", cfg.intermediate_size),
+        ):
+            if size % self.model:
+                raise ValueError(
+                    f"mesh axis 'model' has {self.model} devices and the model's "
+                    f"{name}={size}: it must be a multiple of {self.model}"
+                )
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The config of one device's share of the model (its heads and MLP columns)."""
+        return dataclasses.replace(
+            cfg,
+            num_heads=cfg.num_heads // self.model,
+            num_kv_heads=cfg.num_kv_heads // self.model,
+            intermediate_size=cfg.intermediate_size // self.model,
+        )
+
+    def row_groups(self, batch: int) -> list[np.ndarray]:
+        """The batch rows of each data shard."""
+        return np.split(np.arange(batch), self.data)
+
+    def rows_per_device(self, array) -> np.ndarray:
+        """[B, ...] -> [S, B/d, ...] (host): each device's rows (repeated over model)."""
+        array = np.asarray(array)
+        rows = array.reshape(self.data, array.shape[0] // self.data, *array.shape[1:])
+        return np.repeat(rows, self.model, axis=0)
+
+    def split_rows(self, array) -> jax.Array:
+        """[B, ...] -> [S, B/d, ...] on the mesh, each device holding its rows."""
+        return jax.device_put(self.rows_per_device(array), NamedSharding(self.mesh, _SHARDS_SPEC))
+
+    def join_rows(self, stacked) -> np.ndarray:
+        """[S, B/d, ...] -> [B, ...] (host): the rows of model shard 0 of each data shard."""
+        stacked = np.asarray(stacked)
+        return stacked[:: self.model].reshape(-1, *stacked.shape[2:])
+
+    def unshard(self, stacked, row_axis: int, head_axis: int | None = None) -> np.ndarray:
+        """Per-device arrays stacked [S, ...] -> the whole request's array (host): the devices'
+        rows joined on `row_axis` and KV heads on `head_axis` (axes of one device's array;
+        None: replicated over "model", model shard 0's is taken)."""
+        x = np.asarray(stacked)
+        x = x.reshape(self.data, self.model, *x.shape[1:])
+        if head_axis is None:
+            return np.concatenate(list(x[:, 0]), axis=row_axis)
+        data_shards = [np.concatenate(list(x[i]), axis=head_axis) for i in range(self.data)]
+        return np.concatenate(data_shards, axis=row_axis)
+
+    def sum_shards(self, stacked) -> np.ndarray:
+        """[S, ...] -> [...] (host): the sum over every shard (pages, bytes)."""
+        return np.asarray(stacked).sum(axis=0)
+
+    def param_specs(self, params: Any, axes: Any) -> Any:
+        """PartitionSpecs of `params` from their logical axes (`axes`: the same tree with a
+        tuple of axis names per leaf; None: replicated)."""
+        if axes is None:
+            return jax.tree.map(lambda _: PartitionSpec(), params)
+        return jax.tree.map(
+            lambda _, names: logical_spec(names), params, axes, is_leaf=lambda x: x is None
+        )
+
+    def model_specs(self, model: Model) -> Model:
+        params_axes = {
+            name: PARAM_AXES[name] for name in model.params if name != "layers"
+        } | {"layers": {name: PARAM_AXES["layers"][name] for name in model.params["layers"]}}
+        return dataclasses.replace(model, params=self.param_specs(model.params, params_axes))
+
+    def place(self, tree: Any, specs: Any) -> Any:
+        """`tree` put on the mesh by `specs` (a PartitionSpec tree of the same structure)."""
+        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
+        return jax.device_put(tree, shardings)
+
+    def run(
+        self,
+        fn: Callable,
+        kinds: tuple[str, ...],
+        args: tuple,
+        statics: dict[str, Any],
+    ) -> Any:
+        """fn(*args, **statics) as a sharded program: every device runs it on its share.
+
+        kinds, one per argument:
+          "model"   the Model: its params split by `PARAM_AXES`, the config made local;
+          "params"  the policy's parameters, split by the `policy` static's `param_axes`;
+          "rows"    a batch array [B, ...] (host): each shard gets its rows;
+          "shard" / "donate"  per-shard values stacked [S, ...] (a previous run's output);
+                    "donate" hands the buffers to the program;
+          "same"    the same value on every device.
+        Returns fn's outputs, every leaf stacked [S, ...] (one entry per shard).
+        """
+        if len(kinds) != len(args):
+            raise ValueError(f"{len(kinds)} kinds for {len(args)} arguments")
+        policy = statics.get("policy")  # splits "params" (`Policy.param_axes`)
+        placed = []
+        for kind, arg in zip(kinds, args, strict=True):
+            if kind == "rows":
+                arg = self.split_rows(arg)
+            elif kind == "model":
+                arg = self.place(arg, self.model_specs(arg))
+            elif kind == "params" and arg is not None:
+                arg = self.place(arg, self.param_specs(arg, policy.param_axes(arg)))
+            placed.append(arg)
+        program = _sharded_program(fn, kinds, tuple(sorted(statics.items())), self, policy)
+        return program(*placed)
+
+
+@functools.lru_cache(maxsize=256)
+def _sharded_program(fn, kinds, statics, inference_mesh: InferenceMesh, policy):
+    """The jitted shard_map of fn for these argument kinds and static arguments (cached, so a
+    request of the same shapes reuses the compiled program)."""
+    donate = tuple(i for i, kind in enumerate(kinds) if kind == "donate")
+
+    def program(*args):
+        specs = []
+        for kind, arg in zip(kinds, args, strict=True):
+            if kind == "model":
+                specs.append(inference_mesh.model_specs(arg))
+            elif kind == "params":
+                axes = None if arg is None else policy.param_axes(arg)
+                specs.append(inference_mesh.param_specs(arg, axes))
+            elif kind == "same":
+                specs.append(PartitionSpec())
+            else:
+                specs.append(_SHARDS_SPEC)
+
+        def per_device(*local):
+            local = list(local)
+            for i, kind in enumerate(kinds):
+                if kind == "model":
+                    cfg = inference_mesh.local_config(local[i].config)
+                    local[i] = dataclasses.replace(local[i], config=cfg)
+                elif kind in ("rows", "shard", "donate"):
+                    local[i] = jax.tree.map(lambda x: x[0], local[i])
+            with _tracing_on_mesh():
+                out = fn(*local, **dict(statics))
+            return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
+
+        return jax.shard_map(
+            per_device,
+            mesh=inference_mesh.mesh,
+            in_specs=tuple(specs),
+            out_specs=_SHARDS_SPEC,
+            check_vma=False,
+        )(*args)
+
+    return jax.jit(program, donate_argnums=donate)
+
+
+def shard_sizes(inference_mesh: InferenceMesh | None) -> tuple[int, int]:
+    """(data, model) devices; (1, 1) on one device."""
+    if inference_mesh is None:
+        return 1, 1
+    return inference_mesh.data, inference_mesh.model
+
+
+def as_inference_mesh(mesh: Mesh | InferenceMesh | None) -> InferenceMesh | None:
+    if mesh is None or isinstance(mesh, InferenceMesh):
+        return mesh
+    return InferenceMesh(mesh)
+
+
+def total_devices(mesh: InferenceMesh | None) -> int:
+    return 1 if mesh is None else math.prod(mesh.mesh.shape.values())
