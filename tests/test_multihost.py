@@ -4,7 +4,8 @@ its own half of the batch, reach the losses and gates of one process fed the who
 The test starts this file as a script, once per process (`python tests/test_multihost.py
 worker ID PORT OUT`): each process gets 2 CPU devices, so the mesh spans 4 devices over 2
 processes, and runs two steps of WG-KV gate training through `train.wgkv.train_gates` on a
-(data=2, fsdp=2) mesh: data across the processes, fsdp inside each.
+(data=2, fsdp=2) mesh (data across the processes, fsdp inside each) and on a (seq=4) mesh (each
+process feeds its half of every row's tokens).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES_PER_PROCESS = 2
 # data=2 across the processes (gradients all-reduced over gloo), fsdp=2 inside each (gates
-# sharded, gathered per step): both axes, and the batch split over all 4 devices.
-MESHES = {"data_fsdp": dict(fsdp=2)}
+# sharded, gathered per step): both axes, and the batch split over all 4 devices. seq=4: every
+# row's tokens split over the 4 devices, keys and values gathered across the processes.
+MESHES = {"data_fsdp": {"data": 2, "fsdp": 2}, "seq": {"seq": 4}}
 STEPS = 2
 
 
@@ -65,8 +67,8 @@ def worker(process_id: int, port: int, out: str) -> None:
 
     assert jax.process_count() == 2 and jax.device_count() == 2 * DEVICES_PER_PROCESS
     results = {}
-    for name, kwargs in MESHES.items():
-        for key, value in _train(mesh_lib.make_mesh(**kwargs)).items():
+    for name, sizes in MESHES.items():
+        for key, value in _train(mesh_lib.mesh_from_sizes(sizes)).items():
             results[f"{name}/{key}"] = value
     np.savez(out, **results)
     jax.distributed.shutdown()
@@ -101,11 +103,9 @@ def test_two_processes_feeding_halves_match_one_process_on_the_whole_batch(tmp_p
         )
         for i in range(2)
     ]
-    # One process, the same 4-device meshes, fed the whole batch (while the workers run).
-    devices = jax.devices()[: 2 * DEVICES_PER_PROCESS]
-    expected = {
-        name: _train(mesh_lib.make_mesh(devices, **kwargs)) for name, kwargs in MESHES.items()
-    }
+    # One process, the same 4-device meshes (its first 4 devices), fed the whole batch (while
+    # the workers run).
+    expected = {name: _train(mesh_lib.mesh_from_sizes(sizes)) for name, sizes in MESHES.items()}
     for process in workers:
         try:
             output, _ = process.communicate(timeout=240)

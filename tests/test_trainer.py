@@ -1,5 +1,6 @@
 """The trainer: 8 devices equal 1, resumption equals an uninterrupted run, frozen subtrees stay;
-meshes: the data and fsdp axes, others refused, batch rows checked, the stages' --mesh."""
+meshes: the data and fsdp axes, seq where a stage has tokens to split, others refused, batch rows
+checked, the stages' --mesh (sequence parallelism itself: tests/test_sequence_parallel.py)."""
 
 import dataclasses
 import json
@@ -171,7 +172,7 @@ def _quadratic_run(mesh, rows=8):
 
 def test_unused_mesh_axis_is_refused():
     mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices())
-    with pytest.raises(ValueError, match=r"does not use \('model',\).*\('data', 'fsdp'\)"):
+    with pytest.raises(ValueError, match=r"does not use \('model',\).*\('data', 'fsdp', 'seq'\)"):
         _quadratic_run(mesh)
 
 
@@ -210,6 +211,8 @@ def test_cli_mesh_defaults_and_errors():
     assert dict(mesh_lib.cli_mesh(None, 32).shape) == {"data": 8}
     assert dict(mesh_lib.cli_mesh("data=-1,fsdp=2", 8).shape) == {"data": 4, "fsdp": 2}
     assert dict(mesh_lib.cli_mesh("fsdp=4", 4).shape) == {"fsdp": 4}
+    sequence = mesh_lib.cli_mesh("data=2,seq=-1", 2, sequence_dim=1, seq_len=128)
+    assert dict(sequence.shape) == {"data": 2, "seq": 4}
     with pytest.raises(ValueError, match=r"--batch-size a multiple of 8, or pass --mesh data=1"):
         mesh_lib.cli_mesh("data=8", 1)
     with pytest.raises(ValueError, match=r"needs 16 devices .* jax.distributed is not initialised"):
@@ -233,6 +236,11 @@ def test_wgkv_stage_default_batch_and_a_two_axis_mesh(gate_model_dir, tmp_path):
     common = ["--model", str(gate_model_dir), *WGKV_TINY]
     default = wgkv.main([*common, "--out", str(tmp_path / "a")])  # batch 1 on 8 devices
     assert default["mesh"] == {"data": 1} and default["steps_done"] == 2
+    # The same sequence split over 8 devices: the same run.
+    split = wgkv.main([*common, "--out", str(tmp_path / "seq"), "--mesh", "seq=8"])
+    assert split["mesh"] == {"seq": 8}
+    for name in ("loss", "distillation", "admission_cost"):
+        np.testing.assert_allclose(split["final"][name], default["final"][name], rtol=1e-5)
     both = wgkv.main(
         [*common, "--out", str(tmp_path / "b"), "--batch-size", "4", "--mesh", "data=2,fsdp=2"]
     )
@@ -241,7 +249,7 @@ def test_wgkv_stage_default_batch_and_a_two_axis_mesh(gate_model_dir, tmp_path):
     )
 
 
-def test_fastkvzip_stage_on_a_two_axis_mesh(gate_model_dir, tmp_path):
+def test_fastkvzip_stage_on_a_three_axis_mesh(gate_model_dir, tmp_path):
     from tests.test_wgkv_training import CONFIG as GATE_CONFIG
 
     rng = np.random.default_rng(0)
@@ -255,9 +263,10 @@ def test_fastkvzip_stage_on_a_two_axis_mesh(gate_model_dir, tmp_path):
         validation_targets=rng.random((32, *targets_shape)).astype(np.float32),
     )
     argv = ["--model", str(gate_model_dir), "--targets", str(tmp_path / "targets.npz")]
-    argv += ["--steps", "4", "--warmup", "1", "--batch-tokens", "64", "--mesh", "data=2,fsdp=4"]
+    argv += ["--steps", "4", "--warmup", "1", "--batch-tokens", "64"]
+    argv += ["--mesh", "data=2,fsdp=2,seq=2"]  # token rows split over all three axes
     summary = fastkvzip.main([*argv, "--out", str(tmp_path / "out")])
-    assert summary["mesh"] == {"data": 2, "fsdp": 4}
+    assert summary["mesh"] == {"data": 2, "fsdp": 2, "seq": 2}
     assert np.all(np.isfinite(summary["train_bce"]))
     assert (tmp_path / "out" / "gates.safetensors").exists()
 
@@ -266,6 +275,7 @@ def test_fastkvzip_stage_on_a_two_axis_mesh(gate_model_dir, tmp_path):
     ("argv", "message"),
     [
         (["--mesh", "data=8,model=1"], "axis 'model' is not used by the trainer"),
+        (["--mesh", "data=2,seq=4"], "axis 'seq' splits each row's tokens, and this loss has no"),
         (["--mesh", "data=16"], "jax.distributed is not initialised"),
         (["--mesh", "data=3"], "make every phase's batch size a multiple of 3, or pass"),
     ],

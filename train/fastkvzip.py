@@ -200,7 +200,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--work-dir", default=None, help="orbax checkpoints (resumed)")
     mesh_lib.add_mesh_argument(parser)
     args = parser.parse_args(argv)
-    mesh = mesh_lib.cli_mesh(args.mesh, args.batch_tokens, "--batch-tokens")
+    # Rows are tokens (the gate is per token): a seq axis splits them like the batch axes.
+    mesh = mesh_lib.cli_mesh(args.mesh, args.batch_tokens, "--batch-tokens", sequence_dim=0)
 
     model = load_hf_checkpoint(args.model, dtype="float32")
     targets_path = Path(args.targets)
@@ -225,7 +226,7 @@ def main(argv=None) -> dict:
 
     def batch_for_step(step: int):
         rows = np.random.default_rng([args.seed, step]).integers(0, len(train_h), args.batch_tokens)
-        return mesh_lib.process_rows({"h": train_h[rows], "targets": train_t[rows]}, mesh)
+        return mesh_lib.process_share({"h": train_h[rows], "targets": train_t[rows]}, mesh, 0)
 
     validation_loss = jax.jit(per_layer_loss)
 
@@ -262,6 +263,7 @@ def main(argv=None) -> dict:
         eval_fn=eval_fn,
         eval_every=max(args.steps // 10, 1),
         progress=False,
+        sequence_dim=0,
     )
     seconds = time.perf_counter() - began
     final = logged[-1]

@@ -1,10 +1,16 @@
 """The training mesh: its axes, how the command line names it, and a batch's share per process.
 
-Two axes, both data parallel for the batch (its rows are split over data x fsdp devices):
+Three axes; a batch's rows are split over data x fsdp devices:
   data  parameters replicated (gradients all-reduced);
-  fsdp  parameters and optimizer state sharded too (gathered per step, FSDP / ZeRO-3).
+  fsdp  parameters and optimizer state sharded too (gathered per step, FSDP / ZeRO-3);
+  seq   each row's tokens split (sequence / context parallelism: one long sequence per step
+        over several devices), parameters replicated. Only for stages whose batches have a
+        token axis (`sequence_dim`): WG-KV gate training (tokens [B, T]: the frozen forward and
+        the loss run on T/seq tokens per device, keys and values gathered for attention) and
+        Fast KVzip (rows are tokens: seq splits them like the batch axes). Refused elsewhere.
 Any other axis name is refused: the trainer would leave it unused, so its devices would only
-repeat the same work. `--mesh data=2,fsdp=4` on the command line; see docs/multi-host.md.
+repeat the same work. `--mesh data=2,fsdp=4` or `--mesh seq=8` on the command line; see
+docs/multi-host.md.
 """
 
 from __future__ import annotations
@@ -18,34 +24,69 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
-SUPPORTED_AXES = (DATA_AXIS, FSDP_AXIS)  # in mesh order: data outermost (across hosts)
+SEQ_AXIS = "seq"
+ROW_AXES = (DATA_AXIS, FSDP_AXIS)
+# In mesh order: data outermost (across hosts), seq innermost (its per-layer gathers stay on a
+# host's fast links).
+SUPPORTED_AXES = (DATA_AXIS, FSDP_AXIS, SEQ_AXIS)
 
 MESH_HELP = (
     "device mesh as AXIS=SIZE[,AXIS=SIZE], axes data (parameters replicated) and fsdp "
-    "(parameters sharded); batch rows are split over both. Default: data parallel over as many "
-    "devices as divide the batch (all devices with several processes). A size -1 takes the "
-    "devices left. See docs/multi-host.md"
+    "(parameters sharded), both splitting batch rows, and seq (each row's tokens split; wgkv "
+    "and fastkvzip only). Default: data parallel over as many devices as divide the batch (all "
+    "devices with several processes). A size -1 takes the devices left. See docs/multi-host.md"
 )
 
 
-def check_axes(mesh: Mesh) -> None:
-    """Raises ValueError unless every axis of `mesh` is one the trainer uses."""
+def check_axes(mesh: Mesh, sequence_dim: int | None = None) -> None:
+    """Raises ValueError unless every axis of `mesh` is one the trainer uses: "seq" only when
+    the batches have a token axis (`sequence_dim`, see `dim_axes`)."""
     unused = [name for name in mesh.axis_names if name not in SUPPORTED_AXES]
     if unused or not mesh.axis_names:
         raise ValueError(
             f"mesh axes {tuple(mesh.axis_names)}: the trainer does not use {tuple(unused)}; "
             f"it splits batch rows over an axis named {DATA_AXIS!r} (parameters replicated) "
-            f"and/or {FSDP_AXIS!r} (parameters sharded too): supported axes are {SUPPORTED_AXES}"
+            f"and/or {FSDP_AXIS!r} (parameters sharded too), and tokens over {SEQ_AXIS!r}: "
+            f"supported axes are {SUPPORTED_AXES}"
+        )
+    if SEQ_AXIS in mesh.axis_names and sequence_dim is None:
+        raise ValueError(
+            f"mesh axes {tuple(mesh.axis_names)}: axis {SEQ_AXIS!r} splits each row's tokens, "
+            "and this loss has no token axis to split (sequence parallelism is for "
+            f"`jaxkv train wgkv` and `fastkvzip`): use the axes {ROW_AXES}"
         )
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes the batch's rows are split over (all of them, in mesh order)."""
-    return tuple(name for name in mesh.axis_names if name in SUPPORTED_AXES)
+    """The mesh axes the batch's rows are split over (data and/or fsdp, in mesh order)."""
+    return tuple(name for name in mesh.axis_names if name in ROW_AXES)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))
+def dim_axes(mesh: Mesh, sequence_dim: int | None = None) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes each leading dimension of a batch array is split over: rows over data x
+    fsdp, and the token dimension `sequence_dim` over seq (with 0, rows are tokens and seq
+    splits them too)."""
+    rows = batch_axes(mesh)
+    if SEQ_AXIS not in mesh.axis_names:
+        return (rows,)
+    if sequence_dim == 0:
+        return (rows + (SEQ_AXIS,),)
+    return (rows, *[()] * (sequence_dim - 1), (SEQ_AXIS,))
+
+
+def batch_sharding(mesh: Mesh, sequence_dim: int | None = None) -> NamedSharding:
+    spec = [axes or None for axes in dim_axes(mesh, sequence_dim)]
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def shard_tokens(x: jax.Array, mesh: Mesh | None, token_dim: int = 1) -> jax.Array:
+    """`x` [B, ..., T, ...] constrained to rows over the batch axes and dimension `token_dim`
+    over seq (unchanged without a mesh or a seq axis). Inside a jitted loss this keeps the
+    activations split over tokens; XLA gathers what each device needs (keys and values)."""
+    if mesh is None or SEQ_AXIS not in mesh.axis_names:
+        return x
+    spec = [batch_axes(mesh) or None, *[None] * (token_dim - 1), SEQ_AXIS]
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
 def param_axis(mesh: Mesh, fsdp: bool) -> str | None:
@@ -65,7 +106,7 @@ def make_mesh(devices=None, *, fsdp: int = 1) -> Mesh:
     if len(devices) % fsdp:
         raise ValueError(f"fsdp={fsdp} does not divide the {len(devices)} devices")
     shape = (len(devices) // fsdp, fsdp)
-    return jax.make_mesh(shape, SUPPORTED_AXES, (AxisType.Auto,) * 2, devices=devices)
+    return jax.make_mesh(shape, ROW_AXES, (AxisType.Auto,) * 2, devices=devices)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -143,18 +184,35 @@ def default_mesh(batch_rows: int) -> Mesh:
     return make_mesh(jax.devices()[:count])
 
 
-def cli_mesh(text: str | None, batch_rows: int, batch_flag: str = "--batch-size") -> Mesh:
-    """The mesh of a stage's `--mesh` (or the default), checked against its batch rows."""
+def cli_mesh(
+    text: str | None,
+    batch_rows: int,
+    batch_flag: str = "--batch-size",
+    *,
+    sequence_dim: int | None = None,
+    seq_len: int = 0,
+    seq_flag: str = "--seq-len",
+) -> Mesh:
+    """The mesh of a stage's `--mesh` (or the default), checked against its batch rows and,
+    with a seq axis, its tokens per row `seq_len` (`sequence_dim` as in `dim_axes`)."""
     if text is None:
         return default_mesh(batch_rows)
     mesh = mesh_from_sizes(parse_mesh(text), text)
-    shards = math.prod(mesh.shape[name] for name in batch_axes(mesh))
+    check_axes(mesh, sequence_dim)
+    row_axes = dim_axes(mesh, sequence_dim)[0]
+    shards = math.prod(mesh.shape[name] for name in row_axes)
+    shape = ", ".join(f"{name}={mesh.shape[name]}" for name in mesh.axis_names)
     if batch_rows % shards:
-        shape = ", ".join(f"{name}={mesh.shape[name]}" for name in mesh.axis_names)
         raise ValueError(
             f"--mesh {text} ({shape}) splits batch rows over {shards} devices, and the batch "
             f"has {batch_rows} rows: make {batch_flag} a multiple of {shards}, or pass "
             f"--mesh data=1"
+        )
+    if sequence_dim and SEQ_AXIS in mesh.axis_names and seq_len % mesh.shape[SEQ_AXIS]:
+        raise ValueError(
+            f"--mesh {text} ({shape}) splits each row's {seq_len} tokens over "
+            f"{SEQ_AXIS}={mesh.shape[SEQ_AXIS]} devices: make {seq_flag} a multiple of "
+            f"{mesh.shape[SEQ_AXIS]}"
         )
     return mesh
 
@@ -163,24 +221,38 @@ def add_mesh_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", default=None, metavar="AXIS=SIZE[,AXIS=SIZE]", help=MESH_HELP)
 
 
-def local_batch_shards(mesh: Mesh) -> int:
-    """How many distinct row blocks of the batch this process's devices hold."""
+def local_blocks(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    """How many distinct blocks along the mesh `axes` this process's devices hold (1 for none)."""
     here = jax.process_index()
-    return sum(device.process_index == here for device in mesh.devices.flat)
+    dims = [mesh.axis_names.index(name) for name in axes]
+    return len(
+        {
+            tuple(index[d] for d in dims)
+            for index, device in np.ndenumerate(mesh.devices)
+            if device.process_index == here
+        }
+    )
 
 
-def process_rows(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, np.ndarray]:
-    """This process's share of a global batch (the same on every process): the rows its
-    devices hold under the batch sharding, for `trainer.train`'s process-local batches."""
+def process_share(
+    batch: dict[str, np.ndarray], mesh: Mesh, sequence_dim: int | None = None
+) -> dict[str, np.ndarray]:
+    """This process's share of a global batch (the same on every process): the rows (and with
+    a seq axis, the tokens) its devices hold under the batch sharding, for `trainer.train`'s
+    process-local batches."""
     if jax.process_count() == 1:
         return batch
-    rows = {len(array) for array in batch.values()}
-    if len(rows) != 1:
-        raise ValueError(f"batch arrays have different row counts {sorted(rows)}")
-    (total,) = rows
-    indices = batch_sharding(mesh).addressable_devices_indices_map((total,)).values()
-    starts = sorted({index[0].indices(total)[:2] for index in indices})
-    first, last = starts[0][0], starts[-1][1]
-    if sum(stop - start for start, stop in starts) != last - first:
-        raise ValueError("this process's batch rows are not contiguous in the mesh")
-    return {name: array[first:last] for name, array in batch.items()}
+    sharding = batch_sharding(mesh, sequence_dim)
+    return {name: array[_local_box(sharding, np.shape(array))] for name, array in batch.items()}
+
+
+def _local_box(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    indices = sharding.addressable_devices_indices_map(shape).values()
+    box = []
+    for dim, size in enumerate(shape):
+        blocks = sorted({index[dim].indices(size)[:2] for index in indices})
+        first, last = blocks[0][0], blocks[-1][1]
+        if sum(stop - start for start, stop in blocks) != last - first:
+            raise ValueError(f"this process's share of batch dimension {dim} is not contiguous")
+        box.append(slice(first, last))
+    return tuple(box)

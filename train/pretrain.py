@@ -269,7 +269,9 @@ def pretrain(
     state, logged = trainer.train(
         make_loss(recipe.model, recipe.compute_dtype, backend, remat=True),
         params,
-        lambda step: mesh_lib.process_rows(make_batch(recipe, train_text, seed, step), device_mesh),
+        lambda step: mesh_lib.process_share(
+            make_batch(recipe, train_text, seed, step), device_mesh
+        ),
         cfg,
         mesh=device_mesh,
         decay_mask=decay_mask(params),

@@ -2,16 +2,19 @@
 
 A run is a pure function of its inputs: `batch_for_step(step)` must give the same batch for the
 same step, so that a run resumed from a checkpoint reaches the same parameters as one that never
-stopped. The mesh (`train.mesh`) has the axes "data" and/or "fsdp": batch rows are split over
-both; every parameter's largest divisible axis is sharded over "fsdp" (or over "data" with
-`fsdp=True` and no "fsdp" axis), and the optimizer state follows. Other axes are refused.
+stopped. The mesh (`train.mesh`) has the axes "data", "fsdp" and "seq": batch rows are split over
+data and fsdp; every parameter's largest divisible axis is sharded over "fsdp" (or over "data"
+with `fsdp=True` and no "fsdp" axis), and the optimizer state follows. "seq" splits the batch's
+token axis (`train`'s `sequence_dim`; the loss keeps its activations split with
+`train.mesh.shard_tokens`) and is refused for losses without one. Other axes are refused.
 
 Multi-host: call `jax.distributed.initialize()` (coordinator address, process count and id from
 the environment or arguments) before building the mesh; `make_mesh()` then spans every process's
 devices, and each process's `batch_for_step` returns its own share of the batch: the rows its
-devices hold (`train.mesh.process_rows` cuts it from a global batch), as many on every process
-and a multiple of its devices in the mesh. The global batch is built from the shares with
-`jax.make_array_from_process_local_data`; with one process the share is the whole batch.
+devices hold (`train.mesh.process_share` cuts it from a global batch, tokens too with a seq
+axis), as many on every process and a multiple of its devices in the mesh. The global batch is
+built from the shares with `jax.make_array_from_process_local_data`; with one process the share
+is the whole batch.
 Metrics are written by process 0 only. See docs/multi-host.md.
 """
 
@@ -155,9 +158,10 @@ def init_state(params: Params, optimizer, mesh: Mesh, fsdp: bool) -> TrainState:
     return jax.device_put(state, _state_shardings(state, mesh, fsdp), may_alias=False)
 
 
-def check_mesh(mesh: Mesh) -> None:
-    """Raises ValueError unless every mesh axis is one the trainer uses ("data", "fsdp")."""
-    mesh_lib.check_axes(mesh)
+def check_mesh(mesh: Mesh, sequence_dim: int | None = None) -> None:
+    """Raises ValueError unless every mesh axis is one the trainer uses ("data", "fsdp", and
+    "seq" when the batches have a token axis `sequence_dim`)."""
+    mesh_lib.check_axes(mesh, sequence_dim)
 
 
 def gather_to_host(tree: Params) -> Params:
@@ -167,10 +171,18 @@ def gather_to_host(tree: Params) -> Params:
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
-def make_train_step(loss_fn: LossFn, optimizer, mesh: Mesh, state: TrainState, fsdp: bool):
-    """Jitted (state, batch) -> (state, metrics); batch rows are split over the batch axes."""
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer,
+    mesh: Mesh,
+    state: TrainState,
+    fsdp: bool,
+    sequence_dim: int | None = None,
+):
+    """Jitted (state, batch) -> (state, metrics); batch rows are split over the batch axes and
+    the token axis `sequence_dim` over seq."""
     state_shardings = _state_shardings(state, mesh, fsdp)
-    batch_sharding = mesh_lib.batch_sharding(mesh)
+    batch_sharding = mesh_lib.batch_sharding(mesh, sequence_dim)
 
     def step(state: TrainState, batch):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
@@ -209,25 +221,37 @@ def restore_latest(manager: ocp.CheckpointManager, state: TrainState) -> TrainSt
         ) from error
 
 
-def check_batch(batch: Batch, mesh: Mesh) -> None:
-    """Raises ValueError unless this process's rows split evenly over its devices in the mesh
-    (the global batch is the processes' shares stacked in process order)."""
-    shards = mesh_lib.local_batch_shards(mesh)
-    axes = ", ".join(f"{name}={mesh.shape[name]}" for name in mesh_lib.batch_axes(mesh))
+def check_batch(batch: Batch, mesh: Mesh, sequence_dim: int | None = None) -> None:
+    """Raises ValueError unless this process's rows split evenly over its devices in the mesh,
+    and its tokens (dimension `sequence_dim`) over the seq axis (the global batch is the
+    processes' shares stacked in process order)."""
     where = "" if jax.process_count() == 1 else f" in process {jax.process_index()}"
+    row_axes, *other_axes = mesh_lib.dim_axes(mesh, sequence_dim)
+    shards = mesh_lib.local_blocks(mesh, row_axes)
+    axes = ", ".join(f"{name}={mesh.shape[name]}" for name in row_axes)
     for name, array in batch.items():
-        if np.ndim(array) == 0 or np.shape(array)[0] % shards:
-            rows = np.shape(array)[0] if np.ndim(array) else 0
+        shape = np.shape(array)
+        if not shape or shape[0] % shards:
+            rows = shape[0] if shape else 0
             raise ValueError(
                 f"batch[{name!r}] has {rows} rows{where}, not a multiple of the {shards} "
                 f"devices{where} on the batch axes ({axes}): make the batch (per process) a "
                 f"multiple of {shards} or use a smaller mesh"
             )
+        for dim, dim_axes in enumerate(other_axes, start=1):
+            blocks = mesh_lib.local_blocks(mesh, dim_axes)
+            if len(shape) <= dim or shape[dim] % blocks:
+                seq = mesh.shape[mesh_lib.SEQ_AXIS]
+                raise ValueError(
+                    f"batch[{name!r}] has shape {shape}{where}: its tokens (axis {dim}) are not "
+                    f"a multiple of the {blocks} devices{where} on the seq axis (seq={seq}): "
+                    f"make the sequence length a multiple of {seq}"
+                )
 
 
-def _shard_batch(batch: Batch, mesh: Mesh) -> dict[str, jax.Array]:
-    check_batch(batch, mesh)
-    sharding = mesh_lib.batch_sharding(mesh)
+def _shard_batch(batch: Batch, mesh: Mesh, sequence_dim: int | None) -> dict[str, jax.Array]:
+    check_batch(batch, mesh, sequence_dim)
+    sharding = mesh_lib.batch_sharding(mesh, sequence_dim)
     return {
         name: jax.make_array_from_process_local_data(sharding, np.asarray(array))
         for name, array in batch.items()
@@ -250,6 +274,7 @@ def train(
     stop_after: int | None = None,
     progress: bool = True,
     optimizer: optax.GradientTransformation | None = None,
+    sequence_dim: int | None = None,
 ) -> tuple[TrainState, list[dict]]:
     """Runs (or resumes) `cfg.steps` steps of `loss_fn` over `batch_for_step(step)`.
 
@@ -259,11 +284,15 @@ def train(
     `stop_after` ends the run early after that many steps in all (to test resumption).
     `optimizer` replaces the AdamW of `make_optimizer` (then cfg's learning rate, warmup, decay
     and clipping are unused; gate training uses SGD with momentum).
+    `sequence_dim`: the batch arrays' token axis, split over the mesh's "seq" axis (0: rows are
+    tokens, split over seq as well as the batch axes); None refuses a "seq" axis. The loss must
+    then average over tokens as on one device, and may keep its activations split over them
+    with `train.mesh.shard_tokens`.
     Returns the final state and the logged metrics (also appended to `metrics_path` as JSON
     lines, by process 0). With several processes, `batch_for_step` gives this process's share.
     """
     mesh = mesh or make_mesh()
-    check_mesh(mesh)
+    check_mesh(mesh, sequence_dim)
     if optimizer is None:
         optimizer = make_optimizer(cfg, params, trainable, decay_mask)
     state = init_state(params, optimizer, mesh, cfg.fsdp)
@@ -271,7 +300,7 @@ def train(
     if checkpoint_dir is not None and cfg.checkpoint_every:
         manager = checkpoint_manager(checkpoint_dir, cfg)
         state = restore_latest(manager, state)
-    train_step = make_train_step(loss_fn, optimizer, mesh, state, cfg.fsdp)
+    train_step = make_train_step(loss_fn, optimizer, mesh, state, cfg.fsdp, sequence_dim)
     first = int(state.step)
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     logged: list[dict] = []
@@ -280,7 +309,8 @@ def train(
     metrics_file = open(metrics_path, "a") if write_metrics else None  # noqa: SIM115
     try:
         for step in tqdm(range(first, last), initial=first, total=cfg.steps, disable=not progress):
-            state, metrics = train_step(state, _shard_batch(batch_for_step(step), mesh))
+            batch = _shard_batch(batch_for_step(step), mesh, sequence_dim)
+            state, metrics = train_step(state, batch)
             done = step + 1
             record = None
             if done % cfg.log_every == 0 or done == last:

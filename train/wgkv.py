@@ -31,9 +31,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxkv import attention as attention_ops
 from jaxkv import tasks
+from jaxkv.attention.dispatch import uses_kernels
 from jaxkv.gates import wgkv as gates_lib
 from models import ModelConfig, load_hf_checkpoint
 from models import layers as model_layers
@@ -65,7 +67,8 @@ class GateTraining:
       band: W, the local window inside which the gate does not act (and the policy's ring).
       sparsity_weight: lambda, the weight of the admission cost in the loss.
       seq_len: tokens per row.
-      batch_size: rows per step (a multiple of the mesh's devices; the paper uses one sequence).
+      batch_size: rows per step (a multiple of the mesh's data x fsdp devices; the paper uses
+        one sequence, which a "seq" mesh axis splits over devices).
       episode_fraction: share of rows that are retrieval episodes rather than plain text.
     """
 
@@ -104,12 +107,14 @@ def decoder_hidden(
     band: int = 0,
     backend: str = "xla",
     remat: bool = False,
+    mesh: Mesh | None = None,
 ):
     """Final-normed hidden states [B, T, D] of whole sequences, and the gate values.
 
     With `gates` (the write-gate tree, leaves [L, ...]) attention is write-gated outside
     `band` and the gate values f32 [L, B, K, T] come back too; without, attention is full
-    causal and the second result is None.
+    causal and the second result is None. With a `mesh` that has a "seq" axis, every layer's
+    input and output stay split over tokens (`train.mesh.shard_tokens`).
     """
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     cos, sin = model_layers.rope_cos_sin(cfg, positions)
@@ -129,8 +134,12 @@ def decoder_hidden(
         )
         return attention_output_and_mlp(lp, cfg, x, attn), gate
 
+    def token_split_layer(x, lp, layer_gates):
+        x, gate = layer(mesh_lib.shard_tokens(x, mesh), lp, layer_gates)
+        return mesh_lib.shard_tokens(x, mesh), gate
+
     x, gate_values = scan_layers(
-        layer, embed(backbone, tokens), backbone["layers"], gates, remat=remat
+        token_split_layer, embed(backbone, tokens), backbone["layers"], gates, remat=remat
     )
     return final_hidden(backbone, cfg, x), gate_values
 
@@ -151,17 +160,33 @@ def admission_cost(gate_values: jax.Array, valid: jax.Array, band: int) -> jax.A
     return jnp.sum(cost * weights) / jnp.sum(weights)
 
 
-def make_loss(cfg: ModelConfig, spec: GateTraining, *, backend: str = "xla", remat: bool = False):
+def make_loss(
+    cfg: ModelConfig,
+    spec: GateTraining,
+    *,
+    backend: str = "xla",
+    remat: bool = False,
+    mesh: Mesh | None = None,
+):
     """loss(params, batch) -> (distillation + lambda * admission cost, metrics).
 
     params: {"gates": write gates, "backbone": frozen decoder params (gradients stopped)};
-    batch: tokens int32 [B, T], valid bool [B, T].
+    batch: tokens int32 [B, T], valid bool [B, T]. With a `mesh` that has a "seq" axis the
+    forwards run split over tokens (sequence parallelism); the loss is the same mean over
+    tokens as on one device. A seq axis needs backend "xla": the Pallas attention kernels are
+    not partitioned over tokens.
     """
+    if mesh is not None and mesh.shape.get(mesh_lib.SEQ_AXIS, 1) > 1 and uses_kernels(backend):
+        raise ValueError(
+            f"backend={backend!r} with mesh {dict(mesh.shape)}: the Pallas attention kernels are "
+            f"not partitioned over tokens, so the {mesh_lib.SEQ_AXIS!r} axis would gather every "
+            "token onto each device; use backend 'xla' with a seq axis"
+        )
 
     def loss_fn(params, batch):
         backbone = jax.lax.stop_gradient(params["backbone"])
         tokens, valid = batch["tokens"], batch["valid"]
-        teacher, _ = decoder_hidden(backbone, cfg, tokens, backend=backend)
+        teacher, _ = decoder_hidden(backbone, cfg, tokens, backend=backend, mesh=mesh)
         student, gate_values = decoder_hidden(
             backbone,
             cfg,
@@ -170,6 +195,7 @@ def make_loss(cfg: ModelConfig, spec: GateTraining, *, backend: str = "xla", rem
             band=spec.band,
             backend=backend,
             remat=remat,
+            mesh=mesh,
         )
         error = jnp.mean(
             jnp.square(student.astype(jnp.float32) - jax.lax.stop_gradient(teacher)), axis=-1
@@ -258,10 +284,10 @@ def train_gates(
         work_dir.mkdir(parents=True, exist_ok=True)
     mesh = mesh or trainer.make_mesh()
     state, logged = trainer.train(
-        make_loss(cfg, spec, backend=backend, remat=remat),
+        make_loss(cfg, spec, backend=backend, remat=remat, mesh=mesh),
         params,
-        # Every process builds the step's global batch and feeds its own rows.
-        lambda step: mesh_lib.process_rows(make_batch(corpus, spec, seed, step), mesh),
+        # Every process builds the step's global batch and feeds its own rows (and tokens).
+        lambda step: mesh_lib.process_share(make_batch(corpus, spec, seed, step), mesh, 1),
         train_config,
         mesh=mesh,
         trainable=trainable,
@@ -270,6 +296,7 @@ def train_gates(
         metrics_path=work_dir / "metrics.jsonl" if work_dir else None,
         stop_after=stop_after,
         progress=progress,
+        sequence_dim=1,
     )
     return trainer.gather_to_host(state.params["gates"]), state, logged
 
@@ -343,7 +370,7 @@ def main(argv=None) -> dict:
     config = gate_train_config(
         args.steps, args.learning_rate, checkpoint_every=args.checkpoint_every
     )
-    mesh = mesh_lib.cli_mesh(args.mesh, spec.batch_size)
+    mesh = mesh_lib.cli_mesh(args.mesh, spec.batch_size, sequence_dim=1, seq_len=spec.seq_len)
     model = load_hf_checkpoint(args.model, dtype="float32")
     work_dir = args.work_dir or args.out / "run"
     started = time.perf_counter()
