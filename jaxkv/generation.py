@@ -236,7 +236,9 @@ def _create_state(
         for local_cfg, lengths in shares:
             # A budget shared across heads may all go to this device's heads.
             bound_cfg = cfg if policy.decides_across_heads else local_cfg
-            bound = policy.prefill_pages(lengths, prompts.chunk, bound_cfg, page_size, reserve_tokens)
+            bound = policy.prefill_pages(
+                lengths, prompts.chunk, bound_cfg, page_size, reserve_tokens
+            )
             full = _full_cache_pages(local_cfg, lengths, reserve_tokens, page_size)
             needs.append(full if bound is None else min(bound, full))
         num_pages = pool_pages_bucket(max(needs))

@@ -111,9 +111,7 @@ def gather_heads(tree: Any, axis: int) -> Any:
     """Every KV head's values of each leaf (its KV-head axis `axis`), in head order."""
     if not _MODEL_AXIS_IN_USE.get():
         return tree
-    return jax.tree.map(
-        lambda x: jax.lax.all_gather(x, MODEL_AXIS, axis=axis, tiled=True), tree
-    )
+    return jax.tree.map(lambda x: jax.lax.all_gather(x, MODEL_AXIS, axis=axis, tiled=True), tree)
 
 
 def local_heads(x: jax.Array, axis: int) -> jax.Array:
@@ -280,9 +278,9 @@ class InferenceMesh:
         )
 
     def model_specs(self, model: Model) -> Model:
-        params_axes = {
-            name: PARAM_AXES[name] for name in model.params if name != "layers"
-        } | {"layers": {name: PARAM_AXES["layers"][name] for name in model.params["layers"]}}
+        params_axes = {name: PARAM_AXES[name] for name in model.params if name != "layers"} | {
+            "layers": {name: PARAM_AXES["layers"][name] for name in model.params["layers"]}
+        }
         return dataclasses.replace(model, params=self.param_specs(model.params, params_axes))
 
     def place(self, tree: Any, specs: Any) -> Any:

@@ -133,7 +133,9 @@ def decode_geometry(
     fullest device; tokens_bound is then [S, B/d], each device's rows.
     """
     lengths = _per_device(jax.device_get(kv.full_precision_lengths()))
-    bounds = [None] * len(lengths) if tokens_bound is None else np.reshape(tokens_bound, (len(lengths), -1))
+    bounds = [None] * len(lengths)
+    if tokens_bound is not None:
+        bounds = np.reshape(tokens_bound, (len(lengths), -1))
     window = None if kv.pool.int8 is None else kv.pool.int8.window
     return _largest(
         _device_decode_geometry(held, bound, max_new_tokens, kv.pool.page_size, window)

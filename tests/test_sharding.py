@@ -1,0 +1,182 @@
+"""Sharded inference on 8 host CPU devices: `generate` / `compress_prompt` on (data, model)
+meshes give one device's tokens and kept tokens, each device holding only its share of the cache.
+
+The model is a Llama-shaped tiny model with 4 KV heads (8 query heads, MLP 128) so that the
+model axis can split heads 2 or 4 ways; f32 throughout. Prompts have different lengths.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import policies, sharding
+from jaxkv.attention import gather_pages
+from jaxkv.gates import fastkvzip as fastkvzip_gates
+from jaxkv.gates import wgkv as wgkv_gates
+from models import init_model
+from models.configs import Family
+from tests.tiny_models import tiny_config
+
+CONFIG = tiny_config(Family.LLAMA, num_heads=8, num_kv_heads=4, intermediate_size=128)
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CONFIG, seed=1, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    lengths = [160, 131, 150, 97, 144, 120, 158, 101]
+    return [list(rng.integers(0, CONFIG.vocab_size, n)) for n in lengths]
+
+
+def _mesh(data: int, model_shards: int) -> sharding.InferenceMesh:
+    return sharding.InferenceMesh(sharding.make_inference_mesh(data, model_shards))
+
+
+POLICY_PARAMS = {
+    "wgkv": lambda: wgkv_gates.init_write_gates(CONFIG, jax.random.PRNGKey(3)),
+    "fastkvzip": lambda: fastkvzip_gates.init_params(CONFIG, jax.random.PRNGKey(4)),
+    "duo_attention": lambda: np.array([[True, False, False, True], [False, True, False, False]]),
+}
+
+# Every registered policy, with options that make it evict at these prompt lengths.
+POLICIES = {
+    "full": {},
+    "streaming_llm": dict(budget=0.3),
+    "sliding_window": dict(budget=0.3),
+    "snapkv": dict(budget=0.3, window=8),
+    "pyramidkv": dict(budget=0.3, window=8),
+    "tova": dict(budget=0.3),
+    "knorm": dict(budget=0.3),
+    "h2o": dict(budget=0.3, evict_every=4),
+    "observed_attention": dict(budget=0.3),
+    "adakv": dict(budget=0.3, inner=policies.get("snapkv", window=8)),
+    "kvzip": dict(budget=0.3, repeat_ids=(1, 2, 3), continue_ids=(4, 5, 6)),
+    "gvote": {},
+    "sage_kv": dict(budget=40),
+    "confkv": dict(tight=32, loose=48, protected=8, evict_every=4),
+    "scissorhands": dict(budget=0.3, evict_every=4),
+    "quest": dict(budget=0.3),
+    "local_attention": dict(window=32),
+    "wgkv": dict(window=32, tau=0.5),
+    "duo_attention": dict(window=32),
+    "fastkvzip": dict(budget=0.4, window=8, decode_buffer=4),
+}
+
+
+def test_every_registered_policy_is_covered():
+    assert set(POLICIES) == set(policies.registered())
+
+
+def _run(name, model, prompts, mesh=None):
+    return jaxkv.generate(
+        model,
+        prompts,
+        max_new_tokens=NEW_TOKENS,
+        policy=policies.get(name, **POLICIES[name]),
+        stop_tokens=[],
+        policy_params=POLICY_PARAMS[name]() if name in POLICY_PARAMS else None,
+        mesh=None if mesh is None else mesh.mesh,
+    )
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (1, 2), (2, 4)])
+def test_full_cache_tokens_and_pages_equal_one_device(model, prompts, shape):
+    mesh = _mesh(*shape)
+    one = _run("full", model, prompts)
+    sharded = _run("full", model, prompts, mesh)
+    np.testing.assert_array_equal(sharded.tokens, one.tokens)
+    np.testing.assert_array_equal(sharded.pages_in_use, one.pages_in_use)
+    np.testing.assert_array_equal(sharded.memory_bytes, one.memory_bytes)
+
+
+# The policies the issue names, every policy with a decision across heads (AdaKV, KVzip, Fast
+# KVzip, TOVA and Conf-KV's per-layer ranking) and every kind of decode-time eviction.
+@pytest.mark.parametrize(
+    "name", ["snapkv", "adakv", "wgkv", "fastkvzip", "kvzip", "tova", "confkv", "h2o", "gvote"]
+)
+def test_policy_tokens_equal_one_device_on_a_2x4_mesh(model, prompts, name):
+    one = _run(name, model, prompts)
+    sharded = _run(name, model, prompts, _mesh(2, 4))
+    np.testing.assert_array_equal(sharded.tokens, one.tokens)
+    np.testing.assert_array_equal(sharded.pages_in_use, one.pages_in_use)
+    assert one.pages_in_use[-1] < _run("full", model, prompts).pages_in_use[-1]
+
+
+def _kept_positions(state, mesh=None):
+    """int32 [L, B, K, S] sorted kept positions of every head (the whole request's)."""
+    if mesh is None:
+        return np.sort(np.asarray(state.positions()), axis=-1)
+    stacked = jax.vmap(lambda kv: kv.positions())(state)
+    return np.sort(mesh.unshard(stacked, row_axis=1, head_axis=2), axis=-1)
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"full"}))
+def test_kept_tokens_equal_one_device_with_heads_split_four_ways(model, prompts, name):
+    mesh = _mesh(1, 4)
+    kwargs = dict(
+        policy=policies.get(name, **POLICIES[name]),
+        policy_params=POLICY_PARAMS[name]() if name in POLICY_PARAMS else None,
+    )
+    one = jaxkv.compress_prompt(model, prompts[:2], **kwargs)
+    sharded = jaxkv.compress_prompt(model, prompts[:2], mesh=mesh.mesh, **kwargs)
+    np.testing.assert_array_equal(_kept_positions(sharded, mesh), _kept_positions(one))
+
+
+def test_each_device_holds_the_pages_of_its_rows_and_heads(model, prompts):
+    mesh = _mesh(2, 2)
+    one = jaxkv.compress_prompt(model, prompts)
+    sharded = jaxkv.compress_prompt(model, prompts, mesh=mesh.mesh)
+    held = np.asarray(one.page_table) >= 0  # [L, B, K, M]
+    rows, heads = np.split(np.arange(8), 2), np.split(np.arange(4), 2)
+    expected = [held[:, r][:, :, h].sum() for r in rows for h in heads]
+    np.testing.assert_array_equal(np.asarray(sharded.pages_in_use()), expected)
+    # Every device's pool array is its own (one shard of the stacked pool), and smaller than
+    # the one device's pool.
+    shards = sharded.pool.k_pages.addressable_shards
+    assert sorted(shard.device.id for shard in shards) == [d.id for d in mesh.mesh.devices.flat]
+    assert all(shard.data.shape[0] == 1 for shard in shards)
+    assert sharded.pool.num_pages < one.pool.num_pages
+
+
+def test_sharded_keys_are_the_one_device_keys(model, prompts):
+    mesh = _mesh(2, 2)
+    one = jaxkv.compress_prompt(model, prompts)
+    sharded = jaxkv.compress_prompt(model, prompts, mesh=mesh.mesh)
+
+    def keys(kv):  # [L, B, K, S, H]
+        return jax.vmap(lambda table: gather_pages(kv.pool.k_pages, table))(kv.page_table)
+
+    held = np.arange(one.max_tokens_per_head) < np.asarray(one.lengths)[..., None]
+    whole = mesh.unshard(jax.vmap(keys)(sharded), row_axis=1, head_axis=2)
+    # The output projection and MLP sum partial products in another order: f32 rounding only.
+    np.testing.assert_allclose(whole[held], np.asarray(keys(one))[held], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "shape, batch, match",
+    [
+        ((3, 1), 8, "mesh axis 'data' has 3 devices and the batch 8 prompts"),
+        ((1, 8), 2, "'model' has 8 devices and the model's num_kv_heads=4"),
+    ],
+)
+def test_a_mesh_that_does_not_divide_is_refused_before_compiling(model, shape, batch, match):
+    mesh = sharding.make_inference_mesh(*shape)
+    with pytest.raises(ValueError, match=match):
+        jaxkv.generate(model, [[1, 2, 3]] * batch, max_new_tokens=2, mesh=mesh)
+
+
+def test_bad_meshes_are_named_errors():
+    with pytest.raises(ValueError, match="inference meshes have the axes"):
+        sharding.InferenceMesh(jax.make_mesh((2,), ("batch",)))
+    with pytest.raises(ValueError, match="jax.distributed is not initialised"):
+        sharding.make_inference_mesh(4, 4)
+    with pytest.raises(ValueError, match="model=0"):
+        sharding.make_inference_mesh(1, 0)
