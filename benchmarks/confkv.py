@@ -17,7 +17,7 @@
 Memory is what the cache actually holds (`memory_bytes`: pages in use of both tiers, scales and
 per-token metadata), averaged over decode steps. Sample counts are small (CPU); see --help.
 
-    PYTHONPATH=$PWD python -m benchmarks.confkv --out results/confkv
+    PYTHONPATH=$PWD python -m jaxkv.benchmarks.confkv --out results/confkv
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ import numpy as np
 import jaxkv
 from jaxkv import policies, tasks
 from jaxkv.forward import forward_cached
+from jaxkv.models import load_hf_checkpoint
+from jaxkv.models.decoder import forward, logits_from_hidden
 from jaxkv.policies.base import DecodeContext, after_decode_step
 from jaxkv.policies.confkv import Ranking, confidence
-from models import load_hf_checkpoint
-from models.decoder import forward, logits_from_hidden
-from train import corpus as corpus_lib
+from jaxkv.train import corpus as corpus_lib
 
 REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
 BOS, EOS, PAD = 256, 257, 258
@@ -390,7 +390,7 @@ def _timed_log(*args):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.confkv", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jaxkv.benchmarks.confkv", description=__doc__)
     parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
     parser.add_argument("--quick", action="store_true", help="tiny settings (tests)")
     parser.add_argument("--out", type=Path, default=Path("results/confkv"))

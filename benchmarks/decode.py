@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 import jaxkv
 from jaxkv import policies
-from models import ModelConfig, init_model
-from models.configs import Family
+from jaxkv.models import ModelConfig, init_model
+from jaxkv.models.configs import Family
 
 CONFIG = ModelConfig(
     family=Family.LLAMA,

@@ -6,7 +6,7 @@ measures what that changes: bits per byte of a teacher-forced read with the poli
 (the Conf-KV benchmark's reader: prefix prefilled, continuation read token by token), per policy
 and block size, and the mean tokens held per head.
 
-    python -m benchmarks.decode_blocks [--quick] [--out results/decode-blocks]
+    python -m jaxkv.benchmarks.decode_blocks [--quick] [--out results/decode-blocks]
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import confkv as reader
 from jaxkv import policies
-from models import load_hf_checkpoint
-from train import corpus as corpus_lib
+from jaxkv.benchmarks import confkv as reader
+from jaxkv.models import load_hf_checkpoint
+from jaxkv.train import corpus as corpus_lib
 
 REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
 BLOCKS = (1, 8, 32)
@@ -75,7 +75,9 @@ def table(summary: dict, texts: int, s: reader.Settings) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_blocks", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxkv.benchmarks.decode_blocks", description=__doc__
+    )
     parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
     parser.add_argument("--texts", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="tiny settings (tests)")
@@ -88,7 +90,7 @@ def main(argv=None) -> dict:
     texts = [heldout.text(rng, s.prefix + s.continuation + 1) for _ in range(args.texts)]
     summary = run(model, texts, s)
     report = {
-        "command": "python -m benchmarks.decode_blocks " + " ".join(argv or []),
+        "command": "python -m jaxkv.benchmarks.decode_blocks " + " ".join(argv or []),
         "date": time.strftime("%Y-%m-%d"),
         "jax": jax.__version__,
         "device": str(jax.devices()[0]),

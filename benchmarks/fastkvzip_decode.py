@@ -2,12 +2,12 @@
 
 Each held-out text's first `--prefix` bytes are prefilled (Fast KVzip evicts after every prefill
 chunk), then `--continuation` bytes are read token by token with every policy's decode hook after
-each token (`benchmarks.confkv.teacher_forced`): Fast KVzip gates each token as it is written and
+each token (`jaxkv.benchmarks.confkv.teacher_forced`): Fast KVzip gates each token as it is written and
 every 128 steps evicts back to its ratio of the current length (first 4 and newest 128 kept).
 H2O runs at the tokens per head Fast KVzip held on average (equal memory). Prints a table and
 writes JSON.
 
-    PYTHONPATH=$PWD python -m benchmarks.fastkvzip_decode --out results/fastkvzip
+    PYTHONPATH=$PWD python -m jaxkv.benchmarks.fastkvzip_decode --out results/fastkvzip
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks.confkv import REFERENCE_MODEL, SEED, Settings, teacher_forced
-from benchmarks.quality import FASTKVZIP_GATES
 from jaxkv import policies
+from jaxkv.benchmarks.confkv import REFERENCE_MODEL, SEED, Settings, teacher_forced
+from jaxkv.benchmarks.quality import FASTKVZIP_GATES
 from jaxkv.gates import fastkvzip as fastkvzip_gate
-from models import load_hf_checkpoint
-from train import corpus as corpus_lib
+from jaxkv.models import load_hf_checkpoint
+from jaxkv.train import corpus as corpus_lib
 
 
 def run(model, gates, texts, settings: Settings, ratio: float, log=print) -> dict:
@@ -60,7 +60,7 @@ def table(report: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.fastkvzip_decode", description=__doc__
+        prog="python -m jaxkv.benchmarks.fastkvzip_decode", description=__doc__
     )
     parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, default=FASTKVZIP_GATES / "gates.safetensors")

@@ -6,7 +6,7 @@ reconstruction replay). Each is compiled first, then timed `--repeats` times (me
 per policy: seconds, the ratio to the full-cache prefill, the pool array's bytes (the prefill
 peak: the whole pool is allocated up front) and the bytes held after compression.
 
-    python -m benchmarks.fastkvzip_prefill --ratio 0.3 --length 2048 --out results/fastkvzip
+    python -m jaxkv.benchmarks.fastkvzip_prefill --ratio 0.3 --length 2048 --out results/fastkvzip
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import numpy as np
 
 from jaxkv import compress_prompt, policies
 from jaxkv.gates import fastkvzip as gate
-from models import load_hf_checkpoint
-from train import corpus as corpus_lib
+from jaxkv.models import load_hf_checkpoint
+from jaxkv.train import corpus as corpus_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 BOS = 256
@@ -42,7 +42,7 @@ def _timed(run, repeats: int) -> tuple[float, object]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.fastkvzip_prefill", description=__doc__
+        prog="python -m jaxkv.benchmarks.fastkvzip_prefill", description=__doc__
     )
     parser.add_argument("--model", type=Path, default=ROOT / "assets" / "reference-model")
     parser.add_argument("--gates", type=Path, default=ROOT / "assets" / "fastkvzip-gates")

@@ -5,7 +5,7 @@ pages per block, warps, stages and split-K target. Prefill: dense causal and 25%
 lists at one length, every combination of block_q, block_k, warps and stages. Prints the best
 variants per shape and writes every timing as JSON; the defaults in `pallas_kernels` come from it.
 
-    python -m benchmarks.kernel_tuning --out tuning.json    # on a GPU, from the repo root
+    python -m jaxkv.benchmarks.kernel_tuning --out tuning.json    # on a GPU, from the repo root
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import json
 
 import jax
 
-import pallas_kernels as pk
-from benchmarks.kernels import FULL, decode_inputs, prefill_lists, seconds_per_call
+from jaxkv import pallas_kernels as pk
+from jaxkv.benchmarks.kernels import FULL, decode_inputs, prefill_lists, seconds_per_call
 
 
 def tune_decode(shapes, repeats: int) -> list[dict]:
@@ -105,7 +105,9 @@ def tune_prefill(tokens: int, densities, repeats: int) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernel_tuning", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxkv.benchmarks.kernel_tuning", description=__doc__
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill-tokens", type=int, default=16384)
     parser.add_argument("--skip-decode", action="store_true")

@@ -21,8 +21,8 @@ pattern admits.
 Without a GPU the kernels run in the Pallas interpreter; `--quick` shrinks every size so the
 script runs end to end anywhere. Interpreted times say nothing about a GPU.
 
-    python -m benchmarks.kernels --out kernels.json           # on a GPU, from the repo root
-    python -m benchmarks.kernels --quick --out kernels.json   # anywhere
+    python -m jaxkv.benchmarks.kernels --out kernels.json           # on a GPU, from the repo root
+    python -m jaxkv.benchmarks.kernels --quick --out kernels.json   # anywhere
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels as pk
 from jaxkv import attention
-from pallas_kernels.paged_decode.ops import offsets_would_wrap
+from jaxkv import pallas_kernels as pk
+from jaxkv.pallas_kernels.paged_decode.ops import offsets_would_wrap
 
 
 @dataclasses.dataclass(frozen=True)

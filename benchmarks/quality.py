@@ -37,9 +37,9 @@ from jaxkv import policies, tasks
 from jaxkv.forward import forward_cached
 from jaxkv.gates.wgkv import load_write_gates
 from jaxkv.generation import compress_prompt
-from models import Model, load_hf_checkpoint
-from models.decoder import logits_from_hidden
-from train import corpus as corpus_lib
+from jaxkv.models import Model, load_hf_checkpoint
+from jaxkv.models.decoder import logits_from_hidden
+from jaxkv.train import corpus as corpus_lib
 
 REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
 BOS, EOS, PAD = 256, 257, 258

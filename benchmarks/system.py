@@ -14,7 +14,7 @@ its peak memory is its own:
               and the process's peak host RSS (`ru_maxrss`), labelled as host memory;
   roofline    (weight bytes + KV bytes read per decode step) / bandwidth, the bandwidth from
               `--bandwidth-gbs` or measured in the same run (a jitted elementwise copy of a
-              large array, bytes read + written per second, as `benchmarks.kernels`); reported
+              large array, bytes read + written per second, as `jaxkv.benchmarks.kernels`); reported
               as the fraction reached and, per policy, the decode speed-up over the full cache
               next to the roofline's.
 Rows that cannot fit (weights + KV + attention temporaries against the device memory, or the
@@ -51,13 +51,13 @@ import jax
 import numpy as np
 
 import jaxkv
-from benchmarks.kernels import copy_bandwidth
 from jaxkv import policies
+from jaxkv.benchmarks.kernels import copy_bandwidth
 from jaxkv.gates import fastkvzip as fastkvzip_gates
 from jaxkv.gates.wgkv import init_write_gates
-from models import configs, init_model
-from models.configs import dtype_from_name
-from models.decoder import param_shapes
+from jaxkv.models import configs, init_model
+from jaxkv.models.configs import dtype_from_name
+from jaxkv.models.decoder import param_shapes
 
 ROW_MARKER = "SYSTEM_ROW_JSON "
 GIB = 2**30
@@ -420,7 +420,7 @@ def _cb(row):
 
 def row_in_subprocess(argv: list[str], row: dict, limit: int, cfg, args) -> dict:
     """Runs one row in a fresh Python process (`--one`) and parses its JSON line."""
-    command = [sys.executable, "-m", "benchmarks.system", *argv, "--one", json.dumps(row)]
+    command = [sys.executable, "-m", "jaxkv.benchmarks.system", *argv, "--one", json.dumps(row)]
     command += ["--memory-limit-gib", str(limit / GIB)]
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(command, cwd=root, capture_output=True, text=True)
@@ -635,7 +635,7 @@ def _environment(args, argv) -> dict:
     if args.in_process:
         return probe(args)
     result = None
-    command = [sys.executable, "-m", "benchmarks.system", *argv, "--probe"]
+    command = [sys.executable, "-m", "jaxkv.benchmarks.system", *argv, "--probe"]
     done = subprocess.run(
         command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True
     )

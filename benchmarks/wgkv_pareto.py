@@ -5,7 +5,7 @@ lambda), prints a table and writes pareto.json and pareto.png. The admitted frac
 of (layer, KV head, token) whose gate exceeds tau = 0.1, on held-out rows; the distillation loss
 is the MSE of the final-normed hidden states against the full-attention backbone on those rows.
 
-    python -m benchmarks.wgkv_pareto assets/wgkv-gates/lambda-* --out assets/wgkv-gates
+    python -m jaxkv.benchmarks.wgkv_pareto assets/wgkv-gates/lambda-* --out assets/wgkv-gates
 """
 
 from __future__ import annotations
@@ -72,7 +72,9 @@ def plot(points: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.wgkv_pareto", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxkv.benchmarks.wgkv_pareto", description=__doc__
+    )
     parser.add_argument("runs", type=Path, nargs="+", help="directories holding run.json")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

@@ -11,8 +11,8 @@ For every gates file (one per lambda of the distillation), on `benchmarks/qualit
                    reads its W ring tokens plus R - W of global pages chosen by Quest.
 The full cache is the reference row. Memory is measured per row, never assumed.
 
-    python -m benchmarks.wgkv_quality --gates assets/wgkv-gates/*/gates.safetensors --out out/
-    python -m benchmarks.wgkv_quality --fast --out /tmp/wgkv   # random gates, the harness only
+    python -m jaxkv.benchmarks.wgkv_quality --gates assets/wgkv-gates/*/gates.safetensors --out out/
+    python -m jaxkv.benchmarks.wgkv_quality --fast --out /tmp/wgkv   # random gates, the harness only
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks import quality
 from jaxkv import policies
+from jaxkv.benchmarks import quality
 from jaxkv.cache import LocalRing
 from jaxkv.gates.wgkv import init_write_gates, load_write_gates
-from models import load_hf_checkpoint
-from train import corpus as corpus_lib
+from jaxkv.models import load_hf_checkpoint
+from jaxkv.train import corpus as corpus_lib
 
 CALIBRATION_SEED = 20_000  # disjoint from training (< 10000) and evaluation (10000 + task)
 SINKS = 4
@@ -121,7 +121,9 @@ def markdown_table(rows) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.wgkv_quality", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxkv.benchmarks.wgkv_quality", description=__doc__
+    )
     parser.add_argument("--model", type=Path, default=quality.REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, nargs="*", default=[], help="write gate files")
     parser.add_argument("--fast", action="store_true", help="random gates, 512 bytes, 2 samples")

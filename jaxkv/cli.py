@@ -33,8 +33,8 @@ DEFAULT_PROMPT = (
 
 def _load(model_arg: str, dtype: str, seed: int):
     """A checkpoint directory, or the name of a built-in preset (random weights)."""
-    from models import byte_tokenizer, init_model, load_hf_checkpoint, load_tokenizer, preset
-    from models.configs import PRESETS, dtype_from_name
+    from jaxkv.models import byte_tokenizer, init_model, load_hf_checkpoint, load_tokenizer, preset
+    from jaxkv.models.configs import PRESETS, dtype_from_name
 
     path = Path(model_arg)
     if path.is_dir():

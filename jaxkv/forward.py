@@ -2,7 +2,7 @@
 
 `forward` is the model's cache-free forward with the attention on a chosen backend.
 `forward_cached` runs one chunk (prefill chunk or decode token) through the model's blocks
-(`models.decoder`), threading the paged KV state layer by layer: per layer, the model projects
+(`jaxkv.models.decoder`), threading the paged KV state layer by layer: per layer, the model projects
 q, k, v, the policy scores the chunk's keys (`Policy.write_scores`), `layer_step.attend_and_write`
 attends and writes, and the model's output projection and MLP follow.
 """
@@ -20,9 +20,9 @@ from jaxkv import attention as attention_ops
 from jaxkv import sharding
 from jaxkv.cache import KVState, check_ring_policy
 from jaxkv.layer_step import attend_and_write
-from models import decoder, layers
-from models.configs import ModelConfig
-from models.decoder import Model
+from jaxkv.models import decoder, layers
+from jaxkv.models.configs import ModelConfig
+from jaxkv.models.decoder import Model
 
 
 def forward(

@@ -18,13 +18,13 @@ from jaxkv.cache.geometry import decode_steps_bucket, pool_pages_bucket, table_p
 from jaxkv.cache.int8 import check_dtype, start_int8
 from jaxkv.cache.repack import grow
 from jaxkv.forward import combine_moments, forward_cached
+from jaxkv.models.configs import ModelConfig
+from jaxkv.models.decoder import Model, logits_from_hidden
+from jaxkv.pallas_kernels.common import next_power_of_two
 from jaxkv.policies import FullCache, Policy
 from jaxkv.policies.base import DecodeContext, PrefillObservations, after_decode_step
 from jaxkv.sampling import Sampler
 from jaxkv.sharding import InferenceMesh
-from models.configs import ModelConfig
-from models.decoder import Model, logits_from_hidden
-from pallas_kernels.common import next_power_of_two
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 512

@@ -19,7 +19,7 @@ Collectives, and nothing else crosses devices:
 These helpers are identities outside a sharded program, so the same policy code runs on one
 device and on a mesh.
 
-One rules table (`LOGICAL_AXIS_RULES`) maps the logical axes of parameters (`models.decoder.
+One rules table (`LOGICAL_AXIS_RULES`) maps the logical axes of parameters (`jaxkv.models.decoder.
 PARAM_AXES`, a policy's `param_axes`) and of the stacked cache to the mesh's axes.
 """
 
@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from models.configs import ModelConfig
-from models.decoder import PARAM_AXES, Model
+from jaxkv.models.configs import ModelConfig
+from jaxkv.models.decoder import PARAM_AXES, Model
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"

@@ -1,9 +1,16 @@
 """Functional Llama / Qwen decoders, their configs, checkpoints and tokenizers."""
 
-from models.configs import Family, ModelConfig, RopeScaling, from_hf_config, preset, to_hf_config
-from models.decoder import Model, forward, init_model, init_params, scan_layers
-from models.hf_loading import load_hf_checkpoint, save_hf_checkpoint
-from models.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
+from jaxkv.models.configs import (
+    Family,
+    ModelConfig,
+    RopeScaling,
+    from_hf_config,
+    preset,
+    to_hf_config,
+)
+from jaxkv.models.decoder import Model, forward, init_model, init_params, scan_layers
+from jaxkv.models.hf_loading import load_hf_checkpoint, save_hf_checkpoint
+from jaxkv.models.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 
 __all__ = [
     "Family",

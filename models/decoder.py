@@ -26,8 +26,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from models import layers
-from models.configs import ModelConfig
+from jaxkv.models import layers
+from jaxkv.models.configs import ModelConfig
 
 Params = dict[str, Any]
 

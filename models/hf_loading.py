@@ -18,8 +18,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from models.configs import ModelConfig, dtype_from_name, from_hf_config, to_hf_config
-from models.decoder import Model
+from jaxkv.models.configs import ModelConfig, dtype_from_name, from_hf_config, to_hf_config
+from jaxkv.models.decoder import Model
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

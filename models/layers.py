@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from models.configs import ModelConfig, RopeScaling
+from jaxkv.models.configs import ModelConfig, RopeScaling
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

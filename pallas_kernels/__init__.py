@@ -9,18 +9,18 @@ Each kernel folder holds kernel.py (kernels and launches), ops.py (the public op
 reference.py (the plain-jnp oracle).
 """
 
-from pallas_kernels.block_sparse.block_lists import (
+from jaxkv.pallas_kernels.block_sparse.block_lists import (
     block_lists_from_mask,
     dense_causal_block_lists,
     sliding_window_block_lists,
     vertical_slash_block_lists,
 )
-from pallas_kernels.block_sparse.kernel import BlockSizes as BlockSparseBlockSizes
-from pallas_kernels.block_sparse.ops import block_sparse_attention
-from pallas_kernels.block_sparse.reference import block_sparse_attention_reference
-from pallas_kernels.paged_decode.kernel import BlockSizes as PagedDecodeBlockSizes
-from pallas_kernels.paged_decode.ops import DecodeStats, paged_decode_attention
-from pallas_kernels.paged_decode.reference import paged_decode_attention_reference
+from jaxkv.pallas_kernels.block_sparse.kernel import BlockSizes as BlockSparseBlockSizes
+from jaxkv.pallas_kernels.block_sparse.ops import block_sparse_attention
+from jaxkv.pallas_kernels.block_sparse.reference import block_sparse_attention_reference
+from jaxkv.pallas_kernels.paged_decode.kernel import BlockSizes as PagedDecodeBlockSizes
+from jaxkv.pallas_kernels.paged_decode.ops import DecodeStats, paged_decode_attention
+from jaxkv.pallas_kernels.paged_decode.reference import paged_decode_attention_reference
 
 __all__ = [
     "BlockSparseBlockSizes",

@@ -4,14 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.decoder import (
+from jaxkv.models.decoder import (
     attention_inputs,
     attention_output_and_mlp,
     embed,
     final_hidden,
     logits_from_hidden,
 )
-from models.layers import rope_cos_sin
+from jaxkv.models.layers import rope_cos_sin
 
 
 def cached_keys_values(state):

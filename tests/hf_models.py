@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from models import load_hf_checkpoint
+from jaxkv.models import load_hf_checkpoint
 
 # Each case: (name, transformers config class, config kwargs). All GQA (4 query heads, 2 KV heads).
 _COMMON = dict(

@@ -53,7 +53,7 @@ def test_import_contracts_are_kept():
 
 def test_every_module_imports_alone():
     modules = _modules()
-    assert "jaxkv.attention.paged" in modules and "models.decoder" in modules
+    assert "jaxkv.attention.paged" in modules and "jaxkv.models.decoder" in modules
     result = subprocess.run(
         [sys.executable, "-c", _IMPORT_EACH, *PACKAGES],
         input="\n".join(modules),

@@ -9,7 +9,7 @@ import pytest
 import jaxkv
 from jaxkv import attention, policies
 from jaxkv.forward import forward
-from models import init_model
+from jaxkv.models import init_model
 from tests.tiny_models import tiny_config
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import confkv as bench
 from jaxkv import policies
-from models import load_hf_checkpoint
+from jaxkv.benchmarks import confkv as bench
+from jaxkv.models import load_hf_checkpoint
 
 REFERENCE = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
 

@@ -2,7 +2,7 @@
 
 import json
 
-from benchmarks import decode
+from jaxkv.benchmarks import decode
 
 
 def test_decode_benchmark_quick(tmp_path):

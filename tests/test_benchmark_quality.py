@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import quality
+from jaxkv.benchmarks import quality
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.flax import load_file, save_file
 
-from models import forward, load_hf_checkpoint, save_hf_checkpoint
+from jaxkv.models import forward, load_hf_checkpoint, save_hf_checkpoint
 from tests import hf_models
 
 

@@ -11,8 +11,8 @@ import pytest
 from jaxkv import cli, policies
 from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.gates.wgkv import init_write_gates, save_write_gates
-from models import byte_tokenizer, init_model, save_hf_checkpoint
-from models.configs import preset
+from jaxkv.models import byte_tokenizer, init_model, save_hf_checkpoint
+from jaxkv.models.configs import preset
 
 
 def _report(capsys):
@@ -247,8 +247,8 @@ def test_benchmark_help_names_the_jaxkv_command(capsys, name):
 
 def test_bench_runs_the_system_benchmark(monkeypatch):
     calls = []
-    module = types.ModuleType("benchmarks.system")
+    module = types.ModuleType("jaxkv.benchmarks.system")
     module.main = calls.append
-    monkeypatch.setitem(sys.modules, "benchmarks.system", module)
+    monkeypatch.setitem(sys.modules, "jaxkv.benchmarks.system", module)
     assert cli.main(["bench", "system", "--quick"]) == 0
     assert calls == [["--quick"]]

@@ -5,9 +5,9 @@ import pytest
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from models import from_hf_config, preset, to_hf_config
-from models.configs import Family, RopeScaling
-from models.layers import rope_inv_freq
+from jaxkv.models import from_hf_config, preset, to_hf_config
+from jaxkv.models.configs import Family, RopeScaling
+from jaxkv.models.layers import rope_inv_freq
 from tests import hf_models
 
 

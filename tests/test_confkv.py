@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 import jaxkv
 from jaxkv import policies
+from jaxkv.models import init_model
+from jaxkv.models.configs import Family
 from jaxkv.policies import confkv
-from models import init_model
-from models.configs import Family
 from tests.decode_steps import teacher_forced_steps
 from tests.tiny_models import tiny_config
 

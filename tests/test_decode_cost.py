@@ -11,7 +11,7 @@ import pytest
 import jaxkv
 from jaxkv import generation, policies
 from jaxkv.cache import geometry
-from models import init_model
+from jaxkv.models import init_model
 from tests.tiny_models import tiny_config
 
 CONFIG = tiny_config(max_position_embeddings=8192)

@@ -11,8 +11,8 @@ import jaxkv
 from jaxkv import attention, generation, policies
 from jaxkv.cache.eviction import compact
 from jaxkv.forward import forward_cached
-from models import init_model
-from models.decoder import logits_from_hidden
+from jaxkv.models import init_model
+from jaxkv.models.decoder import logits_from_hidden
 from tests import dense_reference
 from tests.tiny_models import tiny_config
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxkv.gates import fastkvzip as gate
-from models.configs import Family
+from jaxkv.models.configs import Family
 from tests.tiny_models import tiny_config
 
 CONFIG = tiny_config(

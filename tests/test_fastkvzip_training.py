@@ -5,12 +5,12 @@ import jax
 import numpy as np
 
 from jaxkv.gates import fastkvzip as gate
-from models import init_model
-from models.configs import Family
+from jaxkv.models import init_model
+from jaxkv.models.configs import Family
+from jaxkv.train import fastkvzip as training
+from jaxkv.train import trainer
 from tests.test_fastkvzip_gate import numpy_scores
 from tests.tiny_models import tiny_config
-from train import fastkvzip as training
-from train import trainer
 
 CONFIG = tiny_config(
     Family.LLAMA, hidden_size=32, intermediate_size=64, head_dim=8, max_position_embeddings=512

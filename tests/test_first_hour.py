@@ -14,9 +14,9 @@ from jax.sharding import Mesh
 import jaxkv
 from jaxkv import policies
 from jaxkv.gates.wgkv import init_write_gates, load_write_gates, save_write_gates
-from models import byte_tokenizer, init_model, load_hf_checkpoint, save_hf_checkpoint
-from models.configs import preset
-from train import trainer
+from jaxkv.models import byte_tokenizer, init_model, load_hf_checkpoint, save_hf_checkpoint
+from jaxkv.models.configs import preset
+from jaxkv.train import trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ import pytest
 
 import jaxkv
 from jaxkv import Sampler, policies
-from models import ModelConfig, init_model
-from models.configs import Family
+from jaxkv.models import ModelConfig, init_model
+from jaxkv.models.configs import Family
 
 CONFIG = ModelConfig(
     family=Family.QWEN3,

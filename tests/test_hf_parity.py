@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import jaxkv
-from models import forward
+from jaxkv.models import forward
 from tests import hf_models
 
 

@@ -11,8 +11,8 @@ import jaxkv
 from jaxkv import policies
 from jaxkv.cache.int8 import quantize, start_int8
 from jaxkv.layer_step import attend_and_write, int8_tier_attention
-from models import init_model
-from models.configs import Family
+from jaxkv.models import init_model
+from jaxkv.models.configs import Family
 from tests.tiny_models import tiny_config
 
 CONFIG = tiny_config(Family.LLAMA, max_position_embeddings=512)

@@ -3,7 +3,7 @@ its own half of the batch, reach the losses and gates of one process fed the who
 
 The test starts this file as a script, once per process (`python tests/test_multihost.py
 worker ID PORT OUT`): each process gets 2 CPU devices, so the mesh spans 4 devices over 2
-processes, and runs two steps of WG-KV gate training through `train.wgkv.train_gates` on a
+processes, and runs two steps of WG-KV gate training through `jaxkv.train.wgkv.train_gates` on a
 (data=2, fsdp=2) mesh (data across the processes, fsdp inside each) and on a (seq=4) mesh (each
 process feeds its half of every row's tokens).
 """
@@ -30,10 +30,10 @@ STEPS = 2
 def _setup():
     """Model, spec, config and corpus of the runs (imported lazily: jax must see the child's
     XLA_FLAGS and distributed setup first)."""
-    from models import init_model
+    from jaxkv.models import init_model
+    from jaxkv.train import corpus as corpus_lib
+    from jaxkv.train import wgkv
     from tests.test_wgkv_training import CONFIG
-    from train import corpus as corpus_lib
-    from train import wgkv
 
     spec = wgkv.GateTraining(band=32, seq_len=128, batch_size=4, episode_fraction=0.0)
     config = wgkv.gate_train_config(STEPS, 1e-2)
@@ -42,8 +42,8 @@ def _setup():
 
 
 def _train(mesh) -> dict[str, np.ndarray]:
+    from jaxkv.train import wgkv
     from tests.test_wgkv_training import CONFIG
-    from train import wgkv
 
     model, spec, config, corpus = _setup()
     gates, state, logged = wgkv.train_gates(
@@ -63,7 +63,7 @@ def worker(process_id: int, port: int, out: str) -> None:
     jax.distributed.initialize(
         coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id
     )
-    from train import mesh as mesh_lib
+    from jaxkv.train import mesh as mesh_lib
 
     assert jax.process_count() == 2 and jax.device_count() == 2 * DEVICES_PER_PROCESS
     results = {}
@@ -83,7 +83,7 @@ def _free_port() -> int:
 def test_two_processes_feeding_halves_match_one_process_on_the_whole_batch(tmp_path):
     import jax
 
-    from train import mesh as mesh_lib
+    from jaxkv.train import mesh as mesh_lib
 
     port = _free_port()
     env = {

@@ -10,10 +10,10 @@ import pytest
 
 from jaxkv.cache import KVState
 from jaxkv.forward import forward_cached
+from jaxkv.models import ModelConfig, forward, init_model
+from jaxkv.models.configs import Family, RopeScaling
+from jaxkv.models.decoder import logits_from_hidden
 from jaxkv.policies import FullCache
-from models import ModelConfig, forward, init_model
-from models.configs import Family, RopeScaling
-from models.decoder import logits_from_hidden
 
 CONFIG = ModelConfig(
     family=Family.LLAMA,

@@ -11,8 +11,8 @@ import pytest
 
 import jaxkv
 from jaxkv import policies
-from models import init_model
-from models.decoder import attention_input, embed, project_unrotated_keys_values
+from jaxkv.models import init_model
+from jaxkv.models.decoder import attention_input, embed, project_unrotated_keys_values
 from tests.tiny_models import tiny_config
 
 CONFIG = tiny_config()

@@ -11,9 +11,9 @@ from jaxkv import forward as forward_lib
 from jaxkv import policies
 from jaxkv.cache import KVState, write_tokens
 from jaxkv.cache.eviction import compact
-from models import init_model
-from models.configs import Family
-from models.decoder import logits_from_hidden
+from jaxkv.models import init_model
+from jaxkv.models.configs import Family
+from jaxkv.models.decoder import logits_from_hidden
 from tests import dense_reference
 from tests.tiny_models import tiny_config
 

@@ -4,9 +4,9 @@ import numpy as np
 import torch
 import transformers
 
-from benchmarks.quality import REFERENCE_MODEL
-from models import forward, load_hf_checkpoint
-from train.pretrain import RECIPES
+from jaxkv.benchmarks.quality import REFERENCE_MODEL
+from jaxkv.models import forward, load_hf_checkpoint
+from jaxkv.train.pretrain import RECIPES
 
 
 def test_reference_model_is_the_recipe_and_small():

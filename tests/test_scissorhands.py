@@ -18,11 +18,16 @@ import pytest
 import jaxkv
 from jaxkv import policies
 from jaxkv.forward import forward_cached
+from jaxkv.models import init_model
+from jaxkv.models.configs import Family
+from jaxkv.models.decoder import (
+    attention_inputs,
+    attention_output_and_mlp,
+    embed,
+    logits_from_hidden,
+)
+from jaxkv.models.layers import rope_cos_sin
 from jaxkv.policies.base import DecodeContext, after_decode_step
-from models import init_model
-from models.configs import Family
-from models.decoder import attention_inputs, attention_output_and_mlp, embed, logits_from_hidden
-from models.layers import rope_cos_sin
 from tests.dense_reference import cached_keys_values
 from tests.tiny_models import tiny_config
 

@@ -11,12 +11,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.gates import wgkv as gates_lib
-from models import init_model
+from jaxkv.models import init_model
+from jaxkv.train import corpus as corpus_lib
+from jaxkv.train import fastkvzip, wgkv
+from jaxkv.train import mesh as mesh_lib
 from tests.test_fastkvzip_training import CONFIG as FASTKVZIP_CONFIG
 from tests.test_wgkv_training import CONFIG
-from train import corpus as corpus_lib
-from train import fastkvzip, wgkv
-from train import mesh as mesh_lib
 
 SEQ_LEN = 136  # 17 tokens per device on seq=8; no parameter has a dimension of 136 or 17
 MESHES = [({"seq": 8}, 1), ({"data": 2, "seq": 4}, 2)]  # (mesh, rows per batch)

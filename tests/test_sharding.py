@@ -16,8 +16,8 @@ from jaxkv import policies, sharding
 from jaxkv.attention import gather_pages
 from jaxkv.gates import fastkvzip as fastkvzip_gates
 from jaxkv.gates import wgkv as wgkv_gates
-from models import init_model
-from models.configs import Family
+from jaxkv.models import init_model
+from jaxkv.models.configs import Family
 from tests.tiny_models import tiny_config
 
 CONFIG = tiny_config(Family.LLAMA, num_heads=8, num_kv_heads=4, intermediate_size=128)

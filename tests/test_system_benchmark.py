@@ -3,7 +3,7 @@ cannot fit with the largest size that does."""
 
 import json
 
-from benchmarks import system
+from jaxkv.benchmarks import system
 
 TINY = ["--cpu", "--model", "tiny-random", "--batches", "1", "--decode-tokens", "2"]
 TINY += ["--repeats", "1", "--bandwidth-gbs", "10"]

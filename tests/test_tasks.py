@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from jaxkv import tasks
-from train import corpus as corpus_lib
-from train import pretrain
+from jaxkv.train import corpus as corpus_lib
+from jaxkv.train import pretrain
 
 
 @pytest.fixture(scope="module")

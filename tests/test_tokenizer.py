@@ -4,7 +4,7 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models import byte_tokenizer, load_tokenizer
+from jaxkv.models import byte_tokenizer, load_tokenizer
 
 
 @settings(max_examples=100, deadline=None)

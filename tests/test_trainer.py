@@ -13,10 +13,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxkv import cli
-from models import init_model, init_params, save_hf_checkpoint
-from train import corpus as corpus_lib
-from train import fastkvzip, pretrain, trainer, wgkv
-from train import mesh as mesh_lib
+from jaxkv.models import init_model, init_params, save_hf_checkpoint
+from jaxkv.train import corpus as corpus_lib
+from jaxkv.train import fastkvzip, pretrain, trainer, wgkv
+from jaxkv.train import mesh as mesh_lib
 
 RECIPE = pretrain.RECIPES["smoke"]
 CONFIG = dataclasses.replace(

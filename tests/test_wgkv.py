@@ -18,9 +18,9 @@ from jaxkv import policies
 from jaxkv.cache import KVState, PoolExhaustedError
 from jaxkv.forward import forward_cached
 from jaxkv.gates.wgkv import init_write_gates, write_gate_values
-from models import init_model
-from models.configs import Family
-from models.decoder import (
+from jaxkv.models import init_model
+from jaxkv.models.configs import Family
+from jaxkv.models.decoder import (
     attention_input,
     attention_output_and_mlp,
     embed,
@@ -30,7 +30,7 @@ from models.decoder import (
     project_queries,
     project_unrotated_keys_values,
 )
-from models.layers import apply_rope, rope_cos_sin
+from jaxkv.models.layers import apply_rope, rope_cos_sin
 from tests import dense_reference as decode_reference
 from tests.test_quest import _quest_select
 from tests.tiny_models import tiny_config

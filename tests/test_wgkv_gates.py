@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxkv.gates import wgkv
-from models.configs import Family
+from jaxkv.models.configs import Family
 from tests.tiny_models import tiny_config
 
 LLAMA = tiny_config(Family.LLAMA, num_layers=3, head_dim=8)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import wgkv_pareto
+from jaxkv.benchmarks import wgkv_pareto
 
 
 def write_run(directory, sparsity_weight, admitted, distillation):

@@ -4,9 +4,9 @@ Duo-style runs at the whole-head counts bracketing them."""
 import numpy as np
 import pytest
 
-from benchmarks import wgkv_quality
 from jaxkv import policies
-from models import init_model
+from jaxkv.benchmarks import wgkv_quality
+from jaxkv.models import init_model
 from tests.tiny_models import tiny_config
 
 WINDOW = 8

@@ -10,10 +10,10 @@ import pytest
 
 from jaxkv import cli
 from jaxkv.gates import wgkv as gates_lib
-from models import ModelConfig, init_model
-from models.configs import Family
-from train import corpus as corpus_lib
-from train import trainer, wgkv
+from jaxkv.models import ModelConfig, init_model
+from jaxkv.models.configs import Family
+from jaxkv.train import corpus as corpus_lib
+from jaxkv.train import trainer, wgkv
 
 CONFIG = ModelConfig(
     family=Family.QWEN3,

@@ -1,7 +1,7 @@
 """The tiny random model shapes most tests share (GQA 2, head dim 16), per family."""
 
-from models import ModelConfig
-from models.configs import Family
+from jaxkv.models import ModelConfig
+from jaxkv.models.configs import Family
 
 
 def tiny_config(family: Family = Family.QWEN3, **overrides) -> ModelConfig:

@@ -13,7 +13,7 @@ Reconstruction", arXiv:2505.23416 (docs/fastkvzip.md).
    set of tokens; every layer's gate trains on its own BCE (the loss is their sum: the layers'
    parameters and gradients are disjoint). SGD with momentum 0.9 at the paper's lr 0.2, a
    linear warmup from lr/100, then the rate divided by 10 at 50% and 80% of the steps
-   (`sgd_optimizer`), or AdamW; through `train.trainer` (mesh, orbax resume, metrics).
+   (`sgd_optimizer`), or AdamW; through `jaxkv.train.trainer` (mesh, orbax resume, metrics).
 
     jaxkv train fastkvzip --targets /tmp/fkz/targets.npz --out assets/fastkvzip-gates
 """
@@ -36,6 +36,15 @@ import jaxkv
 from jaxkv import attention as attention_ops
 from jaxkv import tasks
 from jaxkv.gates import fastkvzip as gate
+from jaxkv.models import Model, load_hf_checkpoint
+from jaxkv.models.decoder import (
+    attention_input,
+    attention_inputs,
+    attention_output_and_mlp,
+    embed,
+    scan_layers,
+)
+from jaxkv.models.layers import rope_cos_sin
 from jaxkv.policies.kvzip import (
     CONTINUE_PROMPT,
     DEFAULT_REPLAY_CHUNK,
@@ -43,18 +52,9 @@ from jaxkv.policies.kvzip import (
     byte_ids,
     reconstruction_scores,
 )
-from models import Model, load_hf_checkpoint
-from models.decoder import (
-    attention_input,
-    attention_inputs,
-    attention_output_and_mlp,
-    embed,
-    scan_layers,
-)
-from models.layers import rope_cos_sin
-from train import corpus as corpus_lib
-from train import mesh as mesh_lib
-from train import trainer
+from jaxkv.train import corpus as corpus_lib
+from jaxkv.train import mesh as mesh_lib
+from jaxkv.train import trainer
 
 BOS = 256
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "reference-model"

@@ -26,11 +26,11 @@ import optax
 
 from jaxkv import tasks
 from jaxkv.forward import forward
-from models import Family, Model, ModelConfig, byte_tokenizer, init_params
-from models.hf_loading import save_hf_checkpoint
-from train import corpus as corpus_lib
-from train import mesh as mesh_lib
-from train import trainer
+from jaxkv.models import Family, Model, ModelConfig, byte_tokenizer, init_params
+from jaxkv.models.hf_loading import save_hf_checkpoint
+from jaxkv.train import corpus as corpus_lib
+from jaxkv.train import mesh as mesh_lib
+from jaxkv.train import trainer
 
 BOS, EOS, PAD = 256, 257, 258
 EPISODE_KINDS = ("needle", "multikey", "multivalue", "vartrack")
@@ -246,7 +246,7 @@ def pretrain(
 ) -> dict:
     """Trains `recipe_name`, writes the HF-format model, tokenizer and metrics to `out`.
 
-    mesh: `--mesh` text (train.mesh), default data parallel over the devices that divide every
+    mesh: `--mesh` text (jaxkv.train.mesh), default data parallel over the devices that divide every
     phase's batch. With several processes, each feeds its own rows and process 0 writes `out`.
     """
     if recipe_name not in RECIPES:

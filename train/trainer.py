@@ -2,16 +2,16 @@
 
 A run is a pure function of its inputs: `batch_for_step(step)` must give the same batch for the
 same step, so that a run resumed from a checkpoint reaches the same parameters as one that never
-stopped. The mesh (`train.mesh`) has the axes "data", "fsdp" and "seq": batch rows are split over
+stopped. The mesh (`jaxkv.train.mesh`) has the axes "data", "fsdp" and "seq": batch rows are split over
 data and fsdp; every parameter's largest divisible axis is sharded over "fsdp" (or over "data"
 with `fsdp=True` and no "fsdp" axis), and the optimizer state follows. "seq" splits the batch's
 token axis (`train`'s `sequence_dim`; the loss keeps its activations split with
-`train.mesh.shard_tokens`) and is refused for losses without one. Other axes are refused.
+`jaxkv.train.mesh.shard_tokens`) and is refused for losses without one. Other axes are refused.
 
 Multi-host: call `jax.distributed.initialize()` (coordinator address, process count and id from
 the environment or arguments) before building the mesh; `make_mesh()` then spans every process's
 devices, and each process's `batch_for_step` returns its own share of the batch: the rows its
-devices hold (`train.mesh.process_share` cuts it from a global batch, tokens too with a seq
+devices hold (`jaxkv.train.mesh.process_share` cuts it from a global batch, tokens too with a seq
 axis), as many on every process and a multiple of its devices in the mesh. The global batch is
 built from the shares with `jax.make_array_from_process_local_data`; with one process the share
 is the whole batch.
@@ -37,8 +37,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from train import mesh as mesh_lib
-from train.mesh import DATA_AXIS, FSDP_AXIS, make_mesh  # noqa: F401  (re-exported)
+from jaxkv.train import mesh as mesh_lib
+from jaxkv.train.mesh import DATA_AXIS, FSDP_AXIS, make_mesh  # noqa: F401  (re-exported)
 
 Params = Any
 Batch = dict[str, np.ndarray]
@@ -287,7 +287,7 @@ def train(
     `sequence_dim`: the batch arrays' token axis, split over the mesh's "seq" axis (0: rows are
     tokens, split over seq as well as the batch axes); None refuses a "seq" axis. The loss must
     then average over tokens as on one device, and may keep its activations split over them
-    with `train.mesh.shard_tokens`.
+    with `jaxkv.train.mesh.shard_tokens`.
     Returns the final state and the logged metrics (also appended to `metrics_path` as JSON
     lines, by process 0). With several processes, `batch_for_step` gives this process's share.
     """

@@ -37,9 +37,9 @@ from jaxkv import attention as attention_ops
 from jaxkv import tasks
 from jaxkv.attention.dispatch import uses_kernels
 from jaxkv.gates import wgkv as gates_lib
-from models import ModelConfig, load_hf_checkpoint
-from models import layers as model_layers
-from models.decoder import (
+from jaxkv.models import ModelConfig, load_hf_checkpoint
+from jaxkv.models import layers as model_layers
+from jaxkv.models.decoder import (
     attention_input,
     attention_output_and_mlp,
     embed,
@@ -48,9 +48,9 @@ from models.decoder import (
     project_unrotated_keys_values,
     scan_layers,
 )
-from train import corpus as corpus_lib
-from train import mesh as mesh_lib
-from train import pretrain, trainer
+from jaxkv.train import corpus as corpus_lib
+from jaxkv.train import mesh as mesh_lib
+from jaxkv.train import pretrain, trainer
 
 PROMPT_PREFIX = b"Please analyze and summarize the following text:\n\n"
 BOS, EOS, PAD = pretrain.BOS, pretrain.EOS, pretrain.PAD
@@ -114,7 +114,7 @@ def decoder_hidden(
     With `gates` (the write-gate tree, leaves [L, ...]) attention is write-gated outside
     `band` and the gate values f32 [L, B, K, T] come back too; without, attention is full
     causal and the second result is None. With a `mesh` that has a "seq" axis, every layer's
-    input and output stay split over tokens (`train.mesh.shard_tokens`).
+    input and output stay split over tokens (`jaxkv.train.mesh.shard_tokens`).
     """
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     cos, sin = model_layers.rope_cos_sin(cfg, positions)

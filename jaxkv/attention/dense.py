@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
+from jaxkv import pallas_kernels
 from jaxkv.attention.dispatch import interpret, prefill_block, resolve_backend, uses_kernels
-from models import layers
+from jaxkv.models import layers
 
 
 def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:

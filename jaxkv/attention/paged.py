@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
+from jaxkv import pallas_kernels
 from jaxkv.attention.dense import grouped_scores, masked_attention
 from jaxkv.attention.dispatch import CHUNK_ROWS, interpret, uses_kernels
 

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
+from jaxkv import pallas_kernels
 from jaxkv.attention.dense import local_attention, merge_partials
 from jaxkv.attention.dispatch import interpret, prefill_block, uses_kernels
 from jaxkv.attention.paged import paged_attention
-from pallas_kernels.common import round_up
+from jaxkv.pallas_kernels.common import round_up
 
 # Score bias for a key the write gate did not admit, seen from outside the band: the kernel's
 # log-gate bias turned into a mask. Finite (with its log2(e) scaling it stays far from -inf), so

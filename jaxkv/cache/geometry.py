@@ -12,7 +12,7 @@ of requests compiles a bounded number of times, at a bounded cost in memory:
 
 from __future__ import annotations
 
-from pallas_kernels.common import next_power_of_two
+from jaxkv.pallas_kernels.common import next_power_of_two
 
 MIN_POOL_PAGES = 256
 MIN_TABLE_PAGES = 32

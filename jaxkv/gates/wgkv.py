@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.configs import Family, ModelConfig
+from jaxkv.models.configs import Family, ModelConfig
 
 GateParams = dict[str, jax.Array]
 

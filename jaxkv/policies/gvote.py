@@ -100,8 +100,8 @@ class GVote(base.Policy):
     def keep_mask(self, view: LayerView, cfg) -> jax.Array:
         """bool [B, K, S]: the union of the votes of one layer."""
         # models builds on jaxkv, so it is imported here rather than at module load.
-        from models.decoder import project_queries
-        from models.layers import rope_cos_sin
+        from jaxkv.models.decoder import project_queries
+        from jaxkv.models.layers import rope_cos_sin
 
         step_budget = nucleus_budget(view.window_probabilities()[:, :, 0], self.nucleus)  # [B, N]
         hidden = sample_hidden_states(view.key, view.input_mean, view.input_var, self.num_samples)

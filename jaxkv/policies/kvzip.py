@@ -30,9 +30,8 @@ from jaxkv import attention as attention_ops
 from jaxkv import sharding
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, rank_descending
-from jaxkv.policies.base import Budget, Policy, PrefillObservations, register
-from models import layers
-from models.decoder import (
+from jaxkv.models import layers
+from jaxkv.models.decoder import (
     attention_input,
     attention_output_and_mlp,
     embed,
@@ -40,6 +39,7 @@ from models.decoder import (
     project_queries,
     scan_layers,
 )
+from jaxkv.policies.base import Budget, Policy, PrefillObservations, register
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the previous context exactly, starting with"

@@ -197,8 +197,8 @@ def long_range_attention_mass(model, tokens, *, sinks: int, window: int) -> jax.
 
     tokens int32 [B, T] with T > sinks + window (no padding).
     """
-    from models.decoder import attention_inputs, attention_output_and_mlp, embed, scan_layers
-    from models.layers import rope_cos_sin
+    from jaxkv.models.decoder import attention_inputs, attention_output_and_mlp, embed, scan_layers
+    from jaxkv.models.layers import rope_cos_sin
 
     cfg, params = model.config, model.params
     t = tokens.shape[1]

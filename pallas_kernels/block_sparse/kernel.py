@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import MASK_VALUE, check_tile, dot, triton_params
+from jaxkv.pallas_kernels.common import MASK_VALUE, check_tile, dot, triton_params
 
 LOG2_E = 1.4426950408889634
 

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.block_sparse import kernel
-from pallas_kernels.block_sparse.block_lists import block_lists_from_mask
-from pallas_kernels.block_sparse.kernel import BlockSizes, Masking
-from pallas_kernels.common import check_tile, round_up
+from jaxkv.pallas_kernels.block_sparse import kernel
+from jaxkv.pallas_kernels.block_sparse.block_lists import block_lists_from_mask
+from jaxkv.pallas_kernels.block_sparse.kernel import BlockSizes, Masking
+from jaxkv.pallas_kernels.common import check_tile, round_up
 
 
 def block_sparse_attention(

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (
+from jaxkv.pallas_kernels.common import (
     MASK_VALUE,
     check_tile,
     dot,

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common import check_tile, round_up
-from pallas_kernels.paged_decode.kernel import BlockSizes, paged_decode_partials
+from jaxkv.pallas_kernels.common import check_tile, round_up
+from jaxkv.pallas_kernels.paged_decode.kernel import BlockSizes, paged_decode_partials
 
 
 class DecodeStats(NamedTuple):

@@ -4,7 +4,7 @@ import json
 
 import jax
 
-from benchmarks import kernels
+from jaxkv.benchmarks import kernels
 
 
 def test_kernel_benchmark_quick(tmp_path):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
+from jaxkv import pallas_kernels as pk
 from tests.pallas_kernels import brute_force
 
 SHAPES = [(64, 16, 16), (50, 16, 32), (77, 32, 16), (100, 64, 64)]  # (T, block_q, block_k)
@@ -72,7 +72,7 @@ def test_bad_windows():
 def test_unmasked_prefix_counts_the_leading_fully_visible_blocks(num_tokens, block_q, block_k):
     """The forward kernel skips masking for exactly the leading entries whose every key every
     row of the query block sees (causally and inside the sequence); unordered lists included."""
-    from pallas_kernels.block_sparse.kernel import unmasked_prefix
+    from jaxkv.pallas_kernels.block_sparse.kernel import unmasked_prefix
 
     rng = np.random.default_rng(num_tokens)
     nq, nk = -(-num_tokens // block_q), -(-num_tokens // block_k)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pallas_kernels as pk
+from jaxkv import pallas_kernels as pk
 from tests.pallas_kernels import brute_force
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
 from jaxkv import attention as jaxkv_attention
-from pallas_kernels.paged_decode import ops as paged_decode_ops
+from jaxkv import pallas_kernels as pk
+from jaxkv.pallas_kernels.paged_decode import ops as paged_decode_ops
 from tests.pallas_kernels import brute_force
 from tests.pallas_kernels.test_block_sparse import TOLERANCE, assert_close, assert_lse_close
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
-import pallas_kernels as pk
+from jaxkv import pallas_kernels as pk
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
