@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv import policies, tasks
+from jaxkv import bundled, policies, tasks
 from jaxkv.forward import forward_cached
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.models.decoder import forward, logits_from_hidden
@@ -43,7 +43,7 @@ from jaxkv.policies.base import DecodeContext, after_decode_step
 from jaxkv.policies.confkv import Ranking, confidence
 from jaxkv.train import corpus as corpus_lib
 
-REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
+REFERENCE_MODEL = bundled.REFERENCE_MODEL
 BOS, EOS, PAD = 256, 257, 258
 PAGE_SIZE = 16
 SEED = 20_000  # disjoint from training (< 10000) and the quality benchmark (10000+)

@@ -21,12 +21,12 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxkv import policies
+from jaxkv import bundled, policies
 from jaxkv.benchmarks import confkv as reader
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.train import corpus as corpus_lib
 
-REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
+REFERENCE_MODEL = bundled.REFERENCE_MODEL
 BLOCKS = (1, 8, 32)
 
 

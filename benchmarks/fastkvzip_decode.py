@@ -2,10 +2,10 @@
 
 Each held-out text's first `--prefix` bytes are prefilled (Fast KVzip evicts after every prefill
 chunk), then `--continuation` bytes are read token by token with every policy's decode hook after
-each token (`jaxkv.benchmarks.confkv.teacher_forced`): Fast KVzip gates each token as it is written and
-every 128 steps evicts back to its ratio of the current length (first 4 and newest 128 kept).
-H2O runs at the tokens per head Fast KVzip held on average (equal memory). Prints a table and
-writes JSON.
+each token (`jaxkv.benchmarks.confkv.teacher_forced`): Fast KVzip gates each token as it is
+written and every 128 steps evicts back to its ratio of the current length (first 4 and newest
+128 kept). H2O runs at the tokens per head Fast KVzip held on average (equal memory). Prints a
+table and writes JSON.
 
     PYTHONPATH=$PWD python -m jaxkv.benchmarks.fastkvzip_decode --out results/fastkvzip
 """

@@ -19,12 +19,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxkv import compress_prompt, policies
+from jaxkv import bundled, compress_prompt, policies
 from jaxkv.gates import fastkvzip as gate
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.train import corpus as corpus_lib
 
-ROOT = Path(__file__).resolve().parents[1]
 BOS = 256
 
 
@@ -44,8 +43,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
         prog="python -m jaxkv.benchmarks.fastkvzip_prefill", description=__doc__
     )
-    parser.add_argument("--model", type=Path, default=ROOT / "assets" / "reference-model")
-    parser.add_argument("--gates", type=Path, default=ROOT / "assets" / "fastkvzip-gates")
+    parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
+    parser.add_argument("--gates", type=Path, default=bundled.FASTKVZIP_GATES)
     parser.add_argument("--ratio", type=float, default=0.3)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=2)

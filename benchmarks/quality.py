@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 import jaxkv
-from jaxkv import policies, tasks
+from jaxkv import bundled, policies, tasks
 from jaxkv.forward import forward_cached
 from jaxkv.gates.wgkv import load_write_gates
 from jaxkv.generation import compress_prompt
@@ -41,7 +41,7 @@ from jaxkv.models import Model, load_hf_checkpoint
 from jaxkv.models.decoder import logits_from_hidden
 from jaxkv.train import corpus as corpus_lib
 
-REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
+REFERENCE_MODEL = bundled.REFERENCE_MODEL
 BOS, EOS, PAD = 256, 257, 258
 QA_TASKS = ("needle", "multikey", "multivalue", "vartrack")
 TASKS = (*QA_TASKS, "multiquestion", "bpb")
@@ -76,7 +76,7 @@ FAST = Sweep(
 
 
 # Policies with learned parameters and where their trained parameters live.
-FASTKVZIP_GATES = Path(__file__).resolve().parents[1] / "assets" / "fastkvzip-gates"
+FASTKVZIP_GATES = bundled.FASTKVZIP_GATES
 
 
 def _budget_argument(name: str) -> str | None:

@@ -60,6 +60,10 @@ from jaxkv.models.configs import dtype_from_name
 from jaxkv.models.decoder import param_shapes
 
 ROW_MARKER = "SYSTEM_ROW_JSON "
+# Rows and the device probe run as `python -m jaxkv.benchmarks.system` in a child process, from
+# the directory that holds the jaxkv package imported here (a checkout or site-packages), so the
+# child runs the same code.
+CHILD_CWD = Path(jaxkv.__file__).resolve().parents[1]
 GIB = 2**30
 MIB = 2**20
 DECODE_METHOD = (
@@ -422,8 +426,7 @@ def row_in_subprocess(argv: list[str], row: dict, limit: int, cfg, args) -> dict
     """Runs one row in a fresh Python process (`--one`) and parses its JSON line."""
     command = [sys.executable, "-m", "jaxkv.benchmarks.system", *argv, "--one", json.dumps(row)]
     command += ["--memory-limit-gib", str(limit / GIB)]
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=CHILD_CWD, capture_output=True, text=True)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(ROW_MARKER):
             return json.loads(line[len(ROW_MARKER) :])
@@ -636,9 +639,7 @@ def _environment(args, argv) -> dict:
         return probe(args)
     result = None
     command = [sys.executable, "-m", "jaxkv.benchmarks.system", *argv, "--probe"]
-    done = subprocess.run(
-        command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True
-    )
+    done = subprocess.run(command, cwd=CHILD_CWD, capture_output=True, text=True)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(ROW_MARKER):
             result = json.loads(line[len(ROW_MARKER) :])

@@ -12,7 +12,7 @@ For every gates file (one per lambda of the distillation), on `benchmarks/qualit
 The full cache is the reference row. Memory is measured per row, never assumed.
 
     python -m jaxkv.benchmarks.wgkv_quality --gates assets/wgkv-gates/*/gates.safetensors --out out/
-    python -m jaxkv.benchmarks.wgkv_quality --fast --out /tmp/wgkv   # random gates, the harness only
+    python -m jaxkv.benchmarks.wgkv_quality --fast --out /tmp/wgkv  # random gates, the harness only
 """
 
 from __future__ import annotations

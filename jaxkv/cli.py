@@ -11,13 +11,14 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+from jaxkv import bundled
+
 # The bundled reference model (docs/reference-model.md), trained by `jaxkv train pretrain`.
-DEFAULT_MODEL = str(ASSETS / "reference-model")
+DEFAULT_MODEL = str(bundled.REFERENCE_MODEL)
 # Trained gates for the reference model: WG-KV at lambda 0.08 (docs/wgkv.md), Fast KVzip.
 SHIPPED_GATES = {
-    "wgkv": ASSETS / "wgkv-gates" / "lambda-0.08",
-    "fastkvzip": ASSETS / "fastkvzip-gates",
+    "wgkv": bundled.WGKV_GATES / "lambda-0.08",
+    "fastkvzip": bundled.FASTKVZIP_GATES,
 }
 DEFAULT_PROMPT = (
     "def lookup(table, key):\n"

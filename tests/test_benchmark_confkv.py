@@ -1,20 +1,16 @@
 """The Conf-KV benchmark's teacher-forced reader runs the policy's decode hook as `generate`."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from jaxkv import policies
+from jaxkv import bundled, policies
 from jaxkv.benchmarks import confkv as bench
 from jaxkv.models import load_hf_checkpoint
-
-REFERENCE = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
 
 
 @pytest.fixture(scope="module")
 def model():
-    return load_hf_checkpoint(REFERENCE)
+    return load_hf_checkpoint(bundled.REFERENCE_MODEL)
 
 
 @pytest.mark.parametrize("evict_every", [1, 8])

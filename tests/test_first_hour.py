@@ -12,13 +12,11 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxkv
-from jaxkv import policies
+from jaxkv import bundled, policies
 from jaxkv.gates.wgkv import init_write_gates, load_write_gates, save_write_gates
 from jaxkv.models import byte_tokenizer, init_model, load_hf_checkpoint, save_hf_checkpoint
 from jaxkv.models.configs import preset
 from jaxkv.train import trainer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -103,8 +101,8 @@ def test_index_listing_a_missing_shard_names_it(tmp_path):
 
 
 def test_load_write_gates_accepts_the_shipped_directory():
-    cfg = load_hf_checkpoint(ROOT / "assets" / "reference-model").config
-    directory = ROOT / "assets" / "wgkv-gates" / "lambda-0.08"
+    cfg = load_hf_checkpoint(bundled.REFERENCE_MODEL).config
+    directory = bundled.WGKV_GATES / "lambda-0.08"
     from_directory = load_write_gates(directory, cfg)
     from_file = load_write_gates(directory / "gates.safetensors", cfg)
     for name, value in from_file.items():

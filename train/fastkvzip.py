@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxkv
 from jaxkv import attention as attention_ops
-from jaxkv import tasks
+from jaxkv import bundled, tasks
 from jaxkv.gates import fastkvzip as gate
 from jaxkv.models import Model, load_hf_checkpoint
 from jaxkv.models.decoder import (
@@ -57,7 +57,6 @@ from jaxkv.train import mesh as mesh_lib
 from jaxkv.train import trainer
 
 BOS = 256
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
 EPISODE_FRACTION = 0.5
 TRAIN_SEED, VALIDATION_SEED = 1, 2
 
@@ -183,7 +182,7 @@ def sgd_optimizer(steps: int, learning_rate: float, warmup: int):
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="jaxkv train fastkvzip", description=__doc__)
-    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--model", default=str(bundled.REFERENCE_MODEL))
     parser.add_argument("--targets", required=True, help=".npz of inputs/targets (built if absent)")
     parser.add_argument("--contexts", type=int, default=48, help="training contexts")
     parser.add_argument("--validation-contexts", type=int, default=8)

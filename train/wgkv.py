@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxkv import attention as attention_ops
-from jaxkv import tasks
+from jaxkv import bundled, tasks
 from jaxkv.attention.dispatch import uses_kernels
 from jaxkv.gates import wgkv as gates_lib
 from jaxkv.models import ModelConfig, load_hf_checkpoint
@@ -55,7 +55,6 @@ from jaxkv.train import pretrain, trainer
 PROMPT_PREFIX = b"Please analyze and summarize the following text:\n\n"
 BOS, EOS, PAD = pretrain.BOS, pretrain.EOS, pretrain.PAD
 ADMIT_THRESHOLD = 0.1  # tau: the inference policy admits tokens with g > tau
-REFERENCE_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
 MIN_EPISODE_SEQ_LEN = 512  # room for a multikey episode's five facts and question
 
 
@@ -341,7 +340,7 @@ def gate_train_config(steps: int, learning_rate: float = 1e-3, **overrides) -> t
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="jaxkv train wgkv", description=__doc__)
-    parser.add_argument("--model", type=Path, default=REFERENCE_MODEL_DIR)
+    parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
     parser.add_argument("--out", type=Path, required=True, help="directory for gates + run.json")
     parser.add_argument("--sparsity-weight", type=float, default=0.04, help="lambda")
     parser.add_argument("--band", type=int, default=256)
