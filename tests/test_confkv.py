@@ -79,7 +79,8 @@ def test_chunked_prefill_ema_equals_query_by_query(model):
 
 
 def _numpy_confidence(logits, a_e=4.0, a_m=1.0, a_t=4.0, a_0=-5.0):
-    """METHODS.md: c = sigmoid(a_e (1 - H/log V) + a_m (log p1 - log p2) + a_t p1 + a_0)."""
+    """c = sigmoid(a_e (1 - H/log V) + a_m (log p1 - log p2) + a_t p1 + a_0): docs/confkv.md,
+    "Method"."""
     log_p = logits - logits.max() - np.log(np.sum(np.exp(logits - logits.max())))
     p = np.exp(log_p)
     entropy = -np.sum(p * log_p)

@@ -23,7 +23,8 @@ def random_params(seed=0):
 
 
 def numpy_scores(p, h):
-    """METHODS.md's gate, written from its text, token by token and head by head in float64.
+    """The gate of Fast KVzip (arXiv:2601.17668; docs/fastkvzip.md, "Gate"), written from its
+    description, token by token and head by head in float64.
 
     h [C, D] -> [K, C]. For KV head k, query head j: q = RMSNorm_q(W_q h + b_q), key =
     RMSNorm_k(W_k h) (RMSNorm over D' = E, one weight, eps 1e-6); logit = q . key / sqrt(D') + b
