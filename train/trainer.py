@@ -3,10 +3,11 @@
 A run is a pure function of its inputs: `batch_for_step(step)` must give the same batch for the
 same step, so that a run resumed from a checkpoint reaches the same parameters as one that never
 stopped. The mesh (`jaxkv.train.mesh`) has the axes "data", "fsdp" and "seq": batch rows are
-split over data and fsdp; every parameter's largest divisible axis is sharded over "fsdp" (or over "data"
-with `fsdp=True` and no "fsdp" axis), and the optimizer state follows. "seq" splits the batch's
-token axis (`train`'s `sequence_dim`; the loss keeps its activations split with
-`jaxkv.train.mesh.shard_tokens`) and is refused for losses without one. Other axes are refused.
+split over data and fsdp; every parameter's largest divisible axis is sharded over "fsdp" (or
+over "data" with `fsdp=True` and no "fsdp" axis), and the optimizer state follows. "seq"
+splits the batch's token axis (`train`'s `sequence_dim`; the loss keeps its activations split
+with `jaxkv.train.mesh.shard_tokens`) and is refused for losses without one. Other axes are
+refused.
 
 Multi-host: call `jax.distributed.initialize()` (coordinator address, process count and id from
 the environment or arguments) before building the mesh; `make_mesh()` then spans every process's
