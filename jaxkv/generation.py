@@ -453,7 +453,7 @@ def _prefill_growing(model, request: _Request, key, policy_params, backend: str)
     span_kinds = ("model", "rows", "rows", "same", "same", "rows", "donate", "donate", "params")
     for index in range(prompts.num_chunks):
         kv.check()
-        free = int(np.min(kv.pool.allocator.num_free))
+        free = int(np.min(sharding.to_host(kv.pool.allocator.num_free)))
         if free < chunk_need:
             in_use = kv.pool.num_pages - free
             wanted = max(2 * kv.pool.num_pages, in_use + chunk_need)
@@ -858,7 +858,7 @@ def _output(
         per_row, summed = np.asarray, np.asarray
     else:
         per_row, summed = placement.join_rows, placement.sum_shards
-    steps = int(np.max(state.step))
+    steps = int(np.max(sharding.to_host(state.step)))
     tokens = per_row(state.tokens)[:, :max_new_tokens]
     is_stop = np.isin(tokens, np.asarray(stop_tokens, np.int32))
     num_tokens = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, steps)
@@ -871,7 +871,7 @@ def _output(
         memory_bytes += tier.channel_scale_bytes
     confidence = None
     if state.confidence is not None:
-        confidence = per_row(np.swapaxes(state.confidence, -1, -2)).T[:steps]
+        confidence = per_row(jnp.swapaxes(state.confidence, -1, -2)).T[:steps]
     return GenerateOutput(
         tokens=tokens,
         num_tokens=num_tokens.astype(np.int32),

@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxkv.models.configs import ModelConfig
@@ -156,6 +157,15 @@ def all_shards(flag: jax.Array) -> jax.Array:
 # --- the mesh and what lives on it ----------------------------------------------------------
 
 
+def to_host(x) -> np.ndarray:
+    """x on the host, whole: with several processes an array spread over their devices is
+    gathered from all of them (every process must call this); small values only."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+
 def make_inference_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
     """A (data, model) mesh over the first data * model devices (Auto axes)."""
     for name, size in (("data", data), ("model", model)):
@@ -250,14 +260,14 @@ class InferenceMesh:
 
     def join_rows(self, stacked) -> np.ndarray:
         """[S, B/d, ...] -> [B, ...] (host): the rows of model shard 0 of each data shard."""
-        stacked = np.asarray(stacked)
+        stacked = to_host(stacked)
         return stacked[:: self.model].reshape(-1, *stacked.shape[2:])
 
     def unshard(self, stacked, row_axis: int, head_axis: int | None = None) -> np.ndarray:
         """Per-device arrays stacked [S, ...] -> the whole request's array (host): the devices'
         rows joined on `row_axis` and KV heads on `head_axis` (axes of one device's array;
         None: replicated over "model", model shard 0's is taken)."""
-        x = np.asarray(stacked)
+        x = to_host(stacked)
         x = x.reshape(self.data, self.model, *x.shape[1:])
         if head_axis is None:
             return np.concatenate(list(x[:, 0]), axis=row_axis)
@@ -266,7 +276,7 @@ class InferenceMesh:
 
     def sum_shards(self, stacked) -> np.ndarray:
         """[S, ...] -> [...] (host): the sum over every shard (pages, bytes)."""
-        return np.asarray(stacked).sum(axis=0)
+        return to_host(stacked).sum(axis=0)
 
     def param_specs(self, params: Any, axes: Any) -> Any:
         """PartitionSpecs of `params` from their logical axes (`axes`: the same tree with a
@@ -284,8 +294,11 @@ class InferenceMesh:
         return dataclasses.replace(model, params=self.param_specs(model.params, params_axes))
 
     def place(self, tree: Any, specs: Any) -> Any:
-        """`tree` put on the mesh by `specs` (a PartitionSpec tree of the same structure)."""
+        """`tree` put on the mesh by `specs` (a PartitionSpec tree of the same structure). With
+        several processes every one passes the same values, from the host."""
         shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
+        if jax.process_count() > 1:
+            tree = jax.tree.map(to_host, tree)
         return jax.device_put(tree, shardings)
 
     def run(

@@ -1,5 +1,7 @@
-"""Multi-process training: 2 processes on localhost (CPU devices, gloo collectives), each feeding
-its own half of the batch, reach the losses and gates of one process fed the whole batch.
+"""Multi-process training and inference: 2 processes on localhost (CPU devices, gloo
+collectives). In training, each feeds its own half of the batch and they reach the losses and
+gates of one process fed the whole batch; in inference, sharded `generate` on a (data=2, model=2)
+mesh spanning both (rows across the processes, KV heads inside each) gives one device's tokens.
 
 The test starts this file as a script, once per process (`python tests/test_multihost.py
 worker ID PORT OUT`): each process gets 2 CPU devices, so the mesh spans 4 devices over 2
@@ -56,6 +58,34 @@ def _train(mesh) -> dict[str, np.ndarray]:
     return out
 
 
+def _generate(mesh=None) -> dict[str, np.ndarray]:
+    """Greedy tokens and pages of the full cache and of AdaKV (whose layer-wide selection
+    gathers every device's scores) on four prompts of `tests.test_sharding`."""
+    import jaxkv
+    from jaxkv import policies
+    from jaxkv.models import init_model
+    from tests.test_sharding import CONFIG, sharded_test_prompts
+
+    model = init_model(CONFIG, seed=1, scale=0.3)
+    runs = {
+        "full": policies.get("full"),
+        "adakv": policies.get("adakv", budget=0.3, inner=policies.get("snapkv", window=8)),
+    }
+    out = {}
+    for name, policy in runs.items():
+        result = jaxkv.generate(
+            model,
+            sharded_test_prompts()[:4],
+            max_new_tokens=6,
+            policy=policy,
+            stop_tokens=[],
+            mesh=mesh,
+        )
+        out[f"tokens_{name}"] = result.tokens
+        out[f"pages_{name}"] = result.pages_in_use
+    return out
+
+
 def worker(process_id: int, port: int, out: str) -> None:
     import jax
 
@@ -70,6 +100,10 @@ def worker(process_id: int, port: int, out: str) -> None:
     for name, sizes in MESHES.items():
         for key, value in _train(mesh_lib.mesh_from_sizes(sizes)).items():
             results[f"{name}/{key}"] = value
+    from jaxkv import sharding
+
+    for key, value in _generate(sharding.make_inference_mesh(data=2, model=2)).items():
+        results[f"generate/{key}"] = value
     np.savez(out, **results)
     jax.distributed.shutdown()
 
@@ -106,6 +140,7 @@ def test_two_processes_feeding_halves_match_one_process_on_the_whole_batch(tmp_p
     # One process, the same 4-device meshes (its first 4 devices), fed the whole batch (while
     # the workers run).
     expected = {name: _train(mesh_lib.mesh_from_sizes(sizes)) for name, sizes in MESHES.items()}
+    one_device = _generate()
     for process in workers:
         try:
             output, _ = process.communicate(timeout=240)
@@ -122,6 +157,8 @@ def test_two_processes_feeding_halves_match_one_process_on_the_whole_batch(tmp_p
                 np.testing.assert_allclose(
                     got[f"{name}/{key}"], value, rtol=1e-5, atol=1e-7, err_msg=f"{i} {name} {key}"
                 )
+        for key, value in one_device.items():
+            np.testing.assert_array_equal(got[f"generate/{key}"], value, err_msg=f"{i} {key}")
     # The gates moved: the comparison is not of two untouched initialisations.
     from jaxkv.gates import wgkv as gates_lib
     from tests.test_wgkv_training import CONFIG

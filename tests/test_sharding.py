@@ -29,11 +29,16 @@ def model():
     return init_model(CONFIG, seed=1, scale=0.3)
 
 
-@pytest.fixture(scope="module")
-def prompts():
+def sharded_test_prompts() -> list[list[int]]:
+    """Eight prompts of different lengths (also the multi-process test's)."""
     rng = np.random.default_rng(0)
     lengths = [160, 131, 150, 97, 144, 120, 158, 101]
     return [list(rng.integers(0, CONFIG.vocab_size, n)) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return sharded_test_prompts()
 
 
 def _mesh(data: int, model_shards: int) -> sharding.InferenceMesh:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.geometry import pool_pages_bucket, table_pages_bucket
 from jaxkv.cache.state import KVState, PagePool
+from jaxkv.sharding import to_host
 
 
 def _repack_pool(pool: PagePool, table, lengths, num_pages: int, max_pages: int):
@@ -132,7 +132,7 @@ def decode_geometry(
     A mesh's per-device states stacked [S, ...] (`jaxkv.sharding`) get the geometry of the
     fullest device; tokens_bound is then [S, B/d], each device's rows.
     """
-    lengths = _per_device(jax.device_get(kv.full_precision_lengths()))
+    lengths = _per_device(to_host(kv.full_precision_lengths()))
     bounds = [None] * len(lengths)
     if tokens_bound is not None:
         bounds = np.reshape(tokens_bound, (len(lengths), -1))
@@ -170,7 +170,7 @@ def int8_decode_geometry(kv: KVState, max_new_tokens: int) -> tuple[int, int]:
     """(num_pages, max_pages) of the int8 tier for `max_new_tokens` more steps (host side; of
     the fullest device for stacked states, as `decode_geometry`)."""
     tier = kv.pool.int8
-    full, held = jax.device_get((kv.full_precision_lengths(), tier.lengths))
+    full, held = to_host(kv.full_precision_lengths()), to_host(tier.lengths)
     grown = held + np.maximum(full + max(max_new_tokens - 1, 0) - tier.window, 0)
     return _largest(
         _bucketed_geometry(device, tier.pool.page_size) for device in _per_device(grown)

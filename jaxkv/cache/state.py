@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.slots import merge_slots, slot_view
+from jaxkv.sharding import to_host
 
 
 @flax.struct.dataclass
@@ -134,7 +135,7 @@ class Int8Tier:
 
     def memory_bytes(self) -> int:
         """Host-side int: int8 pages held (values, token scales, metadata) + channel scales."""
-        pages = int(np.sum(self.pages_in_use()))
+        pages = int(np.sum(to_host(self.pages_in_use())))
         return pages * self.pool.page_bytes + self.channel_scale_bytes
 
     def merged_view(self, field: str, newer: jax.Array, layer: int | None, empty) -> jax.Array:
@@ -300,7 +301,7 @@ class KVState:
     def memory_bytes(self) -> int:
         """Bytes really held: the pages in use (keys, values, scales and per-token metadata, in
         both tiers) and the local ring; host-side int (all devices' for stacked states)."""
-        held = int(np.sum(self.pages_in_use())) * self.pool.page_bytes + self.ring_bytes
+        held = int(np.sum(to_host(self.pages_in_use()))) * self.pool.page_bytes + self.ring_bytes
         return held if self.pool.int8 is None else held + self.pool.int8.memory_bytes()
 
     def _per_slot(self, field: str, layer: int | None, empty) -> jax.Array:
@@ -338,7 +339,7 @@ class KVState:
 
     def check(self) -> None:
         """Raises on the host if a write ran out of pages (call after a jitted step)."""
-        if np.any(self.pool.overflow):
+        if np.any(to_host(self.pool.overflow)):
             raise PoolExhaustedError(
                 f"the KV page pool (num_pages={self.pool.num_pages}, page_size="
                 f"{self.pool.page_size}) ran out of pages; the write was not performed. "
