@@ -650,7 +650,7 @@ def _set_up(
     kv_dtype,
     backend: str,
     policy_params,
-    mesh,
+    mesh=None,
 ) -> _Request:
     """Checks everything on the host (before compiling) and creates the prefill state, with
     room for `reserve_tokens` written after each prompt and `positions_after_prompt` more

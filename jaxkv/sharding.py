@@ -374,6 +374,8 @@ def _sharded_program(fn, kinds, statics, inference_mesh: InferenceMesh, policy):
             check_vma=False,
         )(*args)
 
+    # Named after fn, so that profiles and HLO dumps say which program this is.
+    program.__name__ = f"sharded_{getattr(fn, '__name__', 'program')}"
     return jax.jit(program, donate_argnums=donate)
 
 
