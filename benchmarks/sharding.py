@@ -35,7 +35,13 @@ from pathlib import Path
 
 ROW_MARKER = "SHARDING_ROW_JSON "
 CHILD_CWD = Path(__file__).resolve().parents[2]  # the directory that holds the jaxkv package
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVE_KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)
 _COLLECTIVE = re.compile(
     r"= (\w+)\[([\d,]*)\][^=]*? (" + "|".join(COLLECTIVE_KINDS) + r")(?:-start)?\("
 )
@@ -100,7 +106,9 @@ def _collective(line: str) -> tuple[str, int] | None:
     return (match.group(1), 0) if match else None
 
 
-def count_collectives(computations, name: str, memo=None) -> tuple[collections.Counter, collections.Counter]:
+def count_collectives(
+    computations, name: str, memo=None
+) -> tuple[collections.Counter, collections.Counter]:
     """(collectives run every time `name` runs, those inside its conditionals' branches (the
     most of any branch)), as Counters of (kind) and ("kind elements"), loops multiplied by their
     known trip counts."""
@@ -260,9 +268,9 @@ def markdown(report: dict) -> str:
             continue
         step = row["collectives"]["per_step"]
         evict = row["collectives"]["eviction_branch"]
-        evict_text = ", ".join(
-            f"{evict[k]} {k}" for k in COLLECTIVE_KINDS if evict.get(k)
-        ) or "none"
+        evict_text = (
+            ", ".join(f"{evict[k]} {k}" for k in COLLECTIVE_KINDS if evict.get(k)) or "none"
+        )
         per_device = row["kv_bytes_per_device"]
         lines.append(
             f"| {row['policy']} | {row['tokens_equal']} | {min(per_device):,}..{max(per_device):,} "
@@ -273,7 +281,9 @@ def markdown(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxkv bench sharding", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="jaxkv bench sharding", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model", default=DEFAULTS["model"], help="built-in shape")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--context", type=int, default=DEFAULTS["context"])

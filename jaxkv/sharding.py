@@ -165,7 +165,6 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-
 def make_inference_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
     """A (data, model) mesh over the first data * model devices (Auto axes)."""
     for name, size in (("data", data), ("model", model)):
