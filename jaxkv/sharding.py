@@ -29,7 +29,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,9 +72,6 @@ def logical_spec(axes: Sequence[str | None]) -> PartitionSpec:
 
 # --- collectives that are identities on one device ------------------------------------------
 
-_MODEL_AXIS_IN_USE: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "jaxkv_model_axis_in_use", default=False
-)
 _IN_SHARDED_PROGRAM: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "jaxkv_in_sharded_program", default=False
 )
@@ -83,24 +79,24 @@ _IN_SHARDED_PROGRAM: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def _tracing_on_mesh():
-    """Marks the code traced inside as one device's share of a sharded program."""
-    tokens = (_IN_SHARDED_PROGRAM.set(True), _MODEL_AXIS_IN_USE.set(True))
+    """Marks the code traced inside as one device's share of a sharded program (read at trace
+    time: `_sharded_program` traces the raw functions, never a jitted one cached outside)."""
+    token = _IN_SHARDED_PROGRAM.set(True)
     try:
         yield
     finally:
-        _MODEL_AXIS_IN_USE.reset(tokens[1])
-        _IN_SHARDED_PROGRAM.reset(tokens[0])
+        _IN_SHARDED_PROGRAM.reset(token)
 
 
 def head_shards() -> int:
     """How many devices share a layer's KV heads (1 outside a sharded program)."""
-    return jax.lax.axis_size(MODEL_AXIS) if _MODEL_AXIS_IN_USE.get() else 1
+    return jax.lax.axis_size(MODEL_AXIS) if _IN_SHARDED_PROGRAM.get() else 1
 
 
 def reduce_partial_sums(x: jax.Array) -> jax.Array:
     """Sums a tensor-parallel partial product (over a device's heads or MLP columns) over the
     model axis; x itself on one device."""
-    return jax.lax.psum(x, MODEL_AXIS) if _MODEL_AXIS_IN_USE.get() else x
+    return jax.lax.psum(x, MODEL_AXIS) if _IN_SHARDED_PROGRAM.get() else x
 
 
 def sum_heads(x: jax.Array) -> jax.Array:
@@ -110,7 +106,7 @@ def sum_heads(x: jax.Array) -> jax.Array:
 
 def gather_heads(tree: Any, axis: int) -> Any:
     """Every KV head's values of each leaf (its KV-head axis `axis`), in head order."""
-    if not _MODEL_AXIS_IN_USE.get():
+    if not _IN_SHARDED_PROGRAM.get():
         return tree
     return jax.tree.map(lambda x: jax.lax.all_gather(x, MODEL_AXIS, axis=axis, tiled=True), tree)
 
@@ -378,18 +374,8 @@ def _sharded_program(fn, kinds, statics, inference_mesh: InferenceMesh, policy):
     return jax.jit(program, donate_argnums=donate)
 
 
-def shard_sizes(inference_mesh: InferenceMesh | None) -> tuple[int, int]:
-    """(data, model) devices; (1, 1) on one device."""
-    if inference_mesh is None:
-        return 1, 1
-    return inference_mesh.data, inference_mesh.model
-
-
 def as_inference_mesh(mesh: Mesh | InferenceMesh | None) -> InferenceMesh | None:
     if mesh is None or isinstance(mesh, InferenceMesh):
         return mesh
     return InferenceMesh(mesh)
 
-
-def total_devices(mesh: InferenceMesh | None) -> int:
-    return 1 if mesh is None else math.prod(mesh.mesh.shape.values())
