@@ -115,6 +115,19 @@ def test_policy_tokens_equal_one_device_on_a_2x4_mesh(model, prompts, name):
     assert one.pages_in_use[-1] < _run("full", model, prompts).pages_in_use[-1]
 
 
+def test_int8_storage_tokens_and_bytes_equal_one_device(model, prompts):
+    policy = policies.get(
+        "h2o", budget=0.5, evict_every=4, storage="int8", full_precision_window=32
+    )
+    kwargs = dict(max_new_tokens=NEW_TOKENS, policy=policy, stop_tokens=[])
+    one = jaxkv.generate(model, prompts[:4], **kwargs)
+    sharded = jaxkv.generate(model, prompts[:4], mesh=_mesh(2, 2).mesh, **kwargs)
+    np.testing.assert_array_equal(sharded.tokens, one.tokens)
+    np.testing.assert_array_equal(sharded.int8_pages_in_use, one.int8_pages_in_use)
+    assert one.int8_pages_in_use[-1] > 0
+    np.testing.assert_array_equal(sharded.memory_bytes, one.memory_bytes)
+
+
 def _kept_positions(state, mesh=None):
     """int32 [L, B, K, S] sorted kept positions of every head (the whole request's)."""
     if mesh is None:
