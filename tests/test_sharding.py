@@ -202,3 +202,9 @@ def test_bad_meshes_are_named_errors():
         sharding.make_inference_mesh(4, 4)
     with pytest.raises(ValueError, match="model=0"):
         sharding.make_inference_mesh(1, 0)
+
+
+def test_a_stacked_state_refuses_single_device_views(model, prompts):
+    sharded = jaxkv.compress_prompt(model, prompts[:2], mesh=_mesh(1, 2).mesh)
+    with pytest.raises(ValueError, match="per-device states stacked"):
+        sharded.positions()

@@ -306,6 +306,13 @@ class KVState:
 
     def _per_slot(self, field: str, layer: int | None, empty) -> jax.Array:
         """A page-aligned pool field [P, p] viewed per head slot, `empty` past each length."""
+        if self.page_table.ndim != 4:
+            raise ValueError(
+                f"this KV state has page tables of shape {self.page_table.shape}: a mesh's "
+                "per-device states stacked [S, ...] (`jaxkv.sharding`); view one device's with "
+                "jax.vmap (e.g. jax.vmap(lambda kv: kv.positions())(state)) and join them with "
+                "InferenceMesh.unshard"
+            )
         table = self.page_table if layer is None else self.page_table[layer]
         lengths = self.full_precision_lengths()
         lengths = lengths if layer is None else lengths[layer]
