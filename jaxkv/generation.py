@@ -635,6 +635,8 @@ class _Request:
     kv: KVState  # on a mesh: every device's, stacked [S, ...]
     grows: bool  # the prefill pool starts at the policy's guess and grows as it fills
     placement: InferenceMesh | None  # the mesh, or None on one device
+    model: Model  # on a mesh: its parameters placed once, split by the rules table
+    policy_params: object  # likewise
 
 
 def _set_up(
@@ -682,6 +684,9 @@ def _set_up(
         placement,
     )
     grows = num_pages is None and policy.prefill_pool_grows
+    if placement is not None:
+        model = placement.place(model, placement.model_specs(model))
+        policy_params = placement.place_policy_params(policy, policy_params)
     return _Request(
         policy=policy,
         prompts=prompts,
@@ -689,6 +694,8 @@ def _set_up(
         kv=kv,
         grows=grows,
         placement=placement,
+        model=model,
+        policy_params=policy_params,
     )
 
 
@@ -822,6 +829,7 @@ def generate(
         mesh=mesh,
     )
     policy, placement = request.policy, request.placement
+    model, policy_params = request.model, request.policy_params
     policy_key, key = jax.random.split(key)
     kv, last_hidden = _run_prefill(model, request, policy_key, policy_params, backend)
     kv = _to_decode_geometry(kv, policy, request, max_new_tokens, num_pages)
@@ -922,5 +930,5 @@ def compress_prompt(
         mesh=mesh,
     )
     key = jax.random.PRNGKey(0) if key is None else key
-    kv, _ = _run_prefill(model, request, key, policy_params, backend)
+    kv, _ = _run_prefill(request.model, request, key, request.policy_params, backend)
     return kv

@@ -288,6 +288,12 @@ class InferenceMesh:
         }
         return dataclasses.replace(model, params=self.param_specs(model.params, params_axes))
 
+    def place_policy_params(self, policy, params: Any) -> Any:
+        """The policy's parameters split by `policy.param_axes` (None stays None)."""
+        if params is None:
+            return None
+        return self.place(params, self.param_specs(params, policy.param_axes(params)))
+
     def place(self, tree: Any, specs: Any) -> Any:
         """`tree` put on the mesh by `specs` (a PartitionSpec tree of the same structure). With
         several processes every one passes the same values, from the host."""
@@ -321,10 +327,10 @@ class InferenceMesh:
         for kind, arg in zip(kinds, args, strict=True):
             if kind == "rows":
                 arg = self.split_rows(arg)
-            elif kind == "model":
+            elif kind == "model":  # a no-op when already placed (`generate` places it once)
                 arg = self.place(arg, self.model_specs(arg))
-            elif kind == "params" and arg is not None:
-                arg = self.place(arg, self.param_specs(arg, policy.param_axes(arg)))
+            elif kind == "params":
+                arg = self.place_policy_params(policy, arg)
             placed.append(arg)
         program = _sharded_program(fn, kinds, tuple(sorted(statics.items())), self, policy)
         return program(*placed)
