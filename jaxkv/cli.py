@@ -251,6 +251,11 @@ def _generate(args) -> int:
 
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     policy = build_policy(args)
+    cache = jaxkv.CacheConfig(
+        page_size=args.page_size,
+        storage=args.storage,
+        full_precision_window=args.full_precision_window,
+    )
     model, tokenizer = _load(args.model, args.dtype, args.seed)
     prompt_ids = tokenizer.encode(args.prompt)
     params, params_source = policy_params(args, policy, model, prompt_ids)
@@ -264,7 +269,7 @@ def _generate(args) -> int:
         key=jax.random.PRNGKey(args.seed),
         stop_tokens=stop,
         pad_id=tokenizer.pad_id,
-        page_size=args.page_size,
+        cache=cache,
         backend=args.backend,
         policy_params=params,
     )
@@ -275,6 +280,7 @@ def _generate(args) -> int:
         "budget": args.budget,
         "policy_args": args.policy_arg,
         "policy_params": params_source,
+        "storage": args.storage,
         "backend": args.backend,
         "prompt_tokens": len(prompt_ids),
         "generated_tokens": n,
@@ -341,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="set any field of the policy, e.g. window=32, tau=0.2, storage=int8 (repeatable)",
+        help="set any field of the policy, e.g. window=32, tau=0.2 (repeatable)",
     )
     gen.add_argument(
         "--gates",
@@ -363,6 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--page-size", type=int, default=16)
+    gen.add_argument(
+        "--storage",
+        default="model",
+        choices=("model", "int8"),
+        help="cache storage: every token in the kv dtype (model), or older tokens in int8",
+    )
+    gen.add_argument(
+        "--full-precision-window",
+        type=int,
+        default=128,
+        help="with --storage int8: the newest tokens per head kept in the kv dtype",
+    )
     gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     gen.add_argument(
         "--backend",

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import sharding
-from jaxkv.attention import resolve_backend
+from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import KVState, decode_geometry, int8_decode_geometry, repack
+from jaxkv.cache.config import CacheConfig
 from jaxkv.cache.geometry import decode_steps_bucket, pool_pages_bucket, table_pages_bucket
-from jaxkv.cache.int8 import check_dtype, start_int8
+from jaxkv.cache.int8 import start_int8
 from jaxkv.cache.repack import grow
 from jaxkv.forward import combine_moments, forward_cached
 from jaxkv.models.configs import ModelConfig
@@ -26,7 +27,6 @@ from jaxkv.policies.base import DecodeContext, PrefillObservations, after_decode
 from jaxkv.sampling import Sampler
 from jaxkv.sharding import InferenceMesh
 
-DEFAULT_PAGE_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 512
 # Chunks shorter than this are not bucketed further (a prompt's chunk is a power of two >= it).
 MIN_PREFILL_CHUNK = 16
@@ -174,22 +174,6 @@ def _full_cache_pages(
     return int(cfg.num_layers * cfg.num_kv_heads * per_head.sum())
 
 
-def _kv_dtype(model: Model, kv_dtype):
-    """The cache's float dtype (the model's by default); int8 is a storage option."""
-    if kv_dtype is None:
-        return model.dtype
-    try:
-        dtype = jnp.dtype(kv_dtype)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
-            f"kv_dtype={kv_dtype!r}: the cache stores keys and values in a float dtype "
-            "(float32, bfloat16, float16); for an int8 cache give the policy storage='int8'"
-        )
-    return dtype
-
-
 def _device_shares(
     model: Model, lengths: np.ndarray, placement: InferenceMesh | None
 ) -> list[tuple[ModelConfig, np.ndarray]]:
@@ -207,15 +191,12 @@ def _create_state(
     reserve_tokens: int,
     positions_after_prompt: int,
     policy: Policy,
-    page_size: int,
-    num_pages: int | None,
-    kv_dtype,
+    cache: CacheConfig,
     placement: InferenceMesh | None,
 ) -> KVState:
     """The empty prefill state (on a mesh: each device's, stacked); `num_pages` is per device."""
     cfg = model.config
-    if page_size <= 0 or page_size & (page_size - 1):
-        raise ValueError(f"page_size={page_size} must be a positive power of two")
+    page_size, num_pages = cache.page_size, cache.num_pages
     longest = int(prompts.lengths.max())
     if longest + positions_after_prompt > cfg.max_position_embeddings:
         raise ValueError(
@@ -223,9 +204,7 @@ def _create_state(
             f"{longest + positions_after_prompt} exceeds the model's "
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
-    dtype = _kv_dtype(model, kv_dtype)
-    if policy.int8_window is not None:
-        check_dtype(dtype)
+    dtype = cache.dtype_for(model.dtype)
     shares = _device_shares(model, prompts.lengths, placement)
     full_need = max(
         _full_cache_pages(local_cfg, lengths, reserve_tokens, page_size)
@@ -365,9 +344,11 @@ def _prefill_span(
     return jax.lax.fori_loop(first_chunk, end_chunk, step, (kv, carry))
 
 
-def _compress(model, tokens, lengths, budget_tokens, kv, carry: _PrefillCarry, key, *, policy):
-    """The policy's compression from what prefill observed, then (with int8 storage) every
-    head's tokens but the newest `full_precision_window` move to int8.
+def _compress(
+    model, tokens, lengths, budget_tokens, kv, carry: _PrefillCarry, key, *, policy, int8_window
+):
+    """The policy's compression from what prefill observed, then (with int8 storage, window
+    `int8_window` not None) every head's tokens but the newest `int8_window` move to int8.
     Returns (kv, last_hidden)."""
     mean = var = None
     if carry.moments is not None:
@@ -383,12 +364,14 @@ def _compress(model, tokens, lengths, budget_tokens, kv, carry: _PrefillCarry, k
         prompt_tokens=tokens if policy.needs_prompt_tokens else None,
     )
     kv = policy.compress(kv, obs, model)
-    if policy.int8_window is not None:
-        kv = start_int8(kv, policy.int8_window)
+    if int8_window is not None:
+        kv = start_int8(kv, int8_window)
     return kv, carry.last_hidden
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv",))
+@functools.partial(
+    jax.jit, static_argnames=("chunk", "policy", "int8_window", "backend"), donate_argnames=("kv",)
+)
 def _prefill_compressed(
     model,
     tokens,
@@ -401,6 +384,7 @@ def _prefill_compressed(
     *,
     chunk,
     policy,
+    int8_window,
     backend,
 ):
     """Chunked prefill of every chunk, then `_compress`; donates `kv`."""
@@ -419,14 +403,26 @@ def _prefill_compressed(
         policy=policy,
         backend=backend,
     )
-    return _compress(model, tokens, lengths, budget_tokens, kv, carry, key, policy=policy)
+    return _compress(
+        model,
+        tokens,
+        lengths,
+        budget_tokens,
+        kv,
+        carry,
+        key,
+        policy=policy,
+        int8_window=int8_window,
+    )
 
 
 # The growing path (`Policy.prefill_pool_grows`): one chunk per call, the pool checked between.
 _prefill_span_jit = jax.jit(
     _prefill_span, static_argnames=("chunk", "policy", "backend"), donate_argnames=("kv", "carry")
 )
-_compress_jit = jax.jit(_compress, static_argnames=("policy",), donate_argnames=("kv",))
+_compress_jit = jax.jit(
+    _compress, static_argnames=("policy", "int8_window"), donate_argnames=("kv",)
+)
 _grow_jit = jax.jit(grow, static_argnames=("num_pages",))
 _empty_carry_jit = jax.jit(_empty_carry, static_argnames=("batch", "policy"))
 
@@ -487,6 +483,7 @@ def _prefill_growing(model, request: _Request, key, policy_params, backend: str)
         carry,
         key,
         policy=policy,
+        int8_window=request.cache.int8_window,
     )
 
 
@@ -630,6 +627,7 @@ class _Request:
     """A validated request, set up the same way for `generate` and `compress_prompt`."""
 
     policy: Policy
+    cache: CacheConfig
     prompts: _Prompts
     budget_tokens: np.ndarray
     kv: KVState  # on a mesh: every device's, stacked [S, ...]
@@ -646,10 +644,8 @@ def _set_up(
     *,
     reserve_tokens: int,
     positions_after_prompt: int,
-    page_size: int,
-    num_pages: int | None,
+    cache: CacheConfig | None,
     prefill_chunk: int | None,
-    kv_dtype,
     backend: str,
     policy_params,
     mesh=None,
@@ -662,6 +658,11 @@ def _set_up(
     policy = FullCache() if policy is None else policy
     if not isinstance(policy, Policy):
         raise ValueError(f"policy={policy!r} must be a jaxkv.policies.Policy (policies.get(name))")
+    cache = CacheConfig() if cache is None else cache
+    if not isinstance(cache, CacheConfig):
+        raise ValueError(f"cache={cache!r} must be a jaxkv.CacheConfig")
+    if cache.int8_window is not None and policy.selects_pages:
+        raise ValueError(f"policy {policy.name!r} selects pages, which int8 storage does not do")
     policy.check_params(policy_params, model.config)
     prompt_lists = _prompt_lists(prompt_ids)
     lengths = _prompt_lengths(model, prompt_lists)
@@ -678,17 +679,16 @@ def _set_up(
         reserve_tokens,
         positions_after_prompt,
         policy,
-        page_size,
-        num_pages,
-        kv_dtype,
+        cache,
         placement,
     )
-    grows = num_pages is None and policy.prefill_pool_grows
+    grows = cache.num_pages is None and policy.prefill_pool_grows
     if placement is not None:
         model = placement.place(model, placement.model_specs(model))
         policy_params = placement.place_policy_params(policy, policy_params)
     return _Request(
         policy=policy,
+        cache=cache,
         prompts=prompts,
         budget_tokens=budget_tokens,
         kv=kv,
@@ -719,6 +719,7 @@ def _run_prefill(model, request: _Request, key, policy_params, backend: str):
         policy_params,
         chunk=prompts.chunk,
         policy=request.policy.static(),
+        int8_window=request.cache.int8_window,
         backend=backend,
     )
     kv.check()
@@ -726,7 +727,7 @@ def _run_prefill(model, request: _Request, key, policy_params, backend: str):
 
 
 def _to_decode_geometry(
-    kv: KVState, policy: Policy, request: _Request, max_new_tokens: int, num_pages: int | None
+    kv: KVState, policy: Policy, request: _Request, max_new_tokens: int
 ) -> KVState:
     """The compressed state in a pool sized for what it holds and will hold during decode
     (bounded by the policy's budget where it evicts); the same state when that is its size."""
@@ -742,8 +743,8 @@ def _to_decode_geometry(
     int8_geometry = None
     if kv.pool.int8 is not None:
         int8_geometry = int8_decode_geometry(kv, max_new_tokens)
-    if num_pages is not None:
-        decode_pages = min(decode_pages, num_pages)
+    if request.cache.num_pages is not None:
+        decode_pages = min(decode_pages, request.cache.num_pages)
     if int8_geometry is None and (decode_pages, max_pages) == (
         kv.pool.num_pages,
         kv.page_table.shape[-1],
@@ -770,11 +771,9 @@ def generate(
     key: jax.Array | None = None,
     stop_tokens: Sequence[int] | None = None,
     pad_id: int = 0,
-    page_size: int = DEFAULT_PAGE_SIZE,
-    num_pages: int | None = None,
+    cache: CacheConfig | None = None,
     prefill_chunk: int | None = None,
-    kv_dtype=None,
-    backend: str = "xla",
+    backend: str | Backend = "xla",
     policy_params=None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> GenerateOutput:
@@ -786,19 +785,20 @@ def generate(
       policy: cache policy (default: keep everything).
       sampler: default greedy. A PRNG `key` is required when the sampler is not greedy.
       stop_tokens: ids that end a sequence (default: the config's eos ids).
-      page_size, num_pages: the paged cache's geometry; num_pages defaults to what the policy
+      cache: how the paged cache holds tokens (`jaxkv.CacheConfig`: page size, pool pages,
+        kv dtype, int8 storage; default CacheConfig()). The pool defaults to what the policy
         holds during prefill (a full cache: the whole request). After prefill and compression
         the state moves into a pool and page tables sized for what it holds plus the
         generation, bounded by the policy's budget where it evicts during decode (at most
-        num_pages), so the decode loop holds and reads only that. The prefill state is
+        cache.num_pages), so the decode loop holds and reads only that. The prefill state is
         donated: its pool is freed before decoding starts.
       prefill_chunk: tokens per prefill chunk (default: the policy's choice, else 512).
-      kv_dtype: a float dtype for the cache (default: the model's).
+      backend: "xla", "pallas" or "interpret" (`jaxkv.attention.Backend`).
       policy_params: the policy's learned parameters (gates), leaves stacked [L, ...]; checked
         against the model by `policy.check_params`.
       mesh: a (data, model) device mesh (`jaxkv.sharding.make_inference_mesh`) to run on:
         batch rows split over "data", KV heads (with their query heads and MLP columns) over
-        "model"; each device holds the pages of its own rows and heads, and `num_pages` is per
+        "model"; each device holds the pages of its own rows and heads, and `cache.num_pages` is per
         device. Greedy tokens equal one device's; a sampler draws per device, so sampled ones
         differ. None: one device.
     Shapes that depend on the request (pool and table sizes, prompt padding, max_new_tokens)
@@ -820,10 +820,8 @@ def generate(
         policy,
         reserve_tokens=max_new_tokens - 1,  # the last sampled token is never written
         positions_after_prompt=max_new_tokens,
-        page_size=page_size,
-        num_pages=num_pages,
+        cache=cache,
         prefill_chunk=prefill_chunk,
-        kv_dtype=kv_dtype,
         backend=backend,
         policy_params=policy_params,
         mesh=mesh,
@@ -832,7 +830,7 @@ def generate(
     model, policy_params = request.model, request.policy_params
     policy_key, key = jax.random.split(key)
     kv, last_hidden = _run_prefill(model, request, policy_key, policy_params, backend)
-    kv = _to_decode_geometry(kv, policy, request, max_new_tokens, num_pages)
+    kv = _to_decode_geometry(kv, policy, request, max_new_tokens)
     lengths = request.prompts.lengths
     state = _call(
         _decode,
@@ -896,12 +894,10 @@ def compress_prompt(
     prompt_ids,
     policy: Policy | None = None,
     *,
-    page_size: int = DEFAULT_PAGE_SIZE,
-    num_pages: int | None = None,
+    cache: CacheConfig | None = None,
     prefill_chunk: int | None = None,
-    kv_dtype=None,
     key: jax.Array | None = None,
-    backend: str = "xla",
+    backend: str | Backend = "xla",
     reserve_tokens: int = 0,
     policy_params=None,
     mesh: jax.sharding.Mesh | None = None,
@@ -911,7 +907,7 @@ def compress_prompt(
     `key` seeds stochastic policies (GVote); the same key gives the same result.
     `reserve_tokens`: room in every page table for that many tokens after the prompt, so the
     caller can go on writing to the returned state (questions, continuations).
-    `policy_params`, `prefill_chunk`, `kv_dtype`, `mesh`: as for `generate` (on a mesh the
+    `cache`, `policy_params`, `prefill_chunk`, `backend`, `mesh`: as for `generate` (on a mesh the
     result is every device's state, stacked [S, ...]).
     """
     reserve_tokens = _check_count("reserve_tokens", reserve_tokens, 0)
@@ -921,10 +917,8 @@ def compress_prompt(
         policy,
         reserve_tokens=reserve_tokens,
         positions_after_prompt=reserve_tokens,
-        page_size=page_size,
-        num_pages=num_pages,
+        cache=cache,
         prefill_chunk=prefill_chunk,
-        kv_dtype=kv_dtype,
         backend=backend,
         policy_params=policy_params,
         mesh=mesh,

@@ -103,6 +103,19 @@ def test_bad_sampler_settings_are_a_clean_error(capsys, option, match):
 
 
 @pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        (["--page-size", "6"], "page_size=6 must be a positive power of two"),
+        (["--storage", "int8", "--full-precision-window", "-1"], "full_precision_window=-1"),
+        (["--storage", "int8", "--policy", "quest", "--budget", "8"], "selects pages"),
+    ],
+)
+def test_bad_cache_settings_are_a_clean_error(capsys, option, match):
+    assert cli.main(["generate", *TINY, *option]) == 2
+    assert match in _error(capsys)
+
+
+@pytest.mark.parametrize(
     ("text", "value"), [("0.3", 0.3), ("256", 256), ("1e-1", 0.1), ("30%", 0.3), ("1.0", 1.0)]
 )
 def test_budget_vocabulary(text, value):
@@ -127,7 +140,7 @@ def test_bad_budgets_name_the_option_and_the_forms(capsys, text):
         (
             ["--policy", "snapkv", "--policy-arg", "windw=3"],
             "--policy-arg 'windw=3': give KEY=VALUE with KEY one of the fields of policy "
-            "'snapkv': storage, full_precision_window, budget, sinks, recent, window, kernel",
+            "'snapkv': budget, sinks, recent, window, kernel",
         ),
         (["--policy", "snapkv", "--policy-arg", "window=x"], "window=x: expected int"),
         (["--policy", "wgkv", "--policy-arg", "tau=2"], "tau=2.0 must be in (0, 1)"),
@@ -150,12 +163,10 @@ def test_policy_help_lists_the_registered_policies(capsys):
 def test_policy_args_parse_by_the_field_type():
     kwargs = cli.policy_kwargs(
         "streaming_llm",
-        ["storage=int8", "sinks=8", "full_precision_window=16", "recent=0"],
+        ["sinks=8", "recent=0"],
         "30%",
     )
-    assert kwargs == dict(
-        storage="int8", sinks=8, full_precision_window=16, recent=0, budget=pytest.approx(0.3)
-    )
+    assert kwargs == dict(sinks=8, recent=0, budget=pytest.approx(0.3))
     assert cli.policy_kwargs("wgkv", ["tau=0.2", "window=32"], None) == dict(tau=0.2, window=32)
     assert cli.policy_kwargs("confkv", ["pyramid=true", "tight=64"], None) == dict(
         pyramid=True, tight=64

@@ -45,7 +45,7 @@ class _CountingStreamingLLM(policies.StreamingLLM):
 
 def test_window_eviction_runs_every_n_steps_and_equals_per_step_eviction_then(model):
     prompt = [_prompt(60)]
-    kwargs = dict(max_new_tokens=9, stop_tokens=(), page_size=4)
+    kwargs = dict(max_new_tokens=9, stop_tokens=(), cache=jaxkv.CacheConfig(page_size=4))
     per_step = jaxkv.generate(
         model, prompt, policy=policies.StreamingLLM(budget=20, evict_every=1), **kwargs
     )
@@ -112,7 +112,7 @@ def test_decode_pool_is_sized_by_the_budget_not_the_generation(model, make):
     cfg = tiny_config(num_layers=4, num_kv_heads=4, num_heads=8, max_position_embeddings=8192)
     wide = init_model(cfg, seed=0)
     prompt = [np.random.default_rng(7).integers(1, 64, 3000).tolist()]
-    kwargs = dict(max_new_tokens=1000, stop_tokens=(), page_size=16)
+    kwargs = dict(max_new_tokens=1000, stop_tokens=(), cache=jaxkv.CacheConfig(page_size=16))
     policy = make()
     request = generation._set_up(
         wide,
@@ -120,11 +120,8 @@ def test_decode_pool_is_sized_by_the_budget_not_the_generation(model, make):
         policy,
         reserve_tokens=999,
         positions_after_prompt=1000,
-        page_size=16,
-        num_pages=None,
+        cache=jaxkv.CacheConfig(page_size=16),
         prefill_chunk=None,
-        kv_dtype=None,
-        backend="xla",
         policy_params=None,
     )
     heads = cfg.num_layers * cfg.num_kv_heads
@@ -178,8 +175,6 @@ def test_fastkvzip_defaults_work_at_long_context(model):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(kv_dtype=jnp.int32), "kv_dtype=.*float dtype.*storage='int8'"),
-        (dict(kv_dtype="int8"), "kv_dtype='int8'"),
         (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
         (dict(max_new_tokens=True), "max_new_tokens=True must be an integer"),
         (dict(prompt_ids="def f(x):"), "not text: encode the prompt first"),
@@ -213,17 +208,21 @@ def test_admission_prefill_pool_starts_small_and_grows_only_as_tokens_are_admitt
     prompt = [_prompt(1500, seed=9)]
     gates = _admit_all_gates(CONFIG)
     policy = policies.WGKV(tau=0.5, window=32)
-    kwargs = dict(policy=policy, policy_params=gates, page_size=16, prefill_chunk=128)
+    kwargs = dict(policy=policy, policy_params=gates, prefill_chunk=128)
+    pages_16 = jaxkv.CacheConfig(page_size=16)
+    fixed_pool = jaxkv.CacheConfig(page_size=16, num_pages=512)  # one pool, no growth
     grows_before = generation._grow_jit._cache_size()
-    grown = jaxkv.compress_prompt(model, prompt, **kwargs)
+    grown = jaxkv.compress_prompt(model, prompt, cache=pages_16, **kwargs)
     assert generation._grow_jit._cache_size() > grows_before  # every token admitted: it grew
-    fixed = jaxkv.compress_prompt(model, prompt, num_pages=512, **kwargs)  # one pool, no growth
+    fixed = jaxkv.compress_prompt(model, prompt, cache=fixed_pool, **kwargs)
     assert _kept(grown) == _kept(fixed)
     np.testing.assert_array_equal(
         np.asarray(grown.token_scores()), np.asarray(fixed.token_scores())
     )
-    out = jaxkv.generate(model, prompt, max_new_tokens=6, stop_tokens=(), **kwargs)
-    want = jaxkv.generate(model, prompt, max_new_tokens=6, stop_tokens=(), num_pages=512, **kwargs)
+    out = jaxkv.generate(model, prompt, max_new_tokens=6, stop_tokens=(), cache=pages_16, **kwargs)
+    want = jaxkv.generate(
+        model, prompt, max_new_tokens=6, stop_tokens=(), cache=fixed_pool, **kwargs
+    )
     np.testing.assert_array_equal(out.tokens, want.tokens)
     # Sinks-only admission never grows past the smallest pool, whatever the prompt length.
     local = jaxkv.compress_prompt(

@@ -106,7 +106,13 @@ def test_stop_tokens_end_each_sequence(model):
 
 def test_per_step_kv_statistics(model):
     page_size = 4
-    out = jaxkv.generate(model, PROMPTS, max_new_tokens=9, stop_tokens=(), page_size=page_size)
+    out = jaxkv.generate(
+        model,
+        PROMPTS,
+        max_new_tokens=9,
+        stop_tokens=(),
+        cache=jaxkv.CacheConfig(page_size=page_size),
+    )
     lengths = np.array([len(p) for p in PROMPTS])
     heads = CONFIG.num_layers * CONFIG.num_kv_heads
     # Entry s: after s decode steps, each sequence holds its prompt plus s generated tokens.
@@ -117,7 +123,9 @@ def test_per_step_kv_statistics(model):
 
 
 def test_compress_prompt_full_keeps_every_position(model):
-    state = jaxkv.compress_prompt(model, PROMPTS, policies.get("full"), page_size=4)
+    state = jaxkv.compress_prompt(
+        model, PROMPTS, policies.get("full"), cache=jaxkv.CacheConfig(page_size=4)
+    )
     for layer in range(CONFIG.num_layers):
         positions = np.asarray(state.positions(layer))
         for row, prompt in enumerate(PROMPTS):
@@ -140,13 +148,47 @@ class _KeepAllButNotFull(policies.Policy):
         (dict(prompt_ids=[list(range(40)) * 4]), ValueError, "max_position_embeddings=128"),
         (dict(max_new_tokens=0), ValueError, "max_new_tokens=0"),
         (dict(sampler=Sampler(temperature=1.0)), ValueError, "PRNG key is required"),
-        (dict(num_pages=5), ValueError, "num_pages=5 is too small"),
-        (dict(page_size=6), ValueError, "page_size=6"),
+        (dict(cache=jaxkv.CacheConfig(num_pages=5)), ValueError, "num_pages=5 is too small"),
         (dict(backend="cuda"), ValueError, "backend='cuda'"),
-        (dict(num_pages=5, policy=_KeepAllButNotFull()), jaxkv.PoolExhaustedError, "num_pages=5"),
+        (
+            dict(cache=jaxkv.CacheConfig(num_pages=5), policy=_KeepAllButNotFull()),
+            jaxkv.PoolExhaustedError,
+            "num_pages=5",
+        ),
     ],
 )
 def test_bad_input_raises_clear_errors(model, kwargs, error, match):
     kwargs = {"prompt_ids": PROMPTS, "max_new_tokens": 4} | kwargs
     with pytest.raises(error, match=match):
         jaxkv.generate(model, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(page_size=6), "page_size=6 must be a positive power of two"),
+        (dict(page_size=0), "page_size=0 must be >= 1"),
+        (dict(num_pages=0), "num_pages=0 must be >= 1"),
+        (dict(num_pages=2.5), "num_pages=2.5 must be an integer"),
+        (dict(kv_dtype=jnp.int32), "kv_dtype=.*float dtype.*storage='int8'"),
+        (dict(kv_dtype="int8"), "kv_dtype='int8'"),
+        (dict(storage="int4"), "storage='int4': allowed are 'model', 'int8'"),
+        (dict(storage="int8", full_precision_window=-1), "full_precision_window=-1"),
+    ],
+)
+def test_cache_config_is_validated_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jaxkv.CacheConfig(**kwargs)
+
+
+def test_cache_config_normalises_to_hashable_values():
+    config = jaxkv.CacheConfig(kv_dtype="bfloat16", storage="int8", full_precision_window=8)
+    assert config.storage is jaxkv.Storage.INT8
+    assert config.kv_dtype == jnp.dtype(jnp.bfloat16)
+    assert config.int8_window == 8
+    assert jaxkv.CacheConfig().int8_window is None
+    assert hash(config) == hash(
+        jaxkv.CacheConfig(
+            kv_dtype=jnp.bfloat16, storage=jaxkv.Storage.INT8, full_precision_window=8
+        )
+    )

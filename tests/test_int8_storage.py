@@ -17,6 +17,8 @@ from tests.tiny_models import tiny_config
 
 CONFIG = tiny_config(Family.LLAMA, max_position_embeddings=512)
 WINDOW, PAGE = 8, 4
+PAGES = jaxkv.CacheConfig(page_size=PAGE)
+INT8 = jaxkv.CacheConfig(page_size=PAGE, storage="int8", full_precision_window=WINDOW)
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +29,7 @@ def model():
 @pytest.fixture(scope="module")
 def generated(model):
     """A full cache with int8 storage after a 21-token prompt and 6 generated tokens."""
-    policy = policies.FullCache(storage="int8", full_precision_window=WINDOW)
-    return jaxkv.generate(model, _prompts([21]), max_new_tokens=6, policy=policy, page_size=PAGE)
+    return jaxkv.generate(model, _prompts([21]), max_new_tokens=6, cache=INT8)
 
 
 def _prompts(lengths, seed=0):
@@ -65,7 +66,7 @@ def test_round_trip_error_within_symmetric_int8_bound():
 @pytest.fixture(scope="module")
 def prompt_state(model):
     """The model-dtype state after the same 21-token prompt."""
-    return jaxkv.compress_prompt(model, _prompts([21]), page_size=PAGE, reserve_tokens=8)
+    return jaxkv.compress_prompt(model, _prompts([21]), cache=PAGES, reserve_tokens=8)
 
 
 def test_tokens_move_to_int8_exactly_when_they_leave_the_window(prompt_state, generated):
@@ -118,8 +119,8 @@ def test_attention_over_both_tiers_equals_dense_reference_on_dequantised_values(
     kv = jaxkv.compress_prompt(
         model,
         _prompts(lengths, seed=1),
-        policies.FullCache(storage="int8", full_precision_window=WINDOW),
-        page_size=PAGE,
+        policies.FullCache(),
+        cache=INT8,
         reserve_tokens=4,
     )
     tier, layer = kv.pool.int8, 1
@@ -206,9 +207,9 @@ def test_eviction_sees_one_slot_space_across_tiers(model):
     """Positional eviction keeps the same positions with and without int8 storage."""
     prompt = _prompts([30, 19], seed=4)
     for policy in (policies.ConfKV(tight=12, loose=12, protected=4, tau=0.0, alpha=0.0),):
-        plain = jaxkv.generate(model, prompt, max_new_tokens=10, policy=policy, page_size=PAGE)
-        int8 = dataclasses.replace(policy, storage="int8", full_precision_window=6)
-        mixed = jaxkv.generate(model, prompt, max_new_tokens=10, policy=int8, page_size=PAGE)
+        plain = jaxkv.generate(model, prompt, max_new_tokens=10, policy=policy, cache=PAGES)
+        int8 = dataclasses.replace(INT8, full_precision_window=6)
+        mixed = jaxkv.generate(model, prompt, max_new_tokens=10, policy=policy, cache=int8)
         np.testing.assert_array_equal(
             np.sort(np.asarray(plain.state.positions()), -1)[..., -20:],
             np.sort(np.asarray(mixed.state.positions()), -1)[..., -20:],
@@ -220,8 +221,9 @@ def test_eviction_sees_one_slot_space_across_tiers(model):
 
 def test_h2o_mass_accumulates_over_both_tiers(model):
     prompt = _prompts([30])
-    policy = policies.H2O(budget=24, storage="int8", full_precision_window=6, evict_every=1)
-    out = jaxkv.generate(model, prompt, max_new_tokens=6, policy=policy, page_size=PAGE)
+    policy = policies.H2O(budget=24, evict_every=1)
+    int8 = dataclasses.replace(INT8, full_precision_window=6)
+    out = jaxkv.generate(model, prompt, max_new_tokens=6, policy=policy, cache=int8)
     scores = np.asarray(out.state.token_scores())
     held = np.asarray(out.state.positions()) >= 0
     assert np.all(np.asarray(out.state.lengths) == 24)
@@ -231,51 +233,28 @@ def test_h2o_mass_accumulates_over_both_tiers(model):
 def test_bad_storage_options_raise(model):
     prompt = _prompts([10])
     with pytest.raises(ValueError, match="kv_dtype=.*float dtype"):
-        jaxkv.generate(
-            model,
-            prompt,
-            max_new_tokens=2,
-            policy=policies.FullCache(storage="int8"),
-            kv_dtype=jnp.int8,
-        )
+        jaxkv.CacheConfig(storage="int8", kv_dtype=jnp.int8)
     with pytest.raises(ValueError, match="storage='fp4'"):
-        jaxkv.generate(model, prompt, max_new_tokens=2, policy=policies.FullCache(storage="fp4"))
+        jaxkv.CacheConfig(storage="fp4")
     with pytest.raises(ValueError, match="full_precision_window"):
-        jaxkv.generate(
-            model,
-            prompt,
-            max_new_tokens=2,
-            policy=policies.FullCache(storage="int8", full_precision_window=-1),
-        )
+        jaxkv.CacheConfig(storage="int8", full_precision_window=-1)
     with pytest.raises(ValueError, match="selects pages"):
-        jaxkv.generate(
-            model, prompt, max_new_tokens=2, policy=policies.Quest(storage="int8", budget=8)
-        )
+        jaxkv.generate(model, prompt, max_new_tokens=2, policy=policies.Quest(budget=8), cache=INT8)
 
 
 def test_a_cache_smaller_than_the_window_decodes_with_an_empty_int8_tier(model):
     # SnapKV keeps 16 tokens per head, fewer than the 32-token window: nothing is quantised,
     # and the (empty) int8 tier must still be readable during decode.
     prompt = _prompts([80])
-    policy = policies.SnapKV(budget=16, window=8, storage="int8", full_precision_window=32)
-    out = jaxkv.generate(model, prompt, max_new_tokens=5, policy=policy, page_size=PAGE)
-    plain = jaxkv.generate(
-        model, prompt, max_new_tokens=5, policy=policies.SnapKV(budget=16, window=8), page_size=PAGE
-    )
+    policy = policies.SnapKV(budget=16, window=8)
+    int8 = dataclasses.replace(INT8, full_precision_window=32)
+    out = jaxkv.generate(model, prompt, max_new_tokens=5, policy=policy, cache=int8)
+    plain = jaxkv.generate(model, prompt, max_new_tokens=5, policy=policy, cache=PAGES)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     assert np.all(out.int8_pages_in_use == 0)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        (dict(storage="int4"), "storage='int4': allowed are 'model', 'int8'"),
-        (dict(storage="int8", full_precision_window=-1), "full_precision_window=-1"),
-    ],
-)
-def test_storage_options_are_checked_when_the_policy_is_built(kwargs, match):
+def test_int8_storage_is_a_cache_choice_not_a_policy_field():
     for name, extra in (("snapkv", dict(budget=0.3)), ("confkv", {}), ("wgkv", {})):
-        with pytest.raises(ValueError, match=match):
-            policies.get(name, **extra, **kwargs)
-    with pytest.raises(ValueError, match="selects pages"):
-        policies.Quest(budget=0.3, storage="int8")
+        with pytest.raises(ValueError, match="has no field 'storage'"):
+            policies.get(name, **extra, storage="int8")

@@ -63,11 +63,12 @@ def _step(model, kv, token, position, prompt_length, budget_tokens, step, policy
     return kv, after_decode_step(policy, kv, ctx)
 
 
-def policy_steps(model, prompt, policy, continuation):
+def policy_steps(model, prompt, policy, continuation, cache=None):
     """The compressed prompt state and, per continuation token, (position -> count) per
     (layer, head) after the write and the kept positions per (layer, head) after the hook."""
+    cache = jaxkv.CacheConfig(page_size=PAGE_SIZE) if cache is None else cache
     kv = jaxkv.compress_prompt(
-        model, [prompt], policy, page_size=PAGE_SIZE, reserve_tokens=len(continuation)
+        model, [prompt], policy, cache=cache, reserve_tokens=len(continuation)
     )
     prompt_state = kv
     length = np.array([len(prompt)], np.int32)
@@ -178,9 +179,14 @@ def reference_steps(model, prompt_state, prompt_length, continuation, **rule):
 def test_prompt_is_compressed_like_h2o_then_counts_start_at_zero(model):
     prompt = np.random.default_rng(0).integers(0, 64, 40).tolist()
     kwargs = dict(budget=16, sinks=2, recent=4)
-    h2o = jaxkv.compress_prompt(model, [prompt], policies.H2O(**kwargs), page_size=PAGE_SIZE)
+    h2o = jaxkv.compress_prompt(
+        model, [prompt], policies.H2O(**kwargs), cache=jaxkv.CacheConfig(page_size=PAGE_SIZE)
+    )
     ours = jaxkv.compress_prompt(
-        model, [prompt], policies.Scissorhands(**kwargs), page_size=PAGE_SIZE
+        model,
+        [prompt],
+        policies.Scissorhands(**kwargs),
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
     )
     np.testing.assert_array_equal(np.asarray(ours.positions()), np.asarray(h2o.positions()))
     assert np.all(np.asarray(ours.lengths) == 16)
@@ -212,10 +218,9 @@ def test_decode_matches_the_papers_rule_step_by_step(model, evict_every):
 def test_counts_survive_int8_storage(model):
     rng = np.random.default_rng(6)
     prompt, continuation = rng.integers(0, 64, 40).tolist(), rng.integers(0, 64, 12).tolist()
-    policy = policies.Scissorhands(
-        budget=16, recent=4, evict_every=2, storage="int8", full_precision_window=4
-    )
-    _, counts, kept, kv = policy_steps(model, prompt, policy, continuation)
+    policy = policies.Scissorhands(budget=16, recent=4, evict_every=2)
+    int8 = jaxkv.CacheConfig(page_size=PAGE_SIZE, storage="int8", full_precision_window=4)
+    _, counts, kept, kv = policy_steps(model, prompt, policy, continuation, cache=int8)
     assert np.all(np.asarray(kv.pool.int8.lengths) > 0)
     previous = None
     for step, (step_counts, step_kept) in enumerate(zip(counts, kept, strict=True)):
@@ -236,7 +241,12 @@ def test_generate_evicts_in_blocks_and_keeps_the_window(model):
     policy = policies.get("scissorhands", budget=20, sinks=2, recent=6, evict_every=4)
     assert isinstance(policy, policies.Scissorhands)
     out = jaxkv.generate(
-        model, [prompt], max_new_tokens=8, stop_tokens=(), policy=policy, page_size=PAGE_SIZE
+        model,
+        [prompt],
+        max_new_tokens=8,
+        stop_tokens=(),
+        policy=policy,
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
     )
     lengths = np.asarray(out.state.lengths)
     assert np.all(lengths == 20 + 3)  # 7 tokens written: evicted to 20 after the 4th

@@ -1,14 +1,38 @@
 """The cache-policy protocol: small frozen strategy objects, static under jit.
 
-A policy may implement any hook; the defaults keep everything:
-  write_scores(...)     at write time, a learned per-token score (gate) from the layer's slice
-                        of the policy's parameters; stored with the token and seen by `admit`;
-  admit(...)            at write time, which new tokens each (sequence, KV head) stores;
-  update_scores(...)    with `accumulates_attention`, how a chunk's attention updates each
-                        cached token's score (H2O's sum, Conf-KV's EMA, Scissorhands' count);
-  after_prefill_chunk   after each prefill chunk is written (eviction during prefill);
-  compress(kv, obs, m)  after prefill, which cached tokens to keep (eviction);
-  on_decode(kv, ctx)    after each decode step.
+A policy decides which tokens the cache keeps; how the cache holds them (page size, dtype, int8
+tier) is the request's `jaxkv.cache.CacheConfig`. Every hook has a keep-everything default, so
+a policy implements only the groups it varies on. The whole protocol, by the phase that calls it:
+
+  write     write_scores(...)      a learned per-token score (gate) from the layer's slice of
+                                   the policy's parameters; stored with the token, seen by admit
+            admit(...)             which new tokens each (sequence, KV head) stores
+  scores    accumulates_attention  flag: fold the attention each token receives into its score
+            mass_weights(...)      the fold's decay and per-query weights (Conf-KV's EMA)
+            update_scores(...)     the fold itself, when not decay * old + mass (Scissorhands)
+  read      selects_pages          flag: decode reads only `select_pages`' pages (Quest)
+            select_pages(...)      bool [B, K, M] the pages each head reads
+            local_window           slots of a local ring read whole (WG-KV's band)
+  prefill   observation_window     last queries recorded for compress (SnapKV's window)
+            needs_input_stats      flag: record attention-input moments (GVote)
+            needs_prompt_tokens    flag: give compress the prompt's ids (KVzip)
+            prefill_chunk(...)     the chunk size when the caller gives none
+            check_prefill(...)     validate prompts x chunk on the host
+            prefill_pages(...)     the prefill pool's bound; prefill_pool_grows: a first guess
+            after_prefill_chunk    eviction between prefill chunks (Fast KVzip)
+            compress(kv, obs, m)   after prefill, which cached tokens to keep (eviction)
+  decode    evicts_during_decode   flag: run on_decode every `decode_interval` steps
+            on_decode(kv, ctx)     eviction after a decode step
+            decode_tokens_bound    the most tokens a head holds while decoding (pool size)
+            step_confidence(...)   a per-step value read from the logits and recorded (Conf-KV)
+  budgets   budget_tokens(...)     int32 [B] (or [B, n]) tokens per head, checked on the host
+            budget_ratio(...)      f32 [B] the budget as a share of the growing sequence
+            static()               the policy without per-request values: what jit sees
+            decides_across_heads   flag: one budget shared by heads (pool sizing on a mesh)
+  params    needs_params           flag: runs only with `policy_params` (learned gates)
+            check_params(...)      validate the parameters against the model
+            param_axes(...)        their logical axes, to shard them with their KV heads
+
 Budgets vary per request, so they never reach jit as static fields: `generate` turns a policy's
 `budget` into an int32 array [B] of tokens per head (`budget_tokens`) and compiles the policy with
 its budget stripped (`static()`), so changing the budget does not recompile.
@@ -17,13 +41,19 @@ its budget stripped (`static()`), so changing the budget does not recompile.
 from __future__ import annotations
 
 import dataclasses
-import enum
-from typing import ClassVar
+from typing import Any, ClassVar, TypeAlias
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxkv.cache import KVState, PagePool
+from jaxkv.models.configs import ModelConfig
+from jaxkv.models.decoder import Model
+
+# A policy's learned parameters: a pytree of arrays, every leaf stacked [L, ...] (gates).
+PolicyParams: TypeAlias = Any
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -36,7 +66,7 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-def get(name: str, **kwargs) -> Policy:
+def get(name: str, **kwargs: Any) -> Policy:
     """Builds a registered policy by name, e.g. `get("snapkv", budget=0.3)`.
 
     `budget=` is the one budget vocabulary (a ratio of the prompt or a token count): a policy
@@ -61,7 +91,7 @@ def get(name: str, **kwargs) -> Policy:
     return cls(**kwargs)
 
 
-def _budget_as_ratio(name: str, fields: list[str], budget) -> float:
+def _budget_as_ratio(name: str, fields: list[str], budget: Budget | float | int) -> float:
     """`budget=` for a policy without a `budget` field: its `ratio=`, or a named error."""
     if "ratio" in fields:
         parsed = Budget.parse(budget)
@@ -83,6 +113,7 @@ def _budget_as_ratio(name: str, fields: list[str], budget) -> float:
 
 
 def registered() -> list[str]:
+    """The names `get` accepts, sorted."""
     return sorted(_REGISTRY)
 
 
@@ -183,27 +214,15 @@ class DecodeContext:
     group_size: int = flax.struct.field(pytree_node=False, default=1)
 
 
-class Storage(enum.Enum):
-    """How the cache stores tokens: all in the model (kv) dtype, or mixed precision (each head's
-    newest `full_precision_window` tokens in the model dtype, older ones int8, see
-    `jaxkv.cache.int8`)."""
-
-    MODEL = "model"
-    INT8 = "int8"
-
-
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """Base class of cache policies; every hook defaults to keeping everything.
 
-    Every policy takes two keyword-only storage options:
-      storage: Storage.MODEL (default) or Storage.INT8 (or their names "model" / "int8").
-      full_precision_window: F, the newest tokens per head kept in the model dtype under int8.
+    How the cache stores what a policy keeps (page size, dtype, int8 tier) is not the
+    policy's: it is the request's `jaxkv.cache.CacheConfig`.
     """
 
     name: ClassVar[str] = "base"
-    storage: Storage | str = dataclasses.field(default=Storage.MODEL, kw_only=True)
-    full_precision_window: int = dataclasses.field(default=128, kw_only=True)
     # Whether every token's received attention mass is accumulated into its score (H2O).
     accumulates_attention: ClassVar[bool] = False
     # Whether prefill records per-layer attention-input statistics (GVote).
@@ -223,7 +242,7 @@ class Policy:
     prefill_pool_grows: ClassVar[bool] = False
 
     def __post_init__(self):
-        self.int8_window  # noqa: B018  (validates storage= and full_precision_window=)
+        """Validates the fields (subclasses call it first); nothing to check here."""
 
     @property
     def observation_window(self) -> int:
@@ -279,23 +298,7 @@ class Policy:
         """This policy with per-request values removed: what jit sees."""
         return self
 
-    @property
-    def int8_window(self) -> int | None:
-        """F when the policy stores older tokens in int8, else None; raises on bad options."""
-        try:
-            storage = Storage(self.storage)
-        except ValueError:
-            allowed = ", ".join(repr(s.value) for s in Storage)
-            raise ValueError(f"storage={self.storage!r}: allowed are {allowed}") from None
-        if storage is Storage.MODEL:
-            return None
-        if self.full_precision_window < 0:
-            raise ValueError(f"full_precision_window={self.full_precision_window} must be >= 0")
-        if self.selects_pages:
-            raise ValueError(f"policy {self.name!r} selects pages, which int8 storage does not do")
-        return self.full_precision_window
-
-    def mass_weights(self, positions: jax.Array):
+    def mass_weights(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """How a chunk's attention updates accumulated scores (when `accumulates_attention`):
         score <- decay * score + sum_i weight_i * mass_i. Returns decay f32 [B] and per-query
         weights f32 [B, C] for positions [B, C]; by default a plain sum over valid queries.
@@ -330,7 +333,12 @@ class Policy:
         del prompt_lengths, chunk
 
     def prefill_pages(
-        self, prompt_lengths: np.ndarray, chunk: int, model_config, page_size: int, reserve: int
+        self,
+        prompt_lengths: np.ndarray,
+        chunk: int,
+        model_config: ModelConfig,
+        page_size: int,
+        reserve: int,
     ) -> int | None:
         """Pages the prefill pool needs when the caller gives no num_pages; None: the full
         cache's need (prompts plus `reserve` tokens per head). A policy that evicts during
@@ -339,8 +347,8 @@ class Policy:
         return None
 
     def after_prefill_chunk(
-        self, kv, *, seen: jax.Array, prompt_lengths: jax.Array, budget_tokens: jax.Array
-    ):
+        self, kv: KVState, *, seen: jax.Array, prompt_lengths: jax.Array, budget_tokens: jax.Array
+    ) -> KVState:
         """The state after a prefill chunk is written; identity by default.
 
         seen: int32 [B] prompt tokens written so far (the chunk's end, at most the length);
@@ -349,7 +357,7 @@ class Policy:
         del seen, prompt_lengths, budget_tokens
         return kv
 
-    def check_params(self, params, model_config) -> None:
+    def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
         """Validates `policy_params` against the model on the host; raises ValueError.
 
         A policy without parameters accepts only None.
@@ -358,7 +366,7 @@ class Policy:
         if params is not None:
             raise ValueError(f"policy {self.name!r} takes no policy_params, got some")
 
-    def param_axes(self, params):
+    def param_axes(self, params: PolicyParams | None) -> PolicyParams | None:
         """The logical axis names of each `policy_params` leaf (a tree like `params` with a
         tuple per leaf, `jaxkv.sharding.LOGICAL_AXIS_RULES`), so that a mesh splits learned
         gates with their KV heads; None: replicated (no parameters)."""
@@ -366,7 +374,13 @@ class Policy:
         return None
 
     def write_scores(
-        self, layer_params, *, h: jax.Array, k_unrotated: jax.Array, k: jax.Array, positions
+        self,
+        layer_params: PolicyParams | None,
+        *,
+        h: jax.Array,
+        k_unrotated: jax.Array,
+        k: jax.Array,
+        positions: jax.Array,
     ) -> jax.Array | None:
         """f32 [B, K, C] per-token scores computed when a chunk is written, or None.
 
@@ -394,16 +408,23 @@ class Policy:
         del layer, k, v, positions, scores
         return None
 
-    def select_pages(self, q, pool, page_table, lengths, read_budget) -> jax.Array:
+    def select_pages(
+        self,
+        q: jax.Array,
+        pool: PagePool,
+        page_table: jax.Array,
+        lengths: jax.Array,
+        read_budget: jax.Array,
+    ) -> jax.Array:
         """bool [B, K, M]: the cached pages each head reads this decode step (selection)."""
         raise NotImplementedError(f"policy {self.name!r} does not select pages")
 
-    def compress(self, kv, obs: PrefillObservations, model):
+    def compress(self, kv: KVState, obs: PrefillObservations, model: Model) -> KVState:
         """The state after prefill, compressed; identity by default."""
         del obs, model
         return kv
 
-    def on_decode(self, kv, ctx: DecodeContext):
+    def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
         """The state after a decode step; identity by default."""
         del ctx
         return kv
@@ -417,7 +438,7 @@ class FullCache(Policy):
     name: ClassVar[str] = "full"
 
 
-def after_decode_step(policy: Policy, kv, ctx: DecodeContext):
+def after_decode_step(policy: Policy, kv: KVState, ctx: DecodeContext) -> KVState:
     """The state after a decode step: the policy's `on_decode` on the steps it is due
     (ctx.step % `decode_interval` == 0), skipped (not run and discarded) on the others."""
     if not policy.evicts_during_decode:

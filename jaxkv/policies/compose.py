@@ -5,9 +5,16 @@ choose among the global pages; WG-KV's local ring is read whole whatever Quest p
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import jax
+import numpy as np
+
+from jaxkv.cache import KVState, PagePool
+from jaxkv.models.configs import ModelConfig
+from jaxkv.models.decoder import Model
 from jaxkv.policies import base
+from jaxkv.policies.base import PolicyParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,31 +57,38 @@ class Composed(base.Policy):
     def local_window(self) -> int:
         return self.admission.local_window
 
-    def budget_tokens(self, prompt_lengths):
+    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
         return self.selection.budget_tokens(prompt_lengths)
 
     def static(self) -> Composed:
         return Composed(admission=self.admission.static(), selection=self.selection.static())
 
-    def check_params(self, params, model_config) -> None:
+    def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
         self.admission.check_params(params, model_config)
 
-    def param_axes(self, params):
+    def param_axes(self, params: PolicyParams | None) -> PolicyParams | None:
         return self.admission.param_axes(params)
 
-    def write_scores(self, layer_params, **kwargs):
+    def write_scores(self, layer_params: PolicyParams | None, **kwargs: Any) -> jax.Array | None:
         return self.admission.write_scores(layer_params, **kwargs)
 
-    def admit(self, **kwargs):
+    def admit(self, **kwargs: Any) -> jax.Array | None:
         return self.admission.admit(**kwargs)
 
-    def select_pages(self, q, pool, page_table, lengths, read_budget):
+    def select_pages(
+        self,
+        q: jax.Array,
+        pool: PagePool,
+        page_table: jax.Array,
+        lengths: jax.Array,
+        read_budget: jax.Array,
+    ) -> jax.Array:
         return self.selection.select_pages(q, pool, page_table, lengths, read_budget)
 
-    def compress(self, kv, obs, model):
+    def compress(self, kv: KVState, obs: base.PrefillObservations, model: Model) -> KVState:
         return self.selection.compress(self.admission.compress(kv, obs, model), obs, model)
 
-    def on_decode(self, kv, ctx):
+    def on_decode(self, kv: KVState, ctx: base.DecodeContext) -> KVState:
         return self.selection.on_decode(self.admission.on_decode(kv, ctx), ctx)
 
 
