@@ -165,7 +165,7 @@ def run_qa(model, policy, episodes, policy_params=None) -> dict:
         policy=policy,
         stop_tokens=[EOS],
         pad_id=PAD,
-        page_size=PAGE_SIZE,
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
         policy_params=policy_params,
     )
     correct = [
@@ -230,8 +230,9 @@ def _compressed_context(
         model,
         prompts,
         policy,
-        page_size=PAGE_SIZE,
-        num_pages=_num_pages(model, len(prompts), longest),
+        cache=jaxkv.CacheConfig(
+            page_size=PAGE_SIZE, num_pages=_num_pages(model, len(prompts), longest)
+        ),
         reserve_tokens=extra_tokens,
         policy_params=policy_params,
     )

@@ -355,7 +355,7 @@ def run_row(args, cfg, context: int, batch: int, spec: str) -> dict:
             stop_tokens=[],
             backend=args.backend,
             prefill_chunk=args.prefill_chunk,
-            page_size=args.page_size,
+            cache=jaxkv.CacheConfig(page_size=args.page_size),
             policy_params=params,
         )
 

@@ -55,7 +55,11 @@ def _step(model, kv, token, position, prompt_length, budget_tokens, step, policy
 def teacher_forced_steps(model, prompt: list[int], policy, continuation: list[int], page_size=4):
     """The prompt's compressed state and one `Step` per continuation token (one sequence)."""
     kv = jaxkv.compress_prompt(
-        model, [prompt], policy, page_size=page_size, reserve_tokens=len(continuation)
+        model,
+        [prompt],
+        policy,
+        cache=jaxkv.CacheConfig(page_size=page_size),
+        reserve_tokens=len(continuation),
     )
     prompt_state = kv
     length = np.array([len(prompt)], np.int32)

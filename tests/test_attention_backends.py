@@ -285,7 +285,9 @@ def test_forward_kernel_equals_xla(model, backend):
 def test_generate_kernel_equals_xla(model, policy, backend):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 64, n).tolist() for n in (45, 30)]
-    kwargs = dict(max_new_tokens=4, policy=policy, page_size=4, prefill_chunk=16)
+    kwargs = dict(
+        max_new_tokens=4, policy=policy, cache=jaxkv.CacheConfig(page_size=4), prefill_chunk=16
+    )
     want = jaxkv.generate(model, prompts, **kwargs)
     got = jaxkv.generate(model, prompts, backend=backend, **kwargs)
     np.testing.assert_array_equal(got.tokens, want.tokens)

@@ -70,8 +70,12 @@ def test_peaked_distributions_are_more_confident():
 def test_chunked_prefill_ema_equals_query_by_query(model):
     prompt = [np.random.default_rng(1).integers(0, 64, 40).tolist()]
     policy = policies.ConfKV(tight=128, loose=256, protected=8, evict_every=1)
-    chunked = jaxkv.compress_prompt(model, prompt, policy, prefill_chunk=16, page_size=4)
-    stepwise = jaxkv.compress_prompt(model, prompt, policy, prefill_chunk=1, page_size=4)
+    chunked = jaxkv.compress_prompt(
+        model, prompt, policy, prefill_chunk=16, cache=jaxkv.CacheConfig(page_size=4)
+    )
+    stepwise = jaxkv.compress_prompt(
+        model, prompt, policy, prefill_chunk=1, cache=jaxkv.CacheConfig(page_size=4)
+    )
     np.testing.assert_allclose(
         np.asarray(chunked.token_scores()), np.asarray(stepwise.token_scores()), atol=1e-6
     )

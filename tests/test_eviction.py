@@ -46,7 +46,7 @@ def long_prompts():
 
 @pytest.fixture(scope="module")
 def full_state(model, long_prompts):
-    return jaxkv.compress_prompt(model, long_prompts, page_size=PAGE_SIZE)
+    return jaxkv.compress_prompt(model, long_prompts, cache=jaxkv.CacheConfig(page_size=PAGE_SIZE))
 
 
 def _pages_for(state):
@@ -58,7 +58,9 @@ def test_compression_really_frees_pages(model, long_prompts, full_state, name):
     # Random tokens on a random model spread attention thinly: a lower nucleus makes GVote prune.
     gvote = policies.GVote(nucleus=0.5, num_samples=2)
     policy = BUDGETED[name]() if name != "gvote" else gvote
-    state = jaxkv.compress_prompt(model, long_prompts, policy, page_size=PAGE_SIZE)
+    state = jaxkv.compress_prompt(
+        model, long_prompts, policy, cache=jaxkv.CacheConfig(page_size=PAGE_SIZE)
+    )
     # Pages held are exactly what the kept lengths need: nothing held beyond a partial last page.
     assert int(state.pages_in_use()) == _pages_for(state)
     assert state.memory_bytes() == _pages_for(state) * state.pool.page_bytes
@@ -78,7 +80,7 @@ def test_kept_tokens_are_unchanged_and_in_order(model, long_prompts, full_state)
         model,
         long_prompts,
         policies.AdaKV(inner=policies.SnapKV(), budget=0.25),
-        page_size=PAGE_SIZE,
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
     )
     full_keys = jax.vmap(lambda t: attention.gather_pages(full_state.pool.k_pages, t))(
         full_state.page_table
@@ -97,7 +99,7 @@ def test_decode_on_a_compressed_cache_attends_to_exactly_the_kept_tokens(model):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (200, 150)]
     state = jaxkv.compress_prompt(
-        model, prompts, policies.SnapKV(budget=0.3, window=8), page_size=8
+        model, prompts, policies.SnapKV(budget=0.3, window=8), cache=jaxkv.CacheConfig(page_size=8)
     )
     positions = np.asarray(state.positions())
     keys, values = dense_reference.cached_keys_values(state)
@@ -126,7 +128,7 @@ def test_streaming_llm_window_slides_during_decode(model):
         max_new_tokens=12,
         stop_tokens=(),
         policy=policies.StreamingLLM(budget=20, evict_every=1),
-        page_size=4,
+        cache=jaxkv.CacheConfig(page_size=4),
     )
     positions = np.asarray(out.state.positions())
     for b, length in enumerate((60, 40)):
@@ -142,7 +144,12 @@ def test_h2o_decode_keeps_budget_and_recent_window(model):
     prompts = [np.random.default_rng(4).integers(0, 64, 80).tolist()]
     policy = policies.H2O(budget=24, recent=6, sinks=2, evict_every=1)
     out = jaxkv.generate(
-        model, prompts, max_new_tokens=10, stop_tokens=(), policy=policy, page_size=4
+        model,
+        prompts,
+        max_new_tokens=10,
+        stop_tokens=(),
+        policy=policy,
+        cache=jaxkv.CacheConfig(page_size=4),
     )
     lengths = np.asarray(out.state.lengths)
     assert np.all(lengths == 24)
@@ -158,14 +165,16 @@ def test_sage_kv_recent_window_slides(model):
     # The paper's split, G = 2: sinks 32/4 = 8, top-k 32/(2*2) = 8 per query head (a power of
     # two already), recent 32 - 8 - 2*8 = 8.
     budget, recent = 32, 8
-    state = jaxkv.compress_prompt(model, prompts, policies.SageKV(budget=budget), page_size=4)
+    state = jaxkv.compress_prompt(
+        model, prompts, policies.SageKV(budget=budget), cache=jaxkv.CacheConfig(page_size=4)
+    )
     out = jaxkv.generate(
         model,
         prompts,
         max_new_tokens=9,
         stop_tokens=(),
         policy=policies.SageKV(budget=budget, evict_every=1),
-        page_size=4,
+        cache=jaxkv.CacheConfig(page_size=4),
     )
     before, after = np.asarray(state.positions()), np.asarray(out.state.positions())
     last = 100 + 9 - 2
@@ -178,10 +187,18 @@ def test_sage_kv_recent_window_slides(model):
 
 def test_budget_changes_do_not_recompile(model, long_prompts):
     short = [p[:300] for p in long_prompts]
-    jaxkv.compress_prompt(model, short, policies.SnapKV(budget=0.3, window=8), page_size=PAGE_SIZE)
+    jaxkv.compress_prompt(
+        model,
+        short,
+        policies.SnapKV(budget=0.3, window=8),
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
+    )
     size = generation._prefill_compressed._cache_size()
     state = jaxkv.compress_prompt(
-        model, short, policies.SnapKV(budget=0.1, window=8), page_size=PAGE_SIZE
+        model,
+        short,
+        policies.SnapKV(budget=0.1, window=8),
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
     )
     assert generation._prefill_compressed._cache_size() == size
     assert np.all(np.asarray(state.lengths) == 30)
@@ -239,7 +256,12 @@ def test_policies_run_in_bfloat16(model, name):
     )
     prompts = [[i % 64 for i in range(400)], [i % 61 for i in range(300)]]
     out = jaxkv.generate(
-        bf16, prompts, max_new_tokens=4, policy=BUDGETED[name](), stop_tokens=(), page_size=8
+        bf16,
+        prompts,
+        max_new_tokens=4,
+        policy=BUDGETED[name](),
+        stop_tokens=(),
+        cache=jaxkv.CacheConfig(page_size=8),
     )
     assert out.state.pool.k_pages.dtype == jnp.bfloat16
     lengths = np.asarray(out.state.lengths)
@@ -251,13 +273,19 @@ def test_policies_run_in_bfloat16(model, name):
 
 def test_decode_runs_on_a_pool_sized_for_the_compressed_cache(model, long_prompts, full_state):
     prompts = long_prompts  # long enough for pools above the smallest pool bucket
-    full = jaxkv.generate(model, prompts, max_new_tokens=4, stop_tokens=(), page_size=PAGE_SIZE)
+    full = jaxkv.generate(
+        model,
+        prompts,
+        max_new_tokens=4,
+        stop_tokens=(),
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
+    )
     snap = jaxkv.generate(
         model,
         prompts,
         max_new_tokens=4,
         stop_tokens=(),
-        page_size=PAGE_SIZE,
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
         policy=policies.SnapKV(budget=0.25),
     )
     # The arrays themselves shrink, not only the count of pages in use.

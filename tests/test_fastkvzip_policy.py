@@ -66,7 +66,12 @@ def test_one_chunk_keeps_the_global_top_with_the_window_forced(setup):
     hf, model, params, prompts = setup
     policy = policies.get("fastkvzip", ratio=RATIO)
     state = jaxkv.compress_prompt(
-        model, prompts, policy, policy_params=params, page_size=PAGE_SIZE, prefill_chunk=160
+        model,
+        prompts,
+        policy,
+        policy_params=params,
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
+        prefill_chunk=160,
     )
     for row, prompt in enumerate(prompts):
         t = len(prompt)
@@ -87,7 +92,12 @@ def test_chunked_prefill_memory_follows_the_ratio(setup):
     heads = cfg.num_layers * cfg.num_kv_heads
     policy = policies.FastKVzip(ratio=RATIO)
     state = jaxkv.compress_prompt(
-        model, prompts, policy, policy_params=params, page_size=PAGE_SIZE, prefill_chunk=32
+        model,
+        prompts,
+        policy,
+        policy_params=params,
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
+        prefill_chunk=32,
     )
     lengths = np.asarray(state.lengths)
     full_pages = heads * sum(-(-n // PAGE_SIZE) for n in LENGTHS)
@@ -118,7 +128,7 @@ def test_decode_evicts_every_buffer_to_the_ratio(setup):
         max_new_tokens=buffer + 2,
         policy=policies.FastKVzip(ratio=RATIO, decode_buffer=buffer),
         policy_params=params,
-        page_size=PAGE_SIZE,
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
         prefill_chunk=32,
         stop_tokens=[],
     )
@@ -147,7 +157,7 @@ def test_a_fixed_decode_budget_evicts_to_that_many_tokens_per_head(setup):
         max_new_tokens=buffer + 2,
         policy=policy,
         policy_params=params,
-        page_size=PAGE_SIZE,
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
         prefill_chunk=32,
         stop_tokens=[],
     )

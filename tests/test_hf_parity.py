@@ -28,7 +28,12 @@ def test_greedy_generation_matches_transformers(hf_and_ours):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, hf.config.vocab_size, n).tolist() for n in (7, 19)]
     out = jaxkv.generate(
-        ours, prompts, max_new_tokens=32, stop_tokens=(), page_size=8, prefill_chunk=8
+        ours,
+        prompts,
+        max_new_tokens=32,
+        stop_tokens=(),
+        cache=jaxkv.CacheConfig(page_size=8),
+        prefill_chunk=8,
     )
     for row, prompt in enumerate(prompts):
         with torch.no_grad():

@@ -41,7 +41,9 @@ def dense_targets(hf, context):
 
 def test_reconstruction_scores_match_dense_attention(setup):
     hf, model, contexts = setup
-    state = jaxkv.compress_prompt(model, contexts, page_size=8, prefill_chunk=CHUNK)
+    state = jaxkv.compress_prompt(
+        model, contexts, cache=jaxkv.CacheConfig(page_size=8), prefill_chunk=CHUNK
+    )
     padded = np.zeros((2, 96), np.int32)
     for row, context in enumerate(contexts):
         padded[row, : len(context)] = context
@@ -83,7 +85,9 @@ def test_global_selection_keeps_the_top_entries_with_protected_forced():
 def test_kvzip_policy_keeps_the_ratio_and_frees_pages(setup):
     _, model, contexts = setup
     policy = policies.get("kvzip", ratio=0.3, chunk=CHUNK, repeat_ids=REPEAT, continue_ids=CONTINUE)
-    state = jaxkv.compress_prompt(model, contexts, policy, page_size=8, prefill_chunk=CHUNK)
+    state = jaxkv.compress_prompt(
+        model, contexts, policy, cache=jaxkv.CacheConfig(page_size=8), prefill_chunk=CHUNK
+    )
     lengths = np.asarray(state.lengths)  # [L, B, K]
     cfg = model.config
     for row, n in enumerate(LENGTHS):

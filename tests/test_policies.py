@@ -89,7 +89,9 @@ def test_policy_matches_numpy_reference(setup, name):
     _, model, prompts, forwards = setup
     make_policy, reference, kwargs = CASES[name]
     ratio = make_policy().budget.ratio
-    state = jaxkv.compress_prompt(model, prompts, make_policy(), page_size=PAGE_SIZE)
+    state = jaxkv.compress_prompt(
+        model, prompts, make_policy(), cache=jaxkv.CacheConfig(page_size=PAGE_SIZE)
+    )
     expected = [
         reference(fwd, budget, **kwargs)
         for fwd, budget in zip(forwards, _budgets(ratio), strict=True)
@@ -100,7 +102,10 @@ def test_policy_matches_numpy_reference(setup, name):
 def test_pyramid_budgets_really_differ_by_layer(setup):
     _, model, prompts, _ = setup
     state = jaxkv.compress_prompt(
-        model, prompts, policies.PyramidKV(budget=0.4, window=4, beta=4.0), page_size=PAGE_SIZE
+        model,
+        prompts,
+        policies.PyramidKV(budget=0.4, window=4, beta=4.0),
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
     )
     lengths = np.asarray(state.lengths)
     assert np.all(lengths[0] > lengths[1])
@@ -109,10 +114,14 @@ def test_pyramid_budgets_really_differ_by_layer(setup):
 def test_gvote_matches_listing_and_is_seeded(setup):
     _, model, prompts, forwards = setup
     key = jax.random.PRNGKey(7)
-    state = jaxkv.compress_prompt(model, prompts, policies.GVote(), page_size=PAGE_SIZE, key=key)
+    state = jaxkv.compress_prompt(
+        model, prompts, policies.GVote(), cache=jaxkv.CacheConfig(page_size=PAGE_SIZE), key=key
+    )
     expected = [ref.gvote(fwd, key, row) for row, fwd in enumerate(forwards)]
     assert_same_selection(state, expected, PROMPT_LENGTHS)
-    again = jaxkv.compress_prompt(model, prompts, policies.GVote(), page_size=PAGE_SIZE, key=key)
+    again = jaxkv.compress_prompt(
+        model, prompts, policies.GVote(), cache=jaxkv.CacheConfig(page_size=PAGE_SIZE), key=key
+    )
     np.testing.assert_array_equal(np.asarray(again.lengths), np.asarray(state.lengths))
     lengths = np.asarray(state.lengths)
     assert len(np.unique(lengths)) > 1  # budgets differ by layer / head / request

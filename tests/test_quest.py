@@ -137,7 +137,7 @@ def test_quest_in_generate_keeps_every_token_and_needs_a_budget(model):
         max_new_tokens=5,
         policy=policies.Quest(budget=16),
         stop_tokens=(),
-        page_size=8,
+        cache=jaxkv.CacheConfig(page_size=8),
     )
     np.testing.assert_array_equal(np.asarray(out.state.lengths)[0, :, 0], [63, 39])
     with pytest.raises(ValueError, match="needs budget="):

@@ -286,7 +286,7 @@ def test_generate_follows_the_reference_and_holds_admitted_tokens_plus_the_ring(
         policy=WGKV,
         policy_params=gates,
         stop_tokens=(),
-        page_size=PAGE,
+        cache=jaxkv.CacheConfig(page_size=PAGE),
         prefill_chunk=16,
     )
     page_bytes = out.state.pool.page_bytes
@@ -527,7 +527,7 @@ def test_full_cache_continues_a_compressed_wgkv_state():
         prompts,
         WGKV,
         policy_params=gates,
-        page_size=PAGE,
+        cache=jaxkv.CacheConfig(page_size=PAGE),
         prefill_chunk=16,
         reserve_tokens=DECODE_STEPS,
     )
