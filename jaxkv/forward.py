@@ -26,7 +26,11 @@ from jaxkv.models.decoder import Model
 
 
 def forward(
-    model: Model, tokens: jax.Array, *, backend: str = "xla", remat: bool = False
+    model: Model,
+    tokens: jax.Array,
+    *,
+    backend: str | attention_ops.Backend = "xla",
+    remat: bool = False,
 ) -> jax.Array:
     """Causal forward over whole sequences without a cache: logits [B, T, V] (f32), the
     attention on `backend` ("xla", "pallas" or "interpret"; `jaxkv.attention`).
@@ -34,6 +38,7 @@ def forward(
     remat: recompute each layer's activations in the backward pass instead of storing them
     (training at long context).
     """
+    backend = attention_ops.resolve_backend(backend)
     attention_fn = functools.partial(attention_ops.causal_attention, backend=backend)
     return decoder.forward(model, tokens, attention_fn=attention_fn, remat=remat)
 
@@ -65,7 +70,7 @@ def forward_cached(
     kv: KVState,
     *,
     policy: Any,
-    backend: str = "xla",
+    backend: str | attention_ops.Backend = "xla",
     collect_queries: bool = False,
     collect_input_stats: bool = False,
     read_budget: jax.Array | None = None,
@@ -78,6 +83,7 @@ def forward_cached(
         (not attended from, never written).
       kv: the KV state holding everything before this chunk.
       policy: the cache policy (static); decides admission at write time.
+      backend: "xla", "pallas" or "interpret", resolved here once (`jaxkv.attention.Backend`).
       collect_queries: also return every layer's rotated queries, "queries" [L, B, N, C, H].
       collect_input_stats: also return per-layer statistics of the attention input over the
         chunk's valid tokens: "input_mean" and "input_m2" (sum of squared deviations from that
@@ -90,6 +96,7 @@ def forward_cached(
       collected per-layer values (an empty dict when nothing is collected).
     """
     cfg, params = model.config, model.params
+    backend = attention_ops.resolve_backend(backend)
     _check_chunk_shapes(cfg, tokens, positions, kv)
     check_ring_policy(policy, kv.ring)
     cos, sin = decoder.rope_for(cfg, positions)

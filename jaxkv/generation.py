@@ -23,13 +23,21 @@ from jaxkv.models.configs import ModelConfig
 from jaxkv.models.decoder import Model, logits_from_hidden
 from jaxkv.pallas_kernels.common import next_power_of_two
 from jaxkv.policies import FullCache, Policy
-from jaxkv.policies.base import DecodeContext, PrefillObservations, after_decode_step
+from jaxkv.policies.base import (
+    DecodeContext,
+    PolicyParams,
+    PrefillObservations,
+    after_decode_step,
+)
 from jaxkv.sampling import Sampler
 from jaxkv.sharding import InferenceMesh
 
 DEFAULT_PREFILL_CHUNK = 512
 # Chunks shorter than this are not bucketed further (a prompt's chunk is a power of two >= it).
 MIN_PREFILL_CHUNK = 16
+
+# One prompt of token ids, or a batch: lists of ids, or an integer array [T] or [B, T].
+PromptIds = Sequence[int] | Sequence[Sequence[int]] | np.ndarray | jax.Array
 
 
 @flax.struct.dataclass
@@ -300,7 +308,7 @@ def _prefill_span(
     *,
     chunk: int,
     policy: Policy,
-    backend: str,
+    backend: Backend,
 ):
     """Prefills chunks [first_chunk, end_chunk) (traced) of tokens [B, T_pad]; the padded tail
     past the last prompt token is never run, so a prompt-length bucket costs no compute.
@@ -435,7 +443,7 @@ def _call(jitted, placement: InferenceMesh | None, kinds: tuple[str, ...], *args
     return placement.run(jitted.__wrapped__, kinds, args, statics)
 
 
-def _prefill_growing(model, request: _Request, key, policy_params, backend: str):
+def _prefill_growing(model, request: _Request, key, policy_params, backend: Backend):
     """Chunked prefill for a policy that admits an unknown share of the prompt: the pool starts
     at the policy's guess and, before each chunk, grows (x2, bucketed) when fewer pages are
     free than the chunk could need, so that it holds what is admitted plus about one chunk.
@@ -496,7 +504,7 @@ def _decode_step(
     sampler: Sampler,
     stop_tokens,
     pad_id: int,
-    backend: str,
+    backend: Backend,
 ) -> GenState:
     positions = jnp.where(state.done, -1, state.prompt_lengths + state.step - 1)
     hidden, kv, _ = forward_cached(
@@ -646,14 +654,12 @@ def _set_up(
     positions_after_prompt: int,
     cache: CacheConfig | None,
     prefill_chunk: int | None,
-    backend: str,
     policy_params,
-    mesh=None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> _Request:
     """Checks everything on the host (before compiling) and creates the prefill state, with
     room for `reserve_tokens` written after each prompt and `positions_after_prompt` more
     positions than the prompt (checked against the model's context)."""
-    resolve_backend(backend)
     placement = sharding.as_inference_mesh(mesh)
     policy = FullCache() if policy is None else policy
     if not isinstance(policy, Policy):
@@ -699,7 +705,7 @@ def _set_up(
     )
 
 
-def _run_prefill(model, request: _Request, key, policy_params, backend: str):
+def _run_prefill(model, request: _Request, key, policy_params, backend: Backend):
     prompts = request.prompts
     if request.grows:
         kv, last_hidden = _prefill_growing(model, request, key, policy_params, backend)
@@ -763,7 +769,7 @@ def _to_decode_geometry(
 
 def generate(
     model: Model,
-    prompt_ids,
+    prompt_ids: PromptIds,
     *,
     max_new_tokens: int,
     policy: Policy | None = None,
@@ -774,7 +780,7 @@ def generate(
     cache: CacheConfig | None = None,
     prefill_chunk: int | None = None,
     backend: str | Backend = "xla",
-    policy_params=None,
+    policy_params: PolicyParams | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens for a batch of prompts of different lengths.
@@ -807,6 +813,7 @@ def generate(
     Raises:
       ValueError on bad input before compiling; PoolExhaustedError if the pool runs out.
     """
+    backend = resolve_backend(backend)
     max_new_tokens = _check_count("max_new_tokens", max_new_tokens, 1)
     sampler = Sampler() if sampler is None else sampler
     if key is None:
@@ -822,7 +829,6 @@ def generate(
         positions_after_prompt=max_new_tokens,
         cache=cache,
         prefill_chunk=prefill_chunk,
-        backend=backend,
         policy_params=policy_params,
         mesh=mesh,
     )
@@ -891,7 +897,7 @@ def _output(
 
 def compress_prompt(
     model: Model,
-    prompt_ids,
+    prompt_ids: PromptIds,
     policy: Policy | None = None,
     *,
     cache: CacheConfig | None = None,
@@ -899,7 +905,7 @@ def compress_prompt(
     key: jax.Array | None = None,
     backend: str | Backend = "xla",
     reserve_tokens: int = 0,
-    policy_params=None,
+    policy_params: PolicyParams | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> KVState:
     """Prefills the prompts and applies the policy's compression; returns the KV state.
@@ -910,6 +916,7 @@ def compress_prompt(
     `cache`, `policy_params`, `prefill_chunk`, `backend`, `mesh`: as for `generate` (on a mesh the
     result is every device's state, stacked [S, ...]).
     """
+    backend = resolve_backend(backend)
     reserve_tokens = _check_count("reserve_tokens", reserve_tokens, 0)
     request = _set_up(
         model,
@@ -919,7 +926,6 @@ def compress_prompt(
         positions_after_prompt=reserve_tokens,
         cache=cache,
         prefill_chunk=prefill_chunk,
-        backend=backend,
         policy_params=policy_params,
         mesh=mesh,
     )

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import attention as attention_ops
+from jaxkv.attention import Backend
 from jaxkv.cache.int8 import spill_layer
 from jaxkv.cache.ring import promote_and_push
 from jaxkv.cache.state import Int8Tier, LocalRing, PagePool
@@ -37,7 +38,7 @@ def int8_tier_attention(
     *,
     sm_scale: float,
     return_probs: bool,
-    backend: str,
+    backend: Backend,
 ) -> tuple[jax.Array, ...]:
     """`paged_attention` of q [B, N, C, H] over one layer's int8 tokens, dequantised inside
     the attention (out, lse and, with `return_probs`, per-slot probabilities)."""
@@ -151,7 +152,7 @@ def attend_and_write(
     layer: jax.Array | int,
     sm_scale: float,
     policy: Any,
-    backend: str,
+    backend: Backend,
     read_budget: jax.Array | None = None,
     write_scores: jax.Array | None = None,
     ring: LocalRing | None = None,

@@ -27,7 +27,10 @@ class Backend(enum.Enum):
 
 
 def resolve_backend(backend: str | Backend) -> Backend:
-    """Validates a backend name: "pallas" needs an NVIDIA GPU (Triton); the others run anywhere."""
+    """The `Backend` of a name (or the enum itself), validated: "pallas" needs an NVIDIA GPU
+    (Triton); the others run anywhere. Public entry points (`jaxkv.generate`,
+    `compress_prompt`, `forward`, `forward_cached`) call it once and pass the enum down, so
+    jitted functions are keyed on the enum."""
     try:
         resolved = Backend(backend)
     except ValueError:
