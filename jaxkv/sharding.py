@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.typing import ArrayLike
 
 from jaxkv.models.configs import ModelConfig
 from jaxkv.models.decoder import PARAM_AXES, Model
@@ -153,7 +154,7 @@ def all_shards(flag: jax.Array) -> jax.Array:
 # --- the mesh and what lives on it ----------------------------------------------------------
 
 
-def to_host(x) -> np.ndarray:
+def to_host(x: ArrayLike) -> np.ndarray:
     """x on the host, whole: with several processes an array spread over their devices is
     gathered from all of them (every process must call this); small values only."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -161,7 +162,9 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def make_inference_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
+def make_inference_mesh(
+    data: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
     """A (data, model) mesh over the first data * model devices (Auto axes)."""
     for name, size in (("data", data), ("model", model)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -243,22 +246,24 @@ class InferenceMesh:
         """The batch rows of each data shard."""
         return np.split(np.arange(batch), self.data)
 
-    def rows_per_device(self, array) -> np.ndarray:
+    def rows_per_device(self, array: ArrayLike) -> np.ndarray:
         """[B, ...] -> [S, B/d, ...] (host): each device's rows (repeated over model)."""
         array = np.asarray(array)
         rows = array.reshape(self.data, array.shape[0] // self.data, *array.shape[1:])
         return np.repeat(rows, self.model, axis=0)
 
-    def split_rows(self, array) -> jax.Array:
+    def split_rows(self, array: ArrayLike) -> jax.Array:
         """[B, ...] -> [S, B/d, ...] on the mesh, each device holding its rows."""
         return jax.device_put(self.rows_per_device(array), NamedSharding(self.mesh, _SHARDS_SPEC))
 
-    def join_rows(self, stacked) -> np.ndarray:
+    def join_rows(self, stacked: ArrayLike) -> np.ndarray:
         """[S, B/d, ...] -> [B, ...] (host): the rows of model shard 0 of each data shard."""
         stacked = to_host(stacked)
         return stacked[:: self.model].reshape(-1, *stacked.shape[2:])
 
-    def unshard(self, stacked, row_axis: int, head_axis: int | None = None) -> np.ndarray:
+    def unshard(
+        self, stacked: ArrayLike, row_axis: int, head_axis: int | None = None
+    ) -> np.ndarray:
         """Per-device arrays stacked [S, ...] -> the whole request's array (host): the devices'
         rows joined on `row_axis` and KV heads on `head_axis` (axes of one device's array;
         None: replicated over "model", model shard 0's is taken)."""
@@ -269,7 +274,7 @@ class InferenceMesh:
         data_shards = [np.concatenate(list(x[i]), axis=head_axis) for i in range(self.data)]
         return np.concatenate(data_shards, axis=row_axis)
 
-    def sum_shards(self, stacked) -> np.ndarray:
+    def sum_shards(self, stacked: ArrayLike) -> np.ndarray:
         """[S, ...] -> [...] (host): the sum over every shard (pages, bytes)."""
         return to_host(stacked).sum(axis=0)
 

@@ -11,11 +11,13 @@ to attention; `token_positions` keeps each token's original position for policie
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.slots import merge_slots, slot_view
@@ -72,7 +74,7 @@ class PagePool:
         scales = 0 if self.k_scales is None else 2 * p * self.k_scales.dtype.itemsize
         return kv_bytes + metadata + bounds + scales
 
-    def map_token_data(self, move) -> PagePool:
+    def map_token_data(self, move: Callable[[jax.Array | None], jax.Array | None]) -> PagePool:
         """This pool with `move` applied to every page-aligned per-token field ([P, p, ...]:
         keys, values, positions, scores, int8 token scales), so code that relocates tokens
         (compaction, repacking) moves all of them; `move(None)` must give None."""
@@ -138,7 +140,9 @@ class Int8Tier:
         pages = int(np.sum(to_host(self.pages_in_use())))
         return pages * self.pool.page_bytes + self.channel_scale_bytes
 
-    def merged_view(self, field: str, newer: jax.Array, layer: int | None, empty) -> jax.Array:
+    def merged_view(
+        self, field: str, newer: jax.Array, layer: int | None, empty: float
+    ) -> jax.Array:
         """The int8 tokens' `field` followed by the model-dtype view `newer`, per head slot."""
         table = self.page_table if layer is None else self.page_table[layer]
         lengths = self.lengths if layer is None else self.lengths[layer]
@@ -170,7 +174,14 @@ class LocalRing:
 
     @classmethod
     def create(
-        cls, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, window: int, dtype
+        cls,
+        *,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        window: int,
+        dtype: DTypeLike,
     ) -> LocalRing:
         if window <= 0:
             raise ValueError(f"window={window} must be > 0")
@@ -226,7 +237,7 @@ class KVState:
         max_tokens: int,
         page_size: int,
         num_pages: int,
-        dtype=jnp.bfloat16,
+        dtype: DTypeLike = jnp.bfloat16,
         key_bounds: bool = False,
         local_window: int = 0,
     ) -> KVState:

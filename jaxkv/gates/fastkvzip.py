@@ -25,13 +25,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.models.configs import ModelConfig
+
 GATE_DIM = 16
 NUM_SINKS = 16
 NORM_EPS = 1e-6
+# The gates: name -> array, every leaf stacked [L, ...] (layout in the module docstring).
+GateParams = dict[str, jax.Array]
 
 
 def param_shapes(
-    model_config, gate_dim: int = GATE_DIM, num_sinks: int = NUM_SINKS
+    model_config: ModelConfig, gate_dim: int = GATE_DIM, num_sinks: int = NUM_SINKS
 ) -> dict[str, tuple[int, ...]]:
     """Shapes of every gate parameter for `model_config` (layout in the module docstring)."""
     cfg = model_config
@@ -60,8 +64,8 @@ PARAM_AXES = {
 
 
 def init_params(
-    model_config, key: jax.Array, gate_dim: int = GATE_DIM, num_sinks: int = NUM_SINKS
-) -> dict[str, jax.Array]:
+    model_config: ModelConfig, key: jax.Array, gate_dim: int = GATE_DIM, num_sinks: int = NUM_SINKS
+) -> GateParams:
     """f32 gate parameters: projections N(0, 1/D), sinks N(0, 1), unit norms, zero biases."""
     shapes = param_shapes(model_config, gate_dim, num_sinks)
     keys = dict(zip(shapes, jax.random.split(key, len(shapes)), strict=True))
@@ -79,7 +83,7 @@ def init_params(
     return params
 
 
-def check_params(params, model_config) -> None:
+def check_params(params: GateParams, model_config: ModelConfig) -> None:
     """Raises ValueError unless `params` is a gate tree for `model_config` (any E and S)."""
     if not isinstance(params, dict) or set(params) != set(param_shapes(model_config)):
         got = sorted(params) if isinstance(params, dict) else type(params).__name__
@@ -103,7 +107,7 @@ def _rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS) * weight
 
 
-def head_scores(layer_params, h: jax.Array) -> jax.Array:
+def head_scores(layer_params: GateParams, h: jax.Array) -> jax.Array:
     """f32 [B, K, G, C] per-query-head scores score_{k,j} of one layer for h [B, C, D]."""
     p = layer_params
     h = h.astype(jnp.float32)
@@ -115,12 +119,12 @@ def head_scores(layer_params, h: jax.Array) -> jax.Array:
     return jax.nn.sigmoid(logit - jax.nn.logsumexp(sinks, axis=-1))
 
 
-def gate_scores(layer_params, h: jax.Array) -> jax.Array:
+def gate_scores(layer_params: GateParams, h: jax.Array) -> jax.Array:
     """f32 [B, K, C]: the gate's keep score of every token, averaged over the group."""
     return jnp.mean(head_scores(layer_params, h), axis=2)
 
 
-def layer_slice(params, layer: int):
+def layer_slice(params: GateParams, layer: int) -> GateParams:
     """One layer's parameters (the leaves' [L] axis indexed)."""
     return jax.tree.map(lambda x: x[layer], params)
 
@@ -128,7 +132,7 @@ def layer_slice(params, layer: int):
 # --- persistence ---------------------------------------------------------------------------
 
 
-def save_safetensors(params, path: str | Path, metadata: dict | None = None) -> None:
+def save_safetensors(params: GateParams, path: str | Path, metadata: dict | None = None) -> None:
     """Writes the gate tree as f32 tensors named like its keys (plus string metadata)."""
     from safetensors.numpy import save_file
 
@@ -138,7 +142,7 @@ def save_safetensors(params, path: str | Path, metadata: dict | None = None) -> 
     save_file(tensors, str(path), metadata=meta)
 
 
-def load_safetensors(path: str | Path, model_config=None) -> dict[str, jax.Array]:
+def load_safetensors(path: str | Path, model_config: ModelConfig | None = None) -> GateParams:
     """Reads a gate tree written by `save_safetensors`; checked against `model_config` if given."""
     from safetensors.numpy import load_file
 
@@ -148,7 +152,7 @@ def load_safetensors(path: str | Path, model_config=None) -> dict[str, jax.Array
     return params
 
 
-def save_orbax(params, directory: str | Path) -> None:
+def save_orbax(params: GateParams, directory: str | Path) -> None:
     """Writes the gate tree as an orbax checkpoint at `directory` (must not exist)."""
     import orbax.checkpoint as ocp
 
@@ -156,7 +160,7 @@ def save_orbax(params, directory: str | Path) -> None:
         checkpointer.save(Path(directory).absolute(), params)
 
 
-def load_orbax(directory: str | Path, model_config) -> dict[str, jax.Array]:
+def load_orbax(directory: str | Path, model_config: ModelConfig) -> GateParams:
     """Reads an orbax gate checkpoint, checked against `model_config`."""
     import orbax.checkpoint as ocp
 

@@ -133,7 +133,7 @@ def expected_shapes(model_config: ModelConfig, width: int) -> dict[str, tuple[in
     }
 
 
-def check_write_gates(params, model_config: ModelConfig) -> None:
+def check_write_gates(params: GateParams, model_config: ModelConfig) -> None:
     """Raises ValueError naming the mismatch (layers, KV heads, head dim, hidden width, dtype)
     when `params` are not write gates for this model."""
     if not isinstance(params, dict) or set(params) != set(PARAM_NAMES):
