@@ -116,10 +116,9 @@ def test_policy_tokens_equal_one_device_on_a_2x4_mesh(model, prompts, name):
 
 
 def test_int8_storage_tokens_and_bytes_equal_one_device(model, prompts):
-    policy = policies.get(
-        "h2o", budget=0.5, evict_every=4, storage="int8", full_precision_window=32
-    )
-    kwargs = dict(max_new_tokens=NEW_TOKENS, policy=policy, stop_tokens=[])
+    policy = policies.get("h2o", budget=0.5, evict_every=4)
+    int8 = jaxkv.CacheConfig(storage="int8", full_precision_window=32)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, policy=policy, cache=int8, stop_tokens=[])
     one = jaxkv.generate(model, prompts[:4], **kwargs)
     sharded = jaxkv.generate(model, prompts[:4], mesh=_mesh(2, 2).mesh, **kwargs)
     np.testing.assert_array_equal(sharded.tokens, one.tokens)
