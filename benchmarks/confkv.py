@@ -13,11 +13,20 @@
   kl      Pearson r between the confidence of the full-context next-token distribution and the
           KL shift KL(p_full || p_ablated) when the newest 256 tokens before the query are
           removed from its context (the query token itself stays), on held-out text.
+  ablation  why Conf-KV closes less of the sliding window's gap than the paper: one row per
+          Conf-KV variant (per-layer/per-head ranking, evict_every, alpha, beta, random victims,
+          a fixed budget, tau, budgets halved/doubled), each against the full cache and a
+          sliding window holding the same tokens per head, with a bootstrap interval over texts.
+
+Baselines at "equal memory" evict at every step (`evict_every=1`), so that they hold exactly the
+tokens per head Conf-KV held on average (with the default `evict_every=32` a window of budget W
+holds W..W+31).
 
 Memory is what the cache actually holds (`memory_bytes`: pages in use of both tiers, scales and
 per-token metadata), averaged over decode steps. Sample counts are small (CPU); see --help.
 
     PYTHONPATH=$PWD python -m jaxkv.benchmarks.confkv --out results/confkv
+    PYTHONPATH=$PWD python -m jaxkv.benchmarks.confkv --parts ablation --set ablation_texts=12
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import platform
+import sys
 import time
 from pathlib import Path
 
@@ -40,7 +52,7 @@ from jaxkv.forward import forward_cached
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.models.decoder import forward, logits_from_hidden
 from jaxkv.policies.base import DecodeContext, after_decode_step
-from jaxkv.policies.confkv import Ranking, confidence
+from jaxkv.policies.confkv import Ranking, confidence, is_confident
 from jaxkv.train import corpus as corpus_lib
 
 REFERENCE_MODEL = bundled.REFERENCE_MODEL
@@ -66,6 +78,9 @@ class Settings:
     kl_length: int = 768
     kl_ablated: int = 256
     bins: int = 4
+    ablation_texts: int = 12
+    ablation_continuation: int = 256  # after the same `prefix`
+    bootstrap: int = 2000  # resamples of the texts for the gap-closed interval
 
 
 QUICK = Settings(
@@ -84,6 +99,9 @@ QUICK = Settings(
     kl_length=320,
     kl_ablated=64,
     bins=2,
+    ablation_texts=2,
+    ablation_continuation=32,
+    bootstrap=200,
 )
 
 
@@ -101,8 +119,9 @@ def _read(
     """Reads tokens [B, N] one by one from positions `starts` [B], the policy's decode hook
     after each (on the steps it is due, as in `generate`).
 
-    Returns per step: nll f32 [N, B] of targets, confidence [N, B], pages in use of both
-    tiers [N, 2], mean tokens held per head [N].
+    Returns per step: nll f32 [N, B] of targets, confidence [N, B], tight-budget steps
+    bool [N, B] (Conf-KV's rule; False for other policies), pages in use of both tiers [N, 2],
+    mean tokens held per head [N].
     """
 
     def step(kv, xs):
@@ -132,7 +151,11 @@ def _read(
         int8_pages = 0 if kv.pool.int8 is None else kv.pool.int8.pages_in_use()
         pages = jnp.stack([kv.pages_in_use(), jnp.asarray(int8_pages, jnp.int32)])
         held = jnp.mean(kv.lengths.astype(jnp.float32))
-        return kv, (nll, confidence(logits), pages, held)
+        if isinstance(policy, policies.ConfKV):
+            confident = is_confident(logits, policy.tau, policy.weights)
+        else:
+            confident = jnp.zeros(logits.shape[:1], bool)
+        return kv, (nll, confidence(logits), confident, pages, held)
 
     steps = jnp.arange(tokens.shape[1])
     _, out = jax.lax.scan(step, kv, (tokens.T, targets.T, steps))
@@ -163,7 +186,7 @@ def teacher_forced(model, policy, texts: list[bytes], s: Settings, policy_params
     )
     starts = np.full((len(texts),), prefix, np.int32)
     budget_tokens = jnp.asarray(policy.budget_tokens(starts))
-    nll, conf, pages, held = _read(
+    nll, conf, confident, pages, held = _read(
         model,
         kv,
         jnp.asarray(rows[:, prefix : prefix + s.continuation]),
@@ -175,17 +198,18 @@ def teacher_forced(model, policy, texts: list[bytes], s: Settings, policy_params
         policy_params,
         policy.static(),
     )
-    nll, conf, pages, held = (np.asarray(x) for x in (nll, conf, pages, held))
+    nll, conf, confident, pages, held = (np.asarray(x) for x in (nll, conf, confident, pages, held))
     memory = _bytes_per_step(kv, pages) / len(texts)
     bins = np.array_split(np.arange(nll.shape[0]), s.bins)
     return {
         "bits_per_byte": float(nll.mean() / math.log(2)),
+        "bits_per_byte_per_text": (nll.mean(axis=0) / math.log(2)).tolist(),
         "bits_per_byte_by_length": [
             {"until": int(b[-1]) + 1, "bpb": float(nll[b].mean() / math.log(2))} for b in bins
         ],
         "kv_bytes_per_sequence": float(memory.mean()),
         "tokens_per_head": float(held.mean()),
-        "confident_fraction": float(np.mean(conf >= getattr(policy, "tau", policies.ConfKV.tau))),
+        "confident_fraction": float(np.mean(confident)),
         "trace": {
             "kv_bytes": memory.tolist(),
             "tokens_per_head": held.tolist(),
@@ -195,12 +219,13 @@ def teacher_forced(model, policy, texts: list[bytes], s: Settings, policy_params
 
 
 def ppl_policies(s: Settings, matched: int) -> dict:
-    """Policies of the perplexity comparison; baselines at `matched` tokens per head."""
+    """Policies of the perplexity comparison; baselines at `matched` tokens per head, evicting
+    at every step so that they hold exactly that many."""
     confkv = policies.ConfKV(tight=s.tight, loose=s.loose, protected=s.protected)
     return {
-        "h2o": policies.H2O(budget=matched, recent=s.protected),
-        "sliding_window": policies.SlidingWindow(budget=matched),
-        "streaming_llm": policies.StreamingLLM(budget=matched),
+        "h2o": policies.H2O(budget=matched, recent=s.protected, evict_every=1),
+        "sliding_window": policies.SlidingWindow(budget=matched, evict_every=1),
+        "streaming_llm": policies.StreamingLLM(budget=matched, evict_every=1),
         "confkv_pyramid": dataclasses.replace(confkv, pyramid=True),
         # F below the tight budget, so that the int8 tier holds something.
         "confkv_int8": dataclasses.replace(confkv, storage="int8", full_precision_window=32),
@@ -210,6 +235,37 @@ def ppl_policies(s: Settings, matched: int) -> dict:
     }
 
 
+def gap_closed(full, window, policy, rng: np.random.Generator, resamples: int) -> dict:
+    """Share of the window's gap to the full cache that `policy` closes, from per-text bits per
+    byte [T] (equal lengths): (sum window - sum policy) / (sum window - sum full), with a 90%
+    percentile interval from resampling the texts (paired: the same texts for all three)."""
+    full, window, policy = (np.asarray(x, np.float64) for x in (full, window, policy))
+    gap = window.sum() - full.sum()
+    picks = rng.integers(0, len(full), (resamples, len(full)))
+    resampled_gap = window[picks].sum(axis=1) - full[picks].sum(axis=1)
+    ok = resampled_gap > 0
+    shares = (window[picks].sum(axis=1) - policy[picks].sum(axis=1))[ok] / resampled_gap[ok]
+    return {
+        "share": float((window.sum() - policy.sum()) / gap) if gap else None,
+        "interval_90": np.percentile(shares, [5, 95]).tolist() if shares.size else None,
+        "per_text": ((window - policy) / np.where(window != full, window - full, np.nan)).tolist(),
+        "texts": len(full),
+    }
+
+
+def _close_gaps(results: dict, window: dict, full: dict, s: Settings, task: str) -> None:
+    for result in results.values():
+        closed = gap_closed(
+            full["bits_per_byte_per_text"],
+            window["bits_per_byte_per_text"],
+            result["bits_per_byte_per_text"],
+            _rng(task),
+            s.bootstrap,
+        )
+        result["sliding_gap_closed"] = closed["share"]
+        result["gap_closed"] = closed
+
+
 def run_ppl(model, corpus, s: Settings, log=print) -> dict:
     rng = _rng("ppl")
     texts = [corpus.text(rng, s.prefix + s.continuation + 1) for _ in range(s.texts)]
@@ -217,16 +273,86 @@ def run_ppl(model, corpus, s: Settings, log=print) -> dict:
     log("ppl full", results["full"]["bits_per_byte"])
     confkv = policies.ConfKV(tight=s.tight, loose=s.loose, protected=s.protected)
     results["confkv"] = teacher_forced(model, confkv, texts, s)
-    log("ppl confkv", results["confkv"]["bits_per_byte"])
+    log("ppl confkv", results["confkv"]["bits_per_byte"], results["confkv"]["tokens_per_head"])
     matched = max(int(round(results["confkv"]["tokens_per_head"])), 1)
     for name, policy in ppl_policies(s, matched).items():
         results[name] = teacher_forced(model, policy, texts, s)
         log("ppl", name, results[name]["bits_per_byte"], results[name]["tokens_per_head"])
-    window, full = results["sliding_window"]["bits_per_byte"], results["full"]["bits_per_byte"]
-    for result in results.values():
-        gap = window - full
-        result["sliding_gap_closed"] = (window - result["bits_per_byte"]) / gap if gap else None
-    return {"matched_tokens_per_head": matched, "policies": results}
+    _close_gaps(results, results["sliding_window"], results["full"], s, "ppl-bootstrap")
+    return {"matched_tokens_per_head": matched, "texts": len(texts), "policies": results}
+
+
+# --- ablation: why the gap closes less than in the paper --------------------------------------
+
+
+def ablation_rows(s: Settings) -> dict:
+    """Conf-KV variants of the ablation, each changing one thing from the first."""
+    base = policies.ConfKV(tight=s.tight, loose=s.loose, protected=s.protected)
+    fixed = dataclasses.replace(base, loose=s.tight)  # one budget: the ranking alone
+    return {
+        "default": base,  # per-layer ranking, evict_every 32, alpha 0.5, beta 0.9, tau 0.7
+        "per_head": dataclasses.replace(base, per_head=True),
+        "evict_every_1": dataclasses.replace(base, evict_every=1),
+        "per_head_evict_every_1": dataclasses.replace(base, per_head=True, evict_every=1),
+        "recency_alpha0": dataclasses.replace(base, alpha=0.0),  # the schedule alone
+        "attention_alpha1": dataclasses.replace(base, alpha=1.0),
+        "random_victims": dataclasses.replace(base, ranking=Ranking.RANDOM),
+        "beta_0.99": dataclasses.replace(base, beta=0.99),
+        "fixed_budget": fixed,
+        "fixed_budget_recency": dataclasses.replace(fixed, alpha=0.0),
+        "tau_0.5": dataclasses.replace(base, tau=0.5),
+        "tau_0.9": dataclasses.replace(base, tau=0.9),
+        "budgets_x0.5": dataclasses.replace(
+            base, tight=s.tight // 2, loose=s.loose // 2, protected=s.protected // 2
+        ),
+        "budgets_x2": dataclasses.replace(
+            base, tight=2 * s.tight, loose=2 * s.loose, protected=2 * s.protected
+        ),
+    }
+
+
+def _summary(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "trace"}
+
+
+def run_ablation(model, corpus, s: Settings, rows: list[str] | None = None, log=print) -> dict:
+    """Each row: Conf-KV variant, a sliding window holding the tokens per head it held
+    (evicting every step), the full cache, the gap closed with its interval, on the same texts."""
+    variants = ablation_rows(s)
+    unknown = sorted(set(rows or ()) - set(variants))
+    if unknown:
+        raise ValueError(f"unknown ablation rows {unknown}: the rows are {list(variants)}")
+    variants = {name: variants[name] for name in rows} if rows else variants
+    read = dataclasses.replace(s, continuation=s.ablation_continuation)
+    rng = _rng("ablation")
+    texts = [corpus.text(rng, s.prefix + read.continuation + 1) for _ in range(s.ablation_texts)]
+    full = _summary(teacher_forced(model, policies.FullCache(), texts, read))
+    log("ablation full", full["bits_per_byte"])
+    windows, out = {}, {}
+    for name, policy in variants.items():
+        result = _summary(teacher_forced(model, policy, texts, read))
+        matched = max(int(round(result["tokens_per_head"])), 1)
+        if matched not in windows:
+            window = policies.SlidingWindow(budget=matched, evict_every=1)
+            windows[matched] = _summary(teacher_forced(model, window, texts, read))
+        window = windows[matched]
+        closed = gap_closed(
+            full["bits_per_byte_per_text"],
+            window["bits_per_byte_per_text"],
+            result["bits_per_byte_per_text"],
+            _rng("ablation-bootstrap"),
+            s.bootstrap,
+        )
+        out[name] = {"policy": repr(policy), "confkv": result, "window_tokens": matched}
+        out[name] |= {"window": window, "gap_closed": closed}
+        log("ablation", name, result["bits_per_byte"], window["bits_per_byte"], closed["share"])
+    return {
+        "texts": len(texts),
+        "prefix": s.prefix,
+        "continuation": read.continuation,
+        "full": full,
+        "rows": out,
+    }
 
 
 # --- needles -----------------------------------------------------------------------------
@@ -363,51 +489,144 @@ def plot_ppl(ppl: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _interval(closed: dict) -> str:
+    if closed["interval_90"] is None:
+        return "-"
+    low, high = closed["interval_90"]
+    return f"{closed['share']:.2f} [{low:.2f}, {high:.2f}]"
+
+
 def table(report: dict) -> str:
+    lines = []
+    if "ppl" in report:
+        ppl = report["ppl"]
+        lines += [
+            f"Perplexity ({ppl['texts']} texts; gap closed with a 90% bootstrap interval over "
+            "texts)",
+            "",
+            "| policy | bpb | gap closed | tokens/head | KV KiB/seq | confident |",
+            "|---" * 6 + "|",
+        ]
+        for name, r in ppl["policies"].items():
+            lines.append(
+                f"| {name} | {r['bits_per_byte']:.4f} | {_interval(r['gap_closed'])} | "
+                f"{r['tokens_per_head']:.0f} | {r['kv_bytes_per_sequence'] / 1024:.0f} | "
+                f"{r['confident_fraction']:.2f} |"
+            )
+        lines.append("")
+    if "needle" in report:
+        lines += ["| policy | needle acc | tokens/head | KV KiB/seq |", "|---" * 4 + "|"]
+        for name, r in report["needle"]["policies"].items():
+            lines.append(
+                f"| {name} | {r['accuracy']:.2f} | {r['tokens_per_head']:.0f} | "
+                f"{r['kv_bytes_per_sequence'] / 1024:.0f} |"
+            )
+        lines.append("")
+    if "kl" in report:
+        kl = report["kl"]
+        lines += [f"KL premise: Pearson r = {kl['pearson_r']:.3f} over {kl['points']} points", ""]
+    if "ablation" in report:
+        lines += ablation_table(report["ablation"])
+    return "\n".join(lines)
+
+
+def ablation_table(ablation: dict) -> list[str]:
     lines = [
-        "| policy | bpb | gap closed | tokens/head | KV KiB/seq | confident |",
-        "|---" * 6 + "|",
+        f"Ablation ({ablation['texts']} texts, {ablation['prefix']} bytes prefilled, "
+        f"{ablation['continuation']} read; full cache {ablation['full']['bits_per_byte']:.4f} "
+        "bpb; gap closed with a 90% bootstrap interval over texts)",
+        "",
+        "| row | full | window (tokens) | Conf-KV | Conf-KV tokens/head | confident | gap closed |",
+        "|---" * 7 + "|",
     ]
-    for name, r in report["ppl"]["policies"].items():
-        gap = "-" if r["sliding_gap_closed"] is None else f"{r['sliding_gap_closed']:.2f}"
+    full = ablation["full"]["bits_per_byte"]
+    for name, row in ablation["rows"].items():
+        confkv, window = row["confkv"], row["window"]
         lines.append(
-            f"| {name} | {r['bits_per_byte']:.4f} | {gap} | {r['tokens_per_head']:.0f} | "
-            f"{r['kv_bytes_per_sequence'] / 1024:.0f} | {r['confident_fraction']:.2f} |"
+            f"| {name} | {full:.4f} | {window['bits_per_byte']:.4f} ({row['window_tokens']}) | "
+            f"{confkv['bits_per_byte']:.4f} | {confkv['tokens_per_head']:.1f} | "
+            f"{confkv['confident_fraction']:.2f} | {_interval(row['gap_closed'])} |"
         )
-    lines += ["", "| policy | needle acc | tokens/head | KV KiB/seq |", "|---" * 4 + "|"]
-    for name, r in report["needle"]["policies"].items():
-        lines.append(
-            f"| {name} | {r['accuracy']:.2f} | {r['tokens_per_head']:.0f} | "
-            f"{r['kv_bytes_per_sequence'] / 1024:.0f} |"
-        )
-    kl = report["kl"]
-    lines += ["", f"KL premise: Pearson r = {kl['pearson_r']:.3f} over {kl['points']} points"]
-    return "\n".join(lines) + "\n"
+    return [*lines, ""]
 
 
 def _timed_log(*args):
     print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
 
 
+PARTS = ("kl", "ppl", "needle", "ablation")
+
+
+def _settings(base: Settings, assignments: list[str]) -> Settings:
+    """`base` with NAME=VALUE overrides (integers)."""
+    fields = {field.name for field in dataclasses.fields(Settings)}
+    values = {}
+    for assignment in assignments:
+        name, _, value = assignment.partition("=")
+        if name not in fields or not value:
+            raise SystemExit(f"--set {assignment!r}: expected NAME=INT, NAME one of {fields}")
+        values[name] = int(value)
+    return dataclasses.replace(base, **values)
+
+
+def _provenance(argv: list[str]) -> dict:
+    device = jax.devices()[0]
+    return {
+        "command": " ".join(["python -m jaxkv.benchmarks.confkv", *argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "jax": jax.__version__,
+        "machine": {
+            "device": f"{device.platform}: {device.device_kind}",
+            "host": f"{platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs",
+            "load_average_at_start": os.getloadavg(),
+        },
+    }
+
+
 def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m jaxkv.benchmarks.confkv", description=__doc__)
     parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
     parser.add_argument("--quick", action="store_true", help="tiny settings (tests)")
     parser.add_argument("--out", type=Path, default=Path("results/confkv"))
+    parser.add_argument(
+        "--parts",
+        default="kl,ppl,needle",
+        help=f"comma-separated, of {','.join(PARTS)}; files are named confkv.json for the "
+        "default and confkv-<parts>.json otherwise",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="NAME=INT", help="override a setting"
+    )
+    parser.add_argument("--rows", default=None, help="ablation rows (comma-separated; all)")
     args = parser.parse_args(argv)
-    s = QUICK if args.quick else Settings()
+    parts = args.parts.split(",")
+    if not parts or set(parts) - set(PARTS):
+        raise SystemExit(f"--parts {args.parts!r}: expected a comma-separated subset of {PARTS}")
+    s = _settings(QUICK if args.quick else Settings(), args.set)
     model = load_hf_checkpoint(args.model, dtype="float32")
     heldout = corpus_lib.load_corpus("heldout")
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"settings": dataclasses.asdict(s), "jax": jax.__version__}
-    report["kl"] = run_kl(model, heldout, s, log=_timed_log)
-    report["ppl"] = run_ppl(model, heldout, s, log=_timed_log)
-    report["needle"] = run_needles(model, heldout, s, log=_timed_log)
-    (args.out / "confkv.json").write_text(json.dumps(report) + "\n")
-    plot_trace(report["ppl"]["policies"]["confkv"], args.out / "trace.png")
-    plot_ppl(report["ppl"], args.out / "ppl_by_length.png")
+    started = time.time()
+    report = {**_provenance(argv), "settings": dataclasses.asdict(s)}
+    if "kl" in parts:
+        report["kl"] = run_kl(model, heldout, s, log=_timed_log)
+    if "ppl" in parts:
+        report["ppl"] = run_ppl(model, heldout, s, log=_timed_log)
+    if "needle" in parts:
+        report["needle"] = run_needles(model, heldout, s, log=_timed_log)
+    if "ablation" in parts:
+        rows = args.rows.split(",") if args.rows else None
+        report["ablation"] = run_ablation(model, heldout, s, rows, log=_timed_log)
+    report["seconds"] = time.time() - started
+    stem = "confkv" if parts == ["kl", "ppl", "needle"] else "-".join(["confkv", *parts])
+    (args.out / f"{stem}.json").write_text(json.dumps(report) + "\n")
+    if "ppl" in parts:
+        prefix = "" if stem == "confkv" else f"{stem}-"
+        plot_trace(report["ppl"]["policies"]["confkv"], args.out / f"{prefix}trace.png")
+        plot_ppl(report["ppl"], args.out / f"{prefix}ppl_by_length.png")
     text = table(report)
-    (args.out / "confkv.md").write_text(text)
+    (args.out / f"{stem}.md").write_text(text)
     print(text)
     return report
 

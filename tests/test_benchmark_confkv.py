@@ -1,5 +1,7 @@
 """The Conf-KV benchmark's teacher-forced reader runs the policy's decode hook as `generate`."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -25,3 +27,45 @@ def test_teacher_forced_read_holds_the_budget_on_due_steps(model, evict_every):
     due = np.arange(1, len(held) + 1) % evict_every == 0
     assert np.all(held[due] <= 40)
     assert held.min() >= 24
+
+
+def test_gap_closed_share_and_interval():
+    full = [1.0, 2.0, 1.5]
+    window = [2.0, 3.0, 2.5]  # gap 1 on every text
+    policy = [1.5, 2.75, 1.75]  # closes 0.5, 0.25, 0.75
+    closed = bench.gap_closed(full, window, policy, np.random.default_rng(0), resamples=500)
+    assert closed["share"] == pytest.approx(0.5)
+    assert closed["per_text"] == pytest.approx([0.5, 0.25, 0.75])
+    low, high = closed["interval_90"]
+    assert 0.25 <= low < 0.5 < high <= 0.75
+    assert closed["texts"] == 3
+
+
+def test_ablation_rows_change_one_thing_each():
+    s = bench.Settings()
+    rows = bench.ablation_rows(s)
+    base = rows["default"]
+    assert (base.per_head, base.evict_every, base.alpha) == (False, 32, 0.5)
+    assert rows["per_head"] == dataclasses.replace(base, per_head=True)
+    assert rows["fixed_budget"].tight == rows["fixed_budget"].loose == s.tight
+    assert (rows["budgets_x2"].tight, rows["budgets_x2"].loose) == (2 * s.tight, 2 * s.loose)
+
+
+def test_tiny_ablation_matches_the_window_to_confkv_memory(model):
+    from jaxkv.train import corpus as corpus_lib
+
+    s = dataclasses.replace(
+        bench.QUICK, prefix=96, tight=24, loose=40, protected=8, ablation_continuation=12
+    )
+    out = bench.run_ablation(
+        model, corpus_lib.load_corpus("heldout"), s, ["default", "evict_every_1"], log=print
+    )
+    assert (out["texts"], out["continuation"]) == (2, 12)
+    for row in out["rows"].values():
+        held = row["confkv"]["tokens_per_head"]
+        assert row["window_tokens"] == round(held)
+        assert row["window"]["tokens_per_head"] == row["window_tokens"]  # every step, exactly
+        assert len(row["confkv"]["bits_per_byte_per_text"]) == 2
+        assert set(row["gap_closed"]) == {"share", "interval_90", "per_text", "texts"}
+    with pytest.raises(ValueError, match="unknown ablation rows"):
+        bench.run_ablation(model, corpus_lib.load_corpus("heldout"), s, ["nope"])
