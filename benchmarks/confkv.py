@@ -58,6 +58,9 @@ from jaxkv.train import corpus as corpus_lib
 REFERENCE_MODEL = bundled.REFERENCE_MODEL
 BOS, EOS, PAD = 256, 257, 258
 PAGE_SIZE = 16
+PAGES = jaxkv.CacheConfig(page_size=PAGE_SIZE)
+# Conf-KV's mixed precision: F below the tight budget, so that the int8 tier holds something.
+INT8_CACHE = jaxkv.CacheConfig(page_size=PAGE_SIZE, storage="int8", full_precision_window=32)
 SEED = 20_000  # disjoint from training (< 10000) and the quality benchmark (10000+)
 
 
@@ -171,16 +174,19 @@ def _bytes_per_step(kv, pages: np.ndarray) -> np.ndarray:
     return held
 
 
-def teacher_forced(model, policy, texts: list[bytes], s: Settings, policy_params=None) -> dict:
+def teacher_forced(
+    model, policy, texts: list[bytes], s: Settings, policy_params=None, cache=None
+) -> dict:
     """Prefills `s.prefix` bytes of each text, then reads `s.continuation` bytes token by token
-    with the policy's decode hook after each; bits per byte, memory held and the trace."""
+    with the policy's decode hook after each; bits per byte, memory held and the trace.
+    `cache`: the CacheConfig (default: pages of PAGE_SIZE in the model dtype)."""
     rows = np.array([[BOS, *text] for text in texts], np.int32)
     prefix = s.prefix + 1
     kv = jaxkv.compress_prompt(
         model,
         rows[:, :prefix],
         policy,
-        page_size=PAGE_SIZE,
+        cache=cache or PAGES,
         reserve_tokens=s.continuation,
         policy_params=policy_params,
     )
@@ -227,8 +233,7 @@ def ppl_policies(s: Settings, matched: int) -> dict:
         "sliding_window": policies.SlidingWindow(budget=matched, evict_every=1),
         "streaming_llm": policies.StreamingLLM(budget=matched, evict_every=1),
         "confkv_pyramid": dataclasses.replace(confkv, pyramid=True),
-        # F below the tight budget, so that the int8 tier holds something.
-        "confkv_int8": dataclasses.replace(confkv, storage="int8", full_precision_window=32),
+        "confkv_int8": (confkv, INT8_CACHE),  # (policy, cache)
         "confkv_random": dataclasses.replace(confkv, ranking=Ranking.RANDOM),
         "confkv_recency_alpha0": dataclasses.replace(confkv, alpha=0.0),
         "confkv_attention_alpha1": dataclasses.replace(confkv, alpha=1.0),
@@ -276,7 +281,8 @@ def run_ppl(model, corpus, s: Settings, log=print) -> dict:
     log("ppl confkv", results["confkv"]["bits_per_byte"], results["confkv"]["tokens_per_head"])
     matched = max(int(round(results["confkv"]["tokens_per_head"])), 1)
     for name, policy in ppl_policies(s, matched).items():
-        results[name] = teacher_forced(model, policy, texts, s)
+        policy, cache = policy if isinstance(policy, tuple) else (policy, None)
+        results[name] = teacher_forced(model, policy, texts, s, cache=cache)
         log("ppl", name, results[name]["bits_per_byte"], results[name]["tokens_per_head"])
     _close_gaps(results, results["sliding_window"], results["full"], s, "ppl-bootstrap")
     return {"matched_tokens_per_head": matched, "texts": len(texts), "policies": results}
@@ -358,7 +364,7 @@ def run_ablation(model, corpus, s: Settings, rows: list[str] | None = None, log=
 # --- needles -----------------------------------------------------------------------------
 
 
-def needle_accuracy(model, policy, episodes) -> dict:
+def needle_accuracy(model, policy, episodes, cache=None) -> dict:
     prompts = [[BOS, *e.prompt] for e in episodes]
     out = jaxkv.generate(
         model,
@@ -367,7 +373,7 @@ def needle_accuracy(model, policy, episodes) -> dict:
         policy=policy,
         stop_tokens=[EOS],
         pad_id=PAD,
-        page_size=PAGE_SIZE,
+        cache=cache or PAGES,
     )
     correct = [
         bytes(int(t) for t in out.tokens[i, : len(e.answer)] if t < 256) == e.answer
@@ -393,14 +399,15 @@ def run_needles(model, corpus, s: Settings, log=print) -> dict:
     matched = max(int(round(results["confkv"]["tokens_per_head"])), 1)
     others = {
         "confkv_pyramid": dataclasses.replace(confkv, pyramid=True),
-        "confkv_int8": dataclasses.replace(confkv, storage="int8"),
+        "confkv_int8": (confkv, jaxkv.CacheConfig(page_size=PAGE_SIZE, storage="int8")),
         "snapkv": policies.SnapKV(budget=matched),
         "pyramidkv": policies.PyramidKV(budget=matched),
         "h2o": policies.H2O(budget=matched, recent=s.protected),
         "sliding_window": policies.SlidingWindow(budget=matched),
     }
     for name, policy in others.items():
-        results[name] = needle_accuracy(model, policy, episodes)
+        policy, cache = policy if isinstance(policy, tuple) else (policy, None)
+        results[name] = needle_accuracy(model, policy, episodes, cache=cache)
         log("needle", name, results[name])
     return {"matched_tokens_per_head": matched, "policies": results}
 
@@ -428,7 +435,7 @@ def run_kl(model, corpus, s: Settings, log=print) -> dict:
             model,
             [p.tolist() for p in prefixes],
             full_policy,
-            page_size=PAGE_SIZE,
+            cache=PAGES,
             reserve_tokens=1,
         )
         ablated = _query_logits(
