@@ -495,7 +495,7 @@ def test_wgkv_with_quest_kernel_backend_equals_xla(backend):
         policy=policies.compose(WGKV, policies.Quest(budget=8)),
         policy_params=gates,
         stop_tokens=(),
-        page_size=PAGE,
+        cache=jaxkv.CacheConfig(page_size=PAGE),
         prefill_chunk=16,
     )
     want = jaxkv.generate(model, prompts, **kwargs)
