@@ -389,4 +389,3 @@ def as_inference_mesh(mesh: Mesh | InferenceMesh | None) -> InferenceMesh | None
     if mesh is None or isinstance(mesh, InferenceMesh):
         return mesh
     return InferenceMesh(mesh)
-
