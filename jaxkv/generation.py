@@ -530,8 +530,21 @@ def _decode_step(
         group_size=model.config.group_size,
     )
     kv = after_decode_step(policy, kv, ctx)
-    token = sampler(logits, jax.random.fold_in(step_key, 0))
+    token = _sample(sampler, logits, jax.random.fold_in(step_key, 0))
     return _record(state, kv, logits, token, stop_tokens, pad_id, policy)
+
+
+def _sample(sampler: Sampler, logits: jax.Array, key: jax.Array) -> jax.Array:
+    """int32 [B] tokens from logits [B, V]; row b draws with `fold_in(key, b)` (b: its row in
+    the whole request), so sampled tokens do not depend on the batch's split over a mesh."""
+    if sampler.greedy:
+        return sampler(logits, key)
+    row_keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(
+        sharding.global_rows(logits.shape[0])
+    )
+    return jax.vmap(lambda row_logits, row_key: sampler(row_logits[None], row_key)[0])(
+        logits, row_keys
+    )
 
 
 def _record(
@@ -608,7 +621,7 @@ def _decode(
         confidence=jnp.zeros((steps_bucket, b), jnp.float32) if records_confidence else None,
         key=key,
     )
-    token = sampler(logits, jax.random.fold_in(key, 0))
+    token = _sample(sampler, logits, jax.random.fold_in(key, 0))
     state = _record(state, kv, logits, token, stop_tokens, pad_id, policy)
 
     def keep_going(state: GenState):
@@ -805,8 +818,8 @@ def generate(
       mesh: a (data, model) device mesh (`jaxkv.sharding.make_inference_mesh`) to run on:
         batch rows split over "data", KV heads (with their query heads and MLP columns) over
         "model"; each device holds the pages of its own rows and heads, and `cache.num_pages` is per
-        device. Greedy tokens equal one device's; a sampler draws per device, so sampled ones
-        differ. None: one device.
+        device. Tokens equal one device's, sampled ones too (each row draws with its own key).
+        None: one device.
     Shapes that depend on the request (pool and table sizes, prompt padding, max_new_tokens)
     are bucketed (`jaxkv.cache.geometry`), so a stream of requests compiles a bounded number of
     times; budgets travel as arrays and never recompile.

@@ -207,3 +207,18 @@ def test_a_stacked_state_refuses_single_device_views(model, prompts):
     sharded = jaxkv.compress_prompt(model, prompts[:2], mesh=_mesh(1, 2).mesh)
     with pytest.raises(ValueError, match="per-device states stacked"):
         sharded.positions()
+
+
+def test_sampled_tokens_equal_one_device(model, prompts):
+    kwargs = dict(
+        max_new_tokens=NEW_TOKENS,
+        policy=policies.get("snapkv", **POLICIES["snapkv"]),
+        stop_tokens=[],
+        sampler=jaxkv.Sampler(temperature=1.0, top_k=16),
+        key=jax.random.PRNGKey(7),
+    )
+    one = jaxkv.generate(model, prompts, **kwargs)
+    sharded = jaxkv.generate(model, prompts, mesh=_mesh(2, 2).mesh, **kwargs)
+    np.testing.assert_array_equal(sharded.tokens, one.tokens)
+    greedy = jaxkv.generate(model, prompts, **{**kwargs, "sampler": None, "key": None})
+    assert not np.array_equal(one.tokens, greedy.tokens)  # it did sample
