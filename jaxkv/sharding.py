@@ -17,7 +17,9 @@ Collectives, and nothing else crosses devices:
     they rank (`gather_heads`), never the cache, and keep their own heads' slice;
   - loop and branch conditions that must agree on every device (`any_shard`, `all_shards`).
 These helpers are identities outside a sharded program, so the same policy code runs on one
-device and on a mesh.
+device and on a mesh. They read a flag set while the sharded program is traced: a helper that
+calls them must not be wrapped in its own `jax.jit` (a trace cached on one device would be
+reused on the mesh without its collectives); policies call them from plain functions.
 
 One rules table (`LOGICAL_AXIS_RULES`) maps the logical axes of parameters (`jaxkv.models.decoder.
 PARAM_AXES`, a policy's `param_axes`) and of the stacked cache to the mesh's axes.
