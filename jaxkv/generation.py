@@ -14,7 +14,7 @@ import numpy as np
 from jaxkv import sharding
 from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import KVState, decode_geometry, int8_decode_geometry, repack
-from jaxkv.cache.config import CacheConfig
+from jaxkv.cache.config import CacheConfig, check_count
 from jaxkv.cache.geometry import decode_steps_bucket, pool_pages_bucket, table_pages_bucket
 from jaxkv.cache.int8 import start_int8
 from jaxkv.cache.repack import grow
@@ -112,14 +112,6 @@ class _Prompts:
     num_chunks: int  # chunks that hold a prompt token (the rest of T_pad is never run)
 
 
-def _check_count(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return int(value)
-
-
 def _prompt_lists(prompts) -> list[list[int]]:
     """One prompt (token ids) or a batch (lists, or an int array [T] / [B, T]) as lists."""
     if isinstance(prompts, str) or (
@@ -148,7 +140,7 @@ def _prompt_lists(prompts) -> list[list[int]]:
 def _pad_prompts(prompts: list[list[int]], lengths: np.ndarray, prefill_chunk: int) -> _Prompts:
     """Right-pads validated prompts. The chunk is a power of two (>= 16) when the prompts are
     shorter than `prefill_chunk`; the padded length is the chunk times a power of two."""
-    prefill_chunk = _check_count("prefill_chunk", prefill_chunk, 1)
+    prefill_chunk = check_count("prefill_chunk", prefill_chunk, 1)
     longest = int(lengths.max())
     chunk = min(prefill_chunk, max(MIN_PREFILL_CHUNK, next_power_of_two(longest)))
     num_chunks = -(-longest // chunk)
@@ -827,7 +819,7 @@ def generate(
       ValueError on bad input before compiling; PoolExhaustedError if the pool runs out.
     """
     backend = resolve_backend(backend)
-    max_new_tokens = _check_count("max_new_tokens", max_new_tokens, 1)
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
     sampler = Sampler() if sampler is None else sampler
     if key is None:
         if not sampler.greedy:
@@ -930,7 +922,7 @@ def compress_prompt(
     result is every device's state, stacked [S, ...]).
     """
     backend = resolve_backend(backend)
-    reserve_tokens = _check_count("reserve_tokens", reserve_tokens, 0)
+    reserve_tokens = check_count("reserve_tokens", reserve_tokens, 0)
     request = _set_up(
         model,
         prompt_ids,

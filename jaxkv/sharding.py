@@ -102,11 +102,6 @@ def reduce_partial_sums(x: jax.Array) -> jax.Array:
     return jax.lax.psum(x, MODEL_AXIS) if _IN_SHARDED_PROGRAM.get() else x
 
 
-def sum_heads(x: jax.Array) -> jax.Array:
-    """The sum over every device's KV heads of a per-device partial sum over its own heads."""
-    return reduce_partial_sums(x)
-
-
 def gather_heads(tree: Any, axis: int) -> Any:
     """Every KV head's values of each leaf (its KV-head axis `axis`), in head order."""
     if not _IN_SHARDED_PROGRAM.get():

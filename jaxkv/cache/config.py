@@ -28,7 +28,8 @@ class Storage(enum.Enum):
     INT8 = "int8"
 
 
-def _count(name: str, value, minimum: int) -> int:
+def check_count(name: str, value, minimum: int) -> int:
+    """`value` as an int; ValueError naming `name` unless it is an integer >= `minimum`."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
     if value < minimum:
@@ -59,17 +60,17 @@ class CacheConfig:
     full_precision_window: int = DEFAULT_FULL_PRECISION_WINDOW
 
     def __post_init__(self):
-        page_size = _count("page_size", self.page_size, 1)
+        page_size = check_count("page_size", self.page_size, 1)
         if page_size & (page_size - 1):
             raise ValueError(f"page_size={page_size} must be a positive power of two")
         if self.num_pages is not None:
-            _count("num_pages", self.num_pages, 1)
+            check_count("num_pages", self.num_pages, 1)
         try:
             storage = Storage(self.storage)
         except ValueError:
             allowed = ", ".join(repr(s.value) for s in Storage)
             raise ValueError(f"storage={self.storage!r}: allowed are {allowed}") from None
-        window = _count("full_precision_window", self.full_precision_window, 0)
+        window = check_count("full_precision_window", self.full_precision_window, 0)
         object.__setattr__(self, "page_size", page_size)
         object.__setattr__(self, "storage", storage)
         object.__setattr__(self, "full_precision_window", window)

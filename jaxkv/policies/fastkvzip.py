@@ -217,7 +217,7 @@ class FastKVzip(Policy):
         total = _scaled_total(ctx.budget_tokens[:, 0], current, ctx.prompt_lengths, heads)
         fixed = ctx.budget_tokens[:, 2]
         total = jnp.where(fixed > 0, fixed * heads, total)
-        held_total = sharding.sum_heads(jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32))
+        held_total = sharding.reduce_partial_sums(jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32))
         total = jnp.where(active, total, held_total)
         positions = kv.positions()
         newest = positions > (ctx.positions - self.decode_buffer)[None, :, None, None]
