@@ -57,3 +57,66 @@ def test_sgd_training_lowers_every_layer_loss_and_resumes(tmp_path):
     assert int(resumed.step) == 30
     after = np.asarray(training.per_layer_loss(resumed.params, h, targets))
     assert np.all(after < before - 0.01), (before, after)
+
+
+def test_contexts_are_general_text_by_default():
+    """By default every context is a verbatim stretch of the train split (as the paper trains
+    on general text); with episode_fraction=1 none is."""
+    from jaxkv.train import corpus as corpus_lib
+
+    train_bytes = corpus_lib.load_corpus("train").data.tobytes()
+    general = training.contexts("train", 4, 600, seed=1)
+    episodes = training.contexts("train", 4, 600, seed=1, episode_fraction=1.0)
+    for context in general:
+        assert context[0] == training.BOS and len(context) == 600
+        assert bytes(context[1:]) in train_bytes
+    assert not any(bytes(context[1:]) in train_bytes for context in episodes)
+
+
+def test_contexts_refuse_a_fraction_outside_0_1():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"episode_fraction=1.5 must lie in \[0, 1\]"):
+        training.contexts("train", 1, 64, seed=1, episode_fraction=1.5)
+
+
+def test_targets_carry_their_provenance_and_training_needs_it(tmp_path, monkeypatch):
+    """`build_targets` writes how it built the file; the training summary copies that, and a
+    targets file without it is refused by name."""
+    import json
+
+    import pytest
+
+    def fake_inputs_and_targets(model, batch, chunk):
+        n = len(batch) * len(batch[0])
+        return np.zeros((n, 2, 32), np.float16), np.full((n, 2, 2), 0.5, np.float32)
+
+    monkeypatch.setattr(training, "inputs_and_targets", fake_inputs_and_targets)
+    path = tmp_path / "targets.npz"
+    training.build_targets(
+        None,
+        path,
+        count=2,
+        validation=1,
+        length=512,
+        batch=2,
+        episode_fraction=0.25,
+        chunk=32,
+        log=lambda *_: None,
+    )
+    provenance = json.loads(str(np.load(path)["provenance"]))
+    assert provenance["episode_fraction"] == 0.25
+    assert (provenance["train_contexts"], provenance["validation_contexts"]) == (2, 1)
+    assert provenance["length"] == 512
+
+    model = init_model(CONFIG, seed=0, scale=0.3)
+    monkeypatch.setattr(training, "load_hf_checkpoint", lambda *args, **kwargs: model)
+    argv = ["--targets", str(path), "--steps", "2", "--warmup", "1", "--batch-tokens", "16"]
+    summary = training.main(argv)
+    assert summary["targets"] == provenance
+    assert summary["command"] == "jaxkv train fastkvzip " + " ".join(argv)
+
+    old = tmp_path / "old.npz"
+    np.savez(old, **{k: v for k, v in np.load(path).items() if k != "provenance"})
+    with pytest.raises(ValueError, match="--targets .*old.npz: no provenance entry"):
+        training.main(["--targets", str(old), "--steps", "2"])

@@ -261,6 +261,7 @@ def test_fastkvzip_stage_on_a_three_axis_mesh(gate_model_dir, tmp_path):
         train_targets=rng.random((256, *targets_shape)).astype(np.float32),
         validation_h=rng.standard_normal((32, *shape)).astype(np.float16),
         validation_targets=rng.random((32, *targets_shape)).astype(np.float32),
+        provenance=np.array("{}"),
     )
     argv = ["--model", str(gate_model_dir), "--targets", str(tmp_path / "targets.npz")]
     argv += ["--steps", "4", "--warmup", "1", "--batch-tokens", "64"]

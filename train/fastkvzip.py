@@ -5,8 +5,9 @@ arXiv:2601.17668; KVzip: "KVzip: Query-Agnostic KV Cache Compression with Contex
 Reconstruction", arXiv:2505.23416 (docs/fastkvzip.md).
 
 1. Targets (`--targets PATH`, built when PATH does not exist): contexts of `--length` tokens
-   (plain text of the corpus's train split and retrieval episodes with training seeds,
-   `<bos>` first) are prefilled; KVzip's reconstruction (`jaxkv.policies.kvzip`) gives every
+   (plain text of the corpus's train split, `<bos>` first; `--episode-fraction` of them
+   retrieval episodes with training seeds, none by default: the paper trains on general text)
+   are prefilled; KVzip's reconstruction (`jaxkv.policies.kvzip`) gives every
    KV pair its target; each token's attention input per layer is stored with it. Validation
    contexts come from the held-out split. Saved as one .npz.
 2. Training: the gate is a per-token function of the attention input, so a batch is a random
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -57,7 +59,6 @@ from jaxkv.train import mesh as mesh_lib
 from jaxkv.train import trainer
 
 BOS = 256
-EPISODE_FRACTION = 0.5
 TRAIN_SEED, VALIDATION_SEED = 1, 2
 
 
@@ -76,13 +77,18 @@ def layer_inputs(model: Model, tokens: jax.Array) -> jax.Array:
     return inputs
 
 
-def contexts(split: str, count: int, length: int, seed: int) -> list[list[int]]:
-    """`count` contexts of `length` tokens: text and retrieval episodes, `<bos>` first."""
+def contexts(
+    split: str, count: int, length: int, seed: int, episode_fraction: float = 0.0
+) -> list[list[int]]:
+    """`count` contexts of `length` tokens, `<bos>` first: plain text, or with probability
+    `episode_fraction` a retrieval episode."""
+    if not 0 <= episode_fraction <= 1:
+        raise ValueError(f"episode_fraction={episode_fraction} must lie in [0, 1]")
     corpus = corpus_lib.load_corpus(split)
     rng = np.random.default_rng([seed, length])
     out = []
     for _ in range(count):
-        if rng.random() < EPISODE_FRACTION:
+        if rng.random() < episode_fraction:
             kind = tasks.KINDS[int(rng.integers(len(tasks.KINDS)))]
             text = tasks.make_episode(kind, corpus, rng, length - 1).prompt
         else:
@@ -122,15 +128,25 @@ def inputs_and_targets(
 
 
 def build_targets(
-    model, path: Path, *, count, validation, length, batch, chunk=DEFAULT_REPLAY_CHUNK, log=print
+    model,
+    path: Path,
+    *,
+    count,
+    validation,
+    length,
+    batch,
+    episode_fraction=0.0,
+    chunk=DEFAULT_REPLAY_CHUNK,
+    log=print,
 ) -> None:
-    """Writes train and validation inputs/targets to `path` (.npz)."""
+    """Writes train and validation inputs/targets to `path` (.npz, with a JSON `provenance`
+    entry saying how they were built, which training summaries copy)."""
     arrays = {}
     for split, n, seed, name in (
         ("train", count, TRAIN_SEED, "train"),
         ("heldout", validation, VALIDATION_SEED, "validation"),
     ):
-        all_contexts = contexts(split, n, length, seed)
+        all_contexts = contexts(split, n, length, seed, episode_fraction)
         hs, ts = [], []
         for start in range(0, n, batch):
             began = time.perf_counter()
@@ -141,6 +157,15 @@ def build_targets(
             log(f"{name}: contexts {start + len(h) // length}/{n} ({seconds:.1f} s)")
         arrays[f"{name}_h"] = np.concatenate(hs)
         arrays[f"{name}_targets"] = np.concatenate(ts)
+    provenance = {
+        "train_contexts": count,
+        "validation_contexts": validation,
+        "length": length,
+        "episode_fraction": episode_fraction,
+        "seeds": {"train": TRAIN_SEED, "validation": VALIDATION_SEED},
+        "replay_chunk": chunk,
+    }
+    arrays["provenance"] = np.array(json.dumps(provenance))
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, **arrays)
 
@@ -188,6 +213,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--validation-contexts", type=int, default=8)
     parser.add_argument("--length", type=int, default=2048, help="tokens per context")
     parser.add_argument("--context-batch", type=int, default=4)
+    parser.add_argument(
+        "--episode-fraction", type=float, default=0.0, help="share of contexts that are episodes"
+    )
     parser.add_argument("--targets-only", action="store_true", help="build targets and stop")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     parser.add_argument("--steps", type=int, default=2000)
@@ -212,10 +240,17 @@ def main(argv=None) -> dict:
             validation=args.validation_contexts,
             length=args.length,
             batch=args.context_batch,
+            episode_fraction=args.episode_fraction,
         )
     if args.targets_only:
         return {}
     data = np.load(targets_path)
+    if "provenance" not in data:
+        raise ValueError(
+            f"--targets {targets_path}: no provenance entry (built by an older version); delete "
+            "it to rebuild"
+        )
+    provenance = json.loads(str(data["provenance"]))
     train_h, train_t = data["train_h"], data["train_targets"]
     # Replicated over the mesh, so that validation runs beside the (global) parameters.
     val = jax.device_put(
@@ -269,6 +304,8 @@ def main(argv=None) -> dict:
     layers = model.config.num_layers
     params = trainer.gather_to_host(state.params)
     summary = {
+        "command": "jaxkv train fastkvzip " + " ".join(sys.argv[1:] if argv is None else argv),
+        "targets": provenance,
         "optimizer": args.optimizer,
         "learning_rate": lr,
         "steps": args.steps,
