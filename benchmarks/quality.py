@@ -329,14 +329,15 @@ def run_sweep(model, sweep: Sweep, corpus, *, log=print, policy_params=None) -> 
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per (policy, budget, length): each task's accuracy (bpb for bpb) and KV KiB."""
+    """One line per (policy, budget, length): each task's accuracy (bpb for bpb), KV KiB and
+    the number of episodes (texts for bpb) behind each cell."""
     tasks_seen = [t for t in TASKS if any(r["task"] == t for r in rows)]
     keys = sorted(
         {(r["policy"], r["budget"], r["length"]) for r in rows},
         key=lambda k: (k[2], k[0], -1 if k[1] is None else k[1]),
     )
-    header = "| policy | budget | context | KV KiB/seq | " + " | ".join(tasks_seen) + " |"
-    lines = [header, "|" + " --- |" * (4 + len(tasks_seen))]
+    header = "| policy | budget | context | KV KiB/seq | " + " | ".join(tasks_seen) + " | samples |"
+    lines = [header, "|" + " --- |" * (5 + len(tasks_seen))]
     for policy, budget, length in keys:
         cells = {
             r["task"]: r
@@ -354,8 +355,11 @@ def markdown_table(rows: list[dict]) -> str:
             else:
                 values.append(f"{cell['accuracy']:.2f}")
         budget_text = "auto" if budget is None else f"{budget:g}"
+        samples = "/".join(sorted({str(c["samples"]) for c in cells.values()}))
         lines.append(
-            f"| {policy} | {budget_text} | {length} | {kib:.0f} | " + " | ".join(values) + " |"
+            f"| {policy} | {budget_text} | {length} | {kib:.0f} | "
+            + " | ".join(values)
+            + f" | {samples} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -9,8 +9,9 @@ overall the share of heads that decide for whole texts (every text's share above
 head admits in [brackets]. Writes `<out>.json`, `<out>.md` and `<out>.png` (histograms of the
 per-(head, text) shares).
 
-    python -m jaxkv.benchmarks.wgkv_admission --gates assets/wgkv-gates/lambda-0.08 \\
-        assets/wgkv-gates/general-lambda-0.08 --out results/wgkv-admission/admission
+    python -m jaxkv.benchmarks.wgkv_admission --gates assets/wgkv-gates/lambda-0.005 \\
+        assets/wgkv-gates/lambda-0.02 assets/wgkv-gates/lambda-0.08 \\
+        --out results/wgkv-admission/admission
 """
 
 from __future__ import annotations

@@ -111,11 +111,14 @@ def gates_label(path: Path) -> str:
 
 
 def markdown_table(rows) -> str:
-    lines = ["| gates | policy | task | read budget | KV KiB/seq | accuracy |", "|" + " --- |" * 6]
+    lines = [
+        "| gates | policy | task | read budget | KV KiB/seq | accuracy | samples |",
+        "|" + " --- |" * 7,
+    ]
     for r in rows:
         lines.append(
             f"| {r['gates'] or ''} | {r['policy']} | {r['task']} | {r.get('read_budget', '')} | "
-            f"{r['kv_bytes_per_sequence'] / 1024:.0f} | {r['accuracy']:.2f} |"
+            f"{r['kv_bytes_per_sequence'] / 1024:.0f} | {r['accuracy']:.2f} | {r['samples']} |"
         )
     return "\n".join(lines) + "\n"
 

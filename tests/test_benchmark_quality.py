@@ -21,6 +21,9 @@ def test_fast_sweep_covers_every_policy_and_task(report):
     assert json.loads((out / "quality.json").read_text())["rows"] == rows
     table = (out / "quality.md").read_text()
     assert all(f"| {name} |" in table for name in sweep.policies)
+    header, _, *lines = table.splitlines()
+    assert header.endswith("| samples |")
+    assert all(line.endswith(f"| {sweep.samples} |") for line in lines)
     assert (out / "quality.png").stat().st_size > 10_000
 
 

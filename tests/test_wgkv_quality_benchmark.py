@@ -37,3 +37,11 @@ def test_equal_memory_runs_bracket_wgkv_memory(model, wgkv_share, counts):
         assert chosen.sum() == count
         # The highest-scoring heads retrieve.
         np.testing.assert_array_equal(np.sort(scores[chosen]), np.arange(6 - count, 6.0))
+
+
+def test_table_names_the_samples_behind_each_cell():
+    row = {"gates": "lambda-0.08", "policy": "wgkv", "task": "needle", "samples": 16}
+    table = wgkv_quality.markdown_table([{**row, "kv_bytes_per_sequence": 2048, "accuracy": 0.5}])
+    header, _, line = table.splitlines()
+    assert header.endswith("| accuracy | samples |")
+    assert line == "| lambda-0.08 | wgkv | needle |  | 2 | 0.50 | 16 |"

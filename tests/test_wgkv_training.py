@@ -168,7 +168,9 @@ def train_text():
     return corpus_lib.load_corpus("train")
 
 
-SPEC = wgkv.GateTraining(band=64, sparsity_weight=0.04, seq_len=512, batch_size=2)
+SPEC = wgkv.GateTraining(
+    band=64, sparsity_weight=0.04, seq_len=512, batch_size=2, episode_fraction=0.5
+)
 
 
 def test_batches_are_prefixed_text_and_episodes(train_text):
@@ -224,7 +226,8 @@ def test_a_few_steps_lower_the_loss_and_resume_equals_uninterrupted(model, train
         (dict(band=512), "band=512"),
         (dict(sparsity_weight=-0.1), "sparsity_weight=-0.1"),
         (dict(sparsity_weight=float("nan")), "sparsity_weight=nan"),
-        (dict(seq_len=300), "seq_len=300"),
+        (dict(seq_len=300, episode_fraction=0.5), "seq_len=300"),
+        (dict(seq_len=32), "seq_len=32"),
         (dict(episode_fraction=1.5), "episode_fraction=1.5"),
     ],
 )
