@@ -35,6 +35,7 @@ from tqdm import tqdm
 import jaxkv
 from jaxkv import bundled, policies, tasks
 from jaxkv.forward import forward_cached
+from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.gates.wgkv import load_write_gates
 from jaxkv.generation import compress_prompt
 from jaxkv.models import Model, load_hf_checkpoint
@@ -93,9 +94,7 @@ def policy_params_for(name: str, model: Model):
     """The trained parameters a policy needs on this model (None for the others)."""
     if name != "fastkvzip":
         return None
-    from jaxkv.gates import fastkvzip as gate
-
-    return gate.load_safetensors(FASTKVZIP_GATES / "gates.safetensors", model.config)
+    return fastkvzip_gate.load_safetensors(FASTKVZIP_GATES / "gates.safetensors", model.config)
 
 
 def check_sweep(sweep: Sweep, policy_params: dict | None = None) -> None:
@@ -403,6 +402,16 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def render(report_path: Path) -> dict:
+    """Rewrites the markdown table and plot of a saved report (e.g. after merging runs)."""
+    report = json.loads(report_path.read_text())
+    table = markdown_table(report["rows"])
+    report_path.with_suffix(".md").write_text(table)
+    plot(report["rows"], report_path.with_suffix(".png"))
+    print(table)
+    return report
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="jaxkv bench quality", description=__doc__)
     parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
@@ -413,8 +422,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--tasks", nargs="*", help=f"a subset of {TASKS}")
     parser.add_argument("--samples", type=int)
     parser.add_argument("--wgkv-gates", type=Path, help="write gates for policy wgkv")
+    parser.add_argument(
+        "--fastkvzip-gates",
+        type=Path,
+        default=FASTKVZIP_GATES / "gates.safetensors",
+        help="gates for policy fastkvzip (default: the bundled ones)",
+    )
     parser.add_argument("--out", type=Path, default=Path("quality"))
+    parser.add_argument(
+        "--render",
+        type=Path,
+        help="a quality.json: rewrite its table and plot beside it, run nothing",
+    )
     args = parser.parse_args(argv)
+    if args.render is not None:
+        return render(args.render)
     sweep = FAST if args.fast else FULL
     overrides = {
         "policies": tuple(args.policies) if args.policies else None,
@@ -426,27 +448,32 @@ def main(argv=None) -> dict:
     sweep = dataclasses.replace(sweep, **{k: v for k, v in overrides.items() if v is not None})
     if args.wgkv_gates is not None and not args.wgkv_gates.exists():
         raise ValueError(f"--wgkv-gates {args.wgkv_gates}: no such file or directory")
+    if "fastkvzip" in sweep.policies and not args.fastkvzip_gates.is_file():
+        raise ValueError(f"--fastkvzip-gates {args.fastkvzip_gates}: no such file")
     check_sweep(sweep, {"wgkv": None} if args.wgkv_gates else None)
     model = load_hf_checkpoint(args.model, dtype="float32")
     params = {}
     if args.wgkv_gates is not None:
         params["wgkv"] = load_write_gates(args.wgkv_gates, model.config)
+    if "fastkvzip" in sweep.policies:
+        params["fastkvzip"] = fastkvzip_gate.load_safetensors(args.fastkvzip_gates, model.config)
     heldout = corpus_lib.load_corpus("heldout")
     rows = run_sweep(model, sweep, heldout, policy_params=params)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "model": str(args.model),
+        "gates": {
+            name: str(path)
+            for name, path in (("wgkv", args.wgkv_gates), ("fastkvzip", args.fastkvzip_gates))
+            if name in sweep.policies and path is not None
+        },
         "sweep": dataclasses.asdict(sweep),
         "jax": jax.__version__,
         "device": jax.devices()[0].device_kind,
         "rows": rows,
     }
     (args.out / "quality.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown_table(rows)
-    (args.out / "quality.md").write_text(table)
-    plot(rows, args.out / "quality.png")
-    print(table)
-    return report
+    return render(args.out / "quality.json")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,15 @@ def test_fast_sweep_covers_every_policy_and_task(report):
     assert (out / "quality.png").stat().st_size > 10_000
 
 
+def test_render_rewrites_the_table_and_plot_from_the_json(report, tmp_path):
+    result, out = report
+    saved = tmp_path / "quality.json"
+    saved.write_text((out / "quality.json").read_text())
+    assert quality.main(["--render", str(saved)])["rows"] == result["rows"]
+    assert (tmp_path / "quality.md").read_text() == (out / "quality.md").read_text()
+    assert (tmp_path / "quality.png").stat().st_size > 10_000
+
+
 def test_full_cache_retrieves_and_compression_holds_less(report):
     rows = report[0]["rows"]
 
