@@ -61,9 +61,14 @@ class Sweep:
     tasks: tuple[str, ...] = TASKS
 
 
+BUNDLED_PARAMS = ("fastkvzip",)  # policies whose reference-model parameters ship with jaxkv
 FULL = Sweep(
-    # Policies that need parameters (learned gates, calibrated heads) run when given them.
-    policies=tuple(n for n in policies.registered() if not policies.base._REGISTRY[n].needs_params),
+    # Other policies that need parameters (learned gates, calibrated heads) run when given them.
+    policies=tuple(
+        n
+        for n in policies.registered()
+        if n in BUNDLED_PARAMS or not policies.base._REGISTRY[n].needs_params
+    ),
     budgets=(0.1, 0.2, 0.3, 0.5, 1.0),
     lengths=(2048, 4096),
     samples=16,
@@ -90,10 +95,10 @@ def takes_budget(name: str) -> bool:
     return _budget_argument(name) is not None
 
 
-def policy_params_for(name: str, model: Model):
-    """The trained parameters a policy needs on this model (None for the others)."""
+def bundled_params(name: str, model: Model):
+    """The bundled trained parameters of a policy in BUNDLED_PARAMS for the reference model."""
     if name != "fastkvzip":
-        return None
+        raise ValueError(f"policy={name!r} has no bundled parameters ({BUNDLED_PARAMS} do)")
     return fastkvzip_gate.load_safetensors(FASTKVZIP_GATES / "gates.safetensors", model.config)
 
 
@@ -103,7 +108,8 @@ def check_sweep(sweep: Sweep, policy_params: dict | None = None) -> None:
     for name in sweep.policies:
         if name not in known:
             raise ValueError(f"policy={name!r}: registered policies are {known}")
-        if policies.base._REGISTRY[name].needs_params and name not in (policy_params or {}):
+        has_params = name in (policy_params or {}) or name in BUNDLED_PARAMS
+        if policies.base._REGISTRY[name].needs_params and not has_params:
             raise ValueError(f"policy={name!r} needs policy_params (for wgkv: --wgkv-gates)")
     for budget in sweep.budgets:
         if not 0 < budget <= 1:
@@ -315,11 +321,11 @@ def run_sweep(model, sweep: Sweep, corpus, *, log=print, policy_params=None) -> 
         for task in sweep.tasks
     ]
     for name in sweep.policies:
-        if name not in policy_params:
-            policy_params[name] = policy_params_for(name, model)
+        if name not in policy_params and name in BUNDLED_PARAMS:
+            policy_params[name] = bundled_params(name, model)
     for name, budget, length, task in tqdm(cells, desc="quality", unit="cell"):
         policy = build_policy(name, budget)
-        params = policy_params[name]
+        params = policy_params.get(name)
         result = run_task(model, policy, corpus, task, length, sweep.samples, params)
         row = {"policy": name, "budget": budget, "length": length, "task": task}
         rows.append({**row, "samples": sweep.samples, **result})

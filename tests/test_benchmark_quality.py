@@ -65,3 +65,21 @@ def test_full_cache_retrieves_and_compression_holds_less(report):
 def test_bad_sweep_arguments(argv, message):
     with pytest.raises(ValueError, match=message):
         quality.main(["--fast", *argv])
+
+
+def test_the_default_sweep_includes_bundled_gates_and_names_missing_ones():
+    """The default sweep runs fastkvzip on its bundled gates; wgkv has none bundled and is
+    named when asked for without --wgkv-gates."""
+    import dataclasses
+
+    assert "fastkvzip" in quality.FULL.policies and "wgkv" not in quality.FULL.policies
+    quality.check_sweep(quality.FULL)
+    with_wgkv = dataclasses.replace(quality.FULL, policies=("wgkv", "fastkvzip"))
+    with pytest.raises(ValueError, match="policy='wgkv' needs policy_params"):
+        quality.check_sweep(with_wgkv)
+    quality.check_sweep(with_wgkv, {"wgkv": None})
+
+
+def test_missing_fastkvzip_gates_are_named():
+    with pytest.raises(ValueError, match="--fastkvzip-gates /nowhere.safetensors: no such file"):
+        quality.main(["--policies", "fastkvzip", "--fastkvzip-gates", "/nowhere.safetensors"])
