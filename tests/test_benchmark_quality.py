@@ -1,5 +1,6 @@
 """The quality benchmark's harness (fast mode) on the bundled reference model."""
 
+import dataclasses
 import json
 
 import pytest
@@ -70,8 +71,6 @@ def test_bad_sweep_arguments(argv, message):
 def test_the_default_sweep_includes_bundled_gates_and_names_missing_ones():
     """The default sweep runs fastkvzip on its bundled gates; wgkv has none bundled and is
     named when asked for without --wgkv-gates."""
-    import dataclasses
-
     assert "fastkvzip" in quality.FULL.policies and "wgkv" not in quality.FULL.policies
     quality.check_sweep(quality.FULL)
     with_wgkv = dataclasses.replace(quality.FULL, policies=("wgkv", "fastkvzip"))

@@ -1,12 +1,16 @@
 """Fast KVzip gate training: per-layer BCE against plain numpy; a short SGD run on KVzip targets
 of a tiny model lowers every layer's loss and resumes from its orbax checkpoint exactly."""
 
+import json
+
 import jax
 import numpy as np
+import pytest
 
 from jaxkv.gates import fastkvzip as gate
 from jaxkv.models import init_model
 from jaxkv.models.configs import Family
+from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import fastkvzip as training
 from jaxkv.train import trainer
 from tests.test_fastkvzip_gate import numpy_scores
@@ -62,8 +66,6 @@ def test_sgd_training_lowers_every_layer_loss_and_resumes(tmp_path):
 def test_contexts_are_general_text_by_default():
     """By default every context is a verbatim stretch of the train split (as the paper trains
     on general text); with episode_fraction=1 none is."""
-    from jaxkv.train import corpus as corpus_lib
-
     train_bytes = corpus_lib.load_corpus("train").data.tobytes()
     general = training.contexts("train", 4, 600, seed=1)
     episodes = training.contexts("train", 4, 600, seed=1, episode_fraction=1.0)
@@ -74,8 +76,6 @@ def test_contexts_are_general_text_by_default():
 
 
 def test_contexts_refuse_a_fraction_outside_0_1():
-    import pytest
-
     with pytest.raises(ValueError, match=r"episode_fraction=1.5 must lie in \[0, 1\]"):
         training.contexts("train", 1, 64, seed=1, episode_fraction=1.5)
 
@@ -83,9 +83,6 @@ def test_contexts_refuse_a_fraction_outside_0_1():
 def test_targets_carry_their_provenance_and_training_needs_it(tmp_path, monkeypatch):
     """`build_targets` writes how it built the file; the training summary copies that, and a
     targets file without it is refused by name."""
-    import json
-
-    import pytest
 
     def fake_inputs_and_targets(model, batch, chunk):
         n = len(batch) * len(batch[0])
