@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -71,6 +72,11 @@ def _build_wheel(tmp_path: Path) -> Path:
     return wheel
 
 
+def _site_packages() -> list[str]:
+    """This interpreter's package directories (a venv's own, or the system's)."""
+    return [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+
+
 # Run in the clean environment, from the user's directory: generate through the CLI, load every
 # registered `jaxkv train` / `jaxkv bench` command, and report any jaxkv module loaded from
 # outside the environment (an editable install of the checkout would show up here).
@@ -109,10 +115,20 @@ def test_wheel_installs_and_generates_in_a_clean_environment(tmp_path):
     assert "jaxkv/models/decoder.py" in names and "jaxkv/train/wgkv.py" in names
     assert "jaxkv/assets/reference-model/model.safetensors" in names
 
-    # The environment's own packages (jax, ...) stay visible; jaxkv comes from the wheel alone.
+    # The running environment's packages (jax, ...) stay visible through a .pth file naming its
+    # site-packages, whether that environment is the system Python or a virtual environment
+    # (`venv --system-site-packages` would reach the base interpreter's, which a user who
+    # installed into a venv left empty). Directories named in a .pth file do not run their own
+    # .pth files, so an editable install of the checkout there stays invisible: jaxkv comes from
+    # the wheel alone.
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], tmp_path)
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path)
     python = venv / "bin" / "python"
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    clean_site_packages = Path(_run([python, "-c", purelib], tmp_path).strip())
+    (clean_site_packages / "running-environment.pth").write_text(
+        "\n".join(sorted(set(_site_packages()))) + "\n"
+    )
     pip = [python, "-m", "pip", "--disable-pip-version-check"]
     _run([*pip, "install", "--no-deps", "--no-index", "--ignore-installed", wheel], tmp_path)
 
@@ -121,7 +137,6 @@ def test_wheel_installs_and_generates_in_a_clean_environment(tmp_path):
     for name in ("models.py", "train.py", "benchmarks.py"):
         (user / name).write_text(f'raise ImportError("the user\'s own {name} was imported")\n')
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
     site_packages = _run([python, "-c", purelib], user, env).strip()
     out = _run([python, "-c", _GENERATE_AND_LOAD, site_packages], user, env)
     assert ANSWER in out and f"jaxkv from {site_packages}" in out

@@ -124,9 +124,12 @@ def test_quest_decode_reads_exactly_the_selected_pages(model, length, budget):
         read_budget=jnp.full((2,), budget, jnp.int32),
     )
     got = np.asarray(logits_from_hidden(model.params, CONFIG, hidden))[:, 0]
-    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+    # Paged blocks and the dense reference sum in different orders: f32 rounding of a few tens
+    # of ulps of the logits' scale (one value in 128 reached 18 ulps), not a fixed 1e-5.
+    tolerance = 64 * np.finfo(np.float32).eps * np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, atol=tolerance, rtol=0)
     full = dense_reference.decode_step_logits(model, token, position, keys, values)
-    assert not np.allclose(got, full, atol=1e-4)  # the selection really dropped pages
+    assert np.abs(got - full).max() > 100 * tolerance  # the selection really dropped pages
 
 
 def test_quest_in_generate_keeps_every_token_and_needs_a_budget(model):
