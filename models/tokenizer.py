@@ -19,16 +19,33 @@ BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
-    """A `tokenizers.Tokenizer` with the ids generation needs."""
+    """A `tokenizers.Tokenizer` with the ids generation needs.
+
+    Attributes:
+      adds_bos: whether `encode` prepends `bos_id` unless told otherwise (the model's rule:
+        SmolLM2 and Qwen add none, Llama 3 does).
+      chat_template: the model's Jinja chat template, if it ships one (`chat.apply_chat_template`).
+    """
 
     backend: HFTokenizer
     bos_id: int | None
     eos_id: int | None
     pad_id: int
+    adds_bos: bool = True
+    chat_template: str | None = None
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in it are matched whole.
+
+        add_bos: prepend `bos_id`; default the tokenizer's own rule (`adds_bos`).
+        """
         ids = self.backend.encode(text, add_special_tokens=False).ids
+        add_bos = self.adds_bos if add_bos is None else add_bos
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+
+    def token(self, token_id: int) -> str:
+        """The vocabulary's spelling of one id (special tokens as written, e.g. <|im_end|>)."""
+        return self.backend.id_to_token(int(token_id))
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
@@ -44,7 +61,7 @@ class Tokenizer:
 
 def byte_tokenizer() -> Tokenizer:
     """Byte-level tokenizer: ids 0-255 are bytes, then <|bos|> 256, <|eos|> 257, <|pad|> 258."""
-    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
@@ -52,7 +69,7 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer(backend=backend, bos_id=256, eos_id=257, pad_id=258)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (the ByteLevel pre-tokenizer's)."""
     printable = (
         list(range(ord("!"), ord("~") + 1))
