@@ -277,6 +277,7 @@ def _generate(args) -> int:
         full_precision_window=args.full_precision_window,
     )
     model, tokenizer = _load(args.model, args.dtype, args.seed)
+    policy = policy.for_tokenizer(tokenizer)
     prompt_ids = encode_chat(tokenizer, args.prompt) if args.chat else tokenizer.encode(args.prompt)
     params, params_source = policy_params(args, policy, model, prompt_ids)
     stop = stop_tokens(tokenizer, model.config)

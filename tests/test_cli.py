@@ -238,7 +238,9 @@ def test_wgkv_runs_with_the_shipped_gates_of_the_reference_model(capsys):
 
 def test_model_loading_errors_are_one_line_without_traceback(tmp_path, capsys):
     assert cli.main(["generate", "--model", str(tmp_path / "nowhere")]) == 2
-    assert "neither a checkpoint directory nor a preset (tiny-random)" in _error(capsys)
+    error = _error(capsys)
+    assert "neither a checkpoint directory, a .gguf file, a known model" in error
+    assert "smollm2-135m-instruct" in error and "preset (tiny-random)" in error
     save_hf_checkpoint(init_model(preset("tiny-random"), seed=0), tmp_path)
     (tmp_path / "model.safetensors").unlink()
     assert cli.main(["generate", "--model", str(tmp_path)]) == 2

@@ -7,6 +7,7 @@ undoing of the Llama Q/K row order, so agreement is not one implementation check
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 import zipfile
@@ -20,9 +21,17 @@ import transformers
 
 import jaxkv
 from jaxkv import cli, downloads, policies
-from jaxkv.models import encode_chat, forward, gguf_tokenizer, load_gguf, render_chat
+from jaxkv.models import (
+    byte_tokenizer,
+    encode_chat,
+    forward,
+    gguf_tokenizer,
+    load_gguf,
+    render_chat,
+)
 from jaxkv.models.gguf_loading import GGUFFile, config_from_gguf
 from jaxkv.models.hf_loading import _to_hf_tensors
+from jaxkv.policies import kvzip
 from tests import gguf_files
 
 F32_ULP = np.finfo(np.float32).eps
@@ -250,3 +259,23 @@ def test_fetch_extracts_the_checked_file_once(tmp_path, monkeypatch):
     assert not list((tmp_path / "cache" / "models" / "bad-model").iterdir())
     with pytest.raises(KeyError, match="'nope' is not known"):
         downloads.fetch("nope")
+
+
+def test_kvzip_replays_its_repeat_prompt_in_the_model_tokenizer(files, capsys):
+    path = _write(files, "qwen2-bias", "Q8_0")
+    tokenizer = gguf_tokenizer(path)
+    ids = kvzip.repeat_prompt_ids(tokenizer)
+    request = "Repeat the previous context exactly."
+    expected = f"<|im_end|>\n<|im_start|>user\n{request}<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(ids["repeat_ids"], skip_special_tokens=False) == expected
+    assert ids["repeat_ids"] == tuple(tokenizer.encode(expected))
+    assert ids["continue_ids"][:3] == ids["repeat_ids"][:3]  # end of turn, next user turn
+    # Without a chat template (the byte-level reference model) the plain prompts follow.
+    plain = kvzip.repeat_prompt_ids(byte_tokenizer())
+    assert plain["repeat_ids"] == kvzip.byte_ids(kvzip.REPEAT_PROMPT)
+    # The byte-level defaults on a BPE model are refused before anything runs.
+    big = dataclasses.replace(load_gguf(path).config, vocab_size=1000)
+    with pytest.raises(ValueError, match="policy.for_tokenizer"):
+        policies.get("kvzip", ratio=0.5).check_params(None, big)
+    argv = ["generate", "--model", str(path), "--policy", "kvzip", "--budget", "0.5"]
+    assert cli.main([*argv, "--max-new-tokens", "2"]) == 0

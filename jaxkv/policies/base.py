@@ -298,6 +298,12 @@ class Policy:
         """This policy with per-request values removed: what jit sees."""
         return self
 
+    def for_tokenizer(self, tokenizer) -> Policy:
+        """This policy with the text it feeds the model (KVzip's repeat prompt) written in
+        `tokenizer`'s ids and chat template (`jaxkv.models.Tokenizer`); most feed none."""
+        del tokenizer
+        return self
+
     def mass_weights(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """How a chunk's attention updates accumulated scores (when `accumulates_attention`):
         score <- decay * score + sum_i weight_i * mass_i. Returns decay f32 [B] and per-query

@@ -31,6 +31,7 @@ from jaxkv import sharding
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.models import layers
+from jaxkv.models.chat import render_chat
 from jaxkv.models.decoder import (
     attention_input,
     attention_output_and_mlp,
@@ -50,6 +51,36 @@ DEFAULT_REPLAY_CHUNK = 512
 def byte_ids(text: str) -> tuple[int, ...]:
     """Token ids of `text` for the project's byte-level models (the reference model)."""
     return tuple(text.encode())
+
+
+# The byte-level defaults are ids < 256; a vocabulary this large is not byte-level.
+_BYTE_LEVEL_VOCAB_LIMIT = 512
+_CONTEXT_MARK = "\u2063KVZIP-CONTEXT\u2063"
+
+
+def _turn_after_context(tokenizer, request: str) -> str:
+    """The chat text that follows a context sent as a user message: the end of that turn, a user
+    turn asking `request`, and the assistant's header (rendered by the model's own template)."""
+    context = [{"role": "user", "content": _CONTEXT_MARK}]
+    text = render_chat(tokenizer, [*context, {"role": "user", "content": request}])
+    return text[text.index(_CONTEXT_MARK) + len(_CONTEXT_MARK) :]
+
+
+def repeat_prompt_ids(tokenizer) -> dict[str, tuple[int, ...]]:
+    """KVzip's repeat prompts in a model's own ids: {"repeat_ids", "continue_ids"}.
+
+    With a chat template (instruction-tuned models), the request is a user turn after the
+    context and the replayed chunk is the assistant's answer, as in the paper's code; without
+    one, the plain-text prompts follow the context directly.
+    """
+    if tokenizer.chat_template is None:
+        texts = (REPEAT_PROMPT, CONTINUE_PROMPT)
+    else:
+        texts = tuple(
+            _turn_after_context(tokenizer, p.strip()) for p in (REPEAT_PROMPT, CONTINUE_PROMPT)
+        )
+    repeat, continue_ = (tuple(tokenizer.encode(text, add_bos=False)) for text in texts)
+    return {"repeat_ids": repeat, "continue_ids": continue_}
 
 
 def _replay_inputs(tokens, lengths, index: jax.Array, chunk: int, repeat_ids, continue_ids):
@@ -212,6 +243,20 @@ class KVzip(Policy):
 
     def static(self) -> KVzip:
         return dataclasses.replace(self, ratio=None)
+
+    def for_tokenizer(self, tokenizer) -> KVzip:
+        return dataclasses.replace(self, **repeat_prompt_ids(tokenizer))
+
+    def check_params(self, params, model_config) -> None:
+        super().check_params(params, model_config)
+        defaults = (byte_ids(REPEAT_PROMPT), byte_ids(CONTINUE_PROMPT))
+        byte_level = (self.repeat_ids, self.continue_ids) == defaults
+        if byte_level and model_config.vocab_size > _BYTE_LEVEL_VOCAB_LIMIT:
+            raise ValueError(
+                f"policy 'kvzip' would replay its byte-level repeat prompt to a model with "
+                f"{model_config.vocab_size} tokens: give the model's ids with "
+                "policy.for_tokenizer(tokenizer) (or repeat_ids=/continue_ids=)"
+            )
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         tokens = obs.prompt_tokens
