@@ -23,7 +23,6 @@ import warnings
 from pathlib import Path
 
 import jax
-import numpy as np
 
 import jaxkv
 from jaxkv import downloads, policies
