@@ -42,9 +42,15 @@ def masked_attention(
     Returns:
       out f32 [B, N, T, H], lse f32 [B, N, T].
     """
-    b, n, t, h = q.shape
-    scores = grouped_scores(q, k)
-    scores = jnp.where(mask, scores * sm_scale, -jnp.inf)
+    scores = jnp.where(mask, grouped_scores(q, k) * sm_scale, -jnp.inf)
+    return attention_from_scores(scores, v)
+
+
+def attention_from_scores(scores: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Softmax attention from scaled, masked (-inf) scores f32 [B, K, G, T, S] over values
+    v [B, K, S, H]: out f32 [B, N, T, H], lse f32 [B, N, T]; fully masked rows give 0, -inf."""
+    b, num_kv, g, t, _ = scores.shape
+    n, h = num_kv * g, v.shape[-1]
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     probs = jnp.exp(scores - row_max)

@@ -1,11 +1,14 @@
 """Attention over cached pages: each (sequence, KV head) reads its first `lengths` tokens.
 
-On "xla" the pages are gathered into a dense view (int8 pages dequantised there) and attended in
-jnp; on the kernel backends the ragged paged decode kernel reads them in place, a chunk's C
-queries as extra rows of their KV head (`CHUNK_ROWS` rows a program), dequantising int8 inside
-the kernel. Quest's page mask becomes a compacted page table (`selected_page_table`) so
-unselected pages are never read. With `return_probs` both paths give each slot's probability, so
-attention-mass policies need no second pass over the cache.
+On "xla" the page table is read in blocks of `XLA_BLOCK_TOKENS` tokens, only as many blocks as the
+longest head holds (a loop with a trip count from `lengths`, not from the table's width): each block
+is gathered into a dense view (int8 pages dequantised there), attended in jnp, and merged into the
+running result by its logsumexp (an online softmax at block granularity), so a step costs what the
+heads hold however wide the bucketed table is. On the kernel backends the ragged paged decode kernel
+reads them in place, a chunk's C queries as extra rows of their KV head (`CHUNK_ROWS` rows a
+program), dequantising int8 inside the kernel. Quest's page mask becomes a compacted page table
+(`selected_page_table`) so unselected pages are never read. With `return_probs` both paths give each
+slot's probability, so attention-mass policies need no second pass over the cache.
 """
 
 from __future__ import annotations
@@ -14,8 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import pallas_kernels
-from jaxkv.attention.dense import grouped_scores, masked_attention
+from jaxkv.attention.dense import attention_from_scores, grouped_scores, merge_partials
 from jaxkv.attention.dispatch import CHUNK_ROWS, interpret, uses_kernels
+
+# Tokens of one block of the XLA path: large enough that the loop's per-block overhead is small
+# next to a block's work, small enough that a chunk's scores per block stay a few MB.
+XLA_BLOCK_TOKENS = 512
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -107,23 +114,69 @@ def paged_attention(
             return_probs,
             backend,
         )
-    k = dequantize(k_pages, page_table, k_scales, k_channel_scales, q.dtype)
-    v = dequantize(v_pages, page_table, v_scales, v_channel_scales, q.dtype)
-    slots = jnp.arange(k.shape[2])
-    read = slots < lengths[..., None]
-    if page_mask is not None:
-        read = read & page_mask[..., slots // k_pages.shape[1]]
-    out, lse = masked_attention(q, k, v, read[:, :, None, None, :], sm_scale)
+    return _xla_paged_attention(
+        q, k_pages, v_pages, page_table, lengths, scales, sm_scale, page_mask, return_probs
+    )
+
+
+def xla_block_pages(entries: int, page_size: int) -> int:
+    """Pages per block of the XLA path for a table of `entries` pages."""
+    return max(1, min(entries, XLA_BLOCK_TOKENS // page_size))
+
+
+def xla_blocks_read(lengths: jax.Array, entries: int, page_size: int) -> jax.Array:
+    """How many blocks the XLA path reads: enough for the longest head, not the table's width."""
+    block_tokens = xla_block_pages(entries, page_size) * page_size
+    return (jnp.max(lengths) + block_tokens - 1) // block_tokens
+
+
+def _xla_paged_attention(
+    q, k_pages, v_pages, page_table, lengths, scales, sm_scale, page_mask, return_probs
+):
+    """`paged_attention` in jnp, block by block up to the longest head (module docstring)."""
+    b, n, c, h = q.shape
+    page_size, entries = k_pages.shape[1], page_table.shape[-1]
+    if page_mask is not None:  # Quest: read the selected pages only, compacted first
+        page_table, lengths = selected_page_table(page_table, lengths, page_mask, page_size)
+    k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
+    k_scales, v_scales, k_channel_scales, v_channel_scales = (
+        None if scale is None else jnp.asarray(scale) for scale in scales
+    )
+    block = xla_block_pages(entries, page_size)
+    num_blocks = -(-entries // block)
+    table = jnp.pad(
+        page_table, ((0, 0), (0, 0), (0, num_blocks * block - entries)), constant_values=-1
+    )
+    block_tokens = block * page_size
+    blocks_held = xla_blocks_read(lengths, entries, page_size)
+
+    def attend_block(index, carry):
+        out, lse, all_scores = carry
+        columns = jax.lax.dynamic_slice_in_dim(table, index * block, block, axis=2)
+        k = dequantize(k_pages, columns, k_scales, k_channel_scales, q.dtype)
+        v = dequantize(v_pages, columns, v_scales, v_channel_scales, q.dtype)
+        read = index * block_tokens + jnp.arange(block_tokens) < lengths[..., None]
+        scores = jnp.where(read[:, :, None, None, :], grouped_scores(q, k) * sm_scale, -jnp.inf)
+        v = jnp.where(read[..., None], v, 0)  # whatever lies past a head's tokens stays out
+        out, lse = merge_partials(out, lse, *attention_from_scores(scores, v))
+        if all_scores is not None:
+            start = index * block_tokens
+            all_scores = jax.lax.dynamic_update_slice_in_dim(all_scores, scores, start, axis=4)
+        return out, lse, all_scores
+
+    num_kv = page_table.shape[1]
+    scores_shape = (b, num_kv, n // num_kv, c, num_blocks * block_tokens)
+    init = (
+        jnp.zeros((b, n, c, h), jnp.float32),
+        jnp.full((b, n, c), -jnp.inf, jnp.float32),
+        jnp.full(scores_shape, -jnp.inf, jnp.float32) if return_probs else None,
+    )
+    out, lse, all_scores = jax.lax.fori_loop(0, blocks_held, attend_block, init)
     if not return_probs:
         return out, lse
-    scores = grouped_scores(q, k)
-    b, n, c, _ = q.shape
-    probs = jnp.where(
-        read[:, :, None, None, :] & jnp.isfinite(lse.reshape(scores.shape[:4]))[..., None],
-        jnp.exp(scores * sm_scale - lse.reshape(scores.shape[:4])[..., None]),
-        0.0,
-    )
-    return out, lse, probs.reshape(b, n, c, -1)
+    grouped_lse = lse.reshape(scores_shape[:4])[..., None]
+    probs = jnp.where(jnp.isfinite(grouped_lse), jnp.exp(all_scores - grouped_lse), 0.0)
+    return out, lse, probs.reshape(b, n, c, -1)[..., : entries * page_size]
 
 
 def _kernel_paged_attention(

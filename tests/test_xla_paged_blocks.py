@@ -1,0 +1,107 @@
+"""The XLA paged path reads block by block up to the longest head, and nothing past `lengths`.
+
+Tables here span several blocks (`XLA_BLOCK_TOKENS`), with NaN everywhere a head does not hold
+a token: in unused pages, in the tail of each head's last page and in pages the table lists past
+a head's length. The result must equal attention over exactly the held tokens, computed plainly
+in float64 numpy.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.attention import paged
+from jaxkv.attention.paged import paged_attention, xla_block_pages, xla_blocks_read
+
+PAGE = 16
+
+
+def _pool_and_table(rng, lengths: np.ndarray, entries: int, head_dim: int):
+    """A pool with each head's pages scattered at random, NaN wherever no token is held."""
+    b, k = lengths.shape
+    num_pages = b * k * entries + 3
+    order = rng.permutation(num_pages)
+    table = order[: b * k * entries].reshape(b, k, entries).astype(np.int32)
+    k_pages = np.full((num_pages, PAGE, head_dim), np.nan, np.float32)
+    v_pages = np.full((num_pages, PAGE, head_dim), np.nan, np.float32)
+    keys = rng.standard_normal((b, k, entries * PAGE, head_dim)).astype(np.float32)
+    values = rng.standard_normal((b, k, entries * PAGE, head_dim)).astype(np.float32)
+    for i in range(b):
+        for j in range(k):
+            for t in range(lengths[i, j]):
+                page, slot = table[i, j, t // PAGE], t % PAGE
+                k_pages[page, slot], v_pages[page, slot] = keys[i, j, t], values[i, j, t]
+    return k_pages, v_pages, table, keys, values
+
+
+def _reference(q, keys, values, lengths, sm_scale):
+    """out [B, N, C, H], lse [B, N, C], probs [B, N, C, S] over held tokens, in float64."""
+    b, n, c, _ = q.shape
+    k = keys.shape[1]
+    g = n // k
+    out = np.zeros(q.shape)
+    lse = np.full((b, n, c), -np.inf)
+    probs = np.zeros((b, n, c, keys.shape[2]))
+    for i in range(b):
+        for head in range(n):
+            held = lengths[i, head // g]
+            if held == 0:
+                continue
+            kk = keys[i, head // g, :held].astype(np.float64)
+            vv = values[i, head // g, :held].astype(np.float64)
+            s = q[i, head].astype(np.float64) @ kk.T * sm_scale
+            top = s.max(-1, keepdims=True)
+            e = np.exp(s - top)
+            lse[i, head] = (top + np.log(e.sum(-1, keepdims=True)))[:, 0]
+            p = e / e.sum(-1, keepdims=True)
+            out[i, head], probs[i, head, :, :held] = p @ vv, p
+    return out, lse, probs
+
+
+@pytest.mark.parametrize(
+    ("chunk", "lengths"), [(1, [[0, 700], [1100, 37]]), (5, [[513, 512], [1, 1280]])]
+)
+def test_blocks_equal_attention_over_the_held_tokens(chunk, lengths):
+    rng = np.random.default_rng(chunk)
+    lengths = np.asarray(lengths, np.int32)
+    entries, head_dim, heads = 80, 32, 4  # 1280 tokens of table: 3 blocks of 512
+    k_pages, v_pages, table, keys, values = _pool_and_table(rng, lengths, entries, head_dim)
+    q = rng.standard_normal((2, heads, chunk, head_dim)).astype(np.float32)
+    sm_scale = head_dim**-0.5
+    out, lse, probs = paged_attention(
+        jnp.asarray(q), k_pages, v_pages, table, lengths, sm_scale=sm_scale, return_probs=True
+    )
+    want_out, want_lse, want_probs = _reference(q, keys, values, lengths, sm_scale)
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(probs), want_probs, atol=2e-7, rtol=1e-5)
+
+
+def test_blocks_read_follow_the_longest_head_not_the_table_width():
+    assert xla_block_pages(entries=80, page_size=PAGE) * PAGE == paged.XLA_BLOCK_TOKENS
+    for longest, blocks in ((0, 0), (1, 1), (512, 1), (513, 2), (1100, 3)):
+        lengths = jnp.asarray([[longest, min(longest, 3)], [min(longest, 7), 0]])
+        assert int(xla_blocks_read(lengths, entries=4096, page_size=PAGE)) == blocks
+    assert int(xla_blocks_read(jnp.asarray([[20]]), entries=2, page_size=PAGE)) == 1
+
+
+def test_quest_selection_reads_the_selected_pages_only():
+    rng = np.random.default_rng(3)
+    lengths = np.asarray([[900, 600]], np.int32)
+    k_pages, v_pages, table, keys, values = _pool_and_table(rng, lengths, 64, 16)
+    mask = rng.random((1, 2, 64)) < 0.4
+    mask[0, 0, (900 - 1) // PAGE] = True  # a head's partial last page among the selected
+    q = rng.standard_normal((1, 2, 1, 16)).astype(np.float32)
+    out, lse = paged_attention(
+        jnp.asarray(q), k_pages, v_pages, table, lengths, sm_scale=0.25, page_mask=mask
+    )
+    for head in range(2):
+        held = np.arange(lengths[0, head])
+        chosen = held[mask[0, head, held // PAGE]]
+        s = q[0, head, 0].astype(np.float64) @ keys[0, head, chosen].T * 0.25
+        p = np.exp(s - s.max())
+        want = p @ values[0, head, chosen] / p.sum()
+        np.testing.assert_allclose(np.asarray(out)[0, head, 0], want, atol=2e-6, rtol=1e-5)
