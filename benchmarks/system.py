@@ -67,9 +67,10 @@ CHILD_CWD = Path(jaxkv.__file__).resolve().parents[1]
 GIB = 2**30
 MIB = 2**20
 DECODE_METHOD = (
-    "slope of the median generate() wall times between max_new_tokens=1 and 1+d "
-    "(d = --decode-tokens decode steps), each median over --repeats calls (the two interleaved) "
-    "after a compiling call"
+    "slope of the median generate() wall times between max_new_tokens=1+s and 1+s+d "
+    "(s = --decode-start, d = --decode-tokens decode steps), each median over --repeats calls "
+    "(interleaved) after a compiling call; per-request work = t(1+s) - t(1) - s x slope "
+    "(set-up, repack and output between prefill and the decode loop)"
 )
 # Random weights with Llama-3.1-8B layer shapes; vocabulary and depth can be cut by flags.
 LLAMA3_8B_SHAPE = {
@@ -96,7 +97,21 @@ CPU_SHAPE = {
     "rope_theta": 500000.0,
     "max_position_embeddings": 8192,
 }
-SHAPES = {"llama3-8b-shape": LLAMA3_8B_SHAPE, "cpu-mid": CPU_SHAPE}
+# KV-heavy: 8 KV heads x 128 per layer (no GQA), a small MLP and vocabulary, so a decode step
+# reads far more KV than weights at 4K+ tokens (issue 27's shape).
+CPU_KV_SHAPE = {
+    "family": "llama",
+    "vocab_size": 512,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_layers": 4,
+    "num_heads": 8,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 16384,
+}
+SHAPES = {"llama3-8b-shape": LLAMA3_8B_SHAPE, "cpu-mid": CPU_SHAPE, "cpu-kv": CPU_KV_SHAPE}
 CPU_DEFAULTS = {
     "model": "cpu-mid",
     "contexts": [512, 1024, 2048],
@@ -147,7 +162,7 @@ def model_config(args):
         cfg = configs.from_hf_config(json.loads(path.read_text()))
     overrides = {"num_layers": args.layers, "vocab_size": args.vocab_size}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    longest = max(args.contexts) + args.decode_tokens + 1
+    longest = max(args.contexts) + args.decode_start + args.decode_tokens + 1
     if cfg.max_position_embeddings < longest:  # random weights: any position is as good
         cfg = dataclasses.replace(cfg, max_position_embeddings=longest)
     return cfg
@@ -222,7 +237,7 @@ def memory_estimate(cfg, itemsize: int, context: int, batch: int, args) -> dict:
     (XLA backend: a chunk's f32 scores and probabilities over the whole context, and the
     gathered f32 keys/values of one layer)."""
     page = args.page_size
-    tokens = -(-(context + args.decode_tokens) // page) * page
+    tokens = -(-(context + args.decode_start + args.decode_tokens) // page) * page
     per_token_head = 2 * cfg.head_dim * itemsize + 8  # K, V + position and score metadata
     kv = cfg.num_layers * batch * cfg.num_kv_heads * tokens * per_token_head
     chunk = min(args.prefill_chunk, context)
@@ -359,15 +374,19 @@ def run_row(args, cfg, context: int, batch: int, spec: str) -> dict:
             policy_params=params,
         )
 
+    start = args.decode_start
     first_call_s, short = _timed(lambda: call(1))
-    decode_first_call_s, long = _timed(lambda: call(1 + d))
-    prefill, longs = [], []
-    for _ in range(args.repeats):  # interleaved, so that drift hits both alike
+    _timed(lambda: call(1 + start))
+    decode_first_call_s, long = _timed(lambda: call(1 + start + d))
+    prefill, starts, longs = [], [], []
+    for _ in range(args.repeats):  # interleaved, so that drift hits all alike
         prefill.append(_timed(lambda: call(1))[0])
-        longs.append(_timed(lambda: call(1 + d))[0])
-    if len(long.memory_bytes) != 1 + d:
-        raise ValueError(f"generation stopped after {len(long.memory_bytes)} of {1 + d} steps")
-    decode_ms = 1e3 * (np.median(longs) - np.median(prefill)) / d
+        starts.append(_timed(lambda: call(1 + start))[0])
+        longs.append(_timed(lambda: call(1 + start + d))[0])
+    if len(long.memory_bytes) != 1 + start + d:
+        raise ValueError(f"generation stopped after {len(long.memory_bytes)} steps")
+    decode_ms = 1e3 * (np.median(longs) - np.median(starts)) / d
+    request_s = np.median(starts) - np.median(prefill) - start * decode_ms / 1e3
     kv_read, kv_read_method = _kv_read_per_step(policy, long, np.full(batch, context, np.int32))
     stats = jax.devices()[0].memory_stats()
     return {
@@ -375,10 +394,13 @@ def run_row(args, cfg, context: int, batch: int, spec: str) -> dict:
         "decode_first_call_s": decode_first_call_s,
         "prefill_s": float(np.median(prefill)),
         "prefill_times_s": prefill,
-        "generate_1_plus_d_times_s": longs,
+        "generate_1_plus_s_times_s": starts,
+        "generate_1_plus_s_plus_d_times_s": longs,
         "decode_ms_per_step": float(decode_ms),
         # The slope's noise: the two samples' spreads over the decode steps between them.
-        "decode_spread_ms_per_step": float(1e3 * (np.ptp(longs) + np.ptp(prefill)) / d),
+        "decode_spread_ms_per_step": float(1e3 * (np.ptp(longs) + np.ptp(starts)) / d),
+        "request_work_s": float(request_s),
+        "request_work_of_prefill": float(request_s / np.median(prefill)),
         "decode_tokens_per_s": float(batch * 1e3 / decode_ms) if decode_ms > 0 else None,
         "kv_bytes_after_prefill": int(short.memory_bytes[0]),
         "kv_bytes_final": int(long.memory_bytes[-1]),
@@ -479,6 +501,7 @@ COLUMNS = (
     ("first call s", "first_call_s", "{:.2f}"),
     ("prefill s", "prefill_s", "{:.3f}"),
     ("prefill x", "prefill_ratio", "{:.2f}"),
+    ("request work of prefill", "request_work_of_prefill", "{:.3f}"),
     ("decode ms/step", "decode_ms_per_step", "{:.2f}"),
     ("+- ms", "decode_spread_ms_per_step", "{:.2f}"),
     ("decode x", "decode_ratio", "{:.2f}"),
@@ -586,7 +609,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policies", nargs="+", help="name[:value][:key=value] (module doc)")
     parser.add_argument("--backend", choices=("xla", "pallas", "interpret"), default="xla")
     parser.add_argument("--dtype", choices=sorted(ITEMSIZE))
-    parser.add_argument("--decode-tokens", type=int, help="d: decode steps of the long call")
+    parser.add_argument("--decode-tokens", type=int, help="d: decode steps of the slope")
+    parser.add_argument(
+        "--decode-start",
+        type=int,
+        default=16,
+        help="s: the slope starts after this many decode steps (past the first, costlier ones)",
+    )
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=512)
@@ -617,6 +646,8 @@ def parse_args(argv) -> argparse.Namespace:
         raise SystemExit("contexts, batches and --decode-tokens must be >= 1")
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if args.decode_start < 0:
+        raise SystemExit("--decode-start must be >= 0")
     if not any(spec.split(":")[0] == "full" for spec in args.policies):
         args.policies = ["full", *args.policies]  # every ratio is to the full cache
     return args

@@ -6,6 +6,7 @@ import json
 from jaxkv.benchmarks import system
 
 TINY = ["--cpu", "--model", "tiny-random", "--batches", "1", "--decode-tokens", "2"]
+TINY += ["--decode-start", "2"]
 TINY += ["--repeats", "1", "--bandwidth-gbs", "10"]
 
 
@@ -23,6 +24,8 @@ def test_in_process_rows_fields_and_ratios(tmp_path):
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
     assert report["cpu_numbers"] and report["environment"]["jax"]
     assert report["decode_method"] and report["command"].startswith("jaxkv bench system")
+    assert report["settings"]["decode_start"] == 2
+    assert len(report["rows"][0]["generate_1_plus_s_plus_d_times_s"]) == 1
     rows = _rows(report)
     full, streaming = rows["full"], rows["streaming_llm:0.25"]
     for key in ("prefill_ratio", "decode_ratio", "kv_ratio_final", "roofline_speedup_vs_full"):
@@ -31,6 +34,8 @@ def test_in_process_rows_fields_and_ratios(tmp_path):
         "first_call_s",
         "prefill_s",
         "decode_ms_per_step",
+        "request_work_s",
+        "request_work_of_prefill",
         "pool_bytes_allocated",
         "host_peak_rss_bytes",
         "roofline_ms_per_step",
