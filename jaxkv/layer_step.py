@@ -11,6 +11,12 @@ Then it writes: the policy's attention mass into the cached slots' scores, and t
 admitted tokens into the pages (through the ring's lazy promotion with a ring; followed by the
 spill out of the model-dtype window with int8 storage).
 
+The plain step (no ring, no int8 tier, no page selection, no attention mass) writes first and
+then reads the cached pages up to the lengths held before the write, which is the same attention:
+the written tokens lie past those lengths. The order matters for speed on "xla": XLA updates the
+shared pool in place, and when reads of it had to come before the in-place write in the same
+layer, it copied the whole pool (K and V, every layer, every step) to keep them safe.
+
 Storage (`jaxkv.cache`) knows nothing of attention; this module composes the two.
 """
 
@@ -140,6 +146,35 @@ def _accumulate_mass(
     return pool, query_weights
 
 
+def _writes_first(policy, ring, tier, read_budget) -> bool:
+    """Whether the chunk can be written before the cached pages are read (module docstring):
+    when nothing the write changes (ring promotion, the int8 spill, Quest's page bounds, the
+    accumulated scores) is read by the attention."""
+    return (
+        ring is None and tier is None and read_budget is None and not policy.accumulates_attention
+    )
+
+
+def _write_then_attend(
+    pool, page_table, held, q, k, v, positions, admitted, write_scores, ring, layer, *, policy, step
+):
+    """The plain step, written first: the chunk's tokens go to new slots past `held`, and the
+    attention reads the written pool up to `held` only, so it sees exactly the cached tokens.
+    The pool's reads then follow its in-place update, and XLA needs no copy of it."""
+    written, new_table, new_held = write_tokens(
+        pool, page_table, held, k, v, positions, admitted, write_scores
+    )
+    cached = _cached_partials(
+        q, written, new_table, held, layer, policy=policy, read_budget=None, step=step
+    )
+    partials = [partial[:2] for partial in cached]
+    partials += _chunk_partials(q, k, v, positions, admitted, ring, step=step)
+    out, lse = partials[0]
+    for partial in partials[1:]:
+        out, lse = attention_ops.merge_partials(out, lse, *partial)
+    return out.astype(q.dtype), written, new_table, new_held, ring
+
+
 def attend_and_write(
     pool: PagePool,
     page_table: jax.Array,
@@ -183,6 +218,22 @@ def attend_and_write(
     admitted = policy.admit(layer=layer, k=k, v=v, positions=positions, scores=write_scores)
     admitted = valid if admitted is None else valid & admitted
 
+    if _writes_first(policy, ring, tier, read_budget):
+        return _write_then_attend(
+            pool,
+            page_table,
+            held,
+            q,
+            k,
+            v,
+            positions,
+            admitted,
+            write_scores,
+            ring,
+            layer,
+            policy=policy,
+            step=step,
+        )
     cached = _cached_partials(
         q, pool, page_table, held, layer, policy=policy, read_budget=read_budget, step=step
     )

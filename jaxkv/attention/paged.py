@@ -23,6 +23,8 @@ from jaxkv.attention.dispatch import CHUNK_ROWS, interpret, uses_kernels
 # Tokens of one block of the XLA path: large enough that the loop's per-block overhead is small
 # next to a block's work, small enough that a chunk's scores per block stay a few MB.
 XLA_BLOCK_TOKENS = 512
+# At most this many blocks per table (wider tables get longer blocks): the blocks are unrolled.
+XLA_MAX_BLOCKS = 16
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -120,8 +122,9 @@ def paged_attention(
 
 
 def xla_block_pages(entries: int, page_size: int) -> int:
-    """Pages per block of the XLA path for a table of `entries` pages."""
-    return max(1, min(entries, XLA_BLOCK_TOKENS // page_size))
+    """Pages per block of the XLA path for a table of `entries` pages: `XLA_BLOCK_TOKENS`, or
+    more for wide tables so that a table has at most `XLA_MAX_BLOCKS` blocks."""
+    return max(1, min(entries, max(XLA_BLOCK_TOKENS // page_size, -(-entries // XLA_MAX_BLOCKS))))
 
 
 def xla_blocks_read(lengths: jax.Array, entries: int, page_size: int) -> jax.Array:
@@ -133,7 +136,13 @@ def xla_blocks_read(lengths: jax.Array, entries: int, page_size: int) -> jax.Arr
 def _xla_paged_attention(
     q, k_pages, v_pages, page_table, lengths, scales, sm_scale, page_mask, return_probs
 ):
-    """`paged_attention` in jnp, block by block up to the longest head (module docstring)."""
+    """`paged_attention` in jnp, block by block up to the longest head (module docstring).
+
+    The blocks are unrolled, each under a `lax.cond` that skips it past the longest head: a
+    loop would carry the pool through its state, and XLA copies a loop's read-only operand when
+    the caller goes on to update it in place (the cache write after attention), a copy of the
+    whole pool per layer and step.
+    """
     b, n, c, h = q.shape
     page_size, entries = k_pages.shape[1], page_table.shape[-1]
     if page_mask is not None:  # Quest: read the selected pages only, compacted first
@@ -149,31 +158,36 @@ def _xla_paged_attention(
     )
     block_tokens = block * page_size
     blocks_held = xla_blocks_read(lengths, entries, page_size)
+    num_kv = page_table.shape[1]
+    scores_shape = (b, num_kv, n // num_kv, c, block_tokens)
 
-    def attend_block(index, carry):
-        out, lse, all_scores = carry
-        columns = jax.lax.dynamic_slice_in_dim(table, index * block, block, axis=2)
+    def attend_block(index):
+        columns = table[:, :, index * block : (index + 1) * block]
         k = dequantize(k_pages, columns, k_scales, k_channel_scales, q.dtype)
         v = dequantize(v_pages, columns, v_scales, v_channel_scales, q.dtype)
         read = index * block_tokens + jnp.arange(block_tokens) < lengths[..., None]
         scores = jnp.where(read[:, :, None, None, :], grouped_scores(q, k) * sm_scale, -jnp.inf)
         v = jnp.where(read[..., None], v, 0)  # whatever lies past a head's tokens stays out
-        out, lse = merge_partials(out, lse, *attention_from_scores(scores, v))
-        if all_scores is not None:
-            start = index * block_tokens
-            all_scores = jax.lax.dynamic_update_slice_in_dim(all_scores, scores, start, axis=4)
-        return out, lse, all_scores
+        return (*attention_from_scores(scores, v), scores)
 
-    num_kv = page_table.shape[1]
-    scores_shape = (b, num_kv, n // num_kv, c, num_blocks * block_tokens)
-    init = (
-        jnp.zeros((b, n, c, h), jnp.float32),
-        jnp.full((b, n, c), -jnp.inf, jnp.float32),
-        jnp.full(scores_shape, -jnp.inf, jnp.float32) if return_probs else None,
-    )
-    out, lse, all_scores = jax.lax.fori_loop(0, blocks_held, attend_block, init)
+    def skip_block():
+        return (
+            jnp.zeros((b, n, c, h), jnp.float32),
+            jnp.full((b, n, c), -jnp.inf, jnp.float32),
+            jnp.full(scores_shape, -jnp.inf, jnp.float32),
+        )
+
+    out, lse = skip_block()[:2]
+    block_scores = []
+    for index in range(num_blocks):
+        out_b, lse_b, scores = jax.lax.cond(
+            index < blocks_held, lambda i=index: attend_block(i), skip_block
+        )
+        out, lse = merge_partials(out, lse, out_b, lse_b)
+        block_scores.append(scores)
     if not return_probs:
         return out, lse
+    all_scores = jnp.concatenate(block_scores, axis=-1)
     grouped_lse = lse.reshape(scores_shape[:4])[..., None]
     probs = jnp.where(jnp.isfinite(grouped_lse), jnp.exp(all_scores - grouped_lse), 0.0)
     return out, lse, probs.reshape(b, n, c, -1)[..., : entries * page_size]

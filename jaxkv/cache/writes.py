@@ -68,12 +68,13 @@ def write_tokens(
     destination = page * p + rank % p
     destination = jnp.where(write_mask & ok, destination, pool.num_pages * p).reshape(-1)
 
+    # Indexed by (page, slot) rather than through a flattened view of the pool: XLA updates the
+    # pool in place then, where a reshaped view made it copy the whole pool at every write.
+    page_index, slot_index = destination // p, destination % p
+
     def scatter(pages, values):
-        flat = pages.reshape(-1, *pages.shape[2:])
-        flat = flat.at[destination].set(
-            values.reshape(-1, *values.shape[3:]).astype(flat.dtype), mode="drop"
-        )
-        return flat.reshape(pages.shape)
+        values = values.reshape(-1, *values.shape[3:]).astype(pages.dtype)
+        return pages.at[page_index, slot_index].set(values, mode="drop")
 
     if positions.ndim == 2:
         positions = positions[:, None, :]
