@@ -84,8 +84,12 @@ def test_blocks_read_follow_the_longest_head_not_the_table_width():
     assert xla_block_pages(entries=80, page_size=PAGE) * PAGE == paged.XLA_BLOCK_TOKENS
     for longest, blocks in ((0, 0), (1, 1), (512, 1), (513, 2), (1100, 3)):
         lengths = jnp.asarray([[longest, min(longest, 3)], [min(longest, 7), 0]])
-        assert int(xla_blocks_read(lengths, entries=4096, page_size=PAGE)) == blocks
+        assert int(xla_blocks_read(lengths, entries=256, page_size=PAGE)) == blocks
     assert int(xla_blocks_read(jnp.asarray([[20]]), entries=2, page_size=PAGE)) == 1
+    # A wide table (128K tokens) has at most XLA_MAX_BLOCKS blocks, each longer.
+    wide = 8192
+    assert -(-wide // xla_block_pages(wide, PAGE)) == paged.XLA_MAX_BLOCKS
+    assert int(xla_blocks_read(jnp.asarray([[9000]]), entries=wide, page_size=PAGE)) == 2
 
 
 def test_quest_selection_reads_the_selected_pages_only():
