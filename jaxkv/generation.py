@@ -772,6 +772,31 @@ def _to_decode_geometry(
     )
 
 
+def _checked_key(key) -> jax.Array:
+    """A PRNG key as `jax.random.PRNGKey(seed)` makes it; a named error for anything else."""
+    key_array = jnp.asarray(key)
+    typed = jnp.issubdtype(key_array.dtype, jax.dtypes.prng_key)
+    if not typed and (key_array.shape != (2,) or key_array.dtype != jnp.uint32):
+        raise ValueError(
+            f"key={key!r}: give a PRNG key, e.g. jax.random.PRNGKey(0) (uint32 [2]), not a seed"
+        )
+    return key
+
+
+def _checked_stop_tokens(model: Model, stop_tokens) -> tuple[int, ...]:
+    """The ids that end a sequence (default the config's eos ids); one int is one id."""
+    if stop_tokens is None:
+        return tuple(model.config.eos_token_ids)
+    ids = (stop_tokens,) if isinstance(stop_tokens, int | np.integer) else tuple(stop_tokens)
+    vocab = model.config.vocab_size
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int | np.integer):
+            raise ValueError(f"stop_tokens holds {token!r}: give token ids (ints)")
+        if not 0 <= token < vocab:
+            raise ValueError(f"stop_tokens holds {token}: ids are in [0, vocab_size={vocab})")
+    return tuple(int(token) for token in ids)
+
+
 def generate(
     model: Model,
     prompt_ids: PromptIds,
@@ -825,7 +850,8 @@ def generate(
         if not sampler.greedy:
             raise ValueError("a PRNG key is required when sampling (temperature > 0)")
         key = jax.random.PRNGKey(0)
-    stop_tokens = model.config.eos_token_ids if stop_tokens is None else tuple(stop_tokens)
+    key = _checked_key(key)
+    stop_tokens = _checked_stop_tokens(model, stop_tokens)
     request = _set_up(
         model,
         prompt_ids,

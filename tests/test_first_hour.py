@@ -146,3 +146,45 @@ def test_mesh_without_a_data_axis_is_a_named_error():
     mesh = Mesh(np.asarray(jax.devices()[:1]), ("batch",))
     with pytest.raises(ValueError, match=r"mesh axes \('batch',\).*an axis named 'data'"):
         _train(params, mesh)
+
+
+# Issue 29: numpy/jax scalars, overflowing budgets, a seed for a key, one int as stop tokens.
+@pytest.mark.parametrize("budget", [np.float32(0.3), jnp.array(0.3), np.float64(0.3)])
+def test_numpy_and_jax_scalar_ratios_are_budgets(budget):
+    policy = policies.get("snapkv", budget=budget)
+    assert policies.base.Budget.parse(budget).ratio == pytest.approx(0.3)
+    assert policy.budget_tokens(np.array([1000]))[0] == 300
+
+
+@pytest.mark.parametrize("budget", [np.int64(64), jnp.array(64, jnp.int32)])
+def test_numpy_and_jax_scalar_counts_are_budgets(budget):
+    assert policies.base.Budget.parse(budget).tokens == 64
+
+
+@pytest.mark.parametrize("budget", [2**31, np.int64(2**40), 0, "0.3", True, np.array([0.3])])
+def test_budgets_out_of_range_or_of_other_types_name_the_range(budget):
+    with pytest.raises(ValueError, match=r"give a ratio in \(0, 1\] or a token count in \[1, "):
+        policies.get("snapkv", budget=budget)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return init_model(preset("tiny-random"), seed=0)
+
+
+def test_a_seed_for_a_key_is_a_named_error(tiny):
+    with pytest.raises(ValueError, match=r"key=0: give a PRNG key, e.g. jax.random.PRNGKey\(0\)"):
+        jaxkv.generate(tiny, [[1, 2, 3]], max_new_tokens=2, key=0)
+
+
+def test_one_int_is_one_stop_token_and_bad_ids_are_named(tiny):
+    prompt = [[5, 6, 7, 8]]
+    first = int(jaxkv.generate(tiny, prompt, max_new_tokens=1, stop_tokens=()).tokens[0, 0])
+    out = jaxkv.generate(tiny, prompt, max_new_tokens=6, stop_tokens=first)
+    assert int(out.num_tokens[0]) == 1
+    with pytest.raises(
+        ValueError, match=r"stop_tokens holds 264: ids are in \[0, vocab_size=264\)"
+    ):
+        jaxkv.generate(tiny, prompt, max_new_tokens=2, stop_tokens=[264])
+    with pytest.raises(ValueError, match=r"stop_tokens holds 'x': give token ids"):
+        jaxkv.generate(tiny, prompt, max_new_tokens=2, stop_tokens=["x"])

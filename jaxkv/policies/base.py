@@ -117,6 +117,10 @@ def registered() -> list[str]:
     return sorted(_REGISTRY)
 
 
+# Token budgets travel as int32 arrays.
+MAX_BUDGET_TOKENS = int(np.iinfo(np.int32).max)
+
+
 @dataclasses.dataclass(frozen=True)
 class Budget:
     """Tokens kept per (layer, sequence, KV head): a ratio of the prompt or a token count."""
@@ -134,13 +138,22 @@ class Budget:
 
     @classmethod
     def parse(cls, value: Budget | float | int) -> Budget:
-        """A float is a ratio of the prompt, an int a token count."""
+        """A float is a ratio of the prompt, an int a token count (Python, numpy or 0-d jax
+        scalars alike); a ValueError naming the allowed forms otherwise."""
         if isinstance(value, Budget):
             return value
-        if isinstance(value, bool) or not isinstance(value, int | float | np.integer):
-            raise ValueError(f"budget={value!r}: give a ratio in (0, 1] or a token count >= 1")
-        if isinstance(value, float):
-            return cls(ratio=value)
+        bad = ValueError(
+            f"budget={value!r}: give a ratio in (0, 1] or a token count in [1, {MAX_BUDGET_TOKENS}]"
+        )
+        if isinstance(value, bool | np.bool_) or np.ndim(value) != 0:
+            raise bad
+        kind = np.asarray(value).dtype.kind if not isinstance(value, int | float) else None
+        if isinstance(value, float) or kind == "f":
+            return cls(ratio=float(value))
+        if not (isinstance(value, int) or kind in ("i", "u")):
+            raise bad
+        if not 1 <= int(value) <= MAX_BUDGET_TOKENS:
+            raise bad
         return cls(tokens=int(value))
 
     def tokens_for(self, prompt_lengths: np.ndarray) -> np.ndarray:
