@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from jaxkv.models.configs import ModelConfig, dtype_from_name, from_hf_config, to_hf_config
@@ -101,6 +101,16 @@ def _read_json_object(file: Path) -> dict:
     return value
 
 
+def _opened(file: Path):
+    """`safe_open(file)`; a ValueError naming the file if it is not a readable safetensors file."""
+    try:
+        return safe_open(file, framework="flax")
+    except SafetensorError as error:
+        raise ValueError(
+            f"{file} is not a readable safetensors file (truncated or corrupt?): {error}"
+        ) from None
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file holding it."""
     if (path / INDEX_FILE).exists():
@@ -113,7 +123,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
             raise FileNotFoundError(f"{path / INDEX_FILE} lists {absent[0]}, which does not exist")
         return files
     if (path / SINGLE_FILE).exists():
-        with safe_open(path / SINGLE_FILE, framework="flax") as f:
+        with _opened(path / SINGLE_FILE) as f:
             return dict.fromkeys(f.keys(), path / SINGLE_FILE)
     others = sorted(p.name for p in path.glob("*.safetensors"))
     found = f" (it has {', '.join(others)})" if others else " (no .safetensors files at all)"
@@ -128,7 +138,7 @@ def _read_tensors(files: dict[str, Path], names) -> dict:
         by_file.setdefault(files[name], []).append(name)
     tensors = {}
     for file, file_names in by_file.items():
-        with safe_open(file, framework="flax") as f:
+        with _opened(file) as f:
             for name in file_names:
                 tensors[name] = f.get_tensor(name)
     return tensors

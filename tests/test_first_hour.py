@@ -188,3 +188,11 @@ def test_one_int_is_one_stop_token_and_bad_ids_are_named(tiny):
         jaxkv.generate(tiny, prompt, max_new_tokens=2, stop_tokens=[264])
     with pytest.raises(ValueError, match=r"stop_tokens holds 'x': give token ids"):
         jaxkv.generate(tiny, prompt, max_new_tokens=2, stop_tokens=["x"])
+
+
+def test_truncated_safetensors_names_the_file(tmp_path):
+    save_hf_checkpoint(init_model(preset("tiny-random"), seed=0), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file"):
+        load_hf_checkpoint(tmp_path)
