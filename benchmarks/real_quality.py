@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 import jax
@@ -276,6 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("results/real-quality"))
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     known = policies.registered()
     for name in args.policies:
@@ -294,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
     report_path = args.out / "quality.json"
     previous = json.loads(report_path.read_text()) if report_path.exists() else {}
     rows = previous.get("rows", [])
-    commands = [*previous.get("commands", []), "jaxkv bench real_quality " + " ".join(argv or [])]
+    commands = [*previous.get("commands", []), "jaxkv bench real_quality " + " ".join(argv)]
     done = {(r["policy"], r["budget"], r["length"], r["task"], r["setting"]) for r in rows}
     episodes = {
         (task, length): [build_episode(tokenizer, task, length, i) for i in range(args.samples)]

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, nargs=2, default=[1, 33], metavar=("N1", "N2"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("results/vs-transformers"))
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     path = downloads.model_path(args.model)
     model, tokenizer = load_gguf(path), gguf_tokenizer(path)
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(json.dumps(row))
     report = {
-        "command": "jaxkv bench vs_transformers " + " ".join(argv or []),
+        "command": "jaxkv bench vs_transformers " + " ".join(argv),
         "model": args.model,
         "file_sha256": downloads.KNOWN_MODELS[args.model].sha256,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
