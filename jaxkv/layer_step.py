@@ -155,24 +155,20 @@ def _writes_first(policy, ring, tier, read_budget) -> bool:
     )
 
 
-def _write_then_attend(
-    pool, page_table, held, q, k, v, positions, admitted, write_scores, ring, layer, *, policy, step
+def _attend(
+    q, k, v, positions, admitted, pool, page_table, held, ring, layer, *, policy, read_budget, step
 ):
-    """The plain step, written first: the chunk's tokens go to new slots past `held`, and the
-    attention reads the written pool up to `held` only, so it sees exactly the cached tokens.
-    The pool's reads then follow its in-place update, and XLA needs no copy of it."""
-    written, new_table, new_held = write_tokens(
-        pool, page_table, held, k, v, positions, admitted, write_scores
-    )
+    """The chunk's attention over the cached pages (up to `held`), the ring and itself:
+    (out f32 [B, N, C, H], lse [B, N, C], the cached partials with their probabilities)."""
     cached = _cached_partials(
-        q, written, new_table, held, layer, policy=policy, read_budget=None, step=step
+        q, pool, page_table, held, layer, policy=policy, read_budget=read_budget, step=step
     )
     partials = [partial[:2] for partial in cached]
     partials += _chunk_partials(q, k, v, positions, admitted, ring, step=step)
     out, lse = partials[0]
     for partial in partials[1:]:
         out, lse = attention_ops.merge_partials(out, lse, *partial)
-    return out.astype(q.dtype), written, new_table, new_held, ring
+    return out, lse, cached
 
 
 def attend_and_write(
@@ -218,30 +214,20 @@ def attend_and_write(
     admitted = policy.admit(layer=layer, k=k, v=v, positions=positions, scores=write_scores)
     admitted = valid if admitted is None else valid & admitted
 
+    read = dict(policy=policy, read_budget=read_budget, step=step)
     if _writes_first(policy, ring, tier, read_budget):
-        return _write_then_attend(
-            pool,
-            page_table,
-            held,
-            q,
-            k,
-            v,
-            positions,
-            admitted,
-            write_scores,
-            ring,
-            layer,
-            policy=policy,
-            step=step,
+        # The chunk goes to slots past `held`; reading the written pool up to `held` sees
+        # exactly the cached tokens (module docstring: XLA then needs no copy of the pool).
+        pool, page_table, new_held = write_tokens(
+            pool, page_table, held, k, v, positions, admitted, write_scores
         )
-    cached = _cached_partials(
-        q, pool, page_table, held, layer, policy=policy, read_budget=read_budget, step=step
+        out, lse, _ = _attend(
+            q, k, v, positions, admitted, pool, page_table, held, ring, layer, **read
+        )
+        return out.astype(q.dtype), pool, page_table, new_held, ring
+    out, lse, cached = _attend(
+        q, k, v, positions, admitted, pool, page_table, held, ring, layer, **read
     )
-    partials = [partial[:2] for partial in cached]
-    partials += _chunk_partials(q, k, v, positions, admitted, ring, step=step)
-    out, lse = partials[0]
-    for partial in partials[1:]:
-        out, lse = attention_ops.merge_partials(out, lse, *partial)
 
     new_scores = write_scores
     if policy.accumulates_attention:

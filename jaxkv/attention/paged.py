@@ -168,23 +168,28 @@ def _xla_paged_attention(
         read = index * block_tokens + jnp.arange(block_tokens) < lengths[..., None]
         scores = jnp.where(read[:, :, None, None, :], grouped_scores(q, k) * sm_scale, -jnp.inf)
         v = jnp.where(read[..., None], v, 0)  # whatever lies past a head's tokens stays out
-        return (*attention_from_scores(scores, v), scores)
+        kept_scores = (scores,) if return_probs else ()  # only mass policies need them
+        return (*attention_from_scores(scores, v), *kept_scores)
 
     def skip_block():
-        return (
+        nothing_read = (
             jnp.zeros((b, n, c, h), jnp.float32),
             jnp.full((b, n, c), -jnp.inf, jnp.float32),
-            jnp.full(scores_shape, -jnp.inf, jnp.float32),
+        )
+        return (
+            (*nothing_read, jnp.full(scores_shape, -jnp.inf, jnp.float32))
+            if return_probs
+            else nothing_read
         )
 
     out, lse = skip_block()[:2]
     block_scores = []
     for index in range(num_blocks):
-        out_b, lse_b, scores = jax.lax.cond(
+        out_b, lse_b, *scores = jax.lax.cond(
             index < blocks_held, lambda i=index: attend_block(i), skip_block
         )
         out, lse = merge_partials(out, lse, out_b, lse_b)
-        block_scores.append(scores)
+        block_scores += scores
     if not return_probs:
         return out, lse
     all_scores = jnp.concatenate(block_scores, axis=-1)

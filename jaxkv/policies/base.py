@@ -145,14 +145,12 @@ class Budget:
         bad = ValueError(
             f"budget={value!r}: give a ratio in (0, 1] or a token count in [1, {MAX_BUDGET_TOKENS}]"
         )
-        if isinstance(value, bool | np.bool_) or np.ndim(value) != 0:
+        if np.ndim(value) != 0:
             raise bad
-        kind = np.asarray(value).dtype.kind if not isinstance(value, int | float) else None
-        if isinstance(value, float) or kind == "f":
+        kind = np.asarray(value).dtype.kind  # bools, strings and huge ints are neither
+        if kind == "f":
             return cls(ratio=float(value))
-        if not (isinstance(value, int) or kind in ("i", "u")):
-            raise bad
-        if not 1 <= int(value) <= MAX_BUDGET_TOKENS:
+        if kind not in "iu" or not 1 <= int(value) <= MAX_BUDGET_TOKENS:
             raise bad
         return cls(tokens=int(value))
 
