@@ -1,10 +1,11 @@
 """Retrieval quality of every policy on a real pretrained model (SmolLM2-135M-Instruct, GGUF).
 
 Episodes: natural prose from Python's own documentation (`jaxkv.prose`) as the haystack, with
-7-digit "special magic number" needles at chosen depths; `needle` hides one and asks for it,
-`multikey` hides six under different names and asks for one. The prompt is the model's chat
-format: the haystack and then the question in one user turn, then the assistant header and the
-answer prefix "The special magic number for NAME is". Every policy sees the same token ids.
+7-digit "special magic number" needles at chosen depths, each a paragraph of its own; `needle`
+hides one and asks for it, `multikey` hides six under different names and asks for one. The
+prompt is the model's chat format: the haystack and then the question in one user turn, then
+the assistant header and the answer prefix "The special magic number for NAME is".
+Every policy sees the same token ids.
 
 Two settings:
   aware     the question is part of the compressed prompt (`generate` with the policy);
@@ -78,6 +79,16 @@ def _sentences(seed: int) -> list[str]:
     return re.split(r"(?<=[.!?])\s+", prose(60_000, seed=seed))
 
 
+def _haystack_text(sentences: list[str], needles: list[str]) -> str:
+    """Filler sentences joined by spaces, each needle a paragraph of its own (the full cache
+    finds 12/16 multikey answers at 2K so, 10/16 with needles inline: what policies lose
+    should show against a full cache that finds them)."""
+    text = " ".join(sentences)
+    for needle in needles:
+        text = text.replace(needle, f"\n\n{needle}\n\n")
+    return re.sub(r" *\n\n *", "\n\n", text).strip()
+
+
 def build_episode(tokenizer: Tokenizer, task: str, length: int, index: int) -> TextEpisode:
     """Episode `index` of `task` with a prompt of at most `length` tokens (deterministic)."""
     rng = np.random.default_rng([EVAL_SEED, TASKS.index(task), length, index])
@@ -110,11 +121,13 @@ def build_episode(tokenizer: Tokenizer, task: str, length: int, index: int) -> T
     ]
     for depth, needle in sorted(zip(depths, needles, strict=True), reverse=True):
         haystack.insert(round(depth * len(haystack)), needle)
-    context_ids = prefix_ids + tokenizer.encode(" ".join(haystack), add_bos=False)
+    context_ids = prefix_ids + tokenizer.encode(_haystack_text(haystack, needles), add_bos=False)
     while len(context_ids) + len(question_ids) > length:  # sentences tokenize apart differently
         last_filler = max(i for i, s in enumerate(haystack) if s not in needles)
         del haystack[last_filler]
-        context_ids = prefix_ids + tokenizer.encode(" ".join(haystack), add_bos=False)
+        context_ids = prefix_ids + tokenizer.encode(
+            _haystack_text(haystack, needles), add_bos=False
+        )
     order = sorted(range(keys), key=lambda k: depths[k])
     return TextEpisode(
         task=task,
