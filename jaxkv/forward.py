@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import attention as attention_ops
-from jaxkv import sharding
+from jaxkv import collectives
 from jaxkv.cache import KVState, check_ring_policy
 from jaxkv.layer_step import attend_and_write
 from jaxkv.models import decoder, layers
@@ -133,7 +133,7 @@ def forward_cached(
             collected["queries"] = q
         if collect_input_stats:
             collected["input_mean"], collected["input_m2"] = chunk_moments(h, valid)
-        x = decoder.attention_output_and_mlp(lp, cfg, x, attn, sharding.reduce_partial_sums)
+        x = decoder.attention_output_and_mlp(lp, cfg, x, attn, collectives.reduce_partial_sums)
         return (x, pool), (page_table, lengths, ring, collected)
 
     layer_indices = jnp.arange(cfg.num_layers)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import sharding
+from jaxkv import collectives, sharding
 from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import KVState, decode_geometry, int8_decode_geometry, repack
 from jaxkv.cache.config import CacheConfig, check_count
@@ -341,7 +341,8 @@ def _prefill_span(
             )
         return kv, _PrefillCarry(last_hidden=last_hidden, window=window, moments=moments)
 
-    return jax.lax.fori_loop(first_chunk, end_chunk, step, (kv, carry))
+    initial = collectives.varying_like((kv, carry), tokens)  # on a mesh: as the step's output
+    return jax.lax.fori_loop(first_chunk, end_chunk, step, initial)
 
 
 def _compress(
@@ -532,7 +533,7 @@ def _sample(sampler: Sampler, logits: jax.Array, key: jax.Array) -> jax.Array:
     if sampler.greedy:
         return sampler(logits, key)
     row_keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(
-        sharding.global_rows(logits.shape[0])
+        collectives.global_rows(logits.shape[0])
     )
     return jax.vmap(lambda row_logits, row_key: sampler(row_logits[None], row_key)[0])(
         logits, row_keys
@@ -618,8 +619,8 @@ def _decode(
 
     def keep_going(state: GenState):
         # Every device of a mesh runs the same number of steps (the steps hold collectives).
-        finished = sharding.all_shards(jnp.all(state.done))
-        overflow = sharding.any_shard(state.kv.pool.overflow)
+        finished = collectives.all_shards(jnp.all(state.done))
+        overflow = collectives.any_shard(state.kv.pool.overflow)
         return (state.step < state.max_new_tokens) & ~finished & ~overflow
 
     step = functools.partial(

@@ -9,26 +9,13 @@ rows and heads, so it holds and reads only its share of the cache. Outside the d
 states are stacked on a leading shard axis [S = d * m] (shard s = data shard s // m, model shard
 s % m), which is the one sharded array axis.
 
-Collectives, and nothing else crosses devices:
-  - the output projection and the MLP's down projection sum their partial products over
-    "model" (one all-reduce each per layer, `reduce_partial_sums`);
-  - policies whose decisions span a layer's KV heads (AdaKV's bottom-k, Fast KVzip's and
-    KVzip's global thresholds, TOVA's and Conf-KV's head-averaged rankings) gather the scores
-    they rank (`gather_heads`), never the cache, and keep their own heads' slice;
-  - loop and branch conditions that must agree on every device (`any_shard`, `all_shards`).
-These helpers are identities outside a sharded program, so the same policy code runs on one
-device and on a mesh. They read a flag set while the sharded program is traced: a helper that
-calls them must not be wrapped in its own `jax.jit` (a trace cached on one device would be
-reused on the mesh without its collectives); policies call them from plain functions.
-
-One rules table (`LOGICAL_AXIS_RULES`) maps the logical axes of parameters (`jaxkv.models.decoder.
-PARAM_AXES`, a policy's `param_axes`) and of the stacked cache to the mesh's axes.
+Devices meet only in the collectives of `jaxkv.collectives` (identities on one device, so the
+same policy code runs on one device and on a mesh), which also holds the logical-axis rules
+that place parameters and the stacked cache on the mesh.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -41,114 +28,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jax.typing import ArrayLike
 
+from jaxkv.collectives import DATA_AXIS, MESH_AXES, MODEL_AXIS, logical_spec
 from jaxkv.models.configs import ModelConfig
 from jaxkv.models.decoder import PARAM_AXES, Model
 
-DATA_AXIS = "data"
-MODEL_AXIS = "model"
-MESH_AXES = (DATA_AXIS, MODEL_AXIS)
-
-# Logical axis -> mesh axis (None: replicated on every device).
-LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": DATA_AXIS,
-    "heads": MODEL_AXIS,
-    "kv_heads": MODEL_AXIS,
-    "mlp": MODEL_AXIS,
-    "cache_shards": MESH_AXES,  # the stacked per-device KV states (and all per-device outputs)
-    "layers": None,
-    "embed": None,
-    "vocab": None,
-    "head_dim": None,
-    "gate": None,  # a learned gate's own feature axes
-}
-
-_SHARDS_SPEC = PartitionSpec(MESH_AXES)
-
-
-def logical_spec(axes: Sequence[str | None]) -> PartitionSpec:
-    """The PartitionSpec of an array whose axes have these logical names (None: replicated)."""
-    unknown = [axis for axis in axes if axis is not None and axis not in LOGICAL_AXIS_RULES]
-    if unknown:
-        raise ValueError(f"logical axes {unknown} are not in LOGICAL_AXIS_RULES")
-    return PartitionSpec(*(None if axis is None else LOGICAL_AXIS_RULES[axis] for axis in axes))
-
-
-# --- collectives that are identities on one device ------------------------------------------
-
-_IN_SHARDED_PROGRAM: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "jaxkv_in_sharded_program", default=False
-)
-
-
-@contextlib.contextmanager
-def _tracing_on_mesh():
-    """Marks the code traced inside as one device's share of a sharded program (read at trace
-    time: `_sharded_program` traces the raw functions, never a jitted one cached outside)."""
-    token = _IN_SHARDED_PROGRAM.set(True)
-    try:
-        yield
-    finally:
-        _IN_SHARDED_PROGRAM.reset(token)
-
-
-def head_shards() -> int:
-    """How many devices share a layer's KV heads (1 outside a sharded program)."""
-    return jax.lax.axis_size(MODEL_AXIS) if _IN_SHARDED_PROGRAM.get() else 1
-
-
-def reduce_partial_sums(x: jax.Array) -> jax.Array:
-    """Sums a tensor-parallel partial product (over a device's heads or MLP columns) over the
-    model axis; x itself on one device."""
-    return jax.lax.psum(x, MODEL_AXIS) if _IN_SHARDED_PROGRAM.get() else x
-
-
-def gather_heads(tree: Any, axis: int) -> Any:
-    """Every KV head's values of each leaf (its KV-head axis `axis`), in head order."""
-    if not _IN_SHARDED_PROGRAM.get():
-        return tree
-    return jax.tree.map(lambda x: jax.lax.all_gather(x, MODEL_AXIS, axis=axis, tiled=True), tree)
-
-
-def local_heads(x: jax.Array, axis: int) -> jax.Array:
-    """This device's KV heads of x (every head on its KV-head axis `axis`)."""
-    shards = head_shards()
-    if shards == 1:
-        return x
-    size = x.shape[axis] // shards
-    start = jax.lax.axis_index(MODEL_AXIS) * size
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
-
-
-def over_all_heads(fn: Callable[..., jax.Array], *arrays: jax.Array, axis: int) -> jax.Array:
-    """fn(*arrays) over every device's KV heads (each array's head axis `axis` gathered; fn's
-    result has the same head axis), and this device's heads of the result. The inputs are
-    gathered whole, so the result is bit for bit the one device's."""
-    return local_heads(fn(*gather_heads(arrays, axis)), axis)
-
-
-def global_rows(batch: int) -> jax.Array:
-    """int32 [batch]: the request's row index of each of this device's `batch` rows, so that
-    per-row randomness (`jax.random.fold_in(key, row)`) does not depend on the mesh."""
-    rows = jnp.arange(batch, dtype=jnp.int32)
-    if not _IN_SHARDED_PROGRAM.get():
-        return rows
-    return rows + jax.lax.axis_index(DATA_AXIS).astype(jnp.int32) * batch
-
-
-def any_shard(flag: jax.Array) -> jax.Array:
-    """bool []: `flag` (bool []) on any device of the program (itself on one device), for
-    conditions every device must agree on (a branch or loop holding collectives)."""
-    if not _IN_SHARDED_PROGRAM.get():
-        return flag
-    return jax.lax.psum(flag.astype(jnp.int32), MESH_AXES) > 0
-
-
-def all_shards(flag: jax.Array) -> jax.Array:
-    """bool []: `flag` (bool []) on every device of the program."""
-    return ~any_shard(~flag)
-
-
-# --- the mesh and what lives on it ----------------------------------------------------------
+_SHARDS_SPEC = PartitionSpec(MESH_AXES)  # the stacked per-device values: one entry per device
 
 
 def to_host(x: ArrayLike) -> np.ndarray:
@@ -365,8 +249,7 @@ def _sharded_program(fn, kinds, statics, inference_mesh: InferenceMesh, policy):
                     local[i] = dataclasses.replace(local[i], config=cfg)
                 elif kind in ("rows", "shard", "donate"):
                     local[i] = jax.tree.map(lambda x: x[0], local[i])
-            with _tracing_on_mesh():
-                out = fn(*local, **dict(statics))
+            out = fn(*local, **dict(statics))
             return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
 
         return jax.shard_map(
@@ -374,7 +257,6 @@ def _sharded_program(fn, kinds, statics, inference_mesh: InferenceMesh, policy):
             mesh=inference_mesh.mesh,
             in_specs=tuple(specs),
             out_specs=_SHARDS_SPEC,
-            check_vma=False,
         )(*args)
 
     # Named after fn, so that profiles and HLO dumps say which program this is.

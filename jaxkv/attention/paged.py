@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxkv import pallas_kernels
 from jaxkv.attention.dense import attention_from_scores, grouped_scores, merge_partials
 from jaxkv.attention.dispatch import CHUNK_ROWS, interpret, uses_kernels
+from jaxkv.collectives import varying_like
 
 # Tokens of one block of the XLA path: large enough that the loop's per-block overhead is small
 # next to a block's work, small enough that a chunk's scores per block stay a few MB.
@@ -176,11 +177,9 @@ def _xla_paged_attention(
             jnp.zeros((b, n, c, h), jnp.float32),
             jnp.full((b, n, c), -jnp.inf, jnp.float32),
         )
-        return (
-            (*nothing_read, jnp.full(scores_shape, -jnp.inf, jnp.float32))
-            if return_probs
-            else nothing_read
-        )
+        if return_probs:
+            nothing_read += (jnp.full(scores_shape, -jnp.inf, jnp.float32),)
+        return varying_like(nothing_read, q, k_pages, page_table, lengths)
 
     out, lse = skip_block()[:2]
     block_scores = []

@@ -31,6 +31,7 @@ from jaxkv.cache.eviction import compact_layer
 from jaxkv.cache.slots import merge_slots, split_slots
 from jaxkv.cache.state import Int8Tier, KVState, PagePool
 from jaxkv.cache.writes import write_tokens
+from jaxkv.collectives import varying_like
 
 QUANT_MAX = 127
 # Dtypes the tokens leaving the window may come from (and the attention dequantises back to).
@@ -84,7 +85,7 @@ def create_tier(kv: KVState, window: int, num_pages: int, max_pages: int) -> Int
         k_scales=jnp.zeros((num_pages, p), jnp.float32),
         v_scales=jnp.zeros((num_pages, p), jnp.float32),
     )
-    return Int8Tier(
+    tier = Int8Tier(
         pool=int8_pool,
         page_table=jnp.full((*table.shape[:-1], max_pages), -1, jnp.int32),
         lengths=jnp.zeros_like(kv.lengths),
@@ -92,6 +93,7 @@ def create_tier(kv: KVState, window: int, num_pages: int, max_pages: int) -> Int
         v_channel_scales=scales(pool.v_pages),
         window=window,
     )
+    return varying_like(tier, kv.lengths)  # on a mesh, typed as the state it joins
 
 
 def start_int8(kv: KVState, window: int) -> KVState:

@@ -385,7 +385,7 @@ class Policy:
 
     def param_axes(self, params: PolicyParams | None) -> PolicyParams | None:
         """The logical axis names of each `policy_params` leaf (a tree like `params` with a
-        tuple per leaf, `jaxkv.sharding.LOGICAL_AXIS_RULES`), so that a mesh splits learned
+        tuple per leaf, `jaxkv.collectives.LOGICAL_AXIS_RULES`), so that a mesh splits learned
         gates with their KV heads; None: replicated (no parameters)."""
         del params
         return None

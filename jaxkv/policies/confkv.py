@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import sharding
+from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, keep_top_per_head
 from jaxkv.policies import base
@@ -246,7 +246,7 @@ class ConfKV(base.Policy):
         mass = kv.token_scores()
         if self.per_head:
             return mass
-        layer_mean = jnp.mean(sharding.gather_heads(mass, axis=2), axis=2, keepdims=True)
+        layer_mean = jnp.mean(collectives.gather_heads(mass, axis=2), axis=2, keepdims=True)
         return jnp.broadcast_to(layer_mean, mass.shape)
 
     def _evict(self, kv: KVState, budgets, newest_positions, key) -> KVState:
@@ -270,7 +270,7 @@ class ConfKV(base.Policy):
             return compact(kv, keep_top_per_head(scores, budget, held, protected))
 
         # Every device takes the same branch: the per-layer ranking gathers across devices.
-        over_budget = sharding.any_shard(jnp.any(kv.lengths > budgets))
+        over_budget = collectives.any_shard(jnp.any(kv.lengths > budgets))
         return jax.lax.cond(over_budget, evict, lambda kv: kv, kv)
 
     def compress(self, kv: KVState, obs: base.PrefillObservations, model) -> KVState:

@@ -32,7 +32,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import sharding
+from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact
 from jaxkv.gates import fastkvzip as gate
@@ -172,13 +172,13 @@ class FastKVzip(Policy):
             return keep_top_globally(scores, jnp.maximum(total, forced), held, protected)
 
         held = kv.positions() >= 0
-        keep_mask = sharding.over_all_heads(keep, kv.token_scores(), held, protected, axis=2)
+        keep_mask = collectives.over_all_heads(keep, kv.token_scores(), held, protected, axis=2)
         return compact(kv, keep_mask)
 
     @staticmethod
     def _heads(kv: KVState) -> int:
         """(layer, KV head) pairs of a sequence, every device's on a mesh."""
-        return kv.num_layers * kv.lengths.shape[2] * sharding.head_shards()
+        return kv.num_layers * kv.lengths.shape[2] * collectives.head_shards()
 
     def after_prefill_chunk(self, kv: KVState, *, seen, prompt_lengths, budget_tokens):
         heads = self._heads(kv)
@@ -217,7 +217,9 @@ class FastKVzip(Policy):
         total = _scaled_total(ctx.budget_tokens[:, 0], current, ctx.prompt_lengths, heads)
         fixed = ctx.budget_tokens[:, 2]
         total = jnp.where(fixed > 0, fixed * heads, total)
-        held_total = sharding.reduce_partial_sums(jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32))
+        held_total = collectives.reduce_partial_sums(
+            jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32)
+        )
         total = jnp.where(active, total, held_total)
         positions = kv.positions()
         newest = positions > (ctx.positions - self.decode_buffer)[None, :, None, None]

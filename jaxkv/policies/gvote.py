@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import sharding
+from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.policies import base
@@ -58,7 +58,7 @@ def sample_hidden_states(key, mean, var, num_samples: int) -> jax.Array:
         shape = (num_samples, mean.shape[1])
         return jax.random.normal(jax.random.fold_in(key, row), shape, jnp.float32)
 
-    noise = jax.vmap(row_noise)(sharding.global_rows(mean.shape[0]))
+    noise = jax.vmap(row_noise)(collectives.global_rows(mean.shape[0]))
     return mean[:, None] + jnp.sqrt(var)[:, None] * noise
 
 

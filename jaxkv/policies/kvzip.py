@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import attention as attention_ops
-from jaxkv import sharding
+from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.models import layers
@@ -140,7 +140,7 @@ def _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, prefix_he
     attn = jnp.einsum("bkgcs,bksh->bkgch", grouped, values.astype(jnp.float32))
     received = jnp.max(grouped[..., :s], axis=(2, 3))
     attn = attn.reshape(b, cfg.num_heads, c, -1)
-    return attention_output_and_mlp(lp, cfg, x, attn, sharding.reduce_partial_sums), received
+    return attention_output_and_mlp(lp, cfg, x, attn, collectives.reduce_partial_sums), received
 
 
 def reconstruction_scores(
@@ -185,6 +185,7 @@ def reconstruction_scores(
         return jnp.maximum(best, received), None
 
     best = jnp.zeros(kv.lengths.shape + (kv.max_tokens_per_head,), jnp.float32)
+    best = collectives.varying_like(best, kv.lengths)
     best, _ = jax.lax.scan(one_chunk, best, jnp.arange(tokens.shape[1] // chunk))
     return best
 
@@ -272,8 +273,8 @@ class KVzip(Policy):
             continue_ids=self.continue_ids,
         )
         held = kv.positions() >= 0
-        total = obs.budget_tokens * kv.num_layers * kv.lengths.shape[2] * sharding.head_shards()
-        keep = sharding.over_all_heads(
+        total = obs.budget_tokens * kv.num_layers * kv.lengths.shape[2] * collectives.head_shards()
+        keep = collectives.over_all_heads(
             lambda scores, held: keep_top_globally(scores, total, held, jnp.zeros_like(held)),
             scores,
             held,

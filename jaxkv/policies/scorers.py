@@ -21,7 +21,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxkv import sharding
+from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import keep_top_across_heads
 from jaxkv.policies import base
@@ -147,7 +147,7 @@ class TOVA(EvictionPolicy):
         return 1
 
     def layer_scores(self, view: LayerView) -> jax.Array:
-        last = sharding.gather_heads(view.window_probabilities()[:, :, 0], axis=1)  # [B, N, S]
+        last = collectives.gather_heads(view.window_probabilities()[:, :, 0], axis=1)  # [B, N, S]
         return jnp.broadcast_to(last.mean(axis=1, keepdims=True), view.positions.shape)
 
 
@@ -238,4 +238,4 @@ class AdaKV(EvictionPolicy):
         def keep(scores, held, protected):
             return keep_top_across_heads(scores, budgets, held, protected, self.safeguard)
 
-        return sharding.over_all_heads(keep, scores, held, protected, axis=2)
+        return collectives.over_all_heads(keep, scores, held, protected, axis=2)
