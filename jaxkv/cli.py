@@ -52,8 +52,7 @@ def _load(model_arg: str, dtype: str, seed: int):
         return load_gguf(path, dtype=dtype or "float32"), gguf_tokenizer(path)
     if path.is_dir():
         model = load_hf_checkpoint(path, dtype=dtype)
-        has_tokenizer = (path / "tokenizer.json").exists()
-        return model, load_tokenizer(path) if has_tokenizer else byte_tokenizer()
+        return model, load_tokenizer(path)  # never the byte-level one in its place
     if model_arg in PRESETS:
         model = init_model(preset(model_arg), seed=seed, dtype=dtype_from_name(dtype or "float32"))
         return model, byte_tokenizer()

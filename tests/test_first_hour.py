@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxkv
-from jaxkv import bundled, policies
+from jaxkv import bundled, cli, policies
 from jaxkv.gates.wgkv import init_write_gates, load_write_gates, save_write_gates
 from jaxkv.models import byte_tokenizer, init_model, load_hf_checkpoint, save_hf_checkpoint
 from jaxkv.models.configs import preset
@@ -196,3 +196,16 @@ def test_truncated_safetensors_names_the_file(tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file"):
         load_hf_checkpoint(tmp_path)
+
+
+# Issue 29, the rest: no silent byte-level tokenizer, ...
+def _cli_error(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_checkpoint_without_tokenizer_json_is_an_error_not_the_byte_tokenizer(tmp_path, capsys):
+    (_checkpoint(tmp_path) / "tokenizer.json").unlink()
+    assert cli.main(["generate", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
+    assert f"checkpoint directory {tmp_path} has no tokenizer.json" in _cli_error(capsys)
