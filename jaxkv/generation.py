@@ -220,7 +220,7 @@ def _create_state(
             )
             full = _full_cache_pages(local_cfg, lengths, reserve_tokens, page_size)
             needs.append(full if bound is None else min(bound, full))
-        num_pages = pool_pages_bucket(max(needs))
+        num_pages = pool_pages_bucket(max(needs), page_size)
     elif isinstance(policy, FullCache) and num_pages < full_need:
         raise ValueError(
             f"num_pages={num_pages} is too small: the full cache needs {full_need} "
@@ -453,7 +453,8 @@ def _prefill_growing(model, request: _Request, key, policy_params, backend: Back
         if free < chunk_need:
             in_use = kv.pool.num_pages - free
             wanted = max(2 * kv.pool.num_pages, in_use + chunk_need)
-            kv = _call(_grow_jit, placement, ("shard",), kv, num_pages=pool_pages_bucket(wanted))
+            num_pages = pool_pages_bucket(wanted, kv.pool.page_size)
+            kv = _call(_grow_jit, placement, ("shard",), kv, num_pages=num_pages)
         kv, carry = _call(
             _prefill_span_jit,
             placement,

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 import jaxkv
 from jaxkv import bundled, cli, policies
+from jaxkv.cache import geometry
 from jaxkv.gates.wgkv import init_write_gates, load_write_gates, save_write_gates
 from jaxkv.models import byte_tokenizer, init_model, load_hf_checkpoint, save_hf_checkpoint
 from jaxkv.models.configs import preset
@@ -209,3 +210,13 @@ def test_checkpoint_without_tokenizer_json_is_an_error_not_the_byte_tokenizer(tm
     (_checkpoint(tmp_path) / "tokenizer.json").unlink()
     assert cli.main(["generate", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
     assert f"checkpoint directory {tmp_path} has no tokenizer.json" in _cli_error(capsys)
+
+
+def test_large_pages_keep_a_short_prompts_pool_small(tiny):
+    # 256 pages of 8192 tokens would be a 2M-token pool for a 252-token prompt.
+    cache = jaxkv.CacheConfig(page_size=8192)
+    out = jaxkv.generate(tiny, [list(range(1, 253))], max_new_tokens=2, cache=cache)
+    heads = tiny.config.num_layers * tiny.config.num_kv_heads
+    assert out.state.pool.num_pages == heads  # one page per (layer, KV head)
+    assert geometry.min_pool_pages(16) == geometry.MIN_POOL_PAGES  # the default is unchanged
+
