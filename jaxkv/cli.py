@@ -12,6 +12,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from jaxkv import bundled
+from jaxkv.cache.config import DEFAULT_FULL_PRECISION_WINDOW
 
 # The bundled reference model (docs/reference-model.md), trained by `jaxkv train pretrain`.
 DEFAULT_MODEL = str(bundled.REFERENCE_MODEL)
@@ -20,6 +21,8 @@ SHIPPED_GATES = {
     "wgkv": bundled.WGKV_GATES / "lambda-0.08",
     "fastkvzip": bundled.FASTKVZIP_GATES,
 }
+# duo_attention without --gates: the share of (layer, KV head) pairs picked as retrieval heads.
+DEFAULT_RETRIEVAL_HEADS = 0.25
 DEFAULT_PROMPT = (
     "def lookup(table, key):\n"
     "    # The special magic number for amber-otter is 4821937.\n"
@@ -222,8 +225,9 @@ def _retrieval_heads(args, policy, model, prompt_ids):
 
     if args.gates is not None:
         return np.load(args.gates).astype(bool), str(args.gates)
-    if not 0.0 <= args.retrieval_heads <= 1.0:
-        raise ValueError(f"--retrieval-heads {args.retrieval_heads}: give a share in [0, 1]")
+    share = DEFAULT_RETRIEVAL_HEADS if args.retrieval_heads is None else args.retrieval_heads
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"--retrieval-heads {share}: give a share in [0, 1]")
     window = min(policy.window, len(prompt_ids) - policy.sinks - 1)
     if window < 1:
         raise ValueError(
@@ -232,7 +236,26 @@ def _retrieval_heads(args, policy, model, prompt_ids):
         )
     tokens = jnp.asarray([prompt_ids], jnp.int32)
     mass = policies.long_range_attention_mass(model, tokens, sinks=policy.sinks, window=window)
-    return policies.retrieval_heads(mass, args.retrieval_heads), "picked on the prompt"
+    return policies.retrieval_heads(mass, share), "picked on the prompt"
+
+
+def refuse_unused_options(args: argparse.Namespace) -> None:
+    """ValueError for an option that the chosen policy or storage would ignore."""
+    if args.retrieval_heads is not None and args.policy != "duo_attention":
+        raise ValueError(
+            f"--retrieval-heads: policy {args.policy!r} has no retrieval heads "
+            "(only duo_attention picks them)"
+        )
+    if args.retrieval_heads is not None and args.gates is not None:
+        raise ValueError(
+            f"--retrieval-heads: duo_attention reads its retrieval heads from --gates "
+            f"{args.gates}; give one of the two"
+        )
+    if args.full_precision_window is not None and args.storage != "int8":
+        raise ValueError(
+            f"--full-precision-window: --storage {args.storage} keeps every token in the kv "
+            "dtype; the window is for --storage int8"
+        )
 
 
 def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]):
@@ -268,12 +291,14 @@ def _generate(args) -> int:
     import jaxkv
     from jaxkv.models import encode_chat
 
+    refuse_unused_options(args)
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     policy = build_policy(args)
+    window = args.full_precision_window
     cache = jaxkv.CacheConfig(
         page_size=args.page_size,
         storage=args.storage,
-        full_precision_window=args.full_precision_window,
+        **({} if window is None else {"full_precision_window": window}),
     )
     model, tokenizer = _load(args.model, args.dtype, args.seed)
     policy = policy.for_tokenizer(tokenizer)
@@ -392,9 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--retrieval-heads",
         type=float,
-        default=0.25,
+        default=None,
         help="duo_attention without --gates: the share of (layer, KV head) pairs kept whole, "
-        "picked on the prompt by long-range attention mass",
+        f"picked on the prompt by long-range attention mass (default {DEFAULT_RETRIEVAL_HEADS})",
     )
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -411,8 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--full-precision-window",
         type=int,
-        default=128,
-        help="with --storage int8: the newest tokens per head kept in the kv dtype",
+        default=None,
+        help="with --storage int8: the newest tokens per head kept in the kv dtype "
+        f"(default {DEFAULT_FULL_PRECISION_WINDOW})",
     )
     gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     gen.add_argument(

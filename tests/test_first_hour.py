@@ -220,3 +220,34 @@ def test_large_pages_keep_a_short_prompts_pool_small(tiny):
     assert out.state.pool.num_pages == heads  # one page per (layer, KV head)
     assert geometry.min_pool_pages(16) == geometry.MIN_POOL_PAGES  # the default is unchanged
 
+
+TINY_CLI = ["generate", "--model", "tiny-random", "--max-new-tokens", "2", "--page-size", "4"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (
+            ["--policy", "snapkv", "--budget", "0.5", "--retrieval-heads", "0.5"],
+            "--retrieval-heads: policy 'snapkv' has no retrieval heads",
+        ),
+        (
+            ["--policy", "duo_attention", "--gates", "heads.npy", "--retrieval-heads", "0.5"],
+            "duo_attention reads its retrieval heads from --gates heads.npy",
+        ),
+        (
+            ["--full-precision-window", "64"],
+            "--full-precision-window: --storage model keeps every token in the kv dtype",
+        ),
+    ],
+)
+def test_options_the_policy_or_storage_would_ignore_are_refused(capsys, argv, match):
+    assert cli.main([*TINY_CLI, *argv]) == 2
+    assert match in _cli_error(capsys)
+
+
+def test_int8_storage_takes_a_full_precision_window(capsys):
+    argv = [*TINY_CLI, "--storage", "int8", "--full-precision-window", "4", "--prompt", "x" * 40]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{") :])["storage"] == "int8"
