@@ -251,3 +251,17 @@ def test_int8_storage_takes_a_full_precision_window(capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert json.loads(out[out.index("{") :])["storage"] == "int8"
+
+
+@pytest.mark.parametrize(
+    ("prompts", "match"),
+    [
+        ([[[1, 2, 3]]], r"prompt_ids\[0\] holds list entries where token ids belong"),
+        ([[1, 2], [[3]]], r"prompt_ids\[1\] holds list entries where token ids belong"),
+        ([np.ones((2, 3), int)], r"prompt_ids\[0\] holds ndarray entries where token ids belong"),
+        ([[1, 2], 3], r"prompt_ids\[1\] is 3, beside lists"),
+    ],
+)
+def test_prompts_nested_too_deep_name_the_allowed_shapes(tiny, prompts, match):
+    with pytest.raises(ValueError, match=match + r".*token ids \[T\] or a batch .* \[B\]\[T\]"):
+        jaxkv.generate(tiny, prompts, max_new_tokens=2)
