@@ -265,3 +265,24 @@ def test_int8_storage_takes_a_full_precision_window(capsys):
 def test_prompts_nested_too_deep_name_the_allowed_shapes(tiny, prompts, match):
     with pytest.raises(ValueError, match=match + r".*token ids \[T\] or a batch .* \[B\]\[T\]"):
         jaxkv.generate(tiny, prompts, max_new_tokens=2)
+
+
+def test_an_o_proj_bias_is_named_as_unsupported(tmp_path):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attention_bias=True,  # q, k, v and o_proj biases
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.0.self_attn.o_proj.bias': o_proj biases are not supported "
+        r"\(Qwen2-style q/k/v biases are\)",
+    ):
+        load_hf_checkpoint(tmp_path)
