@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import enum
+import importlib.util
 import json
 import math
 import sys
@@ -94,6 +96,17 @@ def _policy_fields(name: str) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(base._REGISTRY[name]) if f.init}
 
 
+def takes_budget(name: str) -> bool:
+    """Whether policy `name` has a budget --budget can set (a `budget` or a `ratio` field)."""
+    return bool({"budget", "ratio"} & set(_policy_fields(name)))
+
+
+def takes_ratio_only(name: str) -> bool:
+    """Whether policy `name`'s budget is a ratio of the prompt, never a token count."""
+    fields = _policy_fields(name)
+    return "ratio" in fields and "budget" not in fields
+
+
 _SCALAR_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 
 
@@ -168,12 +181,12 @@ def policy_kwargs(name: str, pairs: list[str], budget: str | None) -> dict:
     if "budget" in kwargs:
         raise ValueError("give the budget once: --budget or --policy-arg budget=")
     value = parse_budget(budget)
-    if "ratio" in fields and "budget" not in fields and isinstance(value, int):
+    if takes_ratio_only(name) and isinstance(value, int):
         raise ValueError(
             f"--budget {budget}: policy {name!r} keeps a ratio of the prompt in (0, 1] "
             "(0.3, 1e-1, 30%), not a token count"
         )
-    if "budget" not in fields and "ratio" not in fields:
+    if not takes_budget(name):
         hint = ""
         if {"tight", "loose"} <= set(fields):
             hint = ": it has two budgets in tokens, --policy-arg tight=N --policy-arg loose=N"
@@ -350,6 +363,26 @@ def registered_commands(group: str) -> dict:
     return {entry.name: entry for entry in entry_points(group=group)}
 
 
+def _summary_line(entry) -> str:
+    """The first line of an entry point's module docstring, read from the source unless the
+    module is loaded: importing a benchmark would import its heavy dependencies."""
+    loaded = sys.modules.get(entry.module)
+    if loaded is not None:
+        docstring = loaded.__doc__
+    else:
+        source = Path(importlib.util.find_spec(entry.module).origin).read_text()
+        docstring = ast.get_docstring(ast.parse(source))
+    return (docstring or "").partition("\n")[0]
+
+
+def command_summaries(group: str) -> str:
+    """One line per registered command of `group`: its name and what it does."""
+    commands = sorted(registered_commands(group).items())
+    width = max(len(name) for name, _ in commands) + 2
+    lines = [f"  {name:<{width}}{_summary_line(entry)}" for name, entry in commands]
+    return "\n".join(["commands:", *lines])
+
+
 def _run_registered(group: str, name: str, argv: list[str]) -> int:
     commands = registered_commands(group)
     commands[name].load()(argv)
@@ -392,14 +425,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--policy", default="full", help=f"cache policy: {', '.join(policies.registered())}"
     )
-    gen.add_argument(
-        "--budget",
-        default=None,
-        # argparse %-formats help strings.
-        help=f"KV budget per head: {BUDGET_FORMS}; kvzip and fastkvzip take ratios only".replace(
-            "%", "%%"
-        ),
+    names = policies.registered()
+    ratio_only = ", ".join(name for name in names if takes_ratio_only(name))
+    no_budget = ", ".join(name for name in names if not takes_budget(name))
+    budget_help = (
+        f"KV budget per head: {BUDGET_FORMS}; {ratio_only} take ratios only; {no_budget} take "
+        "no --budget (their own settings are --policy-arg fields)"
     )
+    # argparse %-formats help strings.
+    gen.add_argument("--budget", default=None, help=budget_help.replace("%", "%%"))
     gen.add_argument(
         "--policy-arg",
         action="append",
@@ -457,8 +491,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("stage", choices=sorted(registered_commands(TRAIN_GROUP)))
     train.add_argument("args", nargs=argparse.REMAINDER, help="the stage's own arguments")
     train.set_defaults(run=_train)
-    bench = commands.add_parser("bench", help="run a benchmark (`jaxkv bench NAME -h`)")
-    bench.add_argument("name", choices=sorted(registered_commands(BENCH_GROUP)))
+    bench = commands.add_parser(
+        "bench",
+        help="run a benchmark (`jaxkv bench NAME -h`)",
+        epilog=command_summaries(BENCH_GROUP),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument(
+        "name",
+        choices=sorted(registered_commands(BENCH_GROUP)),
+        metavar="NAME",
+        help="a benchmark (commands below)",
+    )
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(run=_bench)
     return parser

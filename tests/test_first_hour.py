@@ -286,3 +286,31 @@ def test_an_o_proj_bias_is_named_as_unsupported(tmp_path):
         r"\(Qwen2-style q/k/v biases are\)",
     ):
         load_hf_checkpoint(tmp_path)
+
+
+def _help(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(cli.registered_commands(cli.BENCH_GROUP)))
+def test_every_benchmark_help_names_its_jaxkv_command(capsys, name):
+    assert _help(capsys, ["bench", name, "-h"]).startswith(f"usage: jaxkv bench {name} ")
+
+
+def test_bench_help_describes_every_benchmark_in_a_line(capsys):
+    lines = _help(capsys, ["bench", "-h"]).splitlines()
+    for name in cli.registered_commands(cli.BENCH_GROUP):
+        (line,) = [line for line in lines if line.split()[:1] == [name]]
+        assert len(line.split()) > 4, line
+    assert any("End-to-end system benchmark" in line for line in lines)
+
+
+def test_generate_help_names_the_policies_without_a_budget(capsys):
+    text = " ".join(_help(capsys, ["generate", "-h"]).split())
+    no_budget = [name for name in policies.registered() if not cli.takes_budget(name)]
+    assert {"full", "wgkv", "confkv", "gvote"} <= set(no_budget)
+    assert f"{', '.join(no_budget)} take no --budget" in text
+    assert "fastkvzip, kvzip take ratios only" in text
