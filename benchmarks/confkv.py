@@ -25,8 +25,8 @@ holds W..W+31).
 Memory is what the cache actually holds (`memory_bytes`: pages in use of both tiers, scales and
 per-token metadata), averaged over decode steps. Sample counts are small (CPU); see --help.
 
-    PYTHONPATH=$PWD python -m jaxkv.benchmarks.confkv --out results/confkv
-    PYTHONPATH=$PWD python -m jaxkv.benchmarks.confkv --parts ablation --set ablation_texts=12
+    jaxkv bench confkv --out results/confkv
+    jaxkv bench confkv --parts ablation --set ablation_texts=12
 """
 
 from __future__ import annotations
@@ -579,7 +579,7 @@ def _settings(base: Settings, assignments: list[str]) -> Settings:
 def _provenance(argv: list[str]) -> dict:
     device = jax.devices()[0]
     return {
-        "command": " ".join(["python -m jaxkv.benchmarks.confkv", *argv]),
+        "command": " ".join(["jaxkv bench confkv", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "jax": jax.__version__,
         "machine": {
@@ -592,7 +592,7 @@ def _provenance(argv: list[str]) -> dict:
 
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m jaxkv.benchmarks.confkv", description=__doc__)
+    parser = argparse.ArgumentParser(prog="jaxkv bench confkv", description=__doc__)
     parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
     parser.add_argument("--quick", action="store_true", help="tiny settings (tests)")
     parser.add_argument("--out", type=Path, default=Path("results/confkv"))

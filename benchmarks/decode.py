@@ -4,7 +4,7 @@ For each policy: KV bytes held after prefill and after generation, and the wall 
 `generate` call (compiled beforehand), each as a ratio to the full cache. Prints a table and
 writes JSON. Absolute times from a CPU machine are noise; the ratios are the result.
 
-    python benchmarks/decode.py --prompt-tokens 2048 --new-tokens 64 --out decode.json
+    jaxkv bench decode --prompt-tokens 2048 --new-tokens 64 --out decode.json
 """
 
 from __future__ import annotations

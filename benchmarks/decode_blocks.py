@@ -6,7 +6,7 @@ measures what that changes: bits per byte of a teacher-forced read with the poli
 (the Conf-KV benchmark's reader: prefix prefilled, continuation read token by token), per policy
 and block size, and the mean tokens held per head.
 
-    python -m jaxkv.benchmarks.decode_blocks [--quick] [--out results/decode-blocks]
+    jaxkv bench decode_blocks [--quick] [--out results/decode-blocks]
 """
 
 from __future__ import annotations
@@ -75,9 +75,7 @@ def table(summary: dict, texts: int, s: reader.Settings) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxkv.benchmarks.decode_blocks", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="jaxkv bench decode_blocks", description=__doc__)
     parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
     parser.add_argument("--texts", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="tiny settings (tests)")
@@ -90,7 +88,7 @@ def main(argv=None) -> dict:
     texts = [heldout.text(rng, s.prefix + s.continuation + 1) for _ in range(args.texts)]
     summary = run(model, texts, s)
     report = {
-        "command": "python -m jaxkv.benchmarks.decode_blocks " + " ".join(argv or []),
+        "command": "jaxkv bench decode_blocks " + " ".join(argv or []),
         "date": time.strftime("%Y-%m-%d"),
         "jax": jax.__version__,
         "device": str(jax.devices()[0]),

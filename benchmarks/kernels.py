@@ -21,8 +21,8 @@ pattern admits.
 Without a GPU the kernels run in the Pallas interpreter; `--quick` shrinks every size so the
 script runs end to end anywhere. Interpreted times say nothing about a GPU.
 
-    python -m jaxkv.benchmarks.kernels --out kernels.json           # on a GPU, from the repo root
-    python -m jaxkv.benchmarks.kernels --quick --out kernels.json   # anywhere
+    jaxkv bench kernels --out kernels.json           # on a GPU
+    jaxkv bench kernels --quick --out kernels.json   # anywhere
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""End-to-end system benchmark: prefill, decode, memory and roofline of every policy, through
-`jaxkv.generate` as a user calls it (random weights, greedy, `stop_tokens=[]`).
+"""End-to-end system benchmark: prefill, decode, memory and roofline of every policy.
+
+Every policy runs through `jaxkv.generate` as a user calls it (random weights, greedy,
+`stop_tokens=[]`).
 
 Per (context, batch, policy), each row in its own subprocess (`--one`, JSON on stdout) so that
 its peak memory is its own:
@@ -598,7 +600,9 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="jaxkv bench system",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--cpu", action="store_true", help="a mid-size model and small sizes")
     parser.add_argument("--model", help=f"{sorted(SHAPES)}, a models preset, or a config.json")

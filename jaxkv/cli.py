@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import enum
+import importlib.util
 import json
 import math
 import sys
@@ -12,6 +14,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from jaxkv import bundled
+from jaxkv.cache.config import DEFAULT_FULL_PRECISION_WINDOW
 
 # The bundled reference model (docs/reference-model.md), trained by `jaxkv train pretrain`.
 DEFAULT_MODEL = str(bundled.REFERENCE_MODEL)
@@ -20,6 +23,8 @@ SHIPPED_GATES = {
     "wgkv": bundled.WGKV_GATES / "lambda-0.08",
     "fastkvzip": bundled.FASTKVZIP_GATES,
 }
+# duo_attention without --gates: the share of (layer, KV head) pairs picked as retrieval heads.
+DEFAULT_RETRIEVAL_HEADS = 0.25
 DEFAULT_PROMPT = (
     "def lookup(table, key):\n"
     "    # The special magic number for amber-otter is 4821937.\n"
@@ -52,8 +57,7 @@ def _load(model_arg: str, dtype: str, seed: int):
         return load_gguf(path, dtype=dtype or "float32"), gguf_tokenizer(path)
     if path.is_dir():
         model = load_hf_checkpoint(path, dtype=dtype)
-        has_tokenizer = (path / "tokenizer.json").exists()
-        return model, load_tokenizer(path) if has_tokenizer else byte_tokenizer()
+        return model, load_tokenizer(path)  # never the byte-level one in its place
     if model_arg in PRESETS:
         model = init_model(preset(model_arg), seed=seed, dtype=dtype_from_name(dtype or "float32"))
         return model, byte_tokenizer()
@@ -90,6 +94,17 @@ def _policy_fields(name: str) -> dict[str, dataclasses.Field]:
     from jaxkv.policies import base
 
     return {f.name: f for f in dataclasses.fields(base._REGISTRY[name]) if f.init}
+
+
+def takes_budget(name: str) -> bool:
+    """Whether policy `name` has a budget --budget can set (a `budget` or a `ratio` field)."""
+    return bool({"budget", "ratio"} & set(_policy_fields(name)))
+
+
+def takes_ratio_only(name: str) -> bool:
+    """Whether policy `name`'s budget is a ratio of the prompt, never a token count."""
+    fields = _policy_fields(name)
+    return "ratio" in fields and "budget" not in fields
 
 
 _SCALAR_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
@@ -166,12 +181,12 @@ def policy_kwargs(name: str, pairs: list[str], budget: str | None) -> dict:
     if "budget" in kwargs:
         raise ValueError("give the budget once: --budget or --policy-arg budget=")
     value = parse_budget(budget)
-    if "ratio" in fields and "budget" not in fields and isinstance(value, int):
+    if takes_ratio_only(name) and isinstance(value, int):
         raise ValueError(
             f"--budget {budget}: policy {name!r} keeps a ratio of the prompt in (0, 1] "
             "(0.3, 1e-1, 30%), not a token count"
         )
-    if "budget" not in fields and "ratio" not in fields:
+    if not takes_budget(name):
         hint = ""
         if {"tight", "loose"} <= set(fields):
             hint = ": it has two budgets in tokens, --policy-arg tight=N --policy-arg loose=N"
@@ -223,8 +238,9 @@ def _retrieval_heads(args, policy, model, prompt_ids):
 
     if args.gates is not None:
         return np.load(args.gates).astype(bool), str(args.gates)
-    if not 0.0 <= args.retrieval_heads <= 1.0:
-        raise ValueError(f"--retrieval-heads {args.retrieval_heads}: give a share in [0, 1]")
+    share = DEFAULT_RETRIEVAL_HEADS if args.retrieval_heads is None else args.retrieval_heads
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"--retrieval-heads {share}: give a share in [0, 1]")
     window = min(policy.window, len(prompt_ids) - policy.sinks - 1)
     if window < 1:
         raise ValueError(
@@ -233,7 +249,26 @@ def _retrieval_heads(args, policy, model, prompt_ids):
         )
     tokens = jnp.asarray([prompt_ids], jnp.int32)
     mass = policies.long_range_attention_mass(model, tokens, sinks=policy.sinks, window=window)
-    return policies.retrieval_heads(mass, args.retrieval_heads), "picked on the prompt"
+    return policies.retrieval_heads(mass, share), "picked on the prompt"
+
+
+def refuse_unused_options(args: argparse.Namespace) -> None:
+    """ValueError for an option that the chosen policy or storage would ignore."""
+    if args.retrieval_heads is not None and args.policy != "duo_attention":
+        raise ValueError(
+            f"--retrieval-heads: policy {args.policy!r} has no retrieval heads "
+            "(only duo_attention picks them)"
+        )
+    if args.retrieval_heads is not None and args.gates is not None:
+        raise ValueError(
+            f"--retrieval-heads: duo_attention reads its retrieval heads from --gates "
+            f"{args.gates}; give one of the two"
+        )
+    if args.full_precision_window is not None and args.storage != "int8":
+        raise ValueError(
+            f"--full-precision-window: --storage {args.storage} keeps every token in the kv "
+            "dtype; the window is for --storage int8"
+        )
 
 
 def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]):
@@ -269,12 +304,14 @@ def _generate(args) -> int:
     import jaxkv
     from jaxkv.models import encode_chat
 
+    refuse_unused_options(args)
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     policy = build_policy(args)
+    window = args.full_precision_window
     cache = jaxkv.CacheConfig(
         page_size=args.page_size,
         storage=args.storage,
-        full_precision_window=args.full_precision_window,
+        **({} if window is None else {"full_precision_window": window}),
     )
     model, tokenizer = _load(args.model, args.dtype, args.seed)
     policy = policy.for_tokenizer(tokenizer)
@@ -326,6 +363,26 @@ def registered_commands(group: str) -> dict:
     return {entry.name: entry for entry in entry_points(group=group)}
 
 
+def _summary_line(entry) -> str:
+    """The first line of an entry point's module docstring, read from the source unless the
+    module is loaded: importing a benchmark would import its heavy dependencies."""
+    loaded = sys.modules.get(entry.module)
+    if loaded is not None:
+        docstring = loaded.__doc__
+    else:
+        source = Path(importlib.util.find_spec(entry.module).origin).read_text()
+        docstring = ast.get_docstring(ast.parse(source))
+    return (docstring or "").partition("\n")[0]
+
+
+def command_summaries(group: str) -> str:
+    """One line per registered command of `group`: its name and what it does."""
+    commands = sorted(registered_commands(group).items())
+    width = max(len(name) for name, _ in commands) + 2
+    lines = [f"  {name:<{width}}{_summary_line(entry)}" for name, entry in commands]
+    return "\n".join(["commands:", *lines])
+
+
 def _run_registered(group: str, name: str, argv: list[str]) -> int:
     commands = registered_commands(group)
     commands[name].load()(argv)
@@ -368,14 +425,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--policy", default="full", help=f"cache policy: {', '.join(policies.registered())}"
     )
-    gen.add_argument(
-        "--budget",
-        default=None,
-        # argparse %-formats help strings.
-        help=f"KV budget per head: {BUDGET_FORMS}; kvzip and fastkvzip take ratios only".replace(
-            "%", "%%"
-        ),
+    names = policies.registered()
+    ratio_only = ", ".join(name for name in names if takes_ratio_only(name))
+    no_budget = ", ".join(name for name in names if not takes_budget(name))
+    budget_help = (
+        f"KV budget per head: {BUDGET_FORMS}; {ratio_only} take ratios only; {no_budget} take "
+        "no --budget (their own settings are --policy-arg fields)"
     )
+    # argparse %-formats help strings.
+    gen.add_argument("--budget", default=None, help=budget_help.replace("%", "%%"))
     gen.add_argument(
         "--policy-arg",
         action="append",
@@ -393,9 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--retrieval-heads",
         type=float,
-        default=0.25,
+        default=None,
         help="duo_attention without --gates: the share of (layer, KV head) pairs kept whole, "
-        "picked on the prompt by long-range attention mass",
+        f"picked on the prompt by long-range attention mass (default {DEFAULT_RETRIEVAL_HEADS})",
     )
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -412,8 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--full-precision-window",
         type=int,
-        default=128,
-        help="with --storage int8: the newest tokens per head kept in the kv dtype",
+        default=None,
+        help="with --storage int8: the newest tokens per head kept in the kv dtype "
+        f"(default {DEFAULT_FULL_PRECISION_WINDOW})",
     )
     gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     gen.add_argument(
@@ -432,8 +491,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("stage", choices=sorted(registered_commands(TRAIN_GROUP)))
     train.add_argument("args", nargs=argparse.REMAINDER, help="the stage's own arguments")
     train.set_defaults(run=_train)
-    bench = commands.add_parser("bench", help="run a benchmark (`jaxkv bench NAME -h`)")
-    bench.add_argument("name", choices=sorted(registered_commands(BENCH_GROUP)))
+    bench = commands.add_parser(
+        "bench",
+        help="run a benchmark (`jaxkv bench NAME -h`)",
+        epilog=command_summaries(BENCH_GROUP),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument(
+        "name",
+        choices=sorted(registered_commands(BENCH_GROUP)),
+        metavar="NAME",
+        help="a benchmark (commands below)",
+    )
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(run=_bench)
     return parser

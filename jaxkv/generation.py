@@ -134,7 +134,36 @@ def _prompt_lists(prompts) -> list[list[int]]:
         raise ValueError("prompt_ids must be a non-empty list of token ids or of token-id lists")
     if all(isinstance(t, int | np.integer) for t in prompts):
         return [list(prompts)]
-    return [list(p) for p in prompts]
+    return [_token_row(i, row) for i, row in enumerate(prompts)]
+
+
+PROMPT_FORMS = (
+    "give one prompt as token ids [T] or a batch as lists of token ids [B][T] "
+    "(lists, or an int array of shape [T] or [B, T])"
+)
+
+
+def _nested(value) -> bool:
+    """Whether `value` holds values itself: a list, tuple or array of >= 1 dimension (a string
+    is left to the dtype check)."""
+    if isinstance(value, str):
+        return False
+    return isinstance(value, Sequence) or getattr(value, "ndim", 0) > 0
+
+
+def _token_row(index: int, row) -> list:
+    """Batch entry `index` as a list of token ids; ValueError naming the allowed shapes for a
+    scalar beside lists or a list nested one level too deep."""
+    if not _nested(row):
+        raise ValueError(f"prompt_ids[{index}] is {row!r}, beside lists: {PROMPT_FORMS}")
+    ids = list(np.asarray(row)) if isinstance(row, np.ndarray | jax.Array) else list(row)
+    deeper = next((t for t in ids if _nested(t)), None)
+    if deeper is not None:
+        raise ValueError(
+            f"prompt_ids[{index}] holds {type(deeper).__name__} entries where token ids belong "
+            f"(nested one level too deep): {PROMPT_FORMS}"
+        )
+    return ids
 
 
 def _pad_prompts(prompts: list[list[int]], lengths: np.ndarray, prefill_chunk: int) -> _Prompts:
@@ -220,7 +249,7 @@ def _create_state(
             )
             full = _full_cache_pages(local_cfg, lengths, reserve_tokens, page_size)
             needs.append(full if bound is None else min(bound, full))
-        num_pages = pool_pages_bucket(max(needs))
+        num_pages = pool_pages_bucket(max(needs), page_size)
     elif isinstance(policy, FullCache) and num_pages < full_need:
         raise ValueError(
             f"num_pages={num_pages} is too small: the full cache needs {full_need} "
@@ -454,7 +483,8 @@ def _prefill_growing(model, request: _Request, key, policy_params, backend: Back
         if free < chunk_need:
             in_use = kv.pool.num_pages - free
             wanted = max(2 * kv.pool.num_pages, in_use + chunk_need)
-            kv = _call(_grow_jit, placement, ("shard",), kv, num_pages=pool_pages_bucket(wanted))
+            num_pages = pool_pages_bucket(wanted, kv.pool.page_size)
+            kv = _call(_grow_jit, placement, ("shard",), kv, num_pages=num_pages)
         kv, carry = _call(
             _prefill_span_jit,
             placement,

@@ -151,6 +151,21 @@ def _checkpoint_dtype(hf_config: dict, dtype):
     return dtype_from_name(stored)
 
 
+def _unexpected_tensor_error(path: Path, name: str, cfg: ModelConfig) -> ValueError:
+    """The error for a tensor the config does not use; a bias the model cannot hold is named as
+    such (Llama's attention_bias=True also puts one on o_proj)."""
+    module, _, kind = name.rpartition(".")
+    projection = module.rpartition(".")[2]
+    if kind == "bias" and projection not in ("q_proj", "k_proj", "v_proj"):
+        return ValueError(
+            f"checkpoint {path} has tensor {name!r}: {projection} biases are not supported "
+            "(Qwen2-style q/k/v biases are)"
+        )
+    return ValueError(
+        f"checkpoint {path} has tensor {name!r} that the config ({cfg.family.value}) does not use"
+    )
+
+
 def load_hf_checkpoint(path: str | os.PathLike, dtype=None) -> Model:
     """Loads a Hugging Face checkpoint directory offline.
 
@@ -182,10 +197,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=None) -> Model:
         and not (cfg.tie_word_embeddings and name == "lm_head.weight")
     ]
     if unexpected:
-        raise ValueError(
-            f"checkpoint {path} has tensor {unexpected[0]!r} that the config "
-            f"({cfg.family.value}) does not use"
-        )
+        raise _unexpected_tensor_error(path, unexpected[0], cfg)
     tensors = _read_tensors(files, expected)
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:

@@ -89,7 +89,11 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     """Loads `tokenizer.json` from a checkpoint directory; bos/eos/pad read from its specials."""
     file = Path(directory) / "tokenizer.json"
     if not file.exists():
-        raise FileNotFoundError(f"{file} does not exist")
+        raise FileNotFoundError(
+            f"checkpoint directory {directory} has no tokenizer.json: save the model's tokenizer "
+            "there (transformers' AutoTokenizer.from_pretrained(...).save_pretrained(DIR) writes "
+            "it, as does jaxkv.models.byte_tokenizer().save(DIR))"
+        )
     backend = HFTokenizer.from_file(str(file))
     vocab = backend.get_vocab(with_added_tokens=True)
 

@@ -125,14 +125,14 @@ def test_decode_pool_is_sized_by_the_budget_not_the_generation(model, make):
         policy_params=None,
     )
     heads = cfg.num_layers * cfg.num_kv_heads
-    full_pages = geometry.pool_pages_bucket(heads * -(-(3000 + 999) // 16))
+    full_pages = geometry.pool_pages_bucket(heads * -(-(3000 + 999) // 16), 16)
     bound = policy.decode_tokens_bound(request.budget_tokens, request.prompts.lengths, 1000)
     assert int(bound[0]) <= 64 + policy.decode_interval
-    expected = geometry.pool_pages_bucket(heads * (-(-int(bound[0]) // 16) + 1))
+    expected = geometry.pool_pages_bucket(heads * (-(-int(bound[0]) // 16) + 1), 16)
     assert expected < full_pages / 10
     out = jaxkv.generate(wide, prompt, policy=policy, **dict(kwargs, max_new_tokens=40))
     assert out.state.pool.num_pages <= geometry.pool_pages_bucket(
-        heads * (-(-(64 + policy.decode_interval) // 16) + 1)
+        heads * (-(-(64 + policy.decode_interval) // 16) + 1), 16
     )
 
 
@@ -141,7 +141,7 @@ def test_full_cache_prefill_state_goes_to_decode_without_a_copy(model):
     out = jaxkv.generate(model, [_prompt(300)], max_new_tokens=5, stop_tokens=())
     assert generation._repack._cache_size() == before
     heads = CONFIG.num_layers * CONFIG.num_kv_heads
-    assert out.state.pool.num_pages == geometry.pool_pages_bucket(heads * -(-(300 + 4) // 16))
+    assert out.state.pool.num_pages == geometry.pool_pages_bucket(heads * -(-(300 + 4) // 16), 16)
 
 
 def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):

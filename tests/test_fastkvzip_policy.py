@@ -106,7 +106,7 @@ def test_chunked_prefill_memory_follows_the_ratio(setup):
     # (its size rounded up to a pool bucket, whose smallest is larger than this tiny cache).
     bound = policy.prefill_pages(np.array(LENGTHS), 32, cfg, PAGE_SIZE, 0)
     assert bound < 0.75 * full_pages
-    assert state.pool.num_pages == geometry.pool_pages_bucket(bound)
+    assert state.pool.num_pages == geometry.pool_pages_bucket(bound, PAGE_SIZE)
     for row, n in enumerate(LENGTHS):
         assert lengths[:, row].sum() == int(RATIO * n) * heads
         window = policies.fastkvzip.default_window(n)

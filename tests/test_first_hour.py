@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxkv
-from jaxkv import bundled, policies
+from jaxkv import bundled, cli, policies
+from jaxkv.cache import geometry
 from jaxkv.gates.wgkv import init_write_gates, load_write_gates, save_write_gates
 from jaxkv.models import byte_tokenizer, init_model, load_hf_checkpoint, save_hf_checkpoint
 from jaxkv.models.configs import preset
@@ -196,3 +197,120 @@ def test_truncated_safetensors_names_the_file(tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file"):
         load_hf_checkpoint(tmp_path)
+
+
+# Issue 29, the rest: no silent byte-level tokenizer, ...
+def _cli_error(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_checkpoint_without_tokenizer_json_is_an_error_not_the_byte_tokenizer(tmp_path, capsys):
+    (_checkpoint(tmp_path) / "tokenizer.json").unlink()
+    assert cli.main(["generate", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
+    assert f"checkpoint directory {tmp_path} has no tokenizer.json" in _cli_error(capsys)
+
+
+def test_large_pages_keep_a_short_prompts_pool_small(tiny):
+    # 256 pages of 8192 tokens would be a 2M-token pool for a 252-token prompt.
+    cache = jaxkv.CacheConfig(page_size=8192)
+    out = jaxkv.generate(tiny, [list(range(1, 253))], max_new_tokens=2, cache=cache)
+    heads = tiny.config.num_layers * tiny.config.num_kv_heads
+    assert out.state.pool.num_pages == heads  # one page per (layer, KV head)
+    assert geometry.min_pool_pages(16) == geometry.MIN_POOL_PAGES  # the default is unchanged
+
+
+TINY_CLI = ["generate", "--model", "tiny-random", "--max-new-tokens", "2", "--page-size", "4"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (
+            ["--policy", "snapkv", "--budget", "0.5", "--retrieval-heads", "0.5"],
+            "--retrieval-heads: policy 'snapkv' has no retrieval heads",
+        ),
+        (
+            ["--policy", "duo_attention", "--gates", "heads.npy", "--retrieval-heads", "0.5"],
+            "duo_attention reads its retrieval heads from --gates heads.npy",
+        ),
+        (
+            ["--full-precision-window", "64"],
+            "--full-precision-window: --storage model keeps every token in the kv dtype",
+        ),
+    ],
+)
+def test_options_the_policy_or_storage_would_ignore_are_refused(capsys, argv, match):
+    assert cli.main([*TINY_CLI, *argv]) == 2
+    assert match in _cli_error(capsys)
+
+
+def test_int8_storage_takes_a_full_precision_window(capsys):
+    argv = [*TINY_CLI, "--storage", "int8", "--full-precision-window", "4", "--prompt", "x" * 40]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{") :])["storage"] == "int8"
+
+
+@pytest.mark.parametrize(
+    ("prompts", "match"),
+    [
+        ([[[1, 2, 3]]], r"prompt_ids\[0\] holds list entries where token ids belong"),
+        ([[1, 2], [[3]]], r"prompt_ids\[1\] holds list entries where token ids belong"),
+        ([np.ones((2, 3), int)], r"prompt_ids\[0\] holds ndarray entries where token ids belong"),
+        ([[1, 2], 3], r"prompt_ids\[1\] is 3, beside lists"),
+    ],
+)
+def test_prompts_nested_too_deep_name_the_allowed_shapes(tiny, prompts, match):
+    with pytest.raises(ValueError, match=match + r".*token ids \[T\] or a batch .* \[B\]\[T\]"):
+        jaxkv.generate(tiny, prompts, max_new_tokens=2)
+
+
+def test_an_o_proj_bias_is_named_as_unsupported(tmp_path):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attention_bias=True,  # q, k, v and o_proj biases
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.0.self_attn.o_proj.bias': o_proj biases are not supported "
+        r"\(Qwen2-style q/k/v biases are\)",
+    ):
+        load_hf_checkpoint(tmp_path)
+
+
+def _help(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(cli.registered_commands(cli.BENCH_GROUP)))
+def test_every_benchmark_help_names_its_jaxkv_command(capsys, name):
+    assert _help(capsys, ["bench", name, "-h"]).startswith(f"usage: jaxkv bench {name} ")
+
+
+def test_bench_help_describes_every_benchmark_in_a_line(capsys):
+    lines = _help(capsys, ["bench", "-h"]).splitlines()
+    for name in cli.registered_commands(cli.BENCH_GROUP):
+        (line,) = [line for line in lines if line.split()[:1] == [name]]
+        assert len(line.split()) > 4, line
+    assert any("End-to-end system benchmark" in line for line in lines)
+
+
+def test_generate_help_names_the_policies_without_a_budget(capsys):
+    text = " ".join(_help(capsys, ["generate", "-h"]).split())
+    no_budget = [name for name in policies.registered() if not cli.takes_budget(name)]
+    assert {"full", "wgkv", "confkv", "gvote"} <= set(no_budget)
+    assert f"{', '.join(no_budget)} take no --budget" in text
+    assert "fastkvzip, kvzip take ratios only" in text

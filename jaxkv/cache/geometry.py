@@ -3,8 +3,10 @@
 Pool sizes, page-table widths, prompt paddings and decode lengths are shapes, so every new value
 compiles the prefill or the decode loop again. They are rounded up to buckets so that a stream
 of requests compiles a bounded number of times, at a bounded cost in memory:
-- pool pages: at least `MIN_POOL_PAGES`, then 16 buckets per octave (at most 1/16 = 6.25% more
-  pages than needed above the minimum, whose absolute size is small);
+- pool pages: at least `min_pool_pages(page_size)` (`MIN_POOL_TOKENS` tokens, and at most
+  `MIN_POOL_PAGES` pages), then 16 buckets per octave (at most 1/16 = 6.25% more pages than
+  needed above the minimum, whose absolute size is small: the minimum is bounded in tokens, so
+  that large pages do not make a short prompt's pool large);
 - page-table widths, decode steps and prompt chunk counts: powers of two (tables hold one int32
   per page and decode-step arrays one int32 per token, both negligible; padded prompt chunks
   are never run, see `jaxkv.generation`).
@@ -15,15 +17,23 @@ from __future__ import annotations
 from jaxkv.pallas_kernels.common import next_power_of_two
 
 MIN_POOL_PAGES = 256
+MIN_POOL_TOKENS = 4096  # MIN_POOL_PAGES pages of the default 16 tokens
 MIN_TABLE_PAGES = 32
 MIN_DECODE_STEPS = 64
 POOL_BUCKETS_PER_OCTAVE = 16
 
 
-def pool_pages_bucket(pages: int) -> int:
-    """Pool size for `pages` needed pages: >= pages, from a bounded set of sizes per octave."""
-    if pages <= MIN_POOL_PAGES:
-        return MIN_POOL_PAGES
+def min_pool_pages(page_size: int) -> int:
+    """The smallest pool: `MIN_POOL_TOKENS` tokens in pages of `page_size`, at least one page
+    and at most `MIN_POOL_PAGES`."""
+    return min(MIN_POOL_PAGES, max(MIN_POOL_TOKENS // page_size, 1))
+
+
+def pool_pages_bucket(pages: int, page_size: int) -> int:
+    """Pool size for `pages` needed pages of `page_size` tokens: >= pages, from a bounded set
+    of sizes per octave."""
+    if pages <= min_pool_pages(page_size):
+        return min_pool_pages(page_size)
     step = max(next_power_of_two(pages) // POOL_BUCKETS_PER_OCTAVE, 1)
     return -(-pages // step) * step
 

@@ -116,7 +116,7 @@ def _bucketed_geometry(grown: np.ndarray, p: int, bound_pages: int | None = None
     if bound_pages is not None:
         pages = min(pages, bound_pages)
     width = max(int(-(-grown.max() // p)), 1)
-    return pool_pages_bucket(pages), table_pages_bucket(width)
+    return pool_pages_bucket(pages, p), table_pages_bucket(width)
 
 
 def decode_geometry(
