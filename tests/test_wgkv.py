@@ -386,6 +386,18 @@ def _global_and_visible_ring(state, position):
     return keys, values, num_global
 
 
+def test_composed_keeps_the_admission_prefill_pool_and_refuses_decode_eviction():
+    config = tiny_model("llama").config
+    policy = policies.compose(WGKV, policies.Quest(budget=8))
+    assert policy.prefill_pool_grows  # a pool sized for what the gates admit, grown on demand
+    geometry = (np.array([200, 90]), 16, config, PAGE, 8)
+    assert policy.prefill_pages(*geometry) == WGKV.prefill_pages(*geometry)
+    assert isinstance(policy.prefill_pages(*geometry), int)  # not Quest's full-cache need:
+    assert policies.Quest(budget=8).prefill_pages(*geometry) is None
+    with pytest.raises(ValueError, match="streaming_llm.*evicts during decode"):
+        policies.compose(policies.StreamingLLM(budget=32), policies.Quest(budget=8))
+
+
 def test_wgkv_with_quest_reads_the_selected_global_pages_and_the_whole_ring():
     model = tiny_model("llama")
     gates = random_gates(model.config)

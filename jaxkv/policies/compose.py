@@ -19,8 +19,10 @@ from jaxkv.policies.base import PolicyParams
 
 @dataclasses.dataclass(frozen=True)
 class Composed(base.Policy):
-    """Admission hooks (write_scores, admit, local ring, params) from `admission`; page selection
-    and its read budget from `selection`; compress/on_decode run admission's then selection's.
+    """Admission hooks (write_scores, admit, local ring, params, the prefill pool's geometry)
+    from `admission`; page selection and its read budget from `selection`; compress/on_decode
+    run admission's then selection's. Neither part may evict during decode: the one budget a
+    decode step is given is the selection's read budget.
 
     Attributes:
       admission: a policy that decides writes and does not select pages.
@@ -39,6 +41,12 @@ class Composed(base.Policy):
         if self.admission.selects_pages:
             raise ValueError(f"admission={self.admission.name!r} already selects pages")
         for part in (self.admission, self.selection):
+            if part.evicts_during_decode:
+                raise ValueError(
+                    f"policy {part.name!r} evicts during decode, which compose() does not run "
+                    "(the decode budget is the selection's read budget); compose an admission "
+                    "policy with a page selection policy"
+                )
             if part.accumulates_attention or part.needs_input_stats or part.observation_window:
                 raise ValueError(
                     f"policy {part.name!r} records prefill statistics, which compose() does not "
@@ -56,6 +64,23 @@ class Composed(base.Policy):
     @property
     def local_window(self) -> int:
         return self.admission.local_window
+
+    @property
+    def prefill_pool_grows(self) -> bool:
+        return self.admission.prefill_pool_grows
+
+    def prefill_pages(self, *args: Any) -> int | None:
+        return self.admission.prefill_pages(*args)
+
+    def prefill_chunk(self, prompt_lengths: np.ndarray, default: int) -> int:
+        return self.admission.prefill_chunk(prompt_lengths, default)
+
+    def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
+        self.admission.check_prefill(prompt_lengths, chunk)
+        self.selection.check_prefill(prompt_lengths, chunk)
+
+    def after_prefill_chunk(self, kv: KVState, **kwargs: Any) -> KVState:
+        return self.admission.after_prefill_chunk(kv, **kwargs)
 
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
         return self.selection.budget_tokens(prompt_lengths)
