@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import json
 import math
 from pathlib import Path
@@ -40,6 +39,7 @@ from jaxkv.gates.wgkv import load_write_gates
 from jaxkv.generation import compress_prompt
 from jaxkv.models import Model, load_hf_checkpoint
 from jaxkv.models.decoder import logits_from_hidden
+from jaxkv.policies import spec
 from jaxkv.train import corpus as corpus_lib
 
 REFERENCE_MODEL = bundled.REFERENCE_MODEL
@@ -85,16 +85,6 @@ FAST = Sweep(
 FASTKVZIP_GATES = bundled.FASTKVZIP_GATES
 
 
-def _budget_argument(name: str) -> str | None:
-    """The keyword a policy takes its budget by ("budget", or "ratio" for KVzip/Fast KVzip)."""
-    parameters = inspect.signature(policies.base._REGISTRY[name]).parameters
-    return next((arg for arg in ("budget", "ratio") if arg in parameters), None)
-
-
-def takes_budget(name: str) -> bool:
-    return _budget_argument(name) is not None
-
-
 def bundled_params(name: str, model: Model):
     """The bundled trained parameters of a policy in BUNDLED_PARAMS for the reference model."""
     if name != "fastkvzip":
@@ -127,18 +117,16 @@ def check_sweep(sweep: Sweep, policy_params: dict | None = None) -> None:
 def policy_runs(sweep: Sweep):
     """(policy name, budget or None) pairs."""
     for name in sweep.policies:
-        if takes_budget(name):
+        if spec.takes_budget(name):
             yield from ((name, budget) for budget in sweep.budgets)
         else:
             yield name, None
 
 
 def build_policy(name: str, budget: float | None):
-    return (
-        policies.get(name)
-        if budget is None
-        else policies.get(name, **{_budget_argument(name): budget})
-    )
+    """Policy `name` at a budget ratio (None: its defaults; `policies.get` maps the budget to
+    KVzip's `ratio=`)."""
+    return policies.get(name) if budget is None else policies.get(name, budget=budget)
 
 
 def _rng(task: str, length: int) -> np.random.Generator:

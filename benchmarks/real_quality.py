@@ -36,9 +36,10 @@ from tqdm import tqdm
 
 import jaxkv
 from jaxkv import downloads, policies
-from jaxkv.benchmarks.quality import build_policy, greedy_continuation, takes_budget
+from jaxkv.benchmarks.quality import build_policy, greedy_continuation
 from jaxkv.generation import compress_prompt
 from jaxkv.models import Tokenizer, gguf_tokenizer, load_gguf, render_chat
+from jaxkv.policies import spec
 from jaxkv.prose import prose
 
 TASKS = ("needle", "multikey")
@@ -192,7 +193,7 @@ def run_cell(model, tokenizer, policy, episodes: list[TextEpisode], setting: str
 
 def _cells(names, budgets):
     for name in names:
-        if takes_budget(name):
+        if spec.takes_budget(name):
             yield from ((name, b) for b in budgets)
         else:
             yield name, None

@@ -29,9 +29,10 @@ work at a context reports jaxkv's ValueError in its row. Writes `<out>.json`, `<
         --backend pallas --out results/system/h100
     jaxkv bench system --cpu --out results/system/cpu/system   # 12 rows, ~10 min on 2 busy cores
 
-Policy specs are `name[:value][:key=value...]`: the value is the policy's budget (`ratio` for
-fastkvzip/kvzip, `tau` for wgkv, `window` for local_attention, `tight` for confkv, retrieval
-heads per layer for duo_attention). Learned parameters are freshly initialised (random gates).
+Policy specs are `jaxkv.policies.from_spec`'s `name[:value][:key=value...]` (the value is the
+budget for most: `tau` for wgkv, `window` for local_attention, `tight` for confkv), and
+duo_attention's `retrieval_heads=N` heads per layer. Learned parameters are freshly initialised
+(random gates).
 """
 
 from __future__ import annotations
@@ -132,15 +133,6 @@ GPU_DEFAULTS = {
     "decode_tokens": 32,
     "repeats": 5,
 }
-PRIMARY_KNOB = {
-    "fastkvzip": "ratio",
-    "kvzip": "ratio",
-    "wgkv": "tau",
-    "local_attention": "window",
-    "confkv": "tight",
-    "duo_attention": "retrieval_heads",
-}
-
 
 # --------------------------------------------------------------------------- model and policies
 
@@ -170,44 +162,34 @@ def model_config(args):
     return cfg
 
 
-def _parse_value(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_policy(spec: str) -> tuple[str, dict]:
-    """`name[:value][:key=value...]` -> (registered name, keyword arguments)."""
-    name, *parts = spec.split(":")
-    if name not in policies.registered():
-        raise SystemExit(f"policy {spec!r}: registered policies are {policies.registered()}")
-    kwargs = {}
-    for part in parts:
-        if "=" in part:
-            key, value = part.split("=", 1)
-            kwargs[key] = _parse_value(value)
-        else:
-            kwargs[PRIMARY_KNOB.get(name, "budget")] = _parse_value(part)
-    return name, kwargs
+def parse_policy(spec: str):
+    """(the policy of `spec`, duo_attention's retrieval heads per layer or None): a named
+    SystemExit for a bad spec, before anything is measured."""
+    parts = spec.split(":")
+    heads = [part for part in parts if part.startswith("retrieval_heads=")]
+    if heads and parts[0] != "duo_attention":
+        raise SystemExit(f"policy {spec!r}: only duo_attention takes retrieval_heads=")
+    try:
+        policy = policies.from_spec(":".join(p for p in parts if p not in heads))
+        retrieval = int(heads[-1].partition("=")[2]) if heads else None
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    return policy, retrieval
 
 
 def build_policy(spec: str, cfg, seed: int = 0):
     """(policy, policy_params) for a spec; learned parameters freshly initialised."""
-    name, kwargs = parse_policy(spec)
-    retrieval = kwargs.pop("retrieval_heads", 1)
-    policy = policies.get(name, **kwargs)
+    policy, retrieval = parse_policy(spec)
     key = jax.random.PRNGKey(seed)
     params = None
-    if name == "wgkv":
+    if policy.name == "wgkv":
         params = init_write_gates(cfg, key)
-    elif name == "fastkvzip":
+    elif policy.name == "fastkvzip":
         params = fastkvzip_gates.init_params(cfg, key)
-    elif name == "duo_attention":
+    elif policy.name == "duo_attention":
+        retrieval = 1 if retrieval is None else retrieval
         if not 0 <= retrieval <= cfg.num_kv_heads:
-            raise ValueError(f"duo_attention:{retrieval}: 0..{cfg.num_kv_heads} heads per layer")
+            raise ValueError(f"retrieval_heads={retrieval}: 0..{cfg.num_kv_heads} heads per layer")
         params = np.zeros((cfg.num_layers, cfg.num_kv_heads), bool)
         params[:, :retrieval] = True
     return policy, params

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
-import enum
 import importlib.util
 import json
-import math
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -67,131 +64,15 @@ def _load(model_arg: str, dtype: str, seed: int):
     )
 
 
-BUDGET_FORMS = "a ratio of the prompt in (0, 1] (0.3, 1e-1, 30%) or a token count >= 1 (256)"
-
-
-def parse_budget(text: str) -> float | int:
-    """--budget: "0.3", "1e-1" and "30%" are ratios of the prompt, "256" a token count."""
-    stripped = text.strip()
-    bad = ValueError(f"--budget {text!r}: give {BUDGET_FORMS}")
-    try:
-        if stripped.endswith("%"):
-            ratio = float(stripped[:-1]) / 100
-        elif stripped.isdigit():
-            if int(stripped) < 1:
-                raise bad
-            return int(stripped)
-        else:
-            ratio = float(stripped)
-    except ValueError:
-        raise bad from None
-    if not 0.0 < ratio <= 1.0:  # also rejects nan and inf
-        raise bad
-    return ratio
-
-
-def _policy_fields(name: str) -> dict[str, dataclasses.Field]:
-    from jaxkv.policies import base
-
-    return {f.name: f for f in dataclasses.fields(base._REGISTRY[name]) if f.init}
-
-
-def takes_budget(name: str) -> bool:
-    """Whether policy `name` has a budget --budget can set (a `budget` or a `ratio` field)."""
-    return bool({"budget", "ratio"} & set(_policy_fields(name)))
-
-
-def takes_ratio_only(name: str) -> bool:
-    """Whether policy `name`'s budget is a ratio of the prompt, never a token count."""
-    fields = _policy_fields(name)
-    return "ratio" in fields and "budget" not in fields
-
-
-_SCALAR_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
-
-
-def _field_types(field: dataclasses.Field) -> list:
-    """The types a --policy-arg value may parse to (None for "none"), from the field's default,
-    or its annotation where the default is None; [] for fields the command line cannot set."""
-    annotated = [part.strip() for part in str(field.type).split("|")]
-    optional = [None] if "None" in annotated else []
-    default = field.default
-    if isinstance(default, enum.Enum):
-        return [str]
-    if default is not None and type(default) in _SCALAR_TYPES.values():
-        return [type(default), *optional]
-    if default is None:
-        return optional + [_SCALAR_TYPES[t] for t in annotated if t in _SCALAR_TYPES]
-    return []
-
-
-def _parse_field(policy: str, field: dataclasses.Field, text: str):
-    if field.name == "budget":
-        return parse_budget(text)
-    types = _field_types(field)
-    if not types:
-        raise ValueError(
-            f"--policy-arg {field.name}: policy {policy!r} takes {field.type} there, which the "
-            "command line cannot give"
-        )
-    for kind in types:
-        value = _parse_scalar(kind, text)
-        if value is not _UNPARSED:
-            return value
-    wanted = " or ".join("none" if kind is None else kind.__name__ for kind in types)
-    raise ValueError(f"--policy-arg {field.name}={text}: expected {wanted}")
-
-
-_UNPARSED = object()
-
-
-def _parse_scalar(kind, text: str):
-    """`text` as `kind` (None: the word "none"), or _UNPARSED."""
-    lowered = text.strip().lower()
-    if kind is None:
-        return None if lowered == "none" else _UNPARSED
-    if kind is bool:
-        return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
-            lowered, _UNPARSED
-        )
-    if kind is str:
-        return text
-    try:
-        value = kind(lowered)
-    except ValueError:
-        return _UNPARSED
-    return value if math.isfinite(value) else _UNPARSED
+CLI_OPTIONS = dict(pair_option="--policy-arg", budget_option="--budget")
 
 
 def policy_kwargs(name: str, pairs: list[str], budget: str | None) -> dict:
     """The keyword arguments of `policies.get(name, ...)` from --policy-arg KEY=VALUE pairs and
-    --budget; every error names the option and what is allowed."""
-    fields = _policy_fields(name)
-    kwargs = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or key.strip() not in fields:
-            raise ValueError(
-                f"--policy-arg {pair!r}: give KEY=VALUE with KEY one of the fields of policy "
-                f"{name!r}: {', '.join(fields)}"
-            )
-        kwargs[key.strip()] = _parse_field(name, fields[key.strip()], text)
-    if budget is None:
-        return kwargs
-    if "budget" in kwargs:
-        raise ValueError("give the budget once: --budget or --policy-arg budget=")
-    value = parse_budget(budget)
-    if takes_ratio_only(name) and isinstance(value, int):
-        raise ValueError(
-            f"--budget {budget}: policy {name!r} keeps a ratio of the prompt in (0, 1] "
-            "(0.3, 1e-1, 30%), not a token count"
-        )
-    if not takes_budget(name):
-        hint = ""
-        if {"tight", "loose"} <= set(fields):
-            hint = ": it has two budgets in tokens, --policy-arg tight=N --policy-arg loose=N"
-        raise ValueError(f"--budget {budget}: policy {name!r} takes no budget{hint}")
-    return {**kwargs, "budget": value}
+    --budget (`policies.spec`: the grammar every spec shares); errors name the option."""
+    from jaxkv.policies import spec
+
+    return spec.policy_kwargs(name, pairs, budget, **CLI_OPTIONS)
 
 
 def build_policy(args: argparse.Namespace):
@@ -406,6 +287,7 @@ def _fetch(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxkv import downloads, policies
+    from jaxkv.policies import spec
 
     parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -426,10 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", default="full", help=f"cache policy: {', '.join(policies.registered())}"
     )
     names = policies.registered()
-    ratio_only = ", ".join(name for name in names if takes_ratio_only(name))
-    no_budget = ", ".join(name for name in names if not takes_budget(name))
+    ratio_only = ", ".join(name for name in names if spec.takes_ratio_only(name))
+    no_budget = ", ".join(name for name in names if not spec.takes_budget(name))
     budget_help = (
-        f"KV budget per head: {BUDGET_FORMS}; {ratio_only} take ratios only; {no_budget} take "
+        f"KV budget per head: {spec.BUDGET_FORMS}; {ratio_only} take ratios only; {no_budget} take "
         "no --budget (their own settings are --policy-arg fields)"
     )
     # argparse %-formats help strings.

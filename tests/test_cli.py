@@ -13,6 +13,7 @@ from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.gates.wgkv import init_write_gates, save_write_gates
 from jaxkv.models import byte_tokenizer, init_model, save_hf_checkpoint
 from jaxkv.models.configs import preset
+from jaxkv.policies import spec
 
 
 def _report(capsys):
@@ -119,7 +120,7 @@ def test_bad_cache_settings_are_a_clean_error(capsys, option, match):
     ("text", "value"), [("0.3", 0.3), ("256", 256), ("1e-1", 0.1), ("30%", 0.3), ("1.0", 1.0)]
 )
 def test_budget_vocabulary(text, value):
-    parsed = cli.parse_budget(text)
+    parsed = spec.parse_budget(text)
     assert parsed == pytest.approx(value) and type(parsed) is type(value)
 
 

@@ -310,7 +310,7 @@ def test_bench_help_describes_every_benchmark_in_a_line(capsys):
 
 def test_generate_help_names_the_policies_without_a_budget(capsys):
     text = " ".join(_help(capsys, ["generate", "-h"]).split())
-    no_budget = [name for name in policies.registered() if not cli.takes_budget(name)]
+    no_budget = [name for name in policies.registered() if not policies.spec.takes_budget(name)]
     assert {"full", "wgkv", "confkv", "gvote"} <= set(no_budget)
     assert f"{', '.join(no_budget)} take no --budget" in text
     assert "fastkvzip, kvzip take ratios only" in text

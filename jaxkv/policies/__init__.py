@@ -39,6 +39,7 @@ from jaxkv.policies.scorers import (
     SnapKV,
     StreamingLLM,
 )
+from jaxkv.policies.spec import from_spec
 from jaxkv.policies.wgkv import (
     WGKV,
     DuoAttention,
@@ -85,6 +86,7 @@ __all__ = [
     "confidence_features",
     "confidence_from_features",
     "confidence_logit",
+    "from_spec",
     "get",
     "is_confident",
     "long_range_attention_mass",

@@ -251,6 +251,9 @@ class Policy:
     # Whether what prefill holds is known only as tokens are admitted: `prefill_pages` is then
     # a first guess, and the pool grows during prefill as it fills (admission policies).
     prefill_pool_grows: ClassVar[bool] = False
+    # The field a spec's bare VALUE sets (`policies.from_spec("snapkv:0.25")`): the budget for
+    # most, a policy's own main knob otherwise (WG-KV's tau).
+    primary_knob: ClassVar[str] = "budget"
 
     def __post_init__(self):
         """Validates the fields (subclasses call it first); nothing to check here."""

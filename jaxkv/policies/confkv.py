@@ -152,6 +152,7 @@ class ConfKV(base.Policy):
     """
 
     name: ClassVar[str] = "confkv"
+    primary_knob: ClassVar[str] = "tight"
     accumulates_attention: ClassVar[bool] = True
     evicts_during_decode: ClassVar[bool] = True
     tight: int | None = 128

@@ -93,6 +93,7 @@ class WGKV(RingAdmission):
     """WG-KV: the learned write gate decides admission (policy_params: `jaxkv.gates.wgkv`)."""
 
     name: ClassVar[str] = "wgkv"
+    primary_knob: ClassVar[str] = "tau"
     needs_params: ClassVar[bool] = True
 
     def check_params(self, params, model_config) -> None:
@@ -121,6 +122,7 @@ class LocalAttention(RingAdmission):
     """
 
     name: ClassVar[str] = "local_attention"
+    primary_knob: ClassVar[str] = "window"
     sinks: int = 4
 
     def __post_init__(self):

@@ -1,0 +1,72 @@
+"""`policies.from_spec`: the one text grammar of policies (the CLI and the benchmarks use it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import cli, policies
+from jaxkv.benchmarks import system
+from jaxkv.policies import spec
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("snapkv:0.25", policies.SnapKV(budget=0.25)),
+        ("snapkv:256:window=32", policies.SnapKV(budget=256, window=32)),
+        ("kvzip:30%", policies.get("kvzip", ratio=0.3)),
+        ("fastkvzip:0.1:window=none", policies.get("fastkvzip", ratio=0.1, window=None)),
+        ("wgkv:0.2:window=64", policies.WGKV(tau=0.2, window=64)),
+        ("local_attention:32", policies.LocalAttention(window=32)),
+        ("confkv:128:loose=256", policies.ConfKV(tight=128, loose=256)),
+        ("confkv:tight=256:loose=512:pyramid=true", policies.ConfKV(256, 512, pyramid=True)),
+        (" full ", policies.FullCache()),
+    ],
+)
+def test_specs_build_the_policy_the_keywords_build(text, expected):
+    assert policies.from_spec(text) == expected
+
+
+def test_every_policy_that_builds_from_defaults_builds_from_its_name():
+    for name in policies.registered():
+        try:
+            expected = policies.get(name)
+        except ValueError:  # it needs a budget: its name alone is the same error
+            with pytest.raises(ValueError):
+                policies.from_spec(name)
+            continue
+        assert policies.from_spec(name) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("", "give NAME"),
+        ("nope:0.1", "registered policies are adakv"),
+        ("full:0.3", "'full:0.3', value 0.3: policy 'full' takes no budget"),
+        ("snapkv:0.3:0.2", "one VALUE may follow the name"),
+        ("snapkv:window=3:0.2", "one VALUE may follow the name"),
+        ("snapkv:windw=3", "'windw=3': give KEY=VALUE with KEY one of the fields"),
+        ("snapkv:window=x", "window=x: expected int"),
+        ("kvzip:256", "keeps a ratio of the prompt in \\(0, 1\\]"),
+        ("snapkv:0", "give a ratio of the prompt in \\(0, 1\\]"),
+        ("snapkv:1.5", "give a ratio of the prompt in \\(0, 1\\]"),
+        ("confkv:64", "protected=64 must be smaller"),
+    ],
+)
+def test_bad_specs_name_the_part_and_what_is_allowed(text, match):
+    with pytest.raises(ValueError, match=match):
+        policies.from_spec(text)
+
+
+def test_the_cli_and_the_system_benchmark_share_the_grammar():
+    assert cli.policy_kwargs("snapkv", ["window=32"], "30%") == dict(window=32, budget=0.3)
+    with pytest.raises(ValueError, match="--policy-arg 'w': give KEY=VALUE"):
+        cli.policy_kwargs("snapkv", ["w"], None)
+    for text in ("snapkv:0.25", "wgkv:0.5", "kvzip:0.3", "confkv:128:loose=256"):
+        assert system.parse_policy(text) == (policies.from_spec(text), None)
+    policy, heads = system.parse_policy("duo_attention:window=16:retrieval_heads=2")
+    assert (policy, heads) == (policies.get("duo_attention", window=16), 2)
+    with pytest.raises(SystemExit, match="only duo_attention takes retrieval_heads"):
+        system.parse_policy("snapkv:0.3:retrieval_heads=2")
+    assert spec.takes_ratio_only("kvzip") and not spec.takes_budget("gvote")
