@@ -22,7 +22,7 @@ from jaxkv.forward import combine_moments, forward_cached
 from jaxkv.models.configs import ModelConfig
 from jaxkv.models.decoder import Model, logits_from_hidden
 from jaxkv.pallas_kernels.common import next_power_of_two
-from jaxkv.policies import FullCache, Policy
+from jaxkv.policies import FullCache, Policy, from_spec
 from jaxkv.policies.base import (
     DecodeContext,
     PolicyParams,
@@ -684,7 +684,7 @@ class _Request:
 def _set_up(
     model: Model,
     prompt_ids,
-    policy: Policy | None,
+    policy: Policy | str | None,
     *,
     reserve_tokens: int,
     positions_after_prompt: int,
@@ -698,8 +698,13 @@ def _set_up(
     positions than the prompt (checked against the model's context)."""
     placement = sharding.as_inference_mesh(mesh)
     policy = FullCache() if policy is None else policy
+    if isinstance(policy, str):
+        policy = from_spec(policy)
     if not isinstance(policy, Policy):
-        raise ValueError(f"policy={policy!r} must be a jaxkv.policies.Policy (policies.get(name))")
+        raise ValueError(
+            f"policy={policy!r} must be a jaxkv.policies.Policy or a spec such as "
+            "'snapkv:0.25' (policies.from_spec)"
+        )
     cache = CacheConfig() if cache is None else cache
     if not isinstance(cache, CacheConfig):
         raise ValueError(f"cache={cache!r} must be a jaxkv.CacheConfig")
@@ -833,7 +838,7 @@ def generate(
     prompt_ids: PromptIds,
     *,
     max_new_tokens: int,
-    policy: Policy | None = None,
+    policy: Policy | str | None = None,
     sampler: Sampler | None = None,
     key: jax.Array | None = None,
     stop_tokens: Sequence[int] | None = None,
@@ -849,7 +854,8 @@ def generate(
     Args:
       model: the model (config + params).
       prompt_ids: one prompt (list of ids) or a batch (list of lists, or an int array [B, T]).
-      policy: cache policy (default: keep everything).
+      policy: cache policy, or its spec ("snapkv:0.25", `policies.from_spec`); default: keep
+        everything.
       sampler: default greedy. A PRNG `key` is required when the sampler is not greedy.
       stop_tokens: ids that end a sequence (default: the config's eos ids).
       cache: how the paged cache holds tokens (`jaxkv.CacheConfig`: page size, pool pages,
@@ -960,7 +966,7 @@ def _output(
 def compress_prompt(
     model: Model,
     prompt_ids: PromptIds,
-    policy: Policy | None = None,
+    policy: Policy | str | None = None,
     *,
     cache: CacheConfig | None = None,
     prefill_chunk: int | None = None,

@@ -70,3 +70,22 @@ def test_the_cli_and_the_system_benchmark_share_the_grammar():
     with pytest.raises(SystemExit, match="only duo_attention takes retrieval_heads"):
         system.parse_policy("snapkv:0.3:retrieval_heads=2")
     assert spec.takes_ratio_only("kvzip") and not spec.takes_budget("gvote")
+
+
+def test_generate_and_compress_prompt_take_a_spec():
+    import jaxkv
+    from jaxkv.models import init_model
+    from tests.tiny_models import tiny_config
+
+    model = init_model(tiny_config(), seed=0, scale=0.3)
+    prompts = [list(range(3, 60)), list(range(5, 40))]
+    by_text = jaxkv.generate(model, prompts, max_new_tokens=4, policy="snapkv:0.5:window=8")
+    by_object = jaxkv.generate(
+        model, prompts, max_new_tokens=4, policy=policies.SnapKV(budget=0.5, window=8)
+    )
+    assert (by_text.tokens == by_object.tokens).all()
+    assert (by_text.memory_bytes == by_object.memory_bytes).all()
+    state = jaxkv.compress_prompt(model, prompts, "streaming_llm:16")
+    assert int(state.lengths.max()) == 16
+    with pytest.raises(ValueError, match="must be a jaxkv.policies.Policy or a spec"):
+        jaxkv.generate(model, prompts, max_new_tokens=1, policy=0.3)
