@@ -41,16 +41,16 @@ class Composed(base.Policy):
         if self.admission.selects_pages:
             raise ValueError(f"admission={self.admission.name!r} already selects pages")
         for part in (self.admission, self.selection):
+            if part.accumulates_attention or part.needs_input_stats or part.observation_window:
+                raise ValueError(
+                    f"policy {part.name!r} records prefill statistics, which compose() does not "
+                    "forward; compose an admission policy with a page selection policy"
+                )
             if part.evicts_during_decode:
                 raise ValueError(
                     f"policy {part.name!r} evicts during decode, which compose() does not run "
                     "(the decode budget is the selection's read budget); compose an admission "
                     "policy with a page selection policy"
-                )
-            if part.accumulates_attention or part.needs_input_stats or part.observation_window:
-                raise ValueError(
-                    f"policy {part.name!r} records prefill statistics, which compose() does not "
-                    "forward; compose an admission policy with a page selection policy"
                 )
 
     @property
