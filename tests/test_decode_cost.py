@@ -180,7 +180,9 @@ def test_fastkvzip_defaults_work_at_long_context(model):
         (dict(prompt_ids="def f(x):"), "not text: encode the prompt first"),
         (dict(prompt_ids=[["a", "b"]]), "token ids are integers"),
         (dict(prefill_chunk=0), "prefill_chunk=0 must be >= 1"),
-        (dict(policy="snapkv"), "policies.get"),
+        (dict(policy="snapkv"), "policy 'snapkv' needs budget="),
+        (dict(policy="snapkv:2.5"), "a ratio of the prompt in"),
+        (dict(policy="no_such_policy:0.3"), "registered policies are"),
     ],
 )
 def test_bad_requests_raise_before_compiling(model, kwargs, match):
