@@ -49,9 +49,9 @@ import numpy as np
 import jaxkv
 from jaxkv import bundled, policies, tasks
 from jaxkv.forward import forward_cached
+from jaxkv.generation import StepContext, decode_step
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.models.decoder import forward, logits_from_hidden
-from jaxkv.policies.base import DecodeContext, after_decode_step
 from jaxkv.policies.confkv import Ranking, confidence, is_confident
 from jaxkv.train import corpus as corpus_lib
 
@@ -127,30 +127,22 @@ def _read(
     mean tokens held per head [N].
     """
 
+    context = StepContext(
+        prompt_lengths=starts,
+        budget_tokens=budget_tokens,
+        budget_ratio=budget_ratio,
+        key=key,
+        step=jnp.zeros((), jnp.int32),
+        policy_params=policy_params,
+        policy=policy,
+    )
+
     def step(kv, xs):
         token, target, i = xs
         positions = starts + i
-        hidden, kv, _ = forward_cached(
-            model,
-            token[:, None],
-            positions[:, None],
-            kv,
-            policy=policy,
-            policy_params=policy_params,
-        )
-        logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
+        # As in `generate`: the step after i + 1 tokens of the continuation were generated.
+        kv, logits = decode_step(model, kv, token, positions, context.replace(step=i + 1))
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), target[:, None], axis=-1)[:, 0]
-        ctx = DecodeContext(
-            prompt_lengths=starts,
-            budget_tokens=budget_tokens,
-            budget_ratio=budget_ratio,
-            positions=positions,
-            logits=logits,
-            key=jax.random.fold_in(key, i),
-            step=i + 1,
-            group_size=model.config.group_size,
-        )
-        kv = after_decode_step(policy, kv, ctx)
         int8_pages = 0 if kv.pool.int8 is None else kv.pool.int8.pages_in_use()
         pages = jnp.stack([kv.pages_in_use(), jnp.asarray(int8_pages, jnp.int32)])
         held = jnp.mean(kv.lengths.astype(jnp.float32))

@@ -11,6 +11,9 @@ import pytest
 import jaxkv
 from jaxkv import generation, policies
 from jaxkv.cache import geometry
+from jaxkv.generation import decode as decode_module
+from jaxkv.generation import prefill as prefill_module
+from jaxkv.generation import request as request_module
 from jaxkv.models import init_model
 from tests.tiny_models import tiny_config
 
@@ -114,7 +117,7 @@ def test_decode_pool_is_sized_by_the_budget_not_the_generation(model, make):
     prompt = [np.random.default_rng(7).integers(1, 64, 3000).tolist()]
     kwargs = dict(max_new_tokens=1000, stop_tokens=(), cache=jaxkv.CacheConfig(page_size=16))
     policy = make()
-    request = generation._set_up(
+    request = request_module.set_up(
         wide,
         prompt,
         policy,
@@ -137,15 +140,20 @@ def test_decode_pool_is_sized_by_the_budget_not_the_generation(model, make):
 
 
 def test_full_cache_prefill_state_goes_to_decode_without_a_copy(model):
-    before = generation._repack._cache_size()
+    before = decode_module.repack_program.jitted._cache_size()
     out = jaxkv.generate(model, [_prompt(300)], max_new_tokens=5, stop_tokens=())
-    assert generation._repack._cache_size() == before
+    assert decode_module.repack_program.jitted._cache_size() == before
     heads = CONFIG.num_layers * CONFIG.num_kv_heads
     assert out.state.pool.num_pages == geometry.pool_pages_bucket(heads * -(-(300 + 4) // 16), 16)
 
 
 def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):
-    functions = (generation._prefill_compressed, generation._repack, generation._decode)
+    programs = (
+        prefill_module.prefill_and_compress,
+        decode_module.repack_program,
+        decode_module.decode_loop,
+    )
+    functions = [p.jitted for p in programs]
     before = [f._cache_size() for f in functions]
     rng = np.random.default_rng(8)
     for index, budget in enumerate((0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.9, 0.95, 1.0)):
@@ -213,9 +221,11 @@ def test_admission_prefill_pool_starts_small_and_grows_only_as_tokens_are_admitt
     kwargs = dict(policy=policy, policy_params=gates, prefill_chunk=128)
     pages_16 = jaxkv.CacheConfig(page_size=16)
     fixed_pool = jaxkv.CacheConfig(page_size=16, num_pages=512)  # one pool, no growth
-    grows_before = generation._grow_jit._cache_size()
+    grows_before = prefill_module.grow_pool.jitted._cache_size()
     grown = jaxkv.compress_prompt(model, prompt, cache=pages_16, **kwargs)
-    assert generation._grow_jit._cache_size() > grows_before  # every token admitted: it grew
+    assert (
+        prefill_module.grow_pool.jitted._cache_size() > grows_before
+    )  # every token admitted: it grew
     fixed = jaxkv.compress_prompt(model, prompt, cache=fixed_pool, **kwargs)
     assert _kept(grown) == _kept(fixed)
     np.testing.assert_array_equal(

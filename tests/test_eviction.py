@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import attention, generation, policies
+from jaxkv import attention, policies
 from jaxkv.cache.eviction import compact
 from jaxkv.forward import forward_cached
+from jaxkv.generation import prefill as prefill_module
 from jaxkv.models import init_model
 from jaxkv.models.decoder import logits_from_hidden
 from tests import dense_reference
@@ -193,14 +194,14 @@ def test_budget_changes_do_not_recompile(model, long_prompts):
         policies.SnapKV(budget=0.3, window=8),
         cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
     )
-    size = generation._prefill_compressed._cache_size()
+    size = prefill_module.prefill_and_compress.jitted._cache_size()
     state = jaxkv.compress_prompt(
         model,
         short,
         policies.SnapKV(budget=0.1, window=8),
         cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
     )
-    assert generation._prefill_compressed._cache_size() == size
+    assert prefill_module.prefill_and_compress.jitted._cache_size() == size
     assert np.all(np.asarray(state.lengths) == 30)
 
 

@@ -1,0 +1,276 @@
+"""The decode step and loop: `decode_step` (one token per sequence through the model and the
+policy's decode hook) and the `lax.while_loop` that samples, records and stops; before it, the
+compressed state moves into the decode geometry."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxkv import collectives
+from jaxkv.attention import Backend
+from jaxkv.cache import KVState, decode_geometry, int8_decode_geometry, repack
+from jaxkv.forward import forward_cached
+from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
+from jaxkv.generation.request import Request
+from jaxkv.models.decoder import Model, logits_from_hidden
+from jaxkv.policies import Policy
+from jaxkv.policies.base import DecodeContext, after_decode_step
+from jaxkv.sampling import Sampler
+
+
+@flax.struct.dataclass
+class StepContext:
+    """What a decode step needs besides the KV state and the tokens.
+
+    Attributes:
+      prompt_lengths: int32 [B].
+      budget_tokens: int32 [B] (or [B, n]) tokens per head the policy may keep.
+      budget_ratio: f32 [B] the budget as a ratio of the sequence (0 for a token budget).
+      key: the request's PRNG key; step s draws from `fold_in(key, s)` (`step_keys`).
+      step: int32 [] tokens generated before this step.
+      policy_params: the policy's learned parameters (None without).
+      policy: the policy (static).
+      backend: the attention backend (static).
+    """
+
+    prompt_lengths: jax.Array
+    budget_tokens: jax.Array
+    budget_ratio: jax.Array
+    key: jax.Array
+    step: jax.Array
+    policy_params: object = None
+    policy: Policy = flax.struct.field(pytree_node=False, default=None)
+    backend: Backend = flax.struct.field(pytree_node=False, default=Backend.XLA)
+
+
+def step_keys(ctx: StepContext) -> tuple[jax.Array, jax.Array]:
+    """(sampling key, policy key) of the step: `fold_in(fold_in(key, step), 0 / 1)`."""
+    step_key = jax.random.fold_in(ctx.key, ctx.step)
+    return jax.random.fold_in(step_key, 0), jax.random.fold_in(step_key, 1)
+
+
+def decode_step(
+    model: Model, kv: KVState, tokens: jax.Array, positions: jax.Array, ctx: StepContext
+) -> tuple[KVState, jax.Array]:
+    """Reads one token per sequence: tokens int32 [B] at positions int32 [B] (-1: the row
+    writes nothing) through the model over the cache, then the policy's decode hook (its
+    eviction, scores, promotion). Returns (kv, logits f32 [B, V]). Pure and jittable; the
+    generation loop, the Conf-KV benchmark and teacher forcing share it."""
+    policy = ctx.policy
+    hidden, kv, _ = forward_cached(
+        model,
+        tokens[:, None],
+        positions[:, None],
+        kv,
+        policy=policy,
+        backend=ctx.backend,
+        read_budget=ctx.budget_tokens if policy.selects_pages else None,
+        policy_params=ctx.policy_params,
+    )
+    logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
+    decode_ctx = DecodeContext(
+        prompt_lengths=ctx.prompt_lengths,
+        budget_tokens=ctx.budget_tokens,
+        budget_ratio=ctx.budget_ratio,
+        positions=positions,
+        logits=logits,
+        key=step_keys(ctx)[1],
+        step=ctx.step,
+        group_size=model.config.group_size,
+    )
+    return after_decode_step(policy, kv, decode_ctx), logits
+
+
+@flax.struct.dataclass
+class GenState:
+    """Decode-loop state.
+
+    Attributes:
+      kv: the KV state.
+      context: the step's `StepContext` (its `step`: tokens generated so far).
+      tokens: int32 [B, S] generated tokens (pad after a stop token); S is max_new_tokens
+        rounded up to its bucket (`jaxkv.cache.geometry`), the loop stops at max_new_tokens.
+      last_token: int32 [B] the newest token, fed to the next step.
+      max_new_tokens: int32 [] steps to run (traced, so that it does not recompile).
+      done: bool [B] sequence hit a stop token.
+      pages_in_use: int32 [S] pages held after prefill (entry 0) and each step.
+      int8_pages_in_use: int32 [S] the same for the int8 tier (0 without one).
+      confidence: f32 [S, B] the policy's `step_confidence` of each step's logits (Conf-KV);
+        None for policies that read none.
+    """
+
+    kv: KVState
+    context: StepContext
+    tokens: jax.Array
+    last_token: jax.Array
+    max_new_tokens: jax.Array
+    done: jax.Array
+    pages_in_use: jax.Array
+    int8_pages_in_use: jax.Array
+    confidence: jax.Array | None
+
+    @property
+    def step(self) -> jax.Array:
+        return self.context.step
+
+
+def _loop_step(
+    model: Model, state: GenState, *, sampler: Sampler, stop_tokens, pad_id: int
+) -> GenState:
+    ctx = state.context
+    positions = jnp.where(state.done, -1, ctx.prompt_lengths + ctx.step - 1)
+    kv, logits = decode_step(model, state.kv, state.last_token, positions, ctx)
+    token = _sample(sampler, logits, step_keys(ctx)[0])
+    return _record(state, kv, logits, token, stop_tokens, pad_id)
+
+
+def _sample(sampler: Sampler, logits: jax.Array, key: jax.Array) -> jax.Array:
+    """int32 [B] tokens from logits [B, V]; row b draws with `fold_in(key, b)` (b: its row in
+    the whole request), so sampled tokens do not depend on the batch's split over a mesh."""
+    if sampler.greedy:
+        return sampler(logits, key)
+    row_keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(
+        collectives.global_rows(logits.shape[0])
+    )
+    return jax.vmap(lambda row_logits, row_key: sampler(row_logits[None], row_key)[0])(
+        logits, row_keys
+    )
+
+
+def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: int) -> GenState:
+    token = jnp.where(state.done, pad_id, token)
+    done = state.done | jnp.any(token[:, None] == stop_tokens[None, :], axis=-1)
+    confidence = state.confidence
+    if confidence is not None:
+        confidence = confidence.at[state.step].set(state.context.policy.step_confidence(logits))
+    return dataclasses.replace(
+        state,
+        kv=kv,
+        tokens=state.tokens.at[:, state.step].set(token),
+        last_token=token,
+        done=done,
+        context=state.context.replace(step=state.step + 1),
+        pages_in_use=state.pages_in_use.at[state.step].set(kv.pages_in_use()),
+        int8_pages_in_use=state.int8_pages_in_use.at[state.step].set(
+            0 if kv.pool.int8 is None else kv.pool.int8.pages_in_use()
+        ),
+        confidence=confidence,
+    )
+
+
+repack_program = program(static=("num_pages", "max_pages", "int8_geometry"), kv=SHARD)(
+    repack
+)  # the caller drops the prefill state after it: its pool is freed before decoding
+
+
+def to_decode_geometry(
+    kv: KVState, policy: Policy, request: Request, max_new_tokens: int
+) -> KVState:
+    """The compressed state in a pool sized for what it holds and will hold during decode
+    (bounded by the policy's budget where it evicts); the same state when that is its size."""
+    bound = policy.decode_tokens_bound(
+        request.budget_tokens, request.prompts.lengths, max_new_tokens
+    )
+    if bound is not None and request.placement is not None:
+        # The bound is an average over heads; a budget shared across heads may all go to
+        # this device's heads.
+        share = request.placement.model if policy.decides_across_heads else 1
+        bound = request.placement.rows_per_device(bound) * share
+    decode_pages, max_pages = decode_geometry(kv, max_new_tokens, bound)
+    int8_geometry = None
+    if kv.pool.int8 is not None:
+        int8_geometry = int8_decode_geometry(kv, max_new_tokens)
+    if request.cache.num_pages is not None:
+        decode_pages = min(decode_pages, request.cache.num_pages)
+    if int8_geometry is None and (decode_pages, max_pages) == (
+        kv.pool.num_pages,
+        kv.page_table.shape[-1],
+    ):
+        return kv
+    return repack_program(
+        request.placement,
+        kv=kv,
+        num_pages=decode_pages,
+        max_pages=max_pages,
+        int8_geometry=int8_geometry,
+    )
+
+
+@program(
+    static=("steps_bucket", "policy", "sampler", "pad_id", "backend"),
+    donate=("kv",),
+    model=MODEL,
+    kv=SHARD,
+    last_hidden=SHARD,
+    lengths=ROWS,
+    budget_tokens=ROWS,
+    budget_ratio=ROWS,
+    max_new_tokens=SAME,
+    key=SAME,
+    stop_tokens=SAME,
+    policy_params=POLICY_PARAMS,
+)
+def decode_loop(
+    model,
+    kv,
+    last_hidden,
+    lengths,
+    budget_tokens,
+    budget_ratio,
+    max_new_tokens,
+    key,
+    stop_tokens,
+    policy_params,
+    *,
+    steps_bucket,
+    policy,
+    sampler,
+    pad_id,
+    backend,
+) -> GenState:
+    """Decodes in a `lax.while_loop` until `max_new_tokens` (traced; the per-step arrays have
+    `steps_bucket` entries), all sequences stopped, or the pool overflowed. Donates `kv`: the
+    loop updates the pool in place."""
+    logits = logits_from_hidden(model.params, model.config, last_hidden)
+    b = lengths.shape[0]
+    records_confidence = policy.step_confidence(logits) is not None
+    context = StepContext(
+        prompt_lengths=lengths,
+        budget_tokens=budget_tokens,
+        budget_ratio=budget_ratio,
+        key=key,
+        step=jnp.zeros((), jnp.int32),
+        policy_params=policy_params,
+        policy=policy,
+        backend=backend,
+    )
+    state = GenState(
+        kv=kv,
+        context=context,
+        tokens=jnp.full((b, steps_bucket), pad_id, jnp.int32),
+        last_token=jnp.zeros((b,), jnp.int32),
+        max_new_tokens=max_new_tokens,
+        done=jnp.zeros((b,), bool),
+        pages_in_use=jnp.zeros((steps_bucket,), jnp.int32),
+        int8_pages_in_use=jnp.zeros((steps_bucket,), jnp.int32),
+        confidence=jnp.zeros((steps_bucket, b), jnp.float32) if records_confidence else None,
+    )
+    token = _sample(sampler, logits, jax.random.fold_in(key, 0))
+    state = _record(state, kv, logits, token, stop_tokens, pad_id)
+
+    def keep_going(state: GenState):
+        # Every device of a mesh runs the same number of steps (the steps hold collectives).
+        finished = collectives.all_shards(jnp.all(state.done))
+        overflow = collectives.any_shard(state.kv.pool.overflow)
+        return (state.step < state.max_new_tokens) & ~finished & ~overflow
+
+    step = functools.partial(
+        _loop_step, model, sampler=sampler, stop_tokens=stop_tokens, pad_id=pad_id
+    )
+    state = jax.lax.while_loop(keep_going, step, state)
+    return state.replace(context=state.context.replace(policy_params=None))  # not an output

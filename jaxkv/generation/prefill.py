@@ -1,0 +1,306 @@
+"""Chunked prefill with the policy's observations, then its compression: one program for a pool
+sized up front, or chunk by chunk with the pool grown between chunks for policies that admit an
+unknown share of the prompt."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import collectives, sharding
+from jaxkv.attention import Backend
+from jaxkv.cache import KVState
+from jaxkv.cache.geometry import pool_pages_bucket
+from jaxkv.cache.int8 import start_int8
+from jaxkv.cache.repack import grow
+from jaxkv.forward import combine_moments, forward_cached
+from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
+from jaxkv.generation.request import Request, device_shares
+from jaxkv.models.decoder import Model
+from jaxkv.policies import Policy
+from jaxkv.policies.base import PrefillObservations
+
+
+def _record_window_queries(window, queries, positions, lengths):
+    """Stores the chunk's queries that fall in each prompt's last w positions.
+
+    window [L, B, N, w, H]; queries [L, B, N, C, H]; positions [B, C]; lengths [B].
+    """
+    w = window.shape[3]
+    slot = positions - (lengths[:, None] - w)
+    slot = jnp.where((positions >= 0) & (slot >= 0), slot, w)  # w is out of range: dropped
+    rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
+    updates = queries.transpose(1, 3, 0, 2, 4).astype(window.dtype)  # [B, C, L, N, H]
+    return window.at[:, rows, :, slot].set(updates, mode="drop")
+
+
+@flax.struct.dataclass
+class _PrefillCarry:
+    """What prefill carries from chunk to chunk besides the KV state.
+
+    Attributes:
+      last_hidden: [B, D] final-normed hidden state of each prompt's last token (once seen).
+      window: [L, B, N, w, H] observed queries (None unless the policy observes any).
+      moments: the attention input's (count f32 [B, 1], mean, m2 f32 [L, B, D]) over the
+        prompt tokens seen so far, combined chunk by chunk (None unless the policy asks).
+    """
+
+    last_hidden: jax.Array
+    window: jax.Array | None
+    moments: tuple[jax.Array, jax.Array, jax.Array] | None
+
+
+def _empty_carry(model: Model, batch: int, policy: Policy) -> _PrefillCarry:
+    cfg = model.config
+    w = policy.observation_window
+    shape = (cfg.num_layers, batch, cfg.num_heads, w, cfg.head_dim)
+    zeros = jnp.zeros((cfg.num_layers, batch, cfg.hidden_size), jnp.float32)
+    return _PrefillCarry(
+        last_hidden=jnp.zeros((batch, cfg.hidden_size), model.dtype),
+        window=jnp.zeros(shape, model.dtype) if w else None,
+        moments=(jnp.zeros((batch, 1)), zeros, zeros) if policy.needs_input_stats else None,
+    )
+
+
+def _prefill_span(
+    model: Model,
+    tokens,
+    lengths,
+    first_chunk,
+    end_chunk,
+    budget_tokens,
+    kv: KVState,
+    carry: _PrefillCarry,
+    policy_params,
+    *,
+    chunk: int,
+    policy: Policy,
+    backend: Backend,
+):
+    """Prefills chunks [first_chunk, end_chunk) (traced) of tokens [B, T_pad]; the padded tail
+    past the last prompt token is never run, so a prompt-length bucket costs no compute.
+    Returns (kv, carry)."""
+    w = policy.observation_window
+
+    def step(index, state):
+        kv, carry = state
+        start = index * chunk
+        chunk_tokens = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        token_index = start + jnp.arange(chunk)
+        positions = jnp.where(token_index < lengths[:, None], token_index, -1)
+        hidden, kv, collected = forward_cached(
+            model,
+            chunk_tokens,
+            positions,
+            kv,
+            policy=policy,
+            backend=backend,
+            collect_queries=w > 0,
+            collect_input_stats=carry.moments is not None,
+            policy_params=policy_params,
+        )
+        seen = jnp.minimum(start + chunk, lengths)
+        kv = policy.after_prefill_chunk(
+            kv, seen=seen, prompt_lengths=lengths, budget_tokens=budget_tokens
+        )
+        is_last = token_index == lengths[:, None] - 1
+        picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
+        last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, carry.last_hidden)
+        window, moments = carry.window, carry.moments
+        if w:
+            window = _record_window_queries(window, collected["queries"], positions, lengths)
+        if moments is not None:
+            count = jnp.sum(positions >= 0, axis=1, keepdims=True).astype(jnp.float32)
+            moments = combine_moments(
+                *moments, count, collected["input_mean"], collected["input_m2"]
+            )
+        return kv, _PrefillCarry(last_hidden=last_hidden, window=window, moments=moments)
+
+    initial = collectives.varying_like((kv, carry), tokens)  # on a mesh: as the step's output
+    return jax.lax.fori_loop(first_chunk, end_chunk, step, initial)
+
+
+def _compress(
+    model, tokens, lengths, budget_tokens, kv, carry: _PrefillCarry, key, *, policy, int8_window
+):
+    """The policy's compression from what prefill observed, then (with int8 storage, window
+    `int8_window` not None) every head's tokens but the newest `int8_window` move to int8.
+    Returns (kv, last_hidden)."""
+    mean = var = None
+    if carry.moments is not None:
+        count, mean, m2 = carry.moments
+        var = m2 / jnp.maximum(count - 1, 1)  # unbiased
+    obs = PrefillObservations(
+        prompt_lengths=lengths,
+        budget_tokens=budget_tokens,
+        queries=carry.window,
+        input_mean=mean,
+        input_var=var,
+        key=key,
+        prompt_tokens=tokens if policy.needs_prompt_tokens else None,
+    )
+    kv = policy.compress(kv, obs, model)
+    if int8_window is not None:
+        kv = start_int8(kv, int8_window)
+    return kv, carry.last_hidden
+
+
+_SPAN_PLACEMENTS = dict(
+    model=MODEL,
+    tokens=ROWS,
+    lengths=ROWS,
+    budget_tokens=ROWS,
+    kv=SHARD,
+    policy_params=POLICY_PARAMS,
+)
+
+
+@program(
+    static=("chunk", "policy", "int8_window", "backend"),
+    donate=("kv",),
+    num_chunks=SAME,
+    key=SAME,
+    **_SPAN_PLACEMENTS,
+)
+def prefill_and_compress(
+    model,
+    tokens,
+    lengths,
+    num_chunks,
+    budget_tokens,
+    kv,
+    key,
+    policy_params,
+    *,
+    chunk,
+    policy,
+    int8_window,
+    backend,
+):
+    """Chunked prefill of every chunk, then `_compress`; donates `kv`."""
+    carry = _empty_carry(model, tokens.shape[0], policy)
+    kv, carry = _prefill_span(
+        model,
+        tokens,
+        lengths,
+        0,
+        num_chunks,
+        budget_tokens,
+        kv,
+        carry,
+        policy_params,
+        chunk=chunk,
+        policy=policy,
+        backend=backend,
+    )
+    return _compress(
+        model,
+        tokens,
+        lengths,
+        budget_tokens,
+        kv,
+        carry,
+        key,
+        policy=policy,
+        int8_window=int8_window,
+    )
+
+
+# The growing path (`Policy.prefill_pool_grows`): one chunk per call, the pool checked between.
+prefill_span = program(
+    static=("chunk", "policy", "backend"),
+    donate=("kv", "carry"),
+    first_chunk=SAME,
+    end_chunk=SAME,
+    carry=SHARD,
+    **_SPAN_PLACEMENTS,
+)(_prefill_span)
+compress = program(
+    static=("policy", "int8_window"),
+    donate=("kv",),
+    model=MODEL,
+    tokens=ROWS,
+    lengths=ROWS,
+    budget_tokens=ROWS,
+    kv=SHARD,
+    carry=SHARD,
+    key=SAME,
+)(_compress)
+grow_pool = program(static=("num_pages",), kv=SHARD)(grow)
+empty_carry = program(static=("batch", "policy"), model=MODEL)(_empty_carry)
+
+
+def _prefill_growing(model, request: Request, key, policy_params, backend: Backend):
+    """Chunked prefill for a policy that admits an unknown share of the prompt: the pool starts
+    at the policy's guess and, before each chunk, grows (x2, bucketed) when fewer pages are
+    free than the chunk could need, so that it holds what is admitted plus about one chunk.
+    On a mesh every device's pool has the same size: the fullest device decides."""
+    prompts, policy, mesh = request.prompts, request.policy.static(), request.placement
+    kv = request.kv
+    local_cfg, rows = device_shares(model, prompts.lengths, mesh)[0]
+    heads = local_cfg.num_layers * local_cfg.num_kv_heads * len(rows)
+    chunk_need = heads * (-(-prompts.chunk // kv.pool.page_size) + 1)
+    carry = empty_carry(mesh, model=model, batch=len(rows), policy=policy)
+    for index in range(prompts.num_chunks):
+        kv.check()
+        free = int(np.min(sharding.to_host(kv.pool.allocator.num_free)))
+        if free < chunk_need:
+            in_use = kv.pool.num_pages - free
+            wanted = max(2 * kv.pool.num_pages, in_use + chunk_need)
+            kv = grow_pool(mesh, kv=kv, num_pages=pool_pages_bucket(wanted, kv.pool.page_size))
+        kv, carry = prefill_span(
+            mesh,
+            model=model,
+            tokens=prompts.tokens,
+            lengths=prompts.lengths,
+            first_chunk=np.int32(index),
+            end_chunk=np.int32(index + 1),
+            budget_tokens=request.budget_tokens,
+            kv=kv,
+            carry=carry,
+            policy_params=policy_params,
+            chunk=prompts.chunk,
+            policy=policy,
+            backend=backend,
+        )
+    return compress(
+        mesh,
+        model=model,
+        tokens=prompts.tokens,
+        lengths=prompts.lengths,
+        budget_tokens=request.budget_tokens,
+        kv=kv,
+        carry=carry,
+        key=key,
+        policy=policy,
+        int8_window=request.cache.int8_window,
+    )
+
+
+def run_prefill(
+    model: Model, request: Request, key, policy_params, backend: Backend
+) -> tuple[KVState, jax.Array]:
+    """Prefill and compression of a set-up request: (kv, last_hidden [B, D])."""
+    prompts = request.prompts
+    if request.grows:
+        kv, last_hidden = _prefill_growing(model, request, key, policy_params, backend)
+    else:
+        kv, last_hidden = prefill_and_compress(
+            request.placement,
+            model=model,
+            tokens=prompts.tokens,
+            lengths=prompts.lengths,
+            num_chunks=np.int32(prompts.num_chunks),
+            budget_tokens=request.budget_tokens,
+            kv=request.kv,
+            key=key,
+            policy_params=policy_params,
+            chunk=prompts.chunk,
+            policy=request.policy.static(),
+            int8_window=request.cache.int8_window,
+            backend=backend,
+        )
+    kv.check()
+    return kv, last_hidden
