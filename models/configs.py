@@ -248,6 +248,24 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         max_position_embeddings=4096,
     ),
+    # Shapes only (no weights here): Llama-3.1-8B's config.json, for memory and cost plans
+    # (`jaxkv bench plan`).
+    "llama-3.1-8b": ModelConfig(
+        family=Family.LLAMA,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(kind="llama3", factor=8.0),
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+    ),
 }
 
 

@@ -138,7 +138,7 @@ def decode_geometry(
         bounds = np.reshape(tokens_bound, (len(lengths), -1))
     window = None if kv.pool.int8 is None else kv.pool.int8.window
     return _largest(
-        _device_decode_geometry(held, bound, max_new_tokens, kv.pool.page_size, window)
+        device_decode_geometry(held, bound, max_new_tokens, kv.pool.page_size, window)
         for held, bound in zip(lengths, bounds, strict=True)
     )
 
@@ -153,7 +153,8 @@ def _largest(geometries) -> tuple[int, int]:
     return max(pages), max(widths)
 
 
-def _device_decode_geometry(lengths, tokens_bound, max_new_tokens, p, int8_window):
+def device_decode_geometry(lengths, tokens_bound, max_new_tokens, p, int8_window=None):
+    """(num_pages, max_pages) of one device's state holding lengths int [L, B, K] (host)."""
     grown = lengths + max(max_new_tokens - 1, 0)
     if int8_window is not None:
         grown = np.minimum(grown, np.maximum(lengths, int8_window + 1))

@@ -54,13 +54,12 @@ def step_keys(ctx: StepContext) -> tuple[jax.Array, jax.Array]:
     return jax.random.fold_in(step_key, 0), jax.random.fold_in(step_key, 1)
 
 
-def decode_step(
+def read_tokens(
     model: Model, kv: KVState, tokens: jax.Array, positions: jax.Array, ctx: StepContext
 ) -> tuple[KVState, jax.Array]:
-    """Reads one token per sequence: tokens int32 [B] at positions int32 [B] (-1: the row
-    writes nothing) through the model over the cache, then the policy's decode hook (its
-    eviction, scores, promotion). Returns (kv, logits f32 [B, V]). Pure and jittable; the
-    generation loop, the Conf-KV benchmark and teacher forcing share it."""
+    """The reading half of a decode step: tokens int32 [B] at positions int32 [B] (-1: the row
+    writes nothing) through the model over the cache (written to it as the policy admits).
+    Returns (kv, logits f32 [B, V])."""
     policy = ctx.policy
     hidden, kv, _ = forward_cached(
         model,
@@ -72,8 +71,12 @@ def decode_step(
         read_budget=ctx.budget_tokens if policy.selects_pages else None,
         policy_params=ctx.policy_params,
     )
-    logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
-    decode_ctx = DecodeContext(
+    return kv, logits_from_hidden(model.params, model.config, hidden[:, 0])
+
+
+def decode_context(ctx: StepContext, positions: jax.Array, logits: jax.Array, group_size: int):
+    """The policy's `DecodeContext` of a step whose logits [B, V] are known."""
+    return DecodeContext(
         prompt_lengths=ctx.prompt_lengths,
         budget_tokens=ctx.budget_tokens,
         budget_ratio=ctx.budget_ratio,
@@ -81,9 +84,20 @@ def decode_step(
         logits=logits,
         key=step_keys(ctx)[1],
         step=ctx.step,
-        group_size=model.config.group_size,
+        group_size=group_size,
     )
-    return after_decode_step(policy, kv, decode_ctx), logits
+
+
+def decode_step(
+    model: Model, kv: KVState, tokens: jax.Array, positions: jax.Array, ctx: StepContext
+) -> tuple[KVState, jax.Array]:
+    """One decode step: `read_tokens` (tokens int32 [B] at positions int32 [B], -1: the row
+    writes nothing), then the policy's decode hook (eviction, scores, promotion) on the steps
+    it is due. Returns (kv, logits f32 [B, V]). Pure and jittable; the generation loop, the
+    Conf-KV benchmark and teacher forcing share it."""
+    kv, logits = read_tokens(model, kv, tokens, positions, ctx)
+    decode_ctx = decode_context(ctx, positions, logits, model.config.group_size)
+    return after_decode_step(ctx.policy, kv, decode_ctx), logits
 
 
 @flax.struct.dataclass

@@ -140,7 +140,7 @@ def device_shares(
     return [(cfg, lengths[rows]) for rows in placement.row_groups(len(lengths))]
 
 
-def _create_state(
+def prefill_geometry(
     model: Model,
     prompts: Prompts,
     reserve_tokens: int,
@@ -148,8 +148,9 @@ def _create_state(
     policy: Policy,
     cache: CacheConfig,
     placement: InferenceMesh | None,
-) -> KVState:
-    """The empty prefill state (on a mesh: each device's, stacked); `num_pages` is per device."""
+) -> dict:
+    """The keyword arguments of `KVState.create` for the empty prefill state (host side: the
+    model's params may be abstract); on a mesh each device's, `num_pages` per device."""
     cfg = model.config
     page_size, num_pages = cache.page_size, cache.num_pages
     longest = int(prompts.lengths.max())
@@ -196,9 +197,7 @@ def _create_state(
         key_bounds=policy.selects_pages,
         local_window=policy.local_window,
     )
-    if placement is None:
-        return KVState.create(**geometry)
-    return placement.run(KVState.create, (), (), geometry)
+    return geometry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,15 +254,13 @@ def set_up(
         placement.check(model.config, len(lengths))
     budget_tokens = policy.budget_tokens(prompts.lengths)
     policy.check_prefill(prompts.lengths, prompts.chunk)
-    kv = _create_state(
-        model,
-        prompts,
-        reserve_tokens,
-        positions_after_prompt,
-        policy,
-        cache,
-        placement,
+    geometry = prefill_geometry(
+        model, prompts, reserve_tokens, positions_after_prompt, policy, cache, placement
     )
+    if placement is None:
+        kv = KVState.create(**geometry)
+    else:
+        kv = placement.run(KVState.create, (), (), geometry)
     grows = cache.num_pages is None and policy.prefill_pool_grows
     if placement is not None:
         model = placement.place(model, placement.model_specs(model))

@@ -377,6 +377,12 @@ class Policy:
         del seen, prompt_lengths, budget_tokens
         return kv
 
+    def init_params(self, model_config: ModelConfig, key: jax.Array) -> PolicyParams | None:
+        """Fresh (untrained) `policy_params` for the model, of the shapes `check_params` takes;
+        None for a policy without parameters. Benchmarks plan with their shapes."""
+        del model_config, key
+        return None
+
     def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
         """Validates `policy_params` against the model on the host; raises ValueError.
 

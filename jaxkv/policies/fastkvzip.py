@@ -150,6 +150,9 @@ class FastKVzip(Policy):
         held = heads * (kept + chunk) / page_size + heads * (2 + -(-reserve // page_size))
         return int(np.ceil(held).sum())
 
+    def init_params(self, model_config, key):
+        return gate.init_params(model_config, key)
+
     def check_params(self, params, model_config) -> None:
         if params is None:
             raise ValueError(f"policy {self.name!r} needs policy_params: the trained gates")

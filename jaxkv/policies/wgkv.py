@@ -21,7 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import attention as attention_ops
-from jaxkv.gates.wgkv import PARAM_AXES, check_write_gates, write_gate_values
+from jaxkv.gates.wgkv import (
+    PARAM_AXES,
+    check_write_gates,
+    init_write_gates,
+    write_gate_values,
+)
 from jaxkv.policies import base
 
 
@@ -96,6 +101,9 @@ class WGKV(RingAdmission):
     primary_knob: ClassVar[str] = "tau"
     needs_params: ClassVar[bool] = True
 
+    def init_params(self, model_config, key):
+        return init_write_gates(model_config, key)
+
     def check_params(self, params, model_config) -> None:
         if params is None:
             raise ValueError(
@@ -155,6 +163,11 @@ class DuoAttention(RingAdmission):
     def __post_init__(self):
         super().__post_init__()
         _check_sinks(self.sinks)
+
+    def init_params(self, model_config, key):
+        """No retrieval heads (`retrieval_heads` chooses them from a calibration score)."""
+        del key
+        return jnp.zeros((model_config.num_layers, model_config.num_kv_heads), bool)
 
     def check_params(self, params, model_config) -> None:
         expected = (model_config.num_layers, model_config.num_kv_heads)

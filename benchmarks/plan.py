@@ -1,0 +1,380 @@
+"""What a request costs, from XLA's own accounting, at real sizes and without a device or weights.
+
+For a model shape (a `jaxkv.models` preset such as llama-3.1-8b), a context, a batch and each
+policy, the programs `generate` runs are lowered from abstract shapes (`jax.ShapeDtypeStruct`:
+nothing is allocated) and compiled for this machine's backend, and XLA reports:
+
+  prefill   chunked prefill + the policy's compression (`prefill_and_compress`);
+  repack    the compressed state into its decode geometry (`repack_program`), where it differs;
+  decode    the decode loop (`decode_loop`): its memory;
+  step      one decode step's reading (`read_tokens`): bytes accessed and flops per token;
+  evict     the policy's decode-time eviction (`Policy.on_decode`), run every
+            `decode_interval` steps: its bytes and flops apart, and per step amortised.
+
+Bytes accessed are XLA's cost analysis (HloCostAnalysis), an upper bound on traffic, not a
+measurement of it: it charges a gather its whole operand (gathering 8 pages of a 3.3 GB pool
+counts 3.3 GB; a dynamic slice of the same pages counts 0.8 MB), and the XLA path reads pages
+by gathers, block by block. Memory is XLA's buffer assignment, which is what a run allocates.
+On the CPU, XLA computes bf16 dots in f32 and hoists the weights' conversion out of the layer
+loop (a f32 copy of every layer's weights among the temporaries, which GPU and TPU compilers do
+not make): plan CPU runs in the dtype they will run in, f32 by default here.
+
+Memory per program (`compiled.memory_analysis()`): arguments, outputs, aliased (donated) bytes
+and temporaries; the program's peak is arguments + outputs - aliased + temporaries. The request's
+peak is the largest of them, the repack's counted with the weights (they stay resident while it
+runs). What the cache holds after compression is planned from the policy's budget (every head at
+its average share; policies whose share depends on the data are planned at the whole prompt and
+say so). A decode step reads the weights and the KV held once: its bytes are compared with that.
+
+    jaxkv bench plan --model llama-3.1-8b --contexts 32768 130816 --batch 1 \\
+        --policies full snapkv:0.25 h2o:0.25 --out results/plan
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import policies
+from jaxkv.attention import Backend
+from jaxkv.cache import KVState
+from jaxkv.cache.config import CacheConfig
+from jaxkv.cache.repack import device_decode_geometry
+from jaxkv.generation import StepContext
+from jaxkv.generation.decode import decode_context, decode_loop, read_tokens, repack_program
+from jaxkv.generation.prefill import prefill_and_compress
+from jaxkv.generation.request import DEFAULT_PREFILL_CHUNK, Prompts, prefill_geometry
+from jaxkv.models import configs
+from jaxkv.models.decoder import Model, param_shapes
+from jaxkv.sampling import Sampler
+
+DEFAULT_POLICIES = [
+    "full",
+    "snapkv:0.25",
+    "pyramidkv:0.25",
+    "adakv:0.25",
+    "tova:0.25",
+    "knorm:0.25",
+    "streaming_llm:0.25",
+    "sliding_window:0.25",
+    "h2o:0.25",
+    "observed_attention:0.25",
+    "scissorhands:0.25",
+    "sage_kv:0.25",
+    "kvzip:0.25",
+    "fastkvzip:0.25",
+    "quest:0.25",
+    "confkv",
+    "gvote",
+]
+# Admission policies grow their prefill pool on the host chunk by chunk, as the gates admit:
+# what they hold is known only from the data.
+NOT_PLANNED = {
+    "wgkv": "admission: the pool grows on the host with what the gates admit (data)",
+    "local_attention": "admission: the pool grows on the host chunk by chunk",
+    "duo_attention": "admission: the pool grows on the host chunk by chunk",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+    """XLA's accounting of one compiled program (bytes; flops and bytes accessed per run)."""
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    bytes_accessed: float
+    flops: float
+    compile_seconds: float
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+def program_cost(lowered) -> ProgramCost:
+    """Compiles `lowered` and reads its memory and cost analyses."""
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return ProgramCost(
+        arguments=int(memory.argument_size_in_bytes),
+        outputs=int(memory.output_size_in_bytes),
+        aliased=int(memory.alias_size_in_bytes),
+        temporaries=int(memory.temp_size_in_bytes),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        flops=float(cost.get("flops", 0.0)),
+        compile_seconds=round(seconds, 2),
+    )
+
+
+def abstract(tree):
+    """Every array leaf of `tree` as a ShapeDtypeStruct."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def abstract_model(cfg: configs.ModelConfig, dtype) -> Model:
+    """A Model whose params are ShapeDtypeStructs of `dtype` (no weights allocated)."""
+    params = jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, dtype),
+        param_shapes(cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    return Model(config=cfg, params=params)
+
+
+def tree_bytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def planned_lengths(policy, cfg, context: int, batch: int, budget_tokens) -> tuple[np.ndarray, str]:
+    """Tokens each head holds after compression, int [L, B, K] (host), and how it was planned."""
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads)
+    if budget_tokens is None or not policies.spec.takes_budget(policy.name):
+        if policy.name == "confkv":
+            return np.full(shape, min(context, policy.loose)), "the loose budget"
+        if policy.name == "gvote":
+            return np.full(shape, context), "data-dependent: planned at the whole prompt"
+        return np.full(shape, context), "the whole prompt"
+    if policy.name == "quest":
+        return np.full(shape, context), "the whole prompt (Quest reads a budget of pages)"
+    per_sequence = np.minimum(np.asarray(budget_tokens).reshape(batch, -1)[:, 0], context)
+    return np.broadcast_to(per_sequence[None, :, None], shape).copy(), "the budget per head"
+
+
+def _kv_bytes(geometry: dict) -> int:
+    return tree_bytes(jax.eval_shape(lambda: KVState.create(**geometry)))
+
+
+def plan_request(
+    cfg: configs.ModelConfig,
+    *,
+    context: int,
+    batch: int,
+    policy,
+    max_new_tokens: int,
+    page_size: int,
+    dtype,
+) -> dict:
+    """The plan of one request (module docstring); sizes in bytes."""
+    lengths = np.full(batch, context, np.int32)
+    chunk = policy.prefill_chunk(lengths, DEFAULT_PREFILL_CHUNK)
+    num_chunks = -(-context // chunk)
+    prompts = Prompts(
+        tokens=np.zeros((batch, chunk * num_chunks), np.int32),
+        lengths=lengths,
+        chunk=chunk,
+        num_chunks=num_chunks,
+    )
+    model = abstract_model(cfg, dtype)
+    cache = CacheConfig(page_size=page_size)
+    geometry = prefill_geometry(
+        model, prompts, max_new_tokens - 1, max_new_tokens, policy, cache, None
+    )
+    kv = jax.eval_shape(lambda: KVState.create(**geometry))
+    budget_tokens = policy.budget_tokens(lengths)
+    params = policy.init_params(cfg, jax.random.PRNGKey(0))
+    params = None if params is None else abstract(params)
+    static = policy.static()
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    budget = abstract(jnp.asarray(budget_tokens))
+    prefill = program_cost(
+        prefill_and_compress.jitted.lower(
+            model=model,
+            tokens=abstract(prompts.tokens),
+            lengths=rows,
+            num_chunks=jax.ShapeDtypeStruct((), jnp.int32),
+            budget_tokens=budget,
+            kv=kv,
+            key=key,
+            policy_params=params,
+            chunk=chunk,
+            policy=static,
+            int8_window=None,
+            backend=Backend.XLA,
+        )
+    )
+    held, held_rule = planned_lengths(policy, cfg, context, batch, budget_tokens)
+    bound = policy.decode_tokens_bound(budget_tokens, lengths, max_new_tokens)
+    num_pages, max_pages = device_decode_geometry(held, bound, max_new_tokens, page_size)
+    decode_geometry = dict(geometry, num_pages=num_pages, max_tokens=max_pages * page_size)
+    decode_kv = jax.eval_shape(lambda: KVState.create(**decode_geometry))
+    repack = None
+    if (num_pages, max_pages * page_size) != (geometry["num_pages"], geometry["max_tokens"]):
+        repack = program_cost(
+            repack_program.jitted.lower(
+                kv=kv, num_pages=num_pages, max_pages=max_pages, int8_geometry=None
+            )
+        )
+    decode = program_cost(
+        decode_loop.jitted.lower(
+            model=model,
+            kv=decode_kv,
+            last_hidden=jax.ShapeDtypeStruct((batch, cfg.hidden_size), dtype),
+            lengths=rows,
+            budget_tokens=budget,
+            budget_ratio=abstract(jnp.asarray(policy.budget_ratio(batch))),
+            max_new_tokens=jax.ShapeDtypeStruct((), jnp.int32),
+            key=key,
+            stop_tokens=jax.ShapeDtypeStruct((1,), jnp.int32),
+            policy_params=params,
+            steps_bucket=max_new_tokens,
+            policy=static,
+            sampler=Sampler(),
+            pad_id=0,
+            backend=Backend.XLA,
+        )
+    )
+    context_arrays = StepContext(
+        prompt_lengths=rows,
+        budget_tokens=budget,
+        budget_ratio=abstract(jnp.asarray(policy.budget_ratio(batch))),
+        key=key,
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        policy_params=params,
+        policy=static,
+        backend=Backend.XLA,
+    )
+    step = program_cost(
+        jax.jit(read_tokens, donate_argnums=1).lower(model, decode_kv, rows, rows, context_arrays)
+    )
+    evict = None
+    if static.evicts_during_decode:
+
+        def on_decode(kv, ctx, positions, logits):
+            return static.on_decode(kv, decode_context(ctx, positions, logits, cfg.group_size))
+
+        logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32)
+        evict = program_cost(
+            jax.jit(on_decode, donate_argnums=0).lower(decode_kv, context_arrays, rows, logits)
+        )
+    weights = tree_bytes(model.params)
+    prefill_kv, held_kv = _kv_bytes(geometry), _kv_bytes(decode_geometry)
+    programs = {"prefill": prefill, "repack": repack, "decode": decode, "step": step}
+    programs["evict"] = evict
+    peaks = [prefill.peak, decode.peak]
+    if repack is not None:
+        peaks.append(weights + repack.peak)
+    interval = static.decode_interval if evict is not None else None
+    step_bytes = step.bytes_accessed + (evict.bytes_accessed / interval if evict else 0.0)
+    return {
+        "policy": policy.name,
+        "context": context,
+        "batch": batch,
+        "max_new_tokens": max_new_tokens,
+        "weights_bytes": weights,
+        "prefill_kv_bytes": prefill_kv,
+        "decode_kv_bytes": held_kv,
+        "held_rule": held_rule,
+        "peak_bytes": max(peaks),
+        "peak_over_weights_and_kv": max(peaks) / (weights + max(prefill_kv, held_kv)),
+        "step_bytes_accessed": step_bytes,
+        "step_bytes_over_weights_and_kv": step_bytes / (weights + held_kv),
+        "evict_interval": interval,
+        "programs": {
+            name: None if cost is None else {**dataclasses.asdict(cost), "peak": cost.peak}
+            for name, cost in programs.items()
+        },
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| policy | context x batch | weights GiB | prefill KV GiB | decode KV GiB | peak GiB "
+        "| peak / (weights + KV) | step GB accessed | accessed / (weights + KV held) "
+        "| KV planned as |",
+        "|" + " --- |" * 10,
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['policy']} | {r['context']} x {r['batch']} | {_gib(r['weights_bytes'])} "
+            f"| {_gib(r['prefill_kv_bytes'])} | {_gib(r['decode_kv_bytes'])} "
+            f"| {_gib(r['peak_bytes'])} | {r['peak_over_weights_and_kv']:.3f} "
+            f"| {r['step_bytes_accessed'] / 1e9:.1f} | {r['step_bytes_over_weights_and_kv']:.2f} "
+            f"| {r['held_rule']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="jaxkv bench plan", description=__doc__)
+    parser.add_argument("--model", default="llama-3.1-8b", help=f"{sorted(configs.PRESETS)}")
+    # 128K: the model's 131072 positions less the 256 new tokens.
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 130816])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=sorted(configs.SUPPORTED_DTYPES))
+    parser.add_argument("--out", type=Path, default=None, help="writes plan.json and plan.md")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    cfg = configs.preset(args.model)
+    dtype = configs.dtype_from_name(args.dtype)
+    for context in args.contexts:
+        if not 1 <= context <= cfg.max_position_embeddings - args.max_new_tokens:
+            raise SystemExit(
+                f"--contexts {context}: {args.model} takes 1 to "
+                f"{cfg.max_position_embeddings - args.max_new_tokens} tokens before "
+                f"{args.max_new_tokens} new ones"
+            )
+    specs = []
+    for spec in args.policies:
+        name = spec.split(":")[0]
+        if name in NOT_PLANNED:
+            raise SystemExit(f"--policies {spec}: not planned from shapes: {NOT_PLANNED[name]}")
+        try:
+            policy = policies.from_spec(spec)
+            policy.budget_tokens(np.asarray(args.contexts))  # a missing budget is named here
+        except ValueError as error:
+            raise SystemExit(f"--policies {spec}: {error}") from None
+        specs.append(policy)
+    rows = []
+    for context in args.contexts:
+        for policy in specs:
+            row = plan_request(
+                cfg,
+                context=context,
+                batch=args.batch,
+                policy=policy,
+                max_new_tokens=args.max_new_tokens,
+                page_size=args.page_size,
+                dtype=dtype,
+            )
+            rows.append(row)
+            print(markdown_table([row]).splitlines()[-1], flush=True)
+    report = {
+        "command": "jaxkv bench plan " + " ".join(argv),
+        "model": args.model,
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "rows": rows,
+    }
+    table = markdown_table(rows)
+    print(table)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "plan.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.out / "plan.md").write_text(table)
+    return report
+
+
+if __name__ == "__main__":
+    main()

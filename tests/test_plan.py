@@ -1,0 +1,81 @@
+"""`jaxkv bench plan`: XLA's memory analysis of a request from abstract shapes, checked against
+what a real run allocates, and the memory bound at Llama-3.1-8B shapes (32 layers, 32K/128K)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import policies
+from jaxkv.benchmarks import plan
+from jaxkv.models import configs, init_model
+from tests.tiny_models import tiny_config
+
+LLAMA_8B = configs.preset("llama-3.1-8b")
+# The policies whose request stays within weights + the most KV it holds + 15% on the XLA
+# path (`results/plan/plan.md` has every policy, the others included).
+WITHIN_BOUND = ["full", "snapkv:0.25", "adakv:0.25", "streaming_llm:0.25", "sage_kv:0.25"]
+
+
+def _allocated(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("spec", ["full", "snapkv:0.25", "h2o:64"])
+def test_planned_pools_are_what_a_run_allocates(spec):
+    cfg = tiny_config(num_layers=3, num_kv_heads=2, max_position_embeddings=1024)
+    model = init_model(cfg, seed=0)
+    policy = policies.from_spec(spec)
+    context, new = 300, 9
+    row = plan.plan_request(
+        cfg,
+        context=context,
+        batch=2,
+        policy=policy,
+        max_new_tokens=new,
+        page_size=16,
+        dtype=jnp.float32,
+    )
+    prompts = np.random.default_rng(0).integers(1, 64, (2, context))
+    cache = jaxkv.CacheConfig(page_size=16)
+    out = jaxkv.generate(
+        model, prompts, max_new_tokens=new, policy=policy, stop_tokens=(), cache=cache
+    )
+    assert row["decode_kv_bytes"] == _allocated(out.state)
+    prefill = jaxkv.compress_prompt(model, prompts, policy, cache=cache, reserve_tokens=new - 1)
+    assert row["prefill_kv_bytes"] == _allocated(prefill)
+    assert row["weights_bytes"] == _allocated(model.params)
+    # The prefill program takes the weights and the K/V pages, and updates the pages in place.
+    pages = _allocated((prefill.pool.k_pages, prefill.pool.v_pages))
+    prefill_program = row["programs"]["prefill"]
+    assert prefill_program["arguments"] >= row["weights_bytes"] + pages
+    assert prefill_program["aliased"] >= pages
+
+
+@pytest.mark.parametrize("context", [32768, 130816])
+@pytest.mark.parametrize("spec", WITHIN_BOUND)
+def test_llama_8b_request_peak_is_weights_and_kv_plus_15_percent(spec, context):
+    row = plan.plan_request(
+        LLAMA_8B,
+        context=context,
+        batch=1,
+        policy=policies.from_spec(spec),
+        max_new_tokens=256,
+        page_size=64,
+        dtype=jnp.float32,
+    )
+    weights, most_kv = row["weights_bytes"], max(row["prefill_kv_bytes"], row["decode_kv_bytes"])
+    assert weights > 29 * 2**30  # 8.0B parameters in f32: nothing was planned at a cut size
+    assert row["peak_bytes"] <= 1.15 * (weights + most_kv)
+    if spec != "full":  # compression holds less during decode than the prompt's KV
+        assert row["decode_kv_bytes"] < 0.3 * row["prefill_kv_bytes"]
+
+
+def test_bad_plan_requests_are_named():
+    with pytest.raises(SystemExit, match="--contexts 131072: llama-3.1-8b takes 1 to 130816"):
+        plan.main(["--contexts", "131072", "--policies", "full"])
+    with pytest.raises(SystemExit, match="--policies wgkv: not planned from shapes"):
+        plan.main(["--contexts", "1024", "--policies", "wgkv"])
+    with pytest.raises(SystemExit, match="--policies snapkv: policy 'snapkv' needs budget="):
+        plan.main(["--contexts", "1024", "--policies", "snapkv"])
