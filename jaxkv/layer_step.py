@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from jaxkv import attention as attention_ops
 from jaxkv.attention import Backend
+from jaxkv.attention.dispatch import uses_kernels
 from jaxkv.cache.int8 import spill_layer
 from jaxkv.cache.ring import promote_and_push
 from jaxkv.cache.state import Int8Tier, LocalRing, PagePool
@@ -77,11 +78,20 @@ def _check_step(policy, pool: PagePool, ring: LocalRing | None, write_scores) ->
         raise ValueError(f"policy {policy.name!r} both accumulates attention and gates writes")
 
 
+def _probs_with_attention(policy, q, backend: Backend) -> bool:
+    """Whether the cached partials return their per-slot probabilities for the attention
+    mass: on the kernels (they come with the attention) and for a single query; a chunk's on
+    "xla" would be [B, N, C, M * p] at once, so its mass is recomputed block by block instead
+    (`attention.paged_attention_mass`)."""
+    return policy.accumulates_attention and (uses_kernels(backend) or q.shape[2] == 1)
+
+
 def _cached_partials(q, pool: PagePool, page_table, held, layer, *, policy, read_budget, step):
     """Partial attentions over the cached pages, then the int8 tier's: [(out, lse[, probs])]."""
     page_mask = None
     if read_budget is not None:
         page_mask = policy.select_pages(q, pool, page_table, held, read_budget)
+    return_probs = _probs_with_attention(policy, q, step["backend"])
     partials = [
         attention_ops.paged_attention(
             q,
@@ -90,16 +100,12 @@ def _cached_partials(q, pool: PagePool, page_table, held, layer, *, policy, read
             page_table,
             held,
             page_mask=page_mask,
-            return_probs=policy.accumulates_attention,
+            return_probs=return_probs,
             **step,
         )
     ]
     if pool.int8 is not None:
-        partials.append(
-            int8_tier_attention(
-                pool.int8, q, layer, return_probs=policy.accumulates_attention, **step
-            )
-        )
+        partials.append(int8_tier_attention(pool.int8, q, layer, return_probs=return_probs, **step))
     return partials
 
 
@@ -124,7 +130,7 @@ def _chunk_partials(q, k, v, positions, admitted, ring: LocalRing | None, *, ste
 
 
 def _accumulate_mass(
-    pool: PagePool, page_table, held, lengths, cached, lse, layer, *, policy, positions
+    q, pool: PagePool, page_table, held, lengths, cached, lse, layer, *, policy, positions, step
 ):
     """Adds the chunk's attention mass to the cached slots' scores (pages, then the int8 tier)
     by the policy's rule (`update_scores`); lengths [B, K]: every tier's tokens per head."""
@@ -132,16 +138,37 @@ def _accumulate_mass(
     num_kv_heads = page_table.shape[1]
     update = functools.partial(policy.update_scores, positions=positions, cached_lengths=lengths)
 
-    def mass(partial):
-        return attention_ops.mass_from_probs(
-            partial[2], partial[1], lse, query_weights, num_kv_heads=num_kv_heads
+    def mass(partial, k_pages, table, tokens, k_scales=None, k_channel_scales=None):
+        if len(partial) == 3:  # the probabilities came with the attention
+            return attention_ops.mass_from_probs(
+                partial[2], partial[1], lse, query_weights, num_kv_heads=num_kv_heads
+            )
+        return attention_ops.paged_attention_mass(
+            q,
+            k_pages,
+            table,
+            tokens,
+            lse,
+            query_weights,
+            sm_scale=step["sm_scale"],
+            k_scales=k_scales,
+            k_channel_scales=k_channel_scales,
         )
 
-    pool = accumulate_cached_mass(pool, page_table, held, mass(cached[0]), update)
+    pool_mass = mass(cached[0], pool.k_pages, page_table, held)
+    pool = accumulate_cached_mass(pool, page_table, held, pool_mass, update)
     tier = pool.int8
     if tier is not None:
         table, tier_held = tier.page_table[layer], tier.lengths[layer]
-        tier_pool = accumulate_cached_mass(tier.pool, table, tier_held, mass(cached[1]), update)
+        tier_mass = mass(
+            cached[1],
+            tier.pool.k_pages,
+            table,
+            tier_held,
+            tier.pool.k_scales,
+            tier.k_channel_scales[layer],
+        )
+        tier_pool = accumulate_cached_mass(tier.pool, table, tier_held, tier_mass, update)
         pool = dataclasses.replace(pool, int8=dataclasses.replace(tier, pool=tier_pool))
     return pool, query_weights
 
@@ -232,7 +259,17 @@ def attend_and_write(
     new_scores = write_scores
     if policy.accumulates_attention:
         pool, query_weights = _accumulate_mass(
-            pool, page_table, held, lengths, cached, lse, layer, policy=policy, positions=positions
+            q,
+            pool,
+            page_table,
+            held,
+            lengths,
+            cached,
+            lse,
+            layer,
+            policy=policy,
+            positions=positions,
+            step=step,
         )
         chunk_mass = attention_ops.chunk_attention_mass(q, k, positions, lse, query_weights, **step)
         new_scores = policy.update_scores(

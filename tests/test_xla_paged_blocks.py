@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import attention
 from jaxkv.attention import paged
 from jaxkv.attention.paged import paged_attention, xla_block_pages, xla_blocks_read
 
@@ -109,3 +110,73 @@ def test_quest_selection_reads_the_selected_pages_only():
         p = np.exp(s - s.max())
         want = p @ values[0, head, chosen] / p.sum()
         np.testing.assert_allclose(np.asarray(out)[0, head, 0], want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "lengths"), [(7, [[0, 700], [1100, 37]]), (3, [[513, 512], [1, 1280]])]
+)
+def test_block_mass_equals_the_mass_of_the_held_tokens(chunk, lengths):
+    """`paged_attention_mass` (the chunk's mass recomputed block by block) against float64:
+    sum over weighted queries of exp(score - total_lse), mean over the group; total_lse here
+    is over the cached tokens and one extra logit per query (as a chunk's own keys add)."""
+    rng = np.random.default_rng(10 + chunk)
+    lengths = np.asarray(lengths, np.int32)
+    entries, head_dim, heads = 80, 32, 4
+    k_pages, _, table, keys, values = _pool_and_table(rng, lengths, entries, head_dim)
+    q = rng.standard_normal((2, heads, chunk, head_dim)).astype(np.float32)
+    sm_scale = head_dim**-0.5
+    _, cached_lse, probs = _reference(q, keys, values, lengths, sm_scale)
+    extra = rng.standard_normal((2, heads, chunk))  # the rest of what the queries saw
+    total_lse = np.logaddexp(cached_lse, extra)
+    weights = rng.uniform(0, 1, (2, chunk)).astype(np.float32)
+    probs_total = (
+        probs * np.exp(np.where(np.isfinite(cached_lse), cached_lse - total_lse, 0))[..., None]
+    )
+    group = heads // lengths.shape[1]
+    want = (probs_total * weights[:, None, :, None]).reshape(2, 2, group, chunk, -1)
+    want = want.sum(axis=(2, 3)) / group
+    got = paged.paged_attention_mass(
+        jnp.asarray(q),
+        k_pages,
+        table,
+        lengths,
+        jnp.asarray(total_lse, jnp.float32),
+        jnp.asarray(weights),
+        sm_scale=sm_scale,
+    )
+    assert np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, rtol=1e-5)
+
+
+def test_block_mass_equals_the_probabilities_mass_with_int8_scales():
+    """With int8 pages and both scales, the second pass equals `mass_from_probs` of the one-pass
+    probabilities (what the kernels and single queries use)."""
+    rng = np.random.default_rng(3)
+    lengths = np.asarray([[600, 90], [1030, 0]], np.int32)
+    entries, head_dim, heads, chunk = 80, 32, 4, 5
+    k_pages, v_pages, table, _, _ = _pool_and_table(rng, lengths, entries, head_dim)
+    k_int8 = np.nan_to_num(np.clip(np.round(k_pages * 40), -127, 127)).astype(np.int8)
+    v_int8 = np.nan_to_num(np.clip(np.round(v_pages * 40), -127, 127)).astype(np.int8)
+    token_scales = rng.uniform(0.01, 0.03, k_pages.shape[:2]).astype(np.float32)
+    channel_scales = rng.uniform(0.5, 1.5, (2, 2, head_dim)).astype(np.float32)
+    q = jnp.asarray(rng.standard_normal((2, heads, chunk, head_dim)).astype(np.float32))
+    scales = dict(k_scales=token_scales, k_channel_scales=channel_scales)
+    _, lse, probs = paged_attention(
+        q,
+        k_int8,
+        v_int8,
+        table,
+        lengths,
+        sm_scale=0.2,
+        v_scales=token_scales,
+        v_channel_scales=channel_scales,
+        return_probs=True,
+        **scales,
+    )
+    total_lse = jnp.logaddexp(lse, 0.5)
+    weights = jnp.asarray(rng.uniform(0, 1, (2, chunk)).astype(np.float32))
+    want = attention.mass_from_probs(probs, lse, total_lse, weights, num_kv_heads=2)
+    got = paged.paged_attention_mass(
+        q, k_int8, table, lengths, total_lse, weights, sm_scale=0.2, **scales
+    )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5)

@@ -36,7 +36,13 @@ from jaxkv.attention.dense import (
     merge_partials,
 )
 from jaxkv.attention.dispatch import Backend, resolve_backend
-from jaxkv.attention.paged import dequantize, gather_pages, paged_attention, selected_page_table
+from jaxkv.attention.paged import (
+    dequantize,
+    gather_pages,
+    paged_attention,
+    paged_attention_mass,
+    selected_page_table,
+)
 from jaxkv.attention.statistics import attention_mass, chunk_attention_mass, mass_from_probs
 from jaxkv.attention.vertical_slash import vertical_slash_chunk_attention
 
@@ -59,6 +65,7 @@ __all__ = [
     "mass_from_probs",
     "merge_partials",
     "paged_attention",
+    "paged_attention_mass",
     "resolve_backend",
     "selected_page_table",
     "vertical_slash_chunk_attention",

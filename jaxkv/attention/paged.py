@@ -197,6 +197,62 @@ def _xla_paged_attention(
     return out, lse, probs.reshape(b, n, c, -1)[..., : entries * page_size]
 
 
+def paged_attention_mass(
+    q: jax.Array,
+    k_pages: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    total_lse: jax.Array,
+    query_weights: jax.Array,
+    *,
+    sm_scale: float,
+    k_scales: jax.Array | None = None,
+    k_channel_scales: jax.Array | None = None,
+) -> jax.Array:
+    """The attention mass each cached slot receives, f32 [B, K, M * p] (0 past a head's tokens):
+    sum over the queries of q [B, N, C, H] (weighted by query_weights [B, C]) of
+    exp(score - total_lse), averaged over each KV head's G query heads; total_lse [B, N, C] is
+    over everything the queries saw. Equals `mass_from_probs` of `paged_attention`'s
+    probabilities, computed in jnp block by block as `paged_attention` reads (a second pass over
+    the keys), so a chunk's probabilities [B, N, C, M * p] never exist beyond one block."""
+    b, n, c, _ = q.shape
+    page_size, entries = k_pages.shape[1], page_table.shape[-1]
+    k_pages = jnp.asarray(k_pages)
+    k_scales, k_channel_scales = (
+        None if scale is None else jnp.asarray(scale) for scale in (k_scales, k_channel_scales)
+    )
+    block = xla_block_pages(entries, page_size)
+    num_blocks = -(-entries // block)
+    table = jnp.pad(
+        page_table, ((0, 0), (0, 0), (0, num_blocks * block - entries)), constant_values=-1
+    )
+    block_tokens = block * page_size
+    blocks_held = xla_blocks_read(lengths, entries, page_size)
+    num_kv = page_table.shape[1]
+    group = n // num_kv
+    lse = total_lse.reshape(b, num_kv, group, c)[..., None]
+    weights = jnp.where(jnp.isfinite(lse), query_weights[:, None, None, :, None], 0.0)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+    def block_mass(index):
+        columns = table[:, :, index * block : (index + 1) * block]
+        k = dequantize(k_pages, columns, k_scales, k_channel_scales, q.dtype)
+        read = index * block_tokens + jnp.arange(block_tokens) < lengths[..., None]
+        probs = jnp.exp(grouped_scores(q, k) * sm_scale - lse) * weights
+        probs = jnp.where(read[:, :, None, None, :], probs, 0.0)
+        return jnp.sum(probs, axis=(2, 3)) / group
+
+    def skip_block():
+        nothing = jnp.zeros((b, num_kv, block_tokens), jnp.float32)
+        return varying_like(nothing, q, k_pages, page_table, lengths)
+
+    masses = [
+        jax.lax.cond(index < blocks_held, lambda i=index: block_mass(i), skip_block)
+        for index in range(num_blocks)
+    ]
+    return jnp.concatenate(masses, axis=-1)[..., : entries * page_size]
+
+
 def _kernel_paged_attention(
     q, k_pages, v_pages, page_table, lengths, scales, sm_scale, page_mask, return_probs, backend
 ):
