@@ -3,7 +3,8 @@
 A chunk (prefill chunk or decode token, C >= 1 tokens) reads, as partial attentions merged through
 their logsumexps, in this order:
   1. the cached model-dtype pages (all of them, or the pages a page-selecting policy picks under
-     `read_budget`), with per-slot probabilities when the policy accumulates attention mass;
+     `read_budget`), with per-slot probabilities when the policy accumulates attention mass
+     (on "xla" a chunk's mass is recomputed block by block after the attention instead);
   2. the int8 tier's pages (mixed-precision storage), dequantised in the attention;
   3. the local ring (WG-KV and its static baselines): W dense keys, band or admitted;
   4. the chunk itself: causal, or WG-KV's vertical-slash pattern with a ring.
@@ -11,9 +12,10 @@ Then it writes: the policy's attention mass into the cached slots' scores, and t
 admitted tokens into the pages (through the ring's lazy promotion with a ring; followed by the
 spill out of the model-dtype window with int8 storage).
 
-The plain step (no ring, no int8 tier, no page selection, no attention mass) writes first and
-then reads the cached pages up to the lengths held before the write, which is the same attention:
-the written tokens lie past those lengths. The order matters for speed on "xla": XLA updates the
+The plain step (no ring, no int8 tier, no page selection) writes first and then reads the
+cached pages up to the lengths held before the write, which is the same attention: the written
+tokens lie past those lengths. An attention-mass policy's scores are set after the attention:
+the cached slots' by accumulation, the chunk's own tokens' at the slots the write gave them. The order matters for speed on "xla": XLA updates the
 shared pool in place, and when reads of it had to come before the in-place write in the same
 layer, it copied the whole pool (K and V, every layer, every step) to keep them safe.
 
@@ -35,7 +37,7 @@ from jaxkv.attention.dispatch import uses_kernels
 from jaxkv.cache.int8 import spill_layer
 from jaxkv.cache.ring import promote_and_push
 from jaxkv.cache.state import Int8Tier, LocalRing, PagePool
-from jaxkv.cache.writes import accumulate_cached_mass, write_tokens
+from jaxkv.cache.writes import accumulate_cached_mass, set_written_scores, write_tokens
 
 
 def int8_tier_attention(
@@ -173,13 +175,33 @@ def _accumulate_mass(
     return pool, query_weights
 
 
-def _writes_first(policy, ring, tier, read_budget) -> bool:
+def _writes_first(ring, tier, read_budget) -> bool:
     """Whether the chunk can be written before the cached pages are read (module docstring):
-    when nothing the write changes (ring promotion, the int8 spill, Quest's page bounds, the
-    accumulated scores) is read by the attention."""
-    return (
-        ring is None and tier is None and read_budget is None and not policy.accumulates_attention
+    when nothing the write changes (ring promotion, the int8 spill, Quest's page bounds) is
+    read by the attention. Attention-mass scores are set after the attention, by slot."""
+    return ring is None and tier is None and read_budget is None
+
+
+def _mass_scores(
+    q, k, positions, pool, page_table, held, lengths, cached, lse, layer, *, policy, step
+):
+    """The chunk's attention mass: added to the cached slots' scores (`_accumulate_mass`), and
+    the chunk's own tokens' scores f32 [B, K, C] by the policy's rule. Returns (pool, scores)."""
+    pool, query_weights = _accumulate_mass(
+        q,
+        pool,
+        page_table,
+        held,
+        lengths,
+        cached,
+        lse,
+        layer,
+        policy=policy,
+        positions=positions,
+        step=step,
     )
+    chunk_mass = attention_ops.chunk_attention_mass(q, k, positions, lse, query_weights, **step)
+    return pool, policy.update_scores(None, chunk_mass, positions=positions, cached_lengths=lengths)
 
 
 def _attend(
@@ -242,15 +264,21 @@ def attend_and_write(
     admitted = valid if admitted is None else valid & admitted
 
     read = dict(policy=policy, read_budget=read_budget, step=step)
-    if _writes_first(policy, ring, tier, read_budget):
+    mass = dict(policy=policy, step=step)
+    if _writes_first(ring, tier, read_budget):
         # The chunk goes to slots past `held`; reading the written pool up to `held` sees
         # exactly the cached tokens (module docstring: XLA then needs no copy of the pool).
         pool, page_table, new_held = write_tokens(
             pool, page_table, held, k, v, positions, admitted, write_scores
         )
-        out, lse, _ = _attend(
+        out, lse, cached = _attend(
             q, k, v, positions, admitted, pool, page_table, held, ring, layer, **read
         )
+        if policy.accumulates_attention:
+            pool, scores = _mass_scores(
+                q, k, positions, pool, page_table, held, lengths, cached, lse, layer, **mass
+            )
+            pool = set_written_scores(pool, page_table, held, new_held, admitted, scores)
         return out.astype(q.dtype), pool, page_table, new_held, ring
     out, lse, cached = _attend(
         q, k, v, positions, admitted, pool, page_table, held, ring, layer, **read
@@ -258,22 +286,8 @@ def attend_and_write(
 
     new_scores = write_scores
     if policy.accumulates_attention:
-        pool, query_weights = _accumulate_mass(
-            q,
-            pool,
-            page_table,
-            held,
-            lengths,
-            cached,
-            lse,
-            layer,
-            policy=policy,
-            positions=positions,
-            step=step,
-        )
-        chunk_mass = attention_ops.chunk_attention_mass(q, k, positions, lse, query_weights, **step)
-        new_scores = policy.update_scores(
-            None, chunk_mass, positions=positions, cached_lengths=lengths
+        pool, new_scores = _mass_scores(
+            q, k, positions, pool, page_table, held, lengths, cached, lse, layer, **mass
         )
     if ring is not None:
         scores = jnp.zeros(k.shape[:3], jnp.float32) if new_scores is None else new_scores

@@ -2,6 +2,7 @@
 programs name each argument's mesh placement (`jaxkv.generation.mesh.program`)."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,8 @@ import pytest
 
 import jaxkv
 from jaxkv import policies
+from jaxkv.cache import KVState
+from jaxkv.forward import forward_cached
 from jaxkv.generation import StepContext, decode_step
 from jaxkv.generation.mesh import MODEL, ROWS, SHARD, program
 from jaxkv.models import init_model
@@ -89,3 +92,51 @@ def test_a_program_places_every_argument_by_name():
     np.testing.assert_array_equal(
         placed(None, model=None, kv=jnp.ones(2), lengths=jnp.zeros(2), chunk=4), np.ones(2)
     )
+
+
+@pytest.mark.parametrize("spec", ["full", "h2o:0.25", "snapkv:0.25", "observed_attention:0.25"])
+@pytest.mark.parametrize("chunk", [1, 32])
+def test_xla_updates_the_pool_in_place_without_copying_it(spec, chunk):
+    """A decode step and a prefill chunk write the pool in place: the compiled program holds
+    no copy of a K or V pool (XLA copies it when a read of the pool must precede the write;
+    attention-mass policies used to, every layer and step)."""
+    cfg = tiny_config(num_layers=2, num_kv_heads=2, head_dim=32)
+    model = init_model(cfg, seed=0)
+    policy = policies.from_spec(spec)
+    pages = 37  # a pool shape no other array has
+    kv = jax.eval_shape(
+        lambda: KVState.create(
+            num_layers=2,
+            batch=1,
+            num_kv_heads=2,
+            head_dim=32,
+            max_tokens=512,
+            page_size=16,
+            num_pages=pages,
+            dtype=jnp.float32,
+        )
+    )
+    rows = jnp.zeros((1, chunk), jnp.int32)
+    context = StepContext(
+        prompt_lengths=jnp.full((1,), 400, jnp.int32),
+        budget_tokens=policy.budget_tokens(np.array([400])),
+        budget_ratio=policy.budget_ratio(1),
+        key=jax.random.PRNGKey(0),
+        step=jnp.zeros((), jnp.int32),
+        policy=policy.static(),
+    )
+
+    def chunk_step(model, kv, tokens, positions, ctx):
+        hidden, kv, _ = forward_cached(
+            model, tokens, positions, kv, policy=ctx.policy, backend=ctx.backend
+        )
+        return kv, hidden
+
+    hlo = (
+        jax.jit(chunk_step, donate_argnums=1)
+        .lower(model, kv, rows, rows, context)
+        .compile()
+        .as_text()
+    )
+    copies = re.findall(rf"f32\[{pages},16,32\]\S* copy\(", hlo)
+    assert not copies, f"{len(copies)} copies of a pool"

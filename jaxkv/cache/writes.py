@@ -62,19 +62,8 @@ def write_tokens(
     bi, ki = jnp.indices((b, num_kv))
     page_table = page_table.at[bi[..., None], ki[..., None], table_slot].set(new_pages, mode="drop")
 
-    # Destination of each written token: its rank among the head's written tokens.
-    rank = lengths[..., None] + jnp.cumsum(write_mask, axis=-1) - 1
-    page = jnp.take_along_axis(page_table, jnp.clip(rank // p, 0, max_pages - 1), axis=-1)
-    destination = page * p + rank % p
-    destination = jnp.where(write_mask & ok, destination, pool.num_pages * p).reshape(-1)
-
-    # Indexed by (page, slot) rather than through a flattened view of the pool: XLA updates the
-    # pool in place then, where a reshaped view made it copy the whole pool at every write.
-    page_index, slot_index = destination // p, destination % p
-
-    def scatter(pages, values):
-        values = values.reshape(-1, *values.shape[3:]).astype(pages.dtype)
-        return pages.at[page_index, slot_index].set(values, mode="drop")
+    page, rank = _written_slots(page_table, lengths, write_mask, p)
+    scatter = _slot_scatter(page, rank, write_mask & ok, pool.num_pages, p)
 
     if positions.ndim == 2:
         positions = positions[:, None, :]
@@ -96,6 +85,47 @@ def write_tokens(
     page_held = jnp.clip(new_lengths[..., None] - (rank // p) * p, 0, p).reshape(-1)
     pool = pool.refresh_key_bounds(written_page, page_held)
     return pool, page_table, jnp.where(ok, new_lengths, lengths)
+
+
+def _written_slots(page_table, lengths, write_mask, p: int) -> tuple[jax.Array, jax.Array]:
+    """(page, rank) int32 [B, K, C] of each written token: its rank among the head's tokens
+    (lengths [B, K] before the write) and the page holding that rank."""
+    rank = lengths[..., None] + jnp.cumsum(write_mask, axis=-1) - 1
+    max_pages = page_table.shape[-1]
+    page = jnp.take_along_axis(page_table, jnp.clip(rank // p, 0, max_pages - 1), axis=-1)
+    return page, rank
+
+
+def _slot_scatter(page, rank, written, num_pages: int, p: int):
+    """values [B, K, C, ...] -> pool field [P, p, ...] with the `written` tokens set at their
+    (page, slot). Indexed by (page, slot) rather than through a flattened view of the pool: XLA
+    updates the pool in place then, where a reshaped view made it copy the whole pool at every
+    write."""
+    destination = jnp.where(written, page * p + rank % p, num_pages * p).reshape(-1)
+    page_index, slot_index = destination // p, destination % p
+
+    def scatter(pages, values):
+        values = values.reshape(-1, *values.shape[3:]).astype(pages.dtype)
+        return pages.at[page_index, slot_index].set(values, mode="drop")
+
+    return scatter
+
+
+def set_written_scores(
+    pool: PagePool,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    new_lengths: jax.Array,
+    write_mask: jax.Array,
+    scores: jax.Array,
+) -> PagePool:
+    """The scores f32 [B, K, C] of the tokens a `write_tokens` call stored (called with
+    lengths [B, K] and write_mask [B, K, C]; new_lengths what it returned: an overflowed write
+    stored nothing, and nothing is set), for scores known only after the chunk's attention."""
+    page, rank = _written_slots(page_table, lengths, write_mask, pool.page_size)
+    stored = write_mask & (new_lengths > lengths)[..., None]
+    scatter = _slot_scatter(page, rank, stored, pool.num_pages, pool.page_size)
+    return dataclasses.replace(pool, token_scores=scatter(pool.token_scores, scores))
 
 
 def accumulate_cached_mass(
