@@ -1,0 +1,202 @@
+"""The external reference for `jaxkv bench real_quality`: kvpress 0.5.5's presses on the same
+episodes (the same token ids), through transformers' GGUF loading of the same file.
+
+kvpress's pipeline is reproduced step by step with its public press API:
+  agnostic  the context (up to the end of the haystack) is prefilled under the press, then the
+            question is read over the compressed cache and the answer decoded greedily, without
+            the press (kvpress's `KVPressTextGenerationPipeline`);
+  aware     the whole prompt, question included, is prefilled under the press (kvpress's
+            evaluation with `compress_questions`), then the answer decoded greedily.
+kvpress's compression_ratio is the share removed: jaxkv's budget b is kvpress's 1 - b. Scores,
+intervals and the table are `real_quality`'s, so the two files compare cell by cell.
+
+Needs the kvpress extra in an environment of its own (kvpress pins transformers < 5.3):
+
+    python -m venv .venv-kvpress && . .venv-kvpress/bin/activate
+    pip install -e '.[kvpress]'
+    python -m jaxkv.benchmarks.kvpress_reference --presses snapkv streaming_llm tova \\
+        --budgets 0.3 --samples 16 --out results/real-quality/kvpress
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from jaxkv import downloads
+from jaxkv.benchmarks import real_quality
+from jaxkv.models import gguf_tokenizer
+
+# jaxkv's policy name -> kvpress 0.5.5's press class.
+PRESSES = {
+    "snapkv": "SnapKVPress",
+    "streaming_llm": "StreamingLLMPress",
+    "knorm": "KnormPress",
+    "tova": "TOVAPress",
+    "expected_attention": "ExpectedAttentionPress",
+    "pyramidkv": "PyramidKVPress",
+    "kvzip": "KVzipPress",
+    "observed_attention": "ObservedAttentionPress",
+}
+
+
+def load_model(path: Path):
+    """(model, the ids it stops at) from the GGUF file, f32, eager attention (which every press,
+    ObservedAttention included, supports); the stop ids are the generation config's eos ids
+    and the chat's end of turn, as `real_quality` stops."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, torch_dtype="float32", attn_implementation="eager"
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # KVzipPress reads the tokenizer from `config.name_or_path`: a directory it can open.
+    directory = tempfile.mkdtemp(prefix="jaxkv-kvpress-tokenizer-")
+    tokenizer.save_pretrained(directory)
+    model.config.name_or_path = directory
+    model.eval()
+    eos = model.generation_config.eos_token_id
+    stop = {
+        *(eos if isinstance(eos, list) else [eos]),
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    }
+    return model, stop
+
+
+def make_press(name: str, budget: float | None):
+    """kvpress's press for jaxkv policy `name` keeping `budget` of the prompt; None: none."""
+    if name == "full":
+        return None
+    import kvpress
+
+    return getattr(kvpress, PRESSES[name])(compression_ratio=1.0 - budget)
+
+
+def answer(model, press, prefill_ids: list[int], question_ids: list[int], steps: int, stop):
+    """kvpress's pipeline for one episode: prefill under the press, then greedy decoding of
+    `steps` tokens (the question read first when it was not prefilled). Returns (token ids
+    [steps], the bytes of keys and values the cache held after the prefill)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    context = torch.tensor([prefill_ids])
+    with torch.no_grad():
+        with press(model) if press is not None else contextlib.nullcontext():
+            out = model(input_ids=context, past_key_values=cache, num_logits_to_keep=1)
+        held = sum(
+            (layer.keys.numel() + layer.values.numel()) * layer.keys.element_size()
+            for layer in cache.layers
+        )
+        position = len(prefill_ids)
+        if question_ids:
+            positions = torch.arange(position, position + len(question_ids))[None]
+            out = model(
+                input_ids=torch.tensor([question_ids]),
+                past_key_values=cache,
+                position_ids=positions,
+                num_logits_to_keep=1,
+            )
+            position += len(question_ids)
+        generated = [int(out.logits[0, -1].argmax())]
+        while len(generated) < steps and generated[-1] not in stop:
+            out = model(
+                input_ids=torch.tensor([[generated[-1]]]),
+                past_key_values=cache,
+                position_ids=torch.tensor([[position]]),
+            )
+            position += 1
+            generated.append(int(out.logits[0, -1].argmax()))
+    return np.asarray(generated + [0] * (steps - len(generated))), held
+
+
+def run_cell(model, stop, tokenizer, press, episodes, setting: str) -> dict:
+    """Scores of one (press, setting) over the episodes, as `real_quality.run_cell` reports."""
+    results, held = [], []
+    for episode in episodes:
+        if setting == "aware":
+            prefill, question = list(episode.context_ids + episode.question_ids), []
+        else:
+            prefill, question = list(episode.context_ids), list(episode.question_ids)
+        tokens, kv_bytes = answer(model, press, prefill, question, real_quality.ANSWER_TOKENS, stop)
+        results.append(real_quality.score(tokenizer, tokens, episode.answer))
+        held.append(kv_bytes)
+    exact = sum(r[0] for r in results)
+    return {
+        "exact": exact / len(episodes),
+        "exact_interval": real_quality.wilson_interval(exact, len(episodes)),
+        "leading_digits": float(np.mean([r[1] for r in results])),
+        "samples": len(episodes),
+        "kv_bytes_per_sequence": float(np.mean(held)),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m jaxkv.benchmarks.kvpress_reference")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a fetched model")
+    parser.add_argument("--presses", nargs="+", default=["full", "snapkv", "streaming_llm"])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.3])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    parser.add_argument("--tasks", nargs="+", default=list(real_quality.TASKS))
+    parser.add_argument("--settings", nargs="+", default=list(real_quality.SETTINGS))
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=Path("results/real-quality/kvpress"))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    for name in args.presses:
+        if name != "full" and name not in PRESSES:
+            raise SystemExit(f"--presses {name}: kvpress presses here are full, {sorted(PRESSES)}")
+    for budget in args.budgets:
+        if not 0 < budget < 1:
+            raise SystemExit(f"--budgets {budget}: a share of the prompt kept, in (0, 1)")
+    path = downloads.model_path(args.model)
+    (model, stop), tokenizer = load_model(path), gguf_tokenizer(path)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report_path = args.out / "quality.json"
+    previous = json.loads(report_path.read_text()) if report_path.exists() else {}
+    rows = previous.get("rows", [])
+    done = {(r["policy"], r["budget"], r["length"], r["task"], r["setting"]) for r in rows}
+    cells = [
+        (name, None if name == "full" else budget, length, task, setting)
+        for name in args.presses
+        for budget in ([None] if name == "full" else args.budgets)
+        for length in args.lengths
+        for task in args.tasks
+        for setting in args.settings
+    ]
+    cells = [cell for cell in cells if cell not in done]
+    import kvpress
+    import transformers
+
+    for name, budget, length, task, setting in tqdm(cells, desc="kvpress", unit="cell"):
+        episodes = [
+            real_quality.build_episode(tokenizer, task, length, i) for i in range(args.samples)
+        ]
+        result = run_cell(model, stop, tokenizer, make_press(name, budget), episodes, setting)
+        row = {"policy": name, "budget": budget, "length": length, "task": task}
+        rows.append({**row, "setting": setting, **result})
+        print(json.dumps(rows[-1]), flush=True)
+        report = {
+            "commands": [*previous.get("commands", []), "kvpress_reference " + " ".join(argv)],
+            "model": args.model,
+            "file_sha256": downloads.KNOWN_MODELS[args.model].sha256,
+            "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
+            "transformers": transformers.__version__,
+            "rows": rows,
+        }
+        report_path.write_text(json.dumps(report, indent=2) + "\n")
+    table = real_quality.markdown_table(rows)
+    (args.out / "quality.md").write_text(table)
+    print(table)
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
