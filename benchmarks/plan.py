@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -291,6 +292,21 @@ def plan_request(
     }
 
 
+def _source_commit() -> str | None:
+    """The git commit of the checkout this runs from (None outside one)."""
+    try:
+        found = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return found.stdout.strip()
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -365,6 +381,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "jax": jax.__version__,
         "backend": jax.default_backend(),
+        "commit": _source_commit(),
         "rows": rows,
     }
     table = markdown_table(rows)
