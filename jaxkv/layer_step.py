@@ -15,7 +15,8 @@ spill out of the model-dtype window with int8 storage).
 The plain step (no ring, no int8 tier, no page selection) writes first and then reads the
 cached pages up to the lengths held before the write, which is the same attention: the written
 tokens lie past those lengths. An attention-mass policy's scores are set after the attention:
-the cached slots' by accumulation, the chunk's own tokens' at the slots the write gave them. The order matters for speed on "xla": XLA updates the
+the cached slots' by accumulation, the chunk's own tokens' at the slots the write gave them.
+The order matters for speed on "xla": XLA updates the
 shared pool in place, and when reads of it had to come before the in-place write in the same
 layer, it copied the whole pool (K and V, every layer, every step) to keep them safe.
 
