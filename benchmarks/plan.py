@@ -1,8 +1,9 @@
 """What a request costs, from XLA's own accounting, at real sizes and without a device or weights.
 
-For a model shape (a `jaxkv.models` preset such as llama-3.1-8b), a context, a batch and each
-policy, the programs `generate` runs are lowered from abstract shapes (`jax.ShapeDtypeStruct`:
-nothing is allocated) and compiled for this machine's backend, and XLA reports:
+For a model's shapes (`jaxkv.models.configs.MODEL_SHAPES`, e.g. llama-3.1-8b, or a preset), a
+context, a batch and each policy, the programs `generate` runs are lowered from abstract shapes
+(`jax.ShapeDtypeStruct`: nothing is allocated) and compiled for this machine's backend, and XLA
+reports:
 
   prefill   chunked prefill + the policy's compression (`prefill_and_compress`);
   repack    the compressed state into its decode geometry (`repack_program`), where it differs;
@@ -331,7 +332,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="jaxkv bench plan", description=__doc__)
-    parser.add_argument("--model", default="llama-3.1-8b", help=f"{sorted(configs.PRESETS)}")
+    names = sorted(configs.MODEL_SHAPES) + sorted(configs.PRESETS)
+    parser.add_argument("--model", default="llama-3.1-8b", choices=names)
     # 128K: the model's 131072 positions less the 256 new tokens.
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 130816])
     parser.add_argument("--batch", type=int, default=1)
@@ -342,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None, help="writes plan.json and plan.md")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    cfg = configs.preset(args.model)
+    cfg = configs.model_shape(args.model)
     dtype = configs.dtype_from_name(args.dtype)
     for context in args.contexts:
         if not 1 <= context <= cfg.max_position_embeddings - args.max_new_tokens:

@@ -75,6 +75,13 @@ CPU_SMALL = {
 # ---------------------------------------------------------------------------- HLO counting
 
 
+def _decode_program() -> str:
+    """The decode loop's sharded program as XLA names it (after its function)."""
+    from jaxkv.generation.decode import decode_loop
+
+    return f"sharded_{decode_loop.fn.__name__}"
+
+
 def parse_hlo(text: str) -> tuple[dict[str, list[str]], str]:
     """(computation name -> its instruction lines, the entry computation's name)."""
     computations: dict[str, list[str]] = {}
@@ -187,7 +194,7 @@ def run_row(args, spec: str, dump_dir: str) -> dict:
     per_device_pages = sharding.to_host(state.pages_in_use())
     ring_per_device = state.ring_bytes // mesh.num_shards
     kv_bytes = [int(p) * state.pool.page_bytes + ring_per_device for p in per_device_pages]
-    decode_files = sorted(Path(dump_dir).glob("*sharded__decode*after_optimizations.txt"))
+    decode_files = sorted(Path(dump_dir).glob(f"*{_decode_program()}*after_optimizations.txt"))
     hlo = decode_files[-1].read_text()
     return {
         "policy": spec,
@@ -222,7 +229,7 @@ def _child_env(args, dump_dir: str) -> dict:
     flags = [
         f"--xla_dump_to={dump_dir}",
         "--xla_dump_hlo_as_text",
-        "--xla_dump_hlo_module_re=.*sharded__decode.*",
+        f"--xla_dump_hlo_module_re=.*{_decode_program()}.*",
     ]
     if args.cpu_devices:
         flags.insert(0, f"--xla_force_host_platform_device_count={args.cpu_devices}")

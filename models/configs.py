@@ -248,8 +248,13 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         max_position_embeddings=4096,
     ),
-    # Shapes only (no weights here): Llama-3.1-8B's config.json, for memory and cost plans
-    # (`jaxkv bench plan`).
+}
+
+
+# Shapes of public models, without weights: for plans from abstract shapes (`jaxkv bench plan`),
+# never `--model` choices of `jaxkv generate` (random weights at these sizes are tens of GB).
+MODEL_SHAPES: dict[str, ModelConfig] = {
+    # Llama-3.1-8B's config.json.
     "llama-3.1-8b": ModelConfig(
         family=Family.LLAMA,
         vocab_size=128256,
@@ -267,6 +272,17 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_ids=(128001, 128008, 128009),
     ),
 }
+
+
+def model_shape(name: str) -> ModelConfig:
+    """The configuration of a preset or of a public model's shapes (MODEL_SHAPES)."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if name not in MODEL_SHAPES:
+        raise KeyError(
+            f"model={name!r}: known shapes are {sorted(MODEL_SHAPES)} and presets {sorted(PRESETS)}"
+        )
+    return MODEL_SHAPES[name]
 
 
 def preset(name: str) -> ModelConfig:

@@ -12,7 +12,7 @@ from jaxkv.benchmarks import plan
 from jaxkv.models import configs, init_model
 from tests.tiny_models import tiny_config
 
-LLAMA_8B = configs.preset("llama-3.1-8b")
+LLAMA_8B = configs.model_shape("llama-3.1-8b")
 # Policies whose request stays within weights + the most KV it holds + 15% on the XLA path,
 # attention-mass ones (h2o, confkv) included; `results/plan/plan.md` has every policy, and
 # docs/design-notes.md why KVzip, Fast KVzip and Quest do not yet.
