@@ -281,6 +281,16 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def render(report_path: Path) -> dict:
+    """quality.md and quality.png beside a saved report, from its rows."""
+    rows = json.loads(report_path.read_text())["rows"]
+    table = markdown_table(rows)
+    (report_path.parent / "quality.md").write_text(table)
+    plot(rows, report_path.parent / "quality.png")
+    print(table)
+    return {"rows": rows}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="jaxkv bench real_quality", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a fetched model")
@@ -291,8 +301,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("results/real-quality"))
+    parser.add_argument(
+        "--render",
+        type=Path,
+        help="write the table and plot of a saved quality.json (this benchmark's or "
+        "kvpress_reference's) beside it, and run nothing",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.render is not None:
+        return render(args.render)
     known = policies.registered()
     for name in args.policies:
         if name not in known:

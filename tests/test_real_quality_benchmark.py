@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -63,3 +64,33 @@ def test_full_cache_answers_the_same_in_both_settings(model_and_tokenizer):
     )
     assert 0.2 < snap["kv_bytes_per_sequence"] / agnostic["kv_bytes_per_sequence"] < 0.35
     assert np.isfinite(snap["leading_digits"])
+
+
+def test_render_writes_the_table_of_a_saved_report(tmp_path):
+    cell = dict(length=2048, samples=16, leading_digits=0.5, exact_interval=[0.1, 0.6])
+    rows = [
+        dict(
+            cell,
+            policy="full",
+            budget=None,
+            task="needle",
+            setting="aware",
+            exact=1.0,
+            kv_bytes_per_sequence=100.0,
+        ),
+        dict(
+            cell,
+            policy="snapkv",
+            budget=0.3,
+            task="needle",
+            setting="aware",
+            exact=0.25,
+            kv_bytes_per_sequence=30.0,
+        ),
+    ]
+    report = tmp_path / "quality.json"
+    report.write_text(json.dumps({"rows": rows}))
+    real_quality.main(["--render", str(report)])
+    table = (tmp_path / "quality.md").read_text()
+    assert "| snapkv | 0.3 | 2048 | aware | 30% | 0.25 [0.10, 0.60] | 0.50 |" in table
+    assert (tmp_path / "quality.png").stat().st_size > 0
