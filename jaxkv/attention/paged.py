@@ -134,6 +134,16 @@ def xla_blocks_read(lengths: jax.Array, entries: int, page_size: int) -> jax.Arr
     return (jnp.max(lengths) + block_tokens - 1) // block_tokens
 
 
+def _blocked_table(page_table: jax.Array, page_size: int) -> tuple[jax.Array, int, int]:
+    """(the table padded with -1 to whole blocks, pages per block, number of blocks) of the
+    XLA path's block-by-block reads."""
+    entries = page_table.shape[-1]
+    block = xla_block_pages(entries, page_size)
+    num_blocks = -(-entries // block)
+    padding = ((0, 0), (0, 0), (0, num_blocks * block - entries))
+    return jnp.pad(page_table, padding, constant_values=-1), block, num_blocks
+
+
 def _xla_paged_attention(
     q, k_pages, v_pages, page_table, lengths, scales, sm_scale, page_mask, return_probs
 ):
@@ -152,11 +162,7 @@ def _xla_paged_attention(
     k_scales, v_scales, k_channel_scales, v_channel_scales = (
         None if scale is None else jnp.asarray(scale) for scale in scales
     )
-    block = xla_block_pages(entries, page_size)
-    num_blocks = -(-entries // block)
-    table = jnp.pad(
-        page_table, ((0, 0), (0, 0), (0, num_blocks * block - entries)), constant_values=-1
-    )
+    table, block, num_blocks = _blocked_table(page_table, page_size)
     block_tokens = block * page_size
     blocks_held = xla_blocks_read(lengths, entries, page_size)
     num_kv = page_table.shape[1]
@@ -221,11 +227,7 @@ def paged_attention_mass(
     k_scales, k_channel_scales = (
         None if scale is None else jnp.asarray(scale) for scale in (k_scales, k_channel_scales)
     )
-    block = xla_block_pages(entries, page_size)
-    num_blocks = -(-entries // block)
-    table = jnp.pad(
-        page_table, ((0, 0), (0, 0), (0, num_blocks * block - entries)), constant_values=-1
-    )
+    table, block, num_blocks = _blocked_table(page_table, page_size)
     block_tokens = block * page_size
     blocks_held = xla_blocks_read(lengths, entries, page_size)
     num_kv = page_table.shape[1]
