@@ -34,7 +34,6 @@ import jax.numpy as jnp
 
 from jaxkv import attention as attention_ops
 from jaxkv.attention import Backend
-from jaxkv.attention.dispatch import uses_kernels
 from jaxkv.cache.int8 import spill_layer
 from jaxkv.cache.ring import promote_and_push
 from jaxkv.cache.state import Int8Tier, LocalRing, PagePool
@@ -81,20 +80,14 @@ def _check_step(policy, pool: PagePool, ring: LocalRing | None, write_scores) ->
         raise ValueError(f"policy {policy.name!r} both accumulates attention and gates writes")
 
 
-def _probs_with_attention(policy, q, backend: Backend) -> bool:
-    """Whether the cached partials return their per-slot probabilities for the attention
-    mass: on the kernels (they come with the attention) and for a single query; a chunk's on
-    "xla" would be [B, N, C, M * p] at once, so its mass is recomputed block by block instead
-    (`attention.paged_attention_mass`)."""
-    return policy.accumulates_attention and (uses_kernels(backend) or q.shape[2] == 1)
-
-
 def _cached_partials(q, pool: PagePool, page_table, held, layer, *, policy, read_budget, step):
     """Partial attentions over the cached pages, then the int8 tier's: [(out, lse[, probs])]."""
     page_mask = None
     if read_budget is not None:
         page_mask = policy.select_pages(q, pool, page_table, held, read_budget)
-    return_probs = _probs_with_attention(policy, q, step["backend"])
+    return_probs = policy.accumulates_attention and attention_ops.probs_come_with_attention(
+        step["backend"], q.shape[2]
+    )
     partials = [
         attention_ops.paged_attention(
             q,

@@ -41,6 +41,7 @@ from jaxkv.attention.paged import (
     gather_pages,
     paged_attention,
     paged_attention_mass,
+    probs_come_with_attention,
     selected_page_table,
 )
 from jaxkv.attention.statistics import attention_mass, chunk_attention_mass, mass_from_probs
@@ -66,6 +67,7 @@ __all__ = [
     "merge_partials",
     "paged_attention",
     "paged_attention_mass",
+    "probs_come_with_attention",
     "resolve_backend",
     "selected_page_table",
     "vertical_slash_chunk_attention",

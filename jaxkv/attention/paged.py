@@ -203,6 +203,14 @@ def _xla_paged_attention(
     return out, lse, probs.reshape(b, n, c, -1)[..., : entries * page_size]
 
 
+def probs_come_with_attention(backend: str, num_queries: int) -> bool:
+    """Whether a chunk's attention mass over the cached pages is best taken from
+    `paged_attention`'s per-slot probabilities: on the kernels (they come with the attention)
+    and for a single query. A chunk's on "xla" would be [B, N, C, M * p] at once, so its mass
+    is recomputed block by block after the attention (`paged_attention_mass`)."""
+    return uses_kernels(backend) or num_queries == 1
+
+
 def paged_attention_mass(
     q: jax.Array,
     k_pages: jax.Array,
