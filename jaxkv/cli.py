@@ -34,36 +34,6 @@ DEFAULT_PROMPT = (
 )
 
 
-def _load(model_arg: str, dtype: str, seed: int):
-    """A checkpoint directory, a .gguf file, a fetched model's name or a built-in preset."""
-    from jaxkv import downloads
-    from jaxkv.models import (
-        byte_tokenizer,
-        gguf_tokenizer,
-        init_model,
-        load_gguf,
-        load_hf_checkpoint,
-        load_tokenizer,
-        preset,
-    )
-    from jaxkv.models.configs import PRESETS, dtype_from_name
-
-    known = model_arg in downloads.KNOWN_MODELS
-    path = downloads.model_path(model_arg) if known else Path(model_arg)
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype=dtype or "float32"), gguf_tokenizer(path)
-    if path.is_dir():
-        model = load_hf_checkpoint(path, dtype=dtype)
-        return model, load_tokenizer(path)  # never the byte-level one in its place
-    if model_arg in PRESETS:
-        model = init_model(preset(model_arg), seed=seed, dtype=dtype_from_name(dtype or "float32"))
-        return model, byte_tokenizer()
-    raise FileNotFoundError(
-        f"--model {model_arg!r}: neither a checkpoint directory, a .gguf file, a known model "
-        f"({', '.join(downloads.KNOWN_MODELS)}) nor a preset ({', '.join(sorted(PRESETS))})"
-    )
-
-
 CLI_OPTIONS = dict(pair_option="--policy-arg", budget_option="--budget")
 
 
@@ -85,41 +55,26 @@ def build_policy(args: argparse.Namespace):
     return policies.get(args.policy, **policy_kwargs(args.policy, args.policy_arg, args.budget))
 
 
-def _shipped_gates(name: str, model_arg: str, load):
+def _shipped_gates(policy, model_arg: str, model_config):
     """The shipped gates of the bundled reference model, with a hint when they do not fit."""
-    path = SHIPPED_GATES[name]
+    path = SHIPPED_GATES[policy.name]
     try:
-        return load(path), str(path)
+        return policy.load_params(path, model_config), str(path)
     except ValueError as error:
         raise ValueError(
-            f"--gates: the shipped {name} gates ({path}) are for the bundled reference model, "
-            f"not --model {model_arg}; give --gates PATH ({error})"
+            f"--gates: the shipped {policy.name} gates ({path}) are for the bundled reference "
+            f"model, not --model {model_arg}; give --gates PATH ({error})"
         ) from None
 
 
-def _load_fastkvzip_gates(path: Path, model_config):
-    from jaxkv.gates import fastkvzip
-
-    if path.is_dir() and (path / "gates.safetensors").exists():
-        path = path / "gates.safetensors"
-    if not path.exists():
-        raise FileNotFoundError(f"--gates {path}: no such file or directory")
-    if path.is_dir():
-        return fastkvzip.load_orbax(path, model_config)
-    return fastkvzip.load_safetensors(path, model_config)
-
-
-def _retrieval_heads(args, policy, model, prompt_ids):
-    """duo_attention's bool [L, K]: a saved .npy, or picked on the prompt itself (the share
-    --retrieval-heads of (layer, KV head) pairs with the most long-range attention mass)."""
+def _retrieval_heads(policy, model, prompt_ids, share: float | None):
+    """duo_attention's bool [L, K] picked on the prompt itself: the share --retrieval-heads of
+    (layer, KV head) pairs with the most long-range attention mass."""
     import jax.numpy as jnp
-    import numpy as np
 
     from jaxkv import policies
 
-    if args.gates is not None:
-        return np.load(args.gates).astype(bool), str(args.gates)
-    share = DEFAULT_RETRIEVAL_HEADS if args.retrieval_heads is None else args.retrieval_heads
+    share = DEFAULT_RETRIEVAL_HEADS if share is None else share
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"--retrieval-heads {share}: give a share in [0, 1]")
     window = min(policy.window, len(prompt_ids) - policy.sinks - 1)
@@ -154,22 +109,15 @@ def refuse_unused_options(args: argparse.Namespace) -> None:
 
 def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]):
     """(policy_params, where they came from): --gates, the shipped gates, or None."""
-    from jaxkv.gates.wgkv import load_write_gates
-
-    name = args.policy
-    if name not in SHIPPED_GATES and name != "duo_attention":
+    if not policy.needs_params:
         if args.gates is not None:
-            raise ValueError(f"--gates: policy {name!r} takes no parameters")
+            raise ValueError(f"--gates: policy {policy.name!r} takes no parameters")
         return None, None
-    if name == "duo_attention":
-        return _retrieval_heads(args, policy, model, prompt_ids)
-    load = {
-        "wgkv": lambda path: load_write_gates(path, model.config),
-        "fastkvzip": lambda path: _load_fastkvzip_gates(Path(path), model.config),
-    }[name]
-    if args.gates is None:
-        return _shipped_gates(name, args.model, load)
-    return load(args.gates), str(args.gates)
+    if args.gates is not None:
+        return policy.load_params(args.gates, model.config), str(args.gates)
+    if policy.name == "duo_attention":
+        return _retrieval_heads(policy, model, prompt_ids, args.retrieval_heads)
+    return _shipped_gates(policy, args.model, model.config)
 
 
 def stop_tokens(tokenizer, config) -> list[int]:
@@ -183,6 +131,7 @@ def _generate(args) -> int:
     import jax
 
     import jaxkv
+    from jaxkv.model_sources import load_model
     from jaxkv.models import encode_chat
 
     refuse_unused_options(args)
@@ -194,7 +143,7 @@ def _generate(args) -> int:
         storage=args.storage,
         **({} if window is None else {"full_precision_window": window}),
     )
-    model, tokenizer = _load(args.model, args.dtype, args.seed)
+    model, tokenizer = load_model(args.model, args.dtype, args.seed)
     policy = policy.for_tokenizer(tokenizer)
     prompt_ids = encode_chat(tokenizer, args.prompt) if args.chat else tokenizer.encode(args.prompt)
     params, params_source = policy_params(args, policy, model, prompt_ids)

@@ -8,6 +8,7 @@ the `tokenizers` library itself, so that it saves to a `tokenizer.json` that Hug
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 
@@ -67,6 +68,35 @@ def byte_tokenizer() -> Tokenizer:
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(BYTE_SPECIAL_TOKENS))
     return Tokenizer(backend=backend, bos_id=256, eos_id=257, pad_id=258)
+
+
+@functools.cache
+def _byte_vocabulary() -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(byte_tokenizer().backend.get_vocab(with_added_tokens=True).items()))
+
+
+def is_byte_tokenizer(tokenizer: Tokenizer) -> bool:
+    """Whether `tokenizer` has `byte_tokenizer()`'s vocabulary (ids 0-255 are the bytes)."""
+    vocabulary = tokenizer.backend.get_vocab(with_added_tokens=True)
+    return tuple(sorted(vocabulary.items())) == _byte_vocabulary()
+
+
+def token_ids_of_bytes(tokenizer: Tokenizer, data: bytes) -> list[int]:
+    """The ids of raw text bytes, no bos: the bytes themselves for the byte-level tokenizer (so a
+    multi-byte character cut at either end stays exact), else the ids of the UTF-8 text with a
+    cut character dropped."""
+    if is_byte_tokenizer(tokenizer):
+        return list(data)
+    return tokenizer.encode(data.decode("utf-8", errors="ignore"), add_bos=False)
+
+
+def max_token_bytes(tokenizer: Tokenizer) -> int:
+    """An upper bound on the bytes of text one token covers (1 for the byte-level tokenizer),
+    so that `n * max_token_bytes` bytes of text hold at least `n` tokens."""
+    if is_byte_tokenizer(tokenizer):
+        return 1
+    vocabulary = tokenizer.backend.get_vocab(with_added_tokens=False)
+    return max(len(token.encode("utf-8")) for token in vocabulary)
 
 
 def bytes_to_unicode() -> dict[int, str]:

@@ -8,14 +8,17 @@ import numpy as np
 import pytest
 
 from jaxkv.gates import fastkvzip as gate
-from jaxkv.models import init_model
+from jaxkv.models import byte_tokenizer, init_model
 from jaxkv.models.configs import Family
+from jaxkv.policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import fastkvzip as training
 from jaxkv.train import trainer
 from tests.test_fastkvzip_gate import numpy_scores
 from tests.tiny_models import tiny_config
 
+BYTES = byte_tokenizer()
+REPEAT_IDS, CONTINUE_IDS = tuple(REPEAT_PROMPT.encode()), tuple(CONTINUE_PROMPT.encode())
 CONFIG = tiny_config(
     Family.LLAMA, hidden_size=32, intermediate_size=64, head_dim=8, max_position_embeddings=512
 )
@@ -67,24 +70,25 @@ def test_contexts_are_general_text_by_default():
     """By default every context is a verbatim stretch of the train split (as the paper trains
     on general text); with episode_fraction=1 none is."""
     train_bytes = corpus_lib.load_corpus("train").data.tobytes()
-    general = training.contexts("train", 4, 600, seed=1)
-    episodes = training.contexts("train", 4, 600, seed=1, episode_fraction=1.0)
+    general = training.contexts("train", 4, 600, 1, BYTES)
+    episodes = training.contexts("train", 4, 600, 1, BYTES, episode_fraction=1.0)
     for context in general:
-        assert context[0] == training.BOS and len(context) == 600
+        assert context[0] == BYTES.bos_id and len(context) == 600
         assert bytes(context[1:]) in train_bytes
     assert not any(bytes(context[1:]) in train_bytes for context in episodes)
 
 
 def test_contexts_refuse_a_fraction_outside_0_1():
     with pytest.raises(ValueError, match=r"episode_fraction=1.5 must lie in \[0, 1\]"):
-        training.contexts("train", 1, 64, seed=1, episode_fraction=1.5)
+        training.contexts("train", 1, 64, 1, BYTES, episode_fraction=1.5)
 
 
 def test_targets_carry_their_provenance_and_training_needs_it(tmp_path, monkeypatch):
     """`build_targets` writes how it built the file; the training summary copies that, and a
     targets file without it is refused by name."""
 
-    def fake_inputs_and_targets(model, batch, chunk):
+    def fake_inputs_and_targets(model, batch, chunk, *, repeat_ids, continue_ids):
+        assert (repeat_ids, continue_ids) == (REPEAT_IDS, CONTINUE_IDS)
         n = len(batch) * len(batch[0])
         return np.zeros((n, 2, 32), np.float16), np.full((n, 2, 2), 0.5, np.float32)
 
@@ -92,6 +96,7 @@ def test_targets_carry_their_provenance_and_training_needs_it(tmp_path, monkeypa
     path = tmp_path / "targets.npz"
     training.build_targets(
         None,
+        BYTES,
         path,
         count=2,
         validation=1,
@@ -107,7 +112,7 @@ def test_targets_carry_their_provenance_and_training_needs_it(tmp_path, monkeypa
     assert provenance["length"] == 512
 
     model = init_model(CONFIG, seed=0, scale=0.3)
-    monkeypatch.setattr(training, "load_hf_checkpoint", lambda *args, **kwargs: model)
+    monkeypatch.setattr(training, "load_model", lambda *args, **kwargs: (model, BYTES))
     argv = ["--targets", str(path), "--steps", "2", "--warmup", "1", "--batch-tokens", "16"]
     summary = training.main(argv)
     assert summary["targets"] == provenance

@@ -44,12 +44,21 @@ def _setup():
 
 
 def _train(mesh) -> dict[str, np.ndarray]:
+    from jaxkv.models import byte_tokenizer
     from jaxkv.train import wgkv
     from tests.test_wgkv_training import CONFIG
 
     model, spec, config, corpus = _setup()
     gates, state, logged = wgkv.train_gates(
-        model.params, CONFIG, spec, config, corpus, seed=0, mesh=mesh, progress=False
+        model.params,
+        CONFIG,
+        spec,
+        config,
+        corpus,
+        byte_tokenizer(),
+        seed=0,
+        mesh=mesh,
+        progress=False,
     )
     assert int(state.step) == STEPS
     out = {f"gates_{name}": np.asarray(value) for name, value in gates.items()}

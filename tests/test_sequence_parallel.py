@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.gates import wgkv as gates_lib
-from jaxkv.models import init_model
+from jaxkv.models import byte_tokenizer, init_model
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import fastkvzip, wgkv
 from jaxkv.train import mesh as mesh_lib
@@ -55,7 +55,7 @@ def _assert_trees_close(got, expected):
 @pytest.mark.parametrize(("sizes", "rows"), MESHES, ids=["seq8", "data2_seq4"])
 def test_wgkv_loss_and_gradients_split_over_tokens_equal_one_device(sizes, rows):
     spec = wgkv.GateTraining(band=32, seq_len=SEQ_LEN, batch_size=rows, episode_fraction=0.0)
-    batch = wgkv.make_batch(corpus_lib.load_corpus("train"), spec, 0, 0)
+    batch = wgkv.make_batch(corpus_lib.load_corpus("train"), spec, 0, 0, byte_tokenizer())
     params = _gate_params()
     one = _compiled_loss_and_grad(wgkv.make_loss(CONFIG, spec), params, batch)
     (loss, metrics), grads = one(params, batch)
@@ -90,7 +90,7 @@ def test_wgkv_training_on_a_seq_mesh_equals_one_device():
     for name, sizes in (("one", {"data": 1}), ("seq", {"seq": 8})):
         mesh = mesh_lib.mesh_from_sizes(sizes)
         runs[name] = wgkv.train_gates(
-            model.params, CONFIG, spec, config, corpus, mesh=mesh, progress=False
+            model.params, CONFIG, spec, config, corpus, byte_tokenizer(), mesh=mesh, progress=False
         )
     (gates, _, logged), (seq_gates, _, seq_logged) = runs["one"], runs["seq"]
     assert len(logged) == 2
@@ -141,6 +141,7 @@ def test_sequence_not_dividing_the_seq_axis_is_named_before_compiling(caplog):
             spec,
             wgkv.gate_train_config(1),
             corpus_lib.load_corpus("train"),
+            byte_tokenizer(),
             mesh=mesh_lib.mesh_from_sizes({"data": 2, "seq": 4}),
             progress=False,
         )

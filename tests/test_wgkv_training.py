@@ -10,7 +10,7 @@ import pytest
 
 from jaxkv import cli
 from jaxkv.gates import wgkv as gates_lib
-from jaxkv.models import ModelConfig, init_model
+from jaxkv.models import ModelConfig, byte_tokenizer, init_model
 from jaxkv.models.configs import Family
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import trainer, wgkv
@@ -168,19 +168,23 @@ def train_text():
     return corpus_lib.load_corpus("train")
 
 
+BYTES = byte_tokenizer()
 SPEC = wgkv.GateTraining(
     band=64, sparsity_weight=0.04, seq_len=512, batch_size=2, episode_fraction=0.5
 )
 
 
 def test_batches_are_prefixed_text_and_episodes(train_text):
-    batch = wgkv.make_batch(train_text, SPEC, seed=0, step=3)
-    again = wgkv.make_batch(train_text, SPEC, seed=0, step=3)
+    batch = wgkv.make_batch(train_text, SPEC, seed=0, step=3, tokenizer=BYTES)
+    again = wgkv.make_batch(train_text, SPEC, seed=0, step=3, tokenizer=BYTES)
     np.testing.assert_array_equal(batch["tokens"], again["tokens"])
-    rows = [wgkv.make_batch(train_text, SPEC, seed=0, step=s)["tokens"] for s in range(6)]
+    rows = [
+        wgkv.make_batch(train_text, SPEC, seed=0, step=s, tokenizer=BYTES)["tokens"]
+        for s in range(6)
+    ]
     rows = np.concatenate(rows)
     assert rows.shape == (12, 512) and np.all(rows[:, 0] == wgkv.BOS)
-    prefix = np.frombuffer(wgkv.PROMPT_PREFIX, np.uint8)
+    prefix = np.frombuffer(wgkv.PROMPT_PREFIX.encode(), np.uint8)
     prefixed = [np.array_equal(row[1 : 1 + len(prefix)], prefix) for row in rows]
     episodes = [wgkv.EOS in row for row in rows]
     assert any(prefixed) and any(episodes)
@@ -192,7 +196,7 @@ def test_a_few_steps_lower_the_loss_and_resume_equals_uninterrupted(model, train
     mesh = trainer.make_mesh(jax.devices()[:2])
     run = dict(seed=0, mesh=mesh, progress=False)
     gates, state, logged = wgkv.train_gates(
-        model.params, CONFIG, SPEC, cfg, train_text, work_dir=tmp_path / "a", **run
+        model.params, CONFIG, SPEC, cfg, train_text, BYTES, work_dir=tmp_path / "a", **run
     )
     assert int(state.step) == 6 and len(logged) == 6
     np.testing.assert_array_equal(  # the backbone is frozen
@@ -200,7 +204,7 @@ def test_a_few_steps_lower_the_loss_and_resume_equals_uninterrupted(model, train
     )
     loss_fn = jax.jit(wgkv.make_loss(CONFIG, SPEC))
     fresh = gates_lib.init_write_gates(CONFIG, jax.random.PRNGKey(0))
-    batches = [wgkv.make_batch(train_text, SPEC, seed=0, step=s) for s in range(6)]
+    batches = [wgkv.make_batch(train_text, SPEC, seed=0, step=s, tokenizer=BYTES) for s in range(6)]
 
     def mean_loss(gp):
         params = {"gates": gp, "backbone": model.params}
@@ -209,10 +213,18 @@ def test_a_few_steps_lower_the_loss_and_resume_equals_uninterrupted(model, train
     assert mean_loss(gates) < 0.95 * mean_loss(fresh)
 
     wgkv.train_gates(
-        model.params, CONFIG, SPEC, cfg, train_text, work_dir=tmp_path / "b", stop_after=3, **run
+        model.params,
+        CONFIG,
+        SPEC,
+        cfg,
+        train_text,
+        BYTES,
+        work_dir=tmp_path / "b",
+        stop_after=3,
+        **run,
     )
     resumed, state, _ = wgkv.train_gates(
-        model.params, CONFIG, SPEC, cfg, train_text, work_dir=tmp_path / "b", **run
+        model.params, CONFIG, SPEC, cfg, train_text, BYTES, work_dir=tmp_path / "b", **run
     )
     assert int(state.step) == 6
     for name in gates:

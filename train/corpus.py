@@ -15,6 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxkv.models.tokenizer import (
+    Tokenizer,
+    is_byte_tokenizer,
+    max_token_bytes,
+    token_ids_of_bytes,
+)
+
 SPLITS = ("train", "heldout")
 HELDOUT_PERCENT = 10
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
@@ -62,6 +69,17 @@ class Corpus:
         if newline.size and start + newline[0] + 1 + length <= len(self.data):
             start += int(newline[0]) + 1
         return self.data[start : start + length].tobytes()
+
+    def token_ids(self, rng: np.random.Generator, tokenizer: Tokenizer, count: int) -> np.ndarray:
+        """int32 [count] ids of text from a random line start, in `tokenizer`'s vocabulary: the
+        byte-level tokenizer's are `text`'s bytes; for another, enough bytes that `count` tokens
+        surely fit (`max_token_bytes`) are encoded and the first `count` kept."""
+        byte_level = is_byte_tokenizer(tokenizer)
+        needed = count if byte_level else (count + 1) * max_token_bytes(tokenizer)
+        ids = token_ids_of_bytes(tokenizer, self.text(rng, needed))
+        if len(ids) < count:
+            raise ValueError(f"{needed} bytes of {self.split} text gave {len(ids)} < {count} ids")
+        return np.asarray(ids[:count], np.int32)
 
 
 def load_corpus(split: str, root: Path | None = None) -> Corpus:

@@ -5,11 +5,12 @@ arXiv:2601.17668; KVzip: "KVzip: Query-Agnostic KV Cache Compression with Contex
 Reconstruction", arXiv:2505.23416 (docs/fastkvzip.md).
 
 1. Targets (`--targets PATH`, built when PATH does not exist): contexts of `--length` tokens
-   (plain text of the corpus's train split, `<bos>` first; `--episode-fraction` of them
-   retrieval episodes with training seeds, none by default: the paper trains on general text)
-   are prefilled; KVzip's reconstruction (`jaxkv.policies.kvzip`) gives every
-   KV pair its target; each token's attention input per layer is stored with it. Validation
-   contexts come from the held-out split. Saved as one .npz.
+   in the model's own ids (plain text of the corpus's train split after `<bos>`, or after a
+   chat model's user-turn header; `--episode-fraction` of them retrieval episodes with training
+   seeds, byte-level models only, none by default: the paper trains on general text) are
+   prefilled; KVzip's reconstruction (`jaxkv.policies.kvzip`, its repeat prompt in the model's
+   chat format) gives every KV pair its target; each token's attention input per layer is
+   stored with it. Validation contexts come from the held-out split. Saved as one .npz.
 2. Training: the gate is a per-token function of the attention input, so a batch is a random
    set of tokens; every layer's gate trains on its own BCE (the loss is their sum: the layers'
    parameters and gradients are disjoint). SGD with momentum 0.9 at the paper's lr 0.2, a
@@ -38,7 +39,8 @@ import jaxkv
 from jaxkv import attention as attention_ops
 from jaxkv import bundled, tasks
 from jaxkv.gates import fastkvzip as gate
-from jaxkv.models import Model, load_hf_checkpoint
+from jaxkv.model_sources import load_model, model_file_sha256
+from jaxkv.models import Model, Tokenizer
 from jaxkv.models.decoder import (
     attention_input,
     attention_inputs,
@@ -47,18 +49,17 @@ from jaxkv.models.decoder import (
     scan_layers,
 )
 from jaxkv.models.layers import rope_cos_sin
+from jaxkv.models.tokenizer import is_byte_tokenizer
 from jaxkv.policies.kvzip import (
-    CONTINUE_PROMPT,
     DEFAULT_REPLAY_CHUNK,
-    REPEAT_PROMPT,
-    byte_ids,
+    context_prefix_ids,
     reconstruction_scores,
+    repeat_prompt_ids,
 )
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import mesh as mesh_lib
 from jaxkv.train import trainer
 
-BOS = 256
 TRAIN_SEED, VALIDATION_SEED = 1, 2
 
 
@@ -78,22 +79,34 @@ def layer_inputs(model: Model, tokens: jax.Array) -> jax.Array:
 
 
 def contexts(
-    split: str, count: int, length: int, seed: int, episode_fraction: float = 0.0
+    split: str,
+    count: int,
+    length: int,
+    seed: int,
+    tokenizer: Tokenizer,
+    episode_fraction: float = 0.0,
 ) -> list[list[int]]:
-    """`count` contexts of `length` tokens, `<bos>` first: plain text, or with probability
-    `episode_fraction` a retrieval episode."""
+    """`count` contexts of `length` tokens in `tokenizer`'s ids: what precedes a context
+    (`kvzip.context_prefix_ids`: the bos, or a chat model's user turn) and corpus text; with
+    probability `episode_fraction` a retrieval episode instead (byte-level models only)."""
     if not 0 <= episode_fraction <= 1:
         raise ValueError(f"episode_fraction={episode_fraction} must lie in [0, 1]")
+    if episode_fraction > 0 and not is_byte_tokenizer(tokenizer):
+        raise ValueError(
+            f"episode_fraction={episode_fraction}: retrieval episodes are byte-level (the "
+            "reference model's); build other models' targets from text (episode_fraction=0)"
+        )
+    prefix = list(context_prefix_ids(tokenizer))
     corpus = corpus_lib.load_corpus(split)
     rng = np.random.default_rng([seed, length])
     out = []
     for _ in range(count):
         if rng.random() < episode_fraction:
             kind = tasks.KINDS[int(rng.integers(len(tasks.KINDS)))]
-            text = tasks.make_episode(kind, corpus, rng, length - 1).prompt
+            text = tasks.make_episode(kind, corpus, rng, length - len(prefix)).prompt
+            out.append([*prefix, *text[: length - len(prefix)]])
         else:
-            text = corpus.text(rng, length - 1)
-        out.append([BOS, *text[: length - 1]])
+            out.append([*prefix, *corpus.token_ids(rng, tokenizer, length - len(prefix)).tolist()])
     return out
 
 
@@ -110,8 +123,8 @@ def inputs_and_targets(
     model: Model,
     batch: list[list[int]],
     chunk: int,
-    repeat_ids: tuple[int, ...] = byte_ids(REPEAT_PROMPT),
-    continue_ids: tuple[int, ...] = byte_ids(CONTINUE_PROMPT),
+    repeat_ids: tuple[int, ...],
+    continue_ids: tuple[int, ...],
 ):
     """h f16 [B * T, L, D] and targets f32 [B * T, L, K] for equal-length contexts."""
     tokens = jnp.asarray(batch, jnp.int32)
@@ -129,6 +142,7 @@ def inputs_and_targets(
 
 def build_targets(
     model,
+    tokenizer: Tokenizer,
     path: Path,
     *,
     count,
@@ -142,15 +156,16 @@ def build_targets(
     """Writes train and validation inputs/targets to `path` (.npz, with a JSON `provenance`
     entry saying how they were built, which training summaries copy)."""
     arrays = {}
+    prompts = repeat_prompt_ids(tokenizer)
     for split, n, seed, name in (
         ("train", count, TRAIN_SEED, "train"),
         ("heldout", validation, VALIDATION_SEED, "validation"),
     ):
-        all_contexts = contexts(split, n, length, seed, episode_fraction)
+        all_contexts = contexts(split, n, length, seed, tokenizer, episode_fraction)
         hs, ts = [], []
         for start in range(0, n, batch):
             began = time.perf_counter()
-            h, t = inputs_and_targets(model, all_contexts[start : start + batch], chunk)
+            h, t = inputs_and_targets(model, all_contexts[start : start + batch], chunk, **prompts)
             hs.append(h)
             ts.append(t)
             seconds = time.perf_counter() - began
@@ -207,7 +222,11 @@ def sgd_optimizer(steps: int, learning_rate: float, warmup: int):
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="jaxkv train fastkvzip", description=__doc__)
-    parser.add_argument("--model", default=str(bundled.REFERENCE_MODEL))
+    parser.add_argument(
+        "--model",
+        default=str(bundled.REFERENCE_MODEL),
+        help="a checkpoint directory, a .gguf file or a fetched model's name (jaxkv fetch)",
+    )
     parser.add_argument("--targets", required=True, help=".npz of inputs/targets (built if absent)")
     parser.add_argument("--contexts", type=int, default=48, help="training contexts")
     parser.add_argument("--validation-contexts", type=int, default=8)
@@ -230,11 +249,12 @@ def main(argv=None) -> dict:
     # Rows are tokens (the gate is per token): a seq axis splits them like the batch axes.
     mesh = mesh_lib.cli_mesh(args.mesh, args.batch_tokens, "--batch-tokens", sequence_dim=0)
 
-    model = load_hf_checkpoint(args.model, dtype="float32")
+    model, tokenizer = load_model(args.model, dtype="float32")
     targets_path = Path(args.targets)
     if not targets_path.exists():
         build_targets(
             model,
+            tokenizer,
             targets_path,
             count=args.contexts,
             validation=args.validation_contexts,
@@ -305,6 +325,8 @@ def main(argv=None) -> dict:
     params = trainer.gather_to_host(state.params)
     summary = {
         "command": "jaxkv train fastkvzip " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": args.model,
+        "model_file_sha256": model_file_sha256(args.model),
         "targets": provenance,
         "optimizer": args.optimizer,
         "learning_rate": lr,

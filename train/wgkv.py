@@ -39,7 +39,8 @@ from jaxkv import attention as attention_ops
 from jaxkv import bundled, tasks
 from jaxkv.attention.dispatch import uses_kernels
 from jaxkv.gates import wgkv as gates_lib
-from jaxkv.models import ModelConfig, load_hf_checkpoint
+from jaxkv.model_sources import load_model, model_file_sha256
+from jaxkv.models import ModelConfig, Tokenizer
 from jaxkv.models import layers as model_layers
 from jaxkv.models.decoder import (
     attention_input,
@@ -50,11 +51,12 @@ from jaxkv.models.decoder import (
     project_unrotated_keys_values,
     scan_layers,
 )
+from jaxkv.models.tokenizer import is_byte_tokenizer
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import mesh as mesh_lib
 from jaxkv.train import pretrain, trainer
 
-PROMPT_PREFIX = b"Please analyze and summarize the following text:\n\n"
+PROMPT_PREFIX = "Please analyze and summarize the following text:\n\n"
 BOS, EOS, PAD = pretrain.BOS, pretrain.EOS, pretrain.PAD
 ADMIT_THRESHOLD = 0.1  # tau: the inference policy admits tokens with g > tau
 MIN_EPISODE_SEQ_LEN = 512  # room for a multikey episode's five facts and question
@@ -216,26 +218,35 @@ def make_loss(
     return loss_fn
 
 
-def encode_row(rng: np.random.Generator, corpus, spec: GateTraining) -> np.ndarray:
-    """One row of int32 [seq_len] tokens: an episode `<bos> prompt answer <eos>` (padded) or
-    `<bos> PROMPT_PREFIX text`."""
+def encode_row(
+    rng: np.random.Generator, corpus, spec: GateTraining, tokenizer: Tokenizer
+) -> tuple[np.ndarray, int]:
+    """One row: int32 [seq_len] tokens and how many of them are real (the rest padding).
+
+    Text rows are `PROMPT_PREFIX` (after the tokenizer's bos, if it adds one) and corpus text in
+    the model's own ids; episode rows (`<bos> prompt answer <eos>`, padded) are byte-level.
+    """
     if rng.random() < spec.episode_fraction:
         kind = str(rng.choice(pretrain.EPISODE_KINDS, p=pretrain.EPISODE_WEIGHTS))
         kwargs = {"num_keys": int(rng.integers(2, 6))} if kind == "multikey" else {}
         prompt_length = spec.seq_len - tasks.MAX_ANSWER_BYTES - 2
         episode = tasks.make_episode(kind, corpus, rng, prompt_length, **kwargs)
         tokens, _, _ = pretrain.encode_row(episode, None, spec.seq_len - 1)
-        return tokens
-    text = PROMPT_PREFIX + corpus.text(rng, spec.seq_len - 1 - len(PROMPT_PREFIX))
-    tokens, _, _ = pretrain.encode_row(None, text, spec.seq_len - 1)
-    return tokens
+        return tokens, int(np.sum(tokens != PAD))
+    prefix = tokenizer.encode(PROMPT_PREFIX)
+    body = corpus.token_ids(rng, tokenizer, spec.seq_len - len(prefix))
+    return np.concatenate([np.asarray(prefix, np.int32), body]), spec.seq_len
 
 
-def make_batch(corpus, spec: GateTraining, seed: int, step: int) -> dict[str, np.ndarray]:
+def make_batch(
+    corpus, spec: GateTraining, seed: int, step: int, tokenizer: Tokenizer
+) -> dict[str, np.ndarray]:
     """The batch of `step`: tokens int32 [B, T], valid bool [B, T] (False on padding)."""
     rng = np.random.default_rng([seed, step])
-    tokens = np.stack([encode_row(rng, corpus, spec) for _ in range(spec.batch_size)])
-    return {"tokens": tokens, "valid": tokens != PAD}
+    rows = [encode_row(rng, corpus, spec, tokenizer) for _ in range(spec.batch_size)]
+    tokens = np.stack([row for row, _ in rows])
+    lengths = np.asarray([length for _, length in rows])
+    return {"tokens": tokens, "valid": np.arange(spec.seq_len) < lengths[:, None]}
 
 
 def gate_decay_mask(gates) -> dict[str, bool]:
@@ -243,11 +254,17 @@ def gate_decay_mask(gates) -> dict[str, bool]:
     return {name: name in ("w1", "w2") for name in gates}
 
 
-def check_model(cfg: ModelConfig) -> None:
-    if cfg.vocab_size <= PAD:
+def check_model(cfg: ModelConfig, spec: GateTraining, tokenizer: Tokenizer) -> None:
+    """ValueError when the rows' ids would not fit the model."""
+    if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(
-            f"vocab_size={cfg.vocab_size}: gate training feeds the byte tokenizer's ids "
-            f"(up to {PAD}), the model needs vocab_size > {PAD}"
+            f"the tokenizer's {tokenizer.vocab_size} ids exceed the model's vocab_size="
+            f"{cfg.vocab_size}: give the model's own tokenizer"
+        )
+    if spec.episode_fraction > 0 and not is_byte_tokenizer(tokenizer):
+        raise ValueError(
+            f"episode_fraction={spec.episode_fraction}: retrieval episodes are byte-level "
+            "(the reference model's); train other models on text (episode_fraction=0)"
         )
 
 
@@ -257,6 +274,7 @@ def train_gates(
     spec: GateTraining,
     train_config: trainer.TrainConfig,
     corpus,
+    tokenizer: Tokenizer,
     *,
     seed: int = 0,
     expand: float | None = None,
@@ -267,11 +285,12 @@ def train_gates(
     stop_after: int | None = None,
     progress: bool = True,
 ):
-    """Trains fresh gates (seeded) on `corpus`; returns (gates, trainer state, logged metrics).
+    """Trains fresh gates (seeded) on `corpus` in `tokenizer`'s ids; returns (gates, trainer
+    state, logged metrics).
 
     With `work_dir`, checkpoints (resumed from) and metrics.jsonl live there.
     """
-    check_model(cfg)
+    check_model(cfg, spec, tokenizer)
     gates = gates_lib.init_write_gates(cfg, jax.random.PRNGKey(seed), expand=expand)
     # The trainer donates its state: train a copy so that the caller's backbone stays alive.
     params = {"gates": gates, "backbone": jax.tree.map(jnp.array, backbone)}
@@ -288,7 +307,9 @@ def train_gates(
         make_loss(cfg, spec, backend=backend, remat=remat, mesh=mesh),
         params,
         # Every process builds the step's global batch and feeds its own rows (and tokens).
-        lambda step: mesh_lib.process_share(make_batch(corpus, spec, seed, step), mesh, 1),
+        lambda step: mesh_lib.process_share(
+            make_batch(corpus, spec, seed, step, tokenizer), mesh, 1
+        ),
         train_config,
         mesh=mesh,
         trainable=trainable,
@@ -308,6 +329,7 @@ def evaluate_gates(
     gates,
     spec: GateTraining,
     corpus,
+    tokenizer: Tokenizer,
     *,
     seed: int,
     rows: int = 8,
@@ -319,8 +341,9 @@ def evaluate_gates(
     totals: dict[str, float] = {}
     rng = np.random.default_rng([seed, 1 << 20])
     for _ in range(rows):
-        tokens = encode_row(rng, corpus, spec)[None]
-        _, metrics = loss_fn(params, {"tokens": tokens, "valid": tokens != PAD})
+        tokens, length = encode_row(rng, corpus, spec, tokenizer)
+        valid = np.arange(spec.seq_len) < length
+        _, metrics = loss_fn(params, {"tokens": tokens[None], "valid": valid[None]})
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + float(value) / rows
     return totals
@@ -342,7 +365,11 @@ def gate_train_config(steps: int, learning_rate: float = 1e-3, **overrides) -> t
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="jaxkv train wgkv", description=__doc__)
-    parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
+    parser.add_argument(
+        "--model",
+        default=str(bundled.REFERENCE_MODEL),
+        help="a checkpoint directory, a .gguf file or a fetched model's name (jaxkv fetch)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for gates + run.json")
     parser.add_argument("--sparsity-weight", type=float, default=0.04, help="lambda")
     parser.add_argument("--band", type=int, default=256)
@@ -374,7 +401,7 @@ def main(argv=None) -> dict:
         args.steps, args.learning_rate, checkpoint_every=args.checkpoint_every
     )
     mesh = mesh_lib.cli_mesh(args.mesh, spec.batch_size, sequence_dim=1, seq_len=spec.seq_len)
-    model = load_hf_checkpoint(args.model, dtype="float32")
+    model, tokenizer = load_model(args.model, dtype="float32")
     work_dir = args.work_dir or args.out / "run"
     started = time.perf_counter()
     gates, state, logged = train_gates(
@@ -383,6 +410,7 @@ def main(argv=None) -> dict:
         spec,
         config,
         corpus_lib.load_corpus("train"),
+        tokenizer,
         seed=args.seed,
         expand=args.expand,
         backend=args.backend,
@@ -395,6 +423,7 @@ def main(argv=None) -> dict:
     summary = {
         "command": "jaxkv train wgkv " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": str(args.model),
+        "model_file_sha256": model_file_sha256(args.model),
         "seed": args.seed,
         "spec": dataclasses.asdict(spec),
         "steps_done": int(state.step),
@@ -412,6 +441,7 @@ def main(argv=None) -> dict:
             gates,
             spec,
             corpus_lib.load_corpus("heldout"),
+            tokenizer,
             seed=args.seed,
             rows=args.eval_rows,
             backend=args.backend,

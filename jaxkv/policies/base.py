@@ -30,6 +30,7 @@ a policy implements only the groups it varies on. The whole protocol, by the pha
             static()               the policy without per-request values: what jit sees
             decides_across_heads   flag: one budget shared by heads (pool sizing on a mesh)
   params    needs_params           flag: runs only with `policy_params` (learned gates)
+            init_params / load_params  fresh ones / saved ones read from a path
             check_params(...)      validate the parameters against the model
             param_axes(...)        their logical axes, to shard them with their KV heads
 
@@ -41,6 +42,7 @@ its budget stripped (`static()`), so changing the budget does not recompile.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, ClassVar, TypeAlias
 
 import flax.struct
@@ -382,6 +384,12 @@ class Policy:
         None for a policy without parameters. Benchmarks plan with their shapes."""
         del model_config, key
         return None
+
+    def load_params(self, path: str | Path, model_config: ModelConfig) -> PolicyParams:
+        """Saved `policy_params` (trained gates, chosen heads) read from `path` and checked
+        against the model; a policy without parameters refuses."""
+        del model_config
+        raise ValueError(f"policy {self.name!r} takes no policy_params (given {path})")
 
     def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
         """Validates `policy_params` against the model on the host; raises ValueError.

@@ -91,6 +91,9 @@ class Composed(base.Policy):
     def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
         self.admission.check_params(params, model_config)
 
+    def load_params(self, path, model_config: ModelConfig) -> PolicyParams:
+        return self.admission.load_params(path, model_config)
+
     def param_axes(self, params: PolicyParams | None) -> PolicyParams | None:
         return self.admission.param_axes(params)
 

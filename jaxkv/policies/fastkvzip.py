@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import ClassVar
 
 import jax.numpy as jnp
@@ -152,6 +153,18 @@ class FastKVzip(Policy):
 
     def init_params(self, model_config, key):
         return gate.init_params(model_config, key)
+
+    def load_params(self, path, model_config):
+        """`path`: a gates .safetensors file, a directory holding `gates.safetensors`, or an
+        orbax checkpoint directory."""
+        path = Path(path)
+        if path.is_dir() and (path / "gates.safetensors").exists():
+            path = path / "gates.safetensors"
+        if not path.exists():
+            raise FileNotFoundError(f"no Fast KVzip gates at {path}")
+        if path.is_dir():
+            return gate.load_orbax(path, model_config)
+        return gate.load_safetensors(path, model_config)
 
     def check_params(self, params, model_config) -> None:
         if params is None:

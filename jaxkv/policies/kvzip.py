@@ -66,6 +66,16 @@ def _turn_after_context(tokenizer, request: str) -> str:
     return text[text.index(_CONTEXT_MARK) + len(_CONTEXT_MARK) :]
 
 
+def context_prefix_ids(tokenizer) -> tuple[int, ...]:
+    """The ids before a context that `repeat_prompt_ids`' prompts follow: a chat model's
+    template up to a user message's content (the template writes any bos itself), else the
+    tokenizer's bos rule alone."""
+    if tokenizer.chat_template is None:
+        return tuple(tokenizer.encode(""))
+    text = render_chat(tokenizer, [{"role": "user", "content": _CONTEXT_MARK}])
+    return tuple(tokenizer.encode(text[: text.index(_CONTEXT_MARK)], add_bos=False))
+
+
 def repeat_prompt_ids(tokenizer) -> dict[str, tuple[int, ...]]:
     """KVzip's repeat prompts in a model's own ids: {"repeat_ids", "continue_ids"}.
 

@@ -25,6 +25,7 @@ from jaxkv.gates.wgkv import (
     PARAM_AXES,
     check_write_gates,
     init_write_gates,
+    load_write_gates,
     write_gate_values,
 )
 from jaxkv.policies import base
@@ -104,6 +105,9 @@ class WGKV(RingAdmission):
     def init_params(self, model_config, key):
         return init_write_gates(model_config, key)
 
+    def load_params(self, path, model_config):
+        return load_write_gates(path, model_config)
+
     def check_params(self, params, model_config) -> None:
         if params is None:
             raise ValueError(
@@ -168,6 +172,12 @@ class DuoAttention(RingAdmission):
         """No retrieval heads (`retrieval_heads` chooses them from a calibration score)."""
         del key
         return jnp.zeros((model_config.num_layers, model_config.num_kv_heads), bool)
+
+    def load_params(self, path, model_config):
+        """A saved bool [L, K] array (.npy)."""
+        heads = np.load(path)
+        self.check_params(heads, model_config)
+        return heads
 
     def check_params(self, params, model_config) -> None:
         expected = (model_config.num_layers, model_config.num_kv_heads)

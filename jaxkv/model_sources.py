@@ -1,0 +1,60 @@
+"""What a `--model` argument names, loaded with its tokenizer.
+
+One resolver for the CLI, training and benchmarks: a checkpoint directory (Hugging Face layout,
+its own tokenizer.json), a .gguf file, a model fetched by name (`jaxkv fetch NAME`) or a built-in
+preset (random weights, the byte-level tokenizer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxkv import downloads
+from jaxkv.models import (
+    Model,
+    Tokenizer,
+    byte_tokenizer,
+    gguf_tokenizer,
+    init_model,
+    load_gguf,
+    load_hf_checkpoint,
+    load_tokenizer,
+    preset,
+)
+from jaxkv.models.configs import PRESETS, dtype_from_name
+
+
+def model_path(model_arg: str | Path) -> Path:
+    """The file or directory `model_arg` names (a fetched model's name resolves to its file)."""
+    model_arg = str(model_arg)
+    return (
+        downloads.model_path(model_arg) if model_arg in downloads.KNOWN_MODELS else Path(model_arg)
+    )
+
+
+def load_model(
+    model_arg: str | Path, dtype: str | None = None, seed: int = 0
+) -> tuple[Model, Tokenizer]:
+    """(model, tokenizer) of a checkpoint directory, a .gguf file, a fetched model's name or a
+    preset. dtype: the parameters' (default: the checkpoint's own; GGUF and presets: float32)."""
+    path = model_path(model_arg)
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path, dtype=dtype or "float32"), gguf_tokenizer(path)
+    if path.is_dir():
+        model = load_hf_checkpoint(path, dtype=dtype)
+        return model, load_tokenizer(path)  # never the byte-level one in its place
+    if str(model_arg) in PRESETS:
+        model = init_model(
+            preset(str(model_arg)), seed=seed, dtype=dtype_from_name(dtype or "float32")
+        )
+        return model, byte_tokenizer()
+    raise FileNotFoundError(
+        f"--model {str(model_arg)!r}: neither a checkpoint directory, a .gguf file, a known model "
+        f"({', '.join(downloads.KNOWN_MODELS)}) nor a preset ({', '.join(sorted(PRESETS))})"
+    )
+
+
+def model_file_sha256(model_arg: str | Path) -> str | None:
+    """The pinned sha256 of a fetched model (None for anything else): provenance for results."""
+    known = downloads.KNOWN_MODELS.get(str(model_arg))
+    return None if known is None else known.sha256

@@ -1,0 +1,89 @@
+"""Gate training for a model with its own tokenizer (a tiny GGUF file): rows in the model's ids,
+`jaxkv train wgkv|fastkvzip --model FILE.gguf` end to end, and the policies load what they save."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxkv import policies
+from jaxkv.models import gguf_tokenizer, load_gguf, render_chat
+from jaxkv.policies.kvzip import context_prefix_ids
+from jaxkv.train import corpus as corpus_lib
+from jaxkv.train import fastkvzip, wgkv
+from tests import gguf_files
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    gguf_files.write_gguf(path, gguf_files.random_model("qwen2-bias"), "qwen2", "F16", "qwen2")
+    return path
+
+
+@pytest.fixture(scope="module")
+def train_text() -> str:
+    return corpus_lib.load_corpus("train").data.tobytes().decode("utf-8", errors="ignore")
+
+
+def test_wgkv_rows_are_the_prefix_and_corpus_text_in_the_models_ids(gguf_path, train_text):
+    tokenizer = gguf_tokenizer(gguf_path)
+    spec = wgkv.GateTraining(band=32, seq_len=160, batch_size=3)
+    batch = wgkv.make_batch(corpus_lib.load_corpus("train"), spec, 0, 5, tokenizer)
+    again = wgkv.make_batch(corpus_lib.load_corpus("train"), spec, 0, 5, tokenizer)
+    np.testing.assert_array_equal(batch["tokens"], again["tokens"])
+    assert batch["tokens"].shape == (3, 160) and batch["valid"].all()
+    prefix = tokenizer.encode(wgkv.PROMPT_PREFIX)
+    for row in batch["tokens"]:
+        assert row[: len(prefix)].tolist() == prefix
+        assert tokenizer.decode(row[len(prefix) :]) in train_text
+    assert len({tuple(row) for row in batch["tokens"]}) == 3
+
+
+def test_byte_level_episodes_are_refused_for_another_tokenizer(gguf_path):
+    tokenizer = gguf_tokenizer(gguf_path)
+    spec = wgkv.GateTraining(band=32, seq_len=512, episode_fraction=0.5)
+    with pytest.raises(ValueError, match=r"episode_fraction=0.5: retrieval episodes are byte"):
+        wgkv.check_model(load_gguf(gguf_path).config, spec, tokenizer)
+    with pytest.raises(ValueError, match=r"episode_fraction=0.5: retrieval episodes are byte"):
+        fastkvzip.contexts("train", 1, 64, 1, tokenizer, episode_fraction=0.5)
+
+
+def test_fastkvzip_contexts_open_like_the_chat_prompt_kvzip_replays(gguf_path, train_text):
+    tokenizer = gguf_tokenizer(gguf_path)
+    prefix = list(context_prefix_ids(tokenizer))
+    header = render_chat(tokenizer, [{"role": "user", "content": "MARK"}]).split("MARK")[0]
+    assert tokenizer.decode(prefix, skip_special_tokens=False) == header
+    for context in fastkvzip.contexts("train", 3, 200, 1, tokenizer):
+        assert len(context) == 200 and context[: len(prefix)] == prefix
+        assert tokenizer.decode(context[len(prefix) :]) in train_text
+
+
+def test_train_wgkv_on_a_gguf_model_and_load_the_gates(gguf_path, tmp_path):
+    out = tmp_path / "wgkv"
+    argv = ["--model", str(gguf_path), "--out", str(out), "--steps", "2", "--seq-len", "128"]
+    summary = wgkv.main([*argv, "--band", "32", "--eval-rows", "1"])
+    assert summary["steps_done"] == 2 and summary["model"] == str(gguf_path)
+    assert json.loads((out / "run.json").read_text())["command"] == summary["command"]
+    model = load_gguf(gguf_path)
+    gates = policies.get("wgkv").load_params(out, model.config)
+    assert gates["w1"].shape[0] == model.config.num_layers
+
+
+def test_train_fastkvzip_on_a_gguf_model_and_load_the_gates(gguf_path, tmp_path):
+    out, targets = tmp_path / "fkz", tmp_path / "targets.npz"
+    argv = ["--model", str(gguf_path), "--targets", str(targets), "--out", str(out)]
+    sizes = ["--contexts", "2", "--validation-contexts", "1", "--length", "512"]
+    train = ["--steps", "2", "--warmup", "1", "--batch-tokens", "16"]
+    summary = fastkvzip.main([*argv, *sizes, *train])
+    assert summary["train_tokens"] == 2 * 512 and summary["model"] == str(gguf_path)
+    model = load_gguf(gguf_path)
+    gates = policies.get("fastkvzip").load_params(out, model.config)
+    policies.get("fastkvzip").check_params(gates, model.config)
+
+
+def test_policies_without_parameters_refuse_a_path(gguf_path):
+    with pytest.raises(ValueError, match=r"policy 'snapkv' takes no policy_params"):
+        policies.get("snapkv", budget=0.5).load_params(gguf_path, load_gguf(gguf_path).config)
