@@ -35,10 +35,11 @@ import numpy as np
 from tqdm import tqdm
 
 import jaxkv
-from jaxkv import downloads, policies
+from jaxkv import policies
 from jaxkv.benchmarks.quality import build_policy, greedy_continuation
 from jaxkv.generation import compress_prompt
-from jaxkv.models import Tokenizer, gguf_tokenizer, load_gguf, render_chat
+from jaxkv.model_sources import load_model, model_file_sha256
+from jaxkv.models import Tokenizer, render_chat
 from jaxkv.policies import spec
 from jaxkv.prose import prose
 
@@ -162,20 +163,29 @@ def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def run_cell(model, tokenizer, policy, episodes: list[TextEpisode], setting: str) -> dict:
+def run_cell(
+    model, tokenizer, policy, episodes: list[TextEpisode], setting: str, policy_params=None
+) -> dict:
     """Answers of one (policy, setting) over the episodes, batched: scores and bytes held."""
     stop = list(model.config.eos_token_ids)
     if setting == "aware":
         prompts = [list(e.context_ids + e.question_ids) for e in episodes]
         out = jaxkv.generate(
-            model, prompts, max_new_tokens=ANSWER_TOKENS, policy=policy, stop_tokens=stop
+            model,
+            prompts,
+            max_new_tokens=ANSWER_TOKENS,
+            policy=policy,
+            stop_tokens=stop,
+            policy_params=policy_params,
         )
         generated = np.asarray(out.tokens)
         kv_bytes = float(out.memory_bytes[0]) / len(episodes)
     else:
         contexts = [list(e.context_ids) for e in episodes]
         extra = max(len(e.question_ids) for e in episodes) + ANSWER_TOKENS
-        kv = compress_prompt(model, contexts, policy, reserve_tokens=extra)
+        kv = compress_prompt(
+            model, contexts, policy, reserve_tokens=extra, policy_params=policy_params
+        )
         kv_bytes = kv.memory_bytes() / len(episodes)
         starts = np.array([len(c) for c in contexts])
         questions = [list(e.question_ids) for e in episodes]
@@ -191,12 +201,37 @@ def run_cell(model, tokenizer, policy, episodes: list[TextEpisode], setting: str
     }
 
 
-def _cells(names, budgets):
+def _cells(names, budgets, params: dict[str, list[Path]]):
+    """(policy name, budget or None, parameters path or None) of every run."""
     for name in names:
-        if spec.takes_budget(name):
-            yield from ((name, b) for b in budgets)
-        else:
-            yield name, None
+        sources = params.get(name) or [None]
+        budget_values = budgets if spec.takes_budget(name) else [None]
+        yield from ((name, b, source) for source in sources for b in budget_values)
+
+
+def policy_label(name: str, source: Path | None) -> str:
+    """A row's policy: the name, and the parameters' directory for a learned one."""
+    if source is None:
+        return name
+    directory = source.parent if source.is_file() else source
+    return f"{name}[{directory.name}]"
+
+
+def parse_params(pairs: list[str]) -> dict[str, list[Path]]:
+    """--params NAME=PATH pairs: the saved parameters of each learned policy (several per name
+    run one after the other)."""
+    known = policies.registered()
+    found: dict[str, list[Path]] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or name not in known:
+            raise ValueError(f"--params {pair}: give NAME=PATH with NAME one of {known}")
+        if not policies.base._REGISTRY[name].needs_params:
+            raise ValueError(f"--params {pair}: policy {name!r} takes no parameters")
+        if not Path(path).exists():
+            raise ValueError(f"--params {pair}: no such file or directory")
+        found.setdefault(name, []).append(Path(path))
+    return found
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -293,13 +328,25 @@ def render(report_path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="jaxkv bench real_quality", description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="a fetched model")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="a fetched model's name, a .gguf file or a checkpoint directory",
+    )
     parser.add_argument("--policies", nargs="+", default=["full", "streaming_llm", "snapkv"])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.3, 0.5])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument(
+        "--params",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="saved parameters of a learned policy (jaxkv train), e.g. "
+        "wgkv=assets/wgkv-gates/smollm2-135m-instruct/lambda-0.08",
+    )
     parser.add_argument("--out", type=Path, default=Path("results/real-quality"))
     parser.add_argument(
         "--render",
@@ -312,18 +359,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.render is not None:
         return render(args.render)
     known = policies.registered()
+    params = parse_params(args.params)
     for name in args.policies:
         if name not in known:
             raise ValueError(f"--policies {name}: registered policies are {known}")
-        if policies.base._REGISTRY[name].needs_params:
-            raise ValueError(f"--policies {name}: its parameters for this model are not trained")
+        if policies.base._REGISTRY[name].needs_params and name not in params:
+            raise ValueError(
+                f"--policies {name}: give its trained parameters, --params {name}=PATH"
+            )
     for budget in args.budgets:
         if not 0 < budget <= 1:
             raise ValueError(f"--budgets {budget}: a ratio of the prompt in (0, 1]")
     if args.samples < 1:
         raise ValueError(f"--samples {args.samples} must be >= 1")
-    path = downloads.model_path(args.model)
-    model, tokenizer = load_gguf(path), gguf_tokenizer(path)
+    model, tokenizer = load_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     report_path = args.out / "quality.json"
     previous = json.loads(report_path.read_text()) if report_path.exists() else {}
@@ -336,23 +385,39 @@ def main(argv: list[str] | None = None) -> dict:
         for length in args.lengths
     }
     cells = [
-        (name, budget, length, task, setting)
-        for name, budget in _cells(args.policies, args.budgets)
+        (name, budget, source, length, task, setting)
+        for name, budget, source in _cells(args.policies, args.budgets, params)
         for length in args.lengths
         for task in args.tasks
         for setting in args.settings
-        if (name, budget, length, task, setting) not in done
+        if (policy_label(name, source), budget, length, task, setting) not in done
     ]
-    for name, budget, length, task, setting in tqdm(cells, desc="real quality", unit="cell"):
+    loaded = {}
+    for name, budget, source, length, task, setting in tqdm(
+        cells, desc="real quality", unit="cell"
+    ):
         policy = build_policy(name, budget).for_tokenizer(tokenizer)
-        result = run_cell(model, tokenizer, policy, episodes[(task, length)], setting)
-        row = {"policy": name, "budget": budget, "length": length, "task": task, "setting": setting}
+        if source is not None and source not in loaded:
+            loaded[source] = policy.load_params(source, model.config)
+        result = run_cell(
+            model, tokenizer, policy, episodes[(task, length)], setting, loaded.get(source)
+        )
+        label = policy_label(name, source)
+        row = {
+            "policy": label,
+            "budget": budget,
+            "length": length,
+            "task": task,
+            "setting": setting,
+        }
+        if source is not None:
+            row["params"] = str(source)
         rows.append({**row, **result})
         print(json.dumps(rows[-1]), flush=True)
         report = {
             "commands": commands,
             "model": args.model,
-            "file_sha256": downloads.KNOWN_MODELS[args.model].sha256,
+            "file_sha256": model_file_sha256(args.model),
             "jax": jax.__version__,
             "rows": rows,
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -94,3 +95,31 @@ def test_render_writes_the_table_of_a_saved_report(tmp_path):
     table = (tmp_path / "quality.md").read_text()
     assert "| snapkv | 0.3 | 2048 | aware | 30% | 0.25 [0.10, 0.60] | 0.50 |" in table
     assert (tmp_path / "quality.png").stat().st_size > 0
+
+
+def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, tmp_path):
+    """--params NAME=PATH: the policy loads its parameters (its own load_params), the row names
+    them, and a learned policy without them is refused before any model work."""
+    from jaxkv.gates.wgkv import save_write_gates
+
+    model, _ = model_and_tokenizer
+    gguf = tmp_path / "tiny.gguf"
+    gguf_files.write_gguf(gguf, gguf_files.random_model("qwen2-bias"), "qwen2", "F16", "qwen2")
+    gates_dir = tmp_path / "lambda-x"
+    gates_dir.mkdir()
+    wgkv = policies.get("wgkv")
+    save_write_gates(
+        wgkv.init_params(model.config, jax.random.PRNGKey(0)), gates_dir / "g.safetensors"
+    )
+    common = ["--model", str(gguf), "--lengths", "512", "--samples", "2", "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match=r"--policies wgkv: give its trained parameters"):
+        real_quality.main([*common, "--policies", "wgkv"])
+    with pytest.raises(ValueError, match=r"--params snapkv=.*takes no parameters"):
+        real_quality.main([*common, "--policies", "snapkv", "--params", f"snapkv={gates_dir}"])
+    argv = [*common, "--policies", "wgkv", "--params", f"wgkv={gates_dir}", "--tasks", "needle"]
+    rows = real_quality.main(argv)["rows"]
+    assert {r["policy"] for r in rows} == {"wgkv[lambda-x]"} and len(rows) == 2
+    assert {r["params"] for r in rows} == {str(gates_dir)}
+    assert all(0 < r["kv_bytes_per_sequence"] for r in rows)
+    resumed = real_quality.main(argv)["rows"]  # nothing left to run
+    assert resumed == json.loads(json.dumps(rows))
