@@ -13,6 +13,8 @@ slot's probability, so attention-mass policies need no second pass over the cach
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -168,7 +170,7 @@ def _xla_paged_attention(
     num_kv = page_table.shape[1]
     scores_shape = (b, num_kv, n // num_kv, c, block_tokens)
 
-    def attend_block(index):
+    def attend_block(index, out, lse):
         columns = table[:, :, index * block : (index + 1) * block]
         k = dequantize(k_pages, columns, k_scales, k_channel_scales, q.dtype)
         v = dequantize(v_pages, columns, v_scales, v_channel_scales, q.dtype)
@@ -176,24 +178,24 @@ def _xla_paged_attention(
         scores = jnp.where(read[:, :, None, None, :], grouped_scores(q, k) * sm_scale, -jnp.inf)
         v = jnp.where(read[..., None], v, 0)  # whatever lies past a head's tokens stays out
         kept_scores = (scores,) if return_probs else ()  # only mass policies need them
-        return (*attention_from_scores(scores, v), *kept_scores)
+        return (*merge_partials(out, lse, *attention_from_scores(scores, v)), *kept_scores)
 
-    def skip_block():
-        nothing_read = (
-            jnp.zeros((b, n, c, h), jnp.float32),
-            jnp.full((b, n, c), -jnp.inf, jnp.float32),
-        )
-        if return_probs:
-            nothing_read += (jnp.full(scores_shape, -jnp.inf, jnp.float32),)
-        return varying_like(nothing_read, q, k_pages, page_table, lengths)
+    def skip_block(out, lse):
+        """The partial result as it is: a block past the longest head costs nothing (not even
+        a merge over [B, N, C, H], which for a prefill chunk is as large as its output)."""
+        if not return_probs:
+            return out, lse
+        nothing_read = jnp.full(scores_shape, -jnp.inf, jnp.float32)
+        return out, lse, varying_like(nothing_read, q, k_pages, page_table, lengths)
 
-    out, lse = skip_block()[:2]
+    out = jnp.zeros((b, n, c, h), jnp.float32)
+    lse = jnp.full((b, n, c), -jnp.inf, jnp.float32)
+    out, lse = varying_like((out, lse), q, k_pages, page_table, lengths)
     block_scores = []
     for index in range(num_blocks):
-        out_b, lse_b, *scores = jax.lax.cond(
-            index < blocks_held, lambda i=index: attend_block(i), skip_block
+        out, lse, *scores = jax.lax.cond(
+            index < blocks_held, functools.partial(attend_block, index), skip_block, out, lse
         )
-        out, lse = merge_partials(out, lse, out_b, lse_b)
         block_scores += scores
     if not return_probs:
         return out, lse
