@@ -93,6 +93,37 @@ def test_blocks_read_follow_the_longest_head_not_the_table_width():
     assert int(xla_blocks_read(jnp.asarray([[9000]]), entries=wide, page_size=PAGE)) == 2
 
 
+def test_a_skipped_block_costs_nothing_outside_its_branch():
+    """Every block's work, the merge into the running output included, lies inside the block's
+    `cond`: at the top of the program nothing is computed per block, so a wide table (a request
+    with room to generate) costs a prefill chunk no more than a narrow one."""
+    import jax
+
+    rng = np.random.default_rng(0)
+    lengths = np.asarray([[600, 40]])
+    for entries in (64, 256):  # 2 and 8 blocks
+        k_pages, v_pages, table, _, _ = _pool_and_table(rng, lengths, entries, 8)
+        q = rng.standard_normal((1, 4, 32, 8)).astype(np.float32)
+        jaxpr = jax.make_jaxpr(
+            lambda q, kp, vp, t, n: paged_attention(q, kp, vp, t, n, sm_scale=0.3, backend="xla")
+        )(q, k_pages, v_pages, table, lengths).jaxpr
+        eqns = _outside_branches(jaxpr)
+        top_level = {eqn.primitive.name for eqn in eqns}
+        assert not top_level & {"exp", "log", "dot_general", "gather"}, top_level
+        blocks = -(-entries // xla_block_pages(entries, PAGE))
+        assert sum(eqn.primitive.name == "cond" for eqn in eqns) == blocks
+
+
+def _outside_branches(jaxpr) -> list:
+    """The equations of a jaxpr and of the jitted calls in it, not those inside a cond."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        if eqn.primitive.name in ("jit", "pjit"):
+            found += _outside_branches(eqn.params["jaxpr"].jaxpr)
+    return found
+
+
 def test_quest_selection_reads_the_selected_pages_only():
     rng = np.random.default_rng(3)
     lengths = np.asarray([[900, 600]], np.int32)
