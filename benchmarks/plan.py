@@ -160,17 +160,26 @@ def _kv_bytes(geometry: dict) -> int:
     return tree_bytes(jax.eval_shape(lambda: KVState.create(**geometry)))
 
 
-def plan_request(
-    cfg: configs.ModelConfig,
-    *,
-    context: int,
-    batch: int,
-    policy,
-    max_new_tokens: int,
-    page_size: int,
-    dtype,
-) -> dict:
-    """The plan of one request (module docstring); sizes in bytes."""
+@dataclasses.dataclass(frozen=True)
+class _AbstractRequest:
+    """The abstract inputs (shapes and dtypes, no data) of one request's programs."""
+
+    model: Model
+    prompts: Prompts
+    geometry: dict  # the prefill state's KVState.create arguments
+    kv: KVState
+    lengths: np.ndarray  # int32 [B], the prompts' lengths
+    budget_tokens: np.ndarray
+    budget: jax.ShapeDtypeStruct
+    params: object  # the policy's abstract parameters, or None
+    static: object  # the policy as jit sees it
+    key: jax.ShapeDtypeStruct
+    rows: jax.ShapeDtypeStruct  # int32 [B]
+
+
+def _abstract_request(
+    cfg: configs.ModelConfig, *, context, batch, policy, max_new_tokens, page_size, dtype
+) -> _AbstractRequest:
     lengths = np.full(batch, context, np.int32)
     chunk = policy.prefill_chunk(lengths, DEFAULT_PREFILL_CHUNK)
     num_chunks = -(-context // chunk)
@@ -185,92 +194,138 @@ def plan_request(
     geometry = prefill_geometry(
         model, prompts, max_new_tokens - 1, max_new_tokens, policy, cache, None
     )
-    kv = jax.eval_shape(lambda: KVState.create(**geometry))
     budget_tokens = policy.budget_tokens(lengths)
     params = policy.init_params(cfg, jax.random.PRNGKey(0))
-    params = None if params is None else abstract(params)
-    static = policy.static()
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    budget = abstract(jnp.asarray(budget_tokens))
-    prefill = program_cost(
+    return _AbstractRequest(
+        model=model,
+        prompts=prompts,
+        geometry=geometry,
+        kv=jax.eval_shape(lambda: KVState.create(**geometry)),
+        lengths=lengths,
+        budget_tokens=budget_tokens,
+        budget=abstract(jnp.asarray(budget_tokens)),
+        params=None if params is None else abstract(params),
+        static=policy.static(),
+        key=jax.ShapeDtypeStruct((2,), jnp.uint32),
+        rows=jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+
+
+def _prefill_cost(r: _AbstractRequest) -> ProgramCost:
+    """Chunked prefill and compression, one program."""
+    return program_cost(
         prefill_and_compress.jitted.lower(
-            model=model,
-            tokens=abstract(prompts.tokens),
-            lengths=rows,
+            model=r.model,
+            tokens=abstract(r.prompts.tokens),
+            lengths=r.rows,
             num_chunks=jax.ShapeDtypeStruct((), jnp.int32),
-            budget_tokens=budget,
-            kv=kv,
-            key=key,
-            policy_params=params,
-            chunk=chunk,
-            policy=static,
+            budget_tokens=r.budget,
+            kv=r.kv,
+            key=r.key,
+            policy_params=r.params,
+            chunk=r.prompts.chunk,
+            policy=r.static,
             int8_window=None,
             backend=Backend.XLA,
         )
     )
-    held, held_rule = planned_lengths(policy, cfg, context, batch, budget_tokens)
-    bound = policy.decode_tokens_bound(budget_tokens, lengths, max_new_tokens)
-    num_pages, max_pages = device_decode_geometry(held, bound, max_new_tokens, page_size)
-    decode_geometry = dict(geometry, num_pages=num_pages, max_tokens=max_pages * page_size)
-    decode_kv = jax.eval_shape(lambda: KVState.create(**decode_geometry))
-    repack = None
-    if (num_pages, max_pages * page_size) != (geometry["num_pages"], geometry["max_tokens"]):
-        repack = program_cost(
-            repack_program.jitted.lower(
-                kv=kv, num_pages=num_pages, max_pages=max_pages, int8_geometry=None
-            )
-        )
+
+
+def _decode_costs(
+    r: _AbstractRequest, policy, decode_kv: KVState, max_new_tokens: int
+) -> dict[str, ProgramCost | None]:
+    """The decode loop, one decode step, and the eviction apart (None if it never evicts)."""
+    cfg, batch = r.model.config, len(r.lengths)
+    budget_ratio = abstract(jnp.asarray(policy.budget_ratio(batch)))
     decode = program_cost(
         decode_loop.jitted.lower(
-            model=model,
+            model=r.model,
             kv=decode_kv,
-            last_hidden=jax.ShapeDtypeStruct((batch, cfg.hidden_size), dtype),
-            lengths=rows,
-            budget_tokens=budget,
-            budget_ratio=abstract(jnp.asarray(policy.budget_ratio(batch))),
+            last_hidden=jax.ShapeDtypeStruct((batch, cfg.hidden_size), r.model.dtype),
+            lengths=r.rows,
+            budget_tokens=r.budget,
+            budget_ratio=budget_ratio,
             max_new_tokens=jax.ShapeDtypeStruct((), jnp.int32),
-            key=key,
+            key=r.key,
             stop_tokens=jax.ShapeDtypeStruct((1,), jnp.int32),
-            policy_params=params,
+            policy_params=r.params,
             steps_bucket=max_new_tokens,
-            policy=static,
+            policy=r.static,
             sampler=Sampler(),
             pad_id=0,
             backend=Backend.XLA,
         )
     )
     context_arrays = StepContext(
-        prompt_lengths=rows,
-        budget_tokens=budget,
-        budget_ratio=abstract(jnp.asarray(policy.budget_ratio(batch))),
-        key=key,
+        prompt_lengths=r.rows,
+        budget_tokens=r.budget,
+        budget_ratio=budget_ratio,
+        key=r.key,
         step=jax.ShapeDtypeStruct((), jnp.int32),
-        policy_params=params,
-        policy=static,
+        policy_params=r.params,
+        policy=r.static,
         backend=Backend.XLA,
     )
     step = program_cost(
-        jax.jit(read_tokens, donate_argnums=1).lower(model, decode_kv, rows, rows, context_arrays)
+        jax.jit(read_tokens, donate_argnums=1).lower(
+            r.model, decode_kv, r.rows, r.rows, context_arrays
+        )
     )
     evict = None
-    if static.evicts_during_decode:
+    if r.static.evicts_during_decode:
 
         def on_decode(kv, ctx, positions, logits):
-            return static.on_decode(kv, decode_context(ctx, positions, logits, cfg.group_size))
+            return r.static.on_decode(kv, decode_context(ctx, positions, logits, cfg.group_size))
 
         logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32)
         evict = program_cost(
-            jax.jit(on_decode, donate_argnums=0).lower(decode_kv, context_arrays, rows, logits)
+            jax.jit(on_decode, donate_argnums=0).lower(decode_kv, context_arrays, r.rows, logits)
         )
-    weights = tree_bytes(model.params)
-    prefill_kv, held_kv = _kv_bytes(geometry), _kv_bytes(decode_geometry)
-    programs = {"prefill": prefill, "repack": repack, "decode": decode, "step": step}
-    programs["evict"] = evict
+    return {"decode": decode, "step": step, "evict": evict}
+
+
+def plan_request(
+    cfg: configs.ModelConfig,
+    *,
+    context: int,
+    batch: int,
+    policy,
+    max_new_tokens: int,
+    page_size: int,
+    dtype,
+) -> dict:
+    """The plan of one request (module docstring); sizes in bytes."""
+    r = _abstract_request(
+        cfg,
+        context=context,
+        batch=batch,
+        policy=policy,
+        max_new_tokens=max_new_tokens,
+        page_size=page_size,
+        dtype=dtype,
+    )
+    prefill = _prefill_cost(r)
+    held, held_rule = planned_lengths(policy, cfg, context, batch, r.budget_tokens)
+    bound = policy.decode_tokens_bound(r.budget_tokens, r.lengths, max_new_tokens)
+    num_pages, max_pages = device_decode_geometry(held, bound, max_new_tokens, page_size)
+    decode_geometry = dict(r.geometry, num_pages=num_pages, max_tokens=max_pages * page_size)
+    decode_kv = jax.eval_shape(lambda: KVState.create(**decode_geometry))
+    repack = None
+    if (num_pages, max_pages * page_size) != (r.geometry["num_pages"], r.geometry["max_tokens"]):
+        repack = program_cost(
+            repack_program.jitted.lower(
+                kv=r.kv, num_pages=num_pages, max_pages=max_pages, int8_geometry=None
+            )
+        )
+    programs = {"prefill": prefill, "repack": repack}
+    programs |= _decode_costs(r, policy, decode_kv, max_new_tokens)
+    decode, step, evict = programs["decode"], programs["step"], programs["evict"]
+    weights = tree_bytes(r.model.params)
+    prefill_kv, held_kv = _kv_bytes(r.geometry), _kv_bytes(decode_geometry)
     peaks = [prefill.peak, decode.peak]
     if repack is not None:
         peaks.append(weights + repack.peak)
-    interval = static.decode_interval if evict is not None else None
+    interval = r.static.decode_interval if evict is not None else None
     step_bytes = step.bytes_accessed + (evict.bytes_accessed / interval if evict else 0.0)
     return {
         "policy": policy.name,
