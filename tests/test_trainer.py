@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxkv import cli
-from jaxkv.models import init_model, init_params, save_hf_checkpoint
+from jaxkv.models import byte_tokenizer, init_model, init_params, save_hf_checkpoint
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import fastkvzip, pretrain, trainer, wgkv
 from jaxkv.train import mesh as mesh_lib
@@ -225,6 +225,7 @@ def gate_model_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("gate-model")
     save_hf_checkpoint(init_model(GATE_CONFIG, seed=0, scale=0.3), path)
+    byte_tokenizer().save(path)  # a checkpoint directory brings its tokenizer (model_sources)
     return path
 
 
