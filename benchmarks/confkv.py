@@ -1,8 +1,8 @@
-"""Conf-KV on the reference model: trace, perplexity over generated length, needles, KL premise.
+"""Conf-KV on a model: trace, perplexity over generated length, needles, KL premise.
 
   trace   cache bytes held and confidence per decode step of one long teacher-forced read (the
           sawtooth of the paper's Fig. 8), plotted.
-  ppl     bits per byte over a held-out continuation read token by token with each policy's
+  ppl     bits per token over a held-out continuation read token by token with each policy's
           decode-time eviction running after every token (the paper's perplexity over generated
           length), per length bin; sliding window and H2O at the memory Conf-KV held (mean
           tokens per head), the matched-rate ablations (random victims, recency only alpha=0,
@@ -18,6 +18,12 @@
           a fixed budget, tau, budgets halved/doubled), each against the full cache and a
           sliding window holding the same tokens per head, with a bootstrap interval over texts.
 
+Texts (`--text`): `heldout`, the held-out split of the byte-level reference model's corpus (its
+default), or `prose`, paragraphs of Python's own documentation (`jaxkv.prose`; the default for
+any other model), in the model's own tokens. Lengths in the settings are tokens (bytes on the
+byte-level model, where bits per token are bits per byte). The needle part is byte-level only
+(`jaxkv bench real_quality` has needles for other models).
+
 Baselines at "equal memory" evict at every step (`evict_every=1`), so that they hold exactly the
 tokens per head Conf-KV held on average (with the default `evict_every=32` a window of budget W
 holds W..W+31).
@@ -27,6 +33,8 @@ per-token metadata), averaged over decode steps. Sample counts are small (CPU); 
 
     jaxkv bench confkv --out results/confkv
     jaxkv bench confkv --parts ablation --set ablation_texts=12
+    jaxkv bench confkv --model smollm2-135m-instruct --parts ppl --set texts=24 --set prefix=256 \
+        --set continuation=768 --set tight=128 --set loose=512 --set protected=64
 """
 
 from __future__ import annotations
@@ -50,9 +58,12 @@ import jaxkv
 from jaxkv import bundled, policies, tasks
 from jaxkv.forward import forward_cached
 from jaxkv.generation import StepContext, decode_step
-from jaxkv.models import load_hf_checkpoint
+from jaxkv.model_sources import load_model, model_file_sha256
+from jaxkv.models import Tokenizer
 from jaxkv.models.decoder import forward, logits_from_hidden
+from jaxkv.models.tokenizer import is_byte_tokenizer
 from jaxkv.policies.confkv import Ranking, confidence, is_confident
+from jaxkv.prose import prose
 from jaxkv.train import corpus as corpus_lib
 
 REFERENCE_MODEL = bundled.REFERENCE_MODEL
@@ -66,8 +77,8 @@ SEED = 20_000  # disjoint from training (< 10000) and the quality benchmark (100
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    prefix: int = 320  # bytes prefilled before the teacher-forced read (> every budget)
-    continuation: int = 512  # bytes read token by token
+    prefix: int = 320  # tokens prefilled (after the BOS) before the read (> every budget)
+    continuation: int = 512  # tokens read one by one
     texts: int = 2
     tight: int = 96
     loose: int = 192
@@ -110,6 +121,48 @@ QUICK = Settings(
 
 def _rng(task: str) -> np.random.Generator:
     return np.random.default_rng([SEED, sum(map(ord, task))])
+
+
+TEXTS = ("heldout", "prose")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """The texts a run reads: `text` ("heldout" or "prose") in `tokenizer`'s ids."""
+
+    tokenizer: Tokenizer
+    text: str
+
+    def __post_init__(self):
+        if self.text not in TEXTS:
+            raise ValueError(f"text={self.text!r}: expected one of {TEXTS}")
+
+    @property
+    def opening(self) -> list[int]:
+        """The ids every row opens with: the BOS where the tokenizer adds one."""
+        return self.tokenizer.encode("")
+
+    def rows(self, task: str, count: int, length: int) -> np.ndarray:
+        """int32 [count, len(opening) + length]: `count` texts of `length` tokens after the
+        opening, drawn from the task's own seed (the same rows for every policy)."""
+        rng = _rng(task)
+        if self.text == "heldout":
+            corpus = corpus_lib.load_corpus("heldout")
+            texts = [corpus.token_ids(rng, self.tokenizer, length) for _ in range(count)]
+        else:
+            seeds = rng.integers(0, 2**31, count)
+            texts = [self._prose_ids(int(seed), length) for seed in seeds]
+        return np.array([[*self.opening, *text] for text in texts], np.int32)
+
+    def _prose_ids(self, seed: int, length: int) -> list[int]:
+        """The first `length` ids of paragraphs shuffled by `seed` (4 characters a token at
+        least, else the docs are read again with more)."""
+        chars = 4 * length
+        while True:
+            ids = self.tokenizer.encode(prose(chars, seed=seed), add_bos=False)
+            if len(ids) >= length:
+                return ids[:length]
+            chars *= 2  # ValueError past what the docs hold
 
 
 # --- teacher-forced reading with decode-time eviction ----------------------------------------
@@ -167,43 +220,44 @@ def _bytes_per_step(kv, pages: np.ndarray) -> np.ndarray:
 
 
 def teacher_forced(
-    model, policy, texts: list[bytes], s: Settings, policy_params=None, cache=None
+    model, policy, rows: np.ndarray, prefill: int, s: Settings, policy_params=None, cache=None
 ) -> dict:
-    """Prefills `s.prefix` bytes of each text, then reads `s.continuation` bytes token by token
-    with the policy's decode hook after each; bits per byte, memory held and the trace.
-    `cache`: the CacheConfig (default: pages of PAGE_SIZE in the model dtype)."""
-    rows = np.array([[BOS, *text] for text in texts], np.int32)
-    prefix = s.prefix + 1
+    """Prefills the first `prefill` tokens of each row [B, prefill + s.continuation + 1], then
+    reads `s.continuation` tokens one by one with the policy's decode hook after each; bits per
+    token, memory held and the trace. `cache`: the CacheConfig (default: pages of PAGE_SIZE in
+    the model dtype)."""
+    if rows.shape[1] < prefill + s.continuation + 1:
+        raise ValueError(f"rows of {rows.shape[1]} tokens: need {prefill + s.continuation + 1}")
     kv = jaxkv.compress_prompt(
         model,
-        rows[:, :prefix],
+        rows[:, :prefill],
         policy,
         cache=cache or PAGES,
         reserve_tokens=s.continuation,
         policy_params=policy_params,
     )
-    starts = np.full((len(texts),), prefix, np.int32)
+    starts = np.full((len(rows),), prefill, np.int32)
     budget_tokens = jnp.asarray(policy.budget_tokens(starts))
     nll, conf, confident, pages, held = _read(
         model,
         kv,
-        jnp.asarray(rows[:, prefix : prefix + s.continuation]),
-        jnp.asarray(rows[:, prefix + 1 : prefix + 1 + s.continuation]),
+        jnp.asarray(rows[:, prefill : prefill + s.continuation]),
+        jnp.asarray(rows[:, prefill + 1 : prefill + 1 + s.continuation]),
         jnp.asarray(starts),
         budget_tokens,
-        jnp.asarray(policy.budget_ratio(len(texts))),
+        jnp.asarray(policy.budget_ratio(len(rows))),
         jax.random.PRNGKey(SEED),
         policy_params,
         policy.static(),
     )
     nll, conf, confident, pages, held = (np.asarray(x) for x in (nll, conf, confident, pages, held))
-    memory = _bytes_per_step(kv, pages) / len(texts)
+    memory = _bytes_per_step(kv, pages) / len(rows)
     bins = np.array_split(np.arange(nll.shape[0]), s.bins)
     return {
-        "bits_per_byte": float(nll.mean() / math.log(2)),
-        "bits_per_byte_per_text": (nll.mean(axis=0) / math.log(2)).tolist(),
-        "bits_per_byte_by_length": [
-            {"until": int(b[-1]) + 1, "bpb": float(nll[b].mean() / math.log(2))} for b in bins
+        "bits_per_token": float(nll.mean() / math.log(2)),
+        "bits_per_token_per_text": (nll.mean(axis=0) / math.log(2)).tolist(),
+        "bits_per_token_by_length": [
+            {"until": int(b[-1]) + 1, "bits": float(nll[b].mean() / math.log(2))} for b in bins
         ],
         "kv_bytes_per_sequence": float(memory.mean()),
         "tokens_per_head": float(held.mean()),
@@ -250,34 +304,44 @@ def gap_closed(full, window, policy, rng: np.random.Generator, resamples: int) -
     }
 
 
-def _close_gaps(results: dict, window: dict, full: dict, s: Settings, task: str) -> None:
-    for result in results.values():
-        closed = gap_closed(
-            full["bits_per_byte_per_text"],
-            window["bits_per_byte_per_text"],
-            result["bits_per_byte_per_text"],
-            _rng(task),
-            s.bootstrap,
-        )
-        result["sliding_gap_closed"] = closed["share"]
-        result["gap_closed"] = closed
+def _close_gaps(results: dict, full: dict, s: Settings, task: str) -> None:
+    """Adds to every result the share of the gap to the full cache it closes: `gap_closed` of
+    the sliding window's (the paper's comparison) and `streaming_gap_closed` of StreamingLLM's
+    (the window with attention sinks), each with its interval."""
+    for key, baseline in (
+        ("gap_closed", "sliding_window"),
+        ("streaming_gap_closed", "streaming_llm"),
+    ):
+        reference = results[baseline]["bits_per_token_per_text"]
+        for result in results.values():
+            result[key] = gap_closed(
+                full["bits_per_token_per_text"],
+                reference,
+                result["bits_per_token_per_text"],
+                _rng(task),
+                s.bootstrap,
+            )
 
 
-def run_ppl(model, corpus, s: Settings, log=print) -> dict:
-    rng = _rng("ppl")
-    texts = [corpus.text(rng, s.prefix + s.continuation + 1) for _ in range(s.texts)]
-    results = {"full": teacher_forced(model, policies.FullCache(), texts, s)}
-    log("ppl full", results["full"]["bits_per_byte"])
+def run_ppl(model, reading: Reading, s: Settings, log=print) -> dict:
+    rows = reading.rows("ppl", s.texts, s.prefix + s.continuation + 1)
+    prefill = len(reading.opening) + s.prefix
+
+    def read(policy, cache=None):
+        return teacher_forced(model, policy, rows, prefill, s, cache=cache)
+
+    results = {"full": read(policies.FullCache())}
+    log("ppl full", results["full"]["bits_per_token"])
     confkv = policies.ConfKV(tight=s.tight, loose=s.loose, protected=s.protected)
-    results["confkv"] = teacher_forced(model, confkv, texts, s)
-    log("ppl confkv", results["confkv"]["bits_per_byte"], results["confkv"]["tokens_per_head"])
+    results["confkv"] = read(confkv)
+    log("ppl confkv", results["confkv"]["bits_per_token"], results["confkv"]["tokens_per_head"])
     matched = max(int(round(results["confkv"]["tokens_per_head"])), 1)
     for name, policy in ppl_policies(s, matched).items():
         policy, cache = policy if isinstance(policy, tuple) else (policy, None)
-        results[name] = teacher_forced(model, policy, texts, s, cache=cache)
-        log("ppl", name, results[name]["bits_per_byte"], results[name]["tokens_per_head"])
-    _close_gaps(results, results["sliding_window"], results["full"], s, "ppl-bootstrap")
-    return {"matched_tokens_per_head": matched, "texts": len(texts), "policies": results}
+        results[name] = read(policy, cache)
+        log("ppl", name, results[name]["bits_per_token"], results[name]["tokens_per_head"])
+    _close_gaps(results, results["full"], s, "ppl-bootstrap")
+    return {"matched_tokens_per_head": matched, "texts": len(rows), "policies": results}
 
 
 # --- ablation: why the gap closes less than in the paper --------------------------------------
@@ -313,7 +377,9 @@ def _summary(result: dict) -> dict:
     return {k: v for k, v in result.items() if k != "trace"}
 
 
-def run_ablation(model, corpus, s: Settings, rows: list[str] | None = None, log=print) -> dict:
+def run_ablation(
+    model, reading: Reading, s: Settings, rows: list[str] | None = None, log=print
+) -> dict:
     """Each row: Conf-KV variant, a sliding window holding the tokens per head it held
     (evicting every step), the full cache, the gap closed with its interval, on the same texts."""
     variants = ablation_rows(s)
@@ -321,33 +387,36 @@ def run_ablation(model, corpus, s: Settings, rows: list[str] | None = None, log=
     if unknown:
         raise ValueError(f"unknown ablation rows {unknown}: the rows are {list(variants)}")
     variants = {name: variants[name] for name in rows} if rows else variants
-    read = dataclasses.replace(s, continuation=s.ablation_continuation)
-    rng = _rng("ablation")
-    texts = [corpus.text(rng, s.prefix + read.continuation + 1) for _ in range(s.ablation_texts)]
-    full = _summary(teacher_forced(model, policies.FullCache(), texts, read))
-    log("ablation full", full["bits_per_byte"])
+    settings = dataclasses.replace(s, continuation=s.ablation_continuation)
+    texts = reading.rows("ablation", s.ablation_texts, s.prefix + settings.continuation + 1)
+    prefill = len(reading.opening) + s.prefix
+
+    def read(policy):
+        return _summary(teacher_forced(model, policy, texts, prefill, settings))
+
+    full = read(policies.FullCache())
+    log("ablation full", full["bits_per_token"])
     windows, out = {}, {}
     for name, policy in variants.items():
-        result = _summary(teacher_forced(model, policy, texts, read))
+        result = read(policy)
         matched = max(int(round(result["tokens_per_head"])), 1)
         if matched not in windows:
-            window = policies.SlidingWindow(budget=matched, evict_every=1)
-            windows[matched] = _summary(teacher_forced(model, window, texts, read))
+            windows[matched] = read(policies.SlidingWindow(budget=matched, evict_every=1))
         window = windows[matched]
         closed = gap_closed(
-            full["bits_per_byte_per_text"],
-            window["bits_per_byte_per_text"],
-            result["bits_per_byte_per_text"],
+            full["bits_per_token_per_text"],
+            window["bits_per_token_per_text"],
+            result["bits_per_token_per_text"],
             _rng("ablation-bootstrap"),
             s.bootstrap,
         )
         out[name] = {"policy": repr(policy), "confkv": result, "window_tokens": matched}
         out[name] |= {"window": window, "gap_closed": closed}
-        log("ablation", name, result["bits_per_byte"], window["bits_per_byte"], closed["share"])
+        log("ablation", name, result["bits_per_token"], window["bits_per_token"], closed["share"])
     return {
         "texts": len(texts),
         "prefix": s.prefix,
-        "continuation": read.continuation,
+        "continuation": settings.continuation,
         "full": full,
         "rows": out,
     }
@@ -413,13 +482,11 @@ def _query_logits(model, kv, tokens, positions, policy):
     return logits_from_hidden(model.params, model.config, hidden[:, 0])
 
 
-def run_kl(model, corpus, s: Settings, log=print) -> dict:
+def run_kl(model, reading: Reading, s: Settings, log=print) -> dict:
     """Confidence of p_full at each query position vs KL(p_full || p_ablated)."""
-    rng = _rng("kl")
     full_policy = policies.FullCache()
     confidences, shifts = [], []
-    for _ in range(s.kl_texts):
-        row = np.array([BOS, *corpus.text(rng, s.kl_length)], np.int32)
+    for row in reading.rows("kl", s.kl_texts, s.kl_length):
         full_logits = forward(model, jnp.asarray(row[None]))[0]  # [T, V]
         queries = np.linspace(s.kl_ablated + 16, len(row) - 1, s.kl_points).astype(int)
         prefixes = [row[: t - s.kl_ablated] for t in queries]  # context without the newest 256
@@ -478,10 +545,10 @@ def plot_ppl(ppl: dict, path: Path) -> None:
 
     fig, axis = plt.subplots(figsize=(7, 4))
     for name, result in ppl["policies"].items():
-        bins = result["bits_per_byte_by_length"]
-        axis.plot([b["until"] for b in bins], [b["bpb"] for b in bins], marker="o", label=name)
-    axis.set_xlabel("generated length (bytes)")
-    axis.set_ylabel("bits per byte (bin)")
+        bins = result["bits_per_token_by_length"]
+        axis.plot([b["until"] for b in bins], [b["bits"] for b in bins], marker="o", label=name)
+    axis.set_xlabel("generated length (tokens)")
+    axis.set_ylabel("bits per token (bin)")
     axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -500,15 +567,18 @@ def table(report: dict) -> str:
     if "ppl" in report:
         ppl = report["ppl"]
         lines += [
-            f"Perplexity ({ppl['texts']} texts; gap closed with a 90% bootstrap interval over "
+            f"Perplexity ({ppl['texts']} texts; share of the sliding window's and of "
+            "StreamingLLM's gap to the full cache closed, with a 90% bootstrap interval over "
             "texts)",
             "",
-            "| policy | bpb | gap closed | tokens/head | KV KiB/seq | confident |",
-            "|---" * 6 + "|",
+            "| policy | bits/token | window gap closed | StreamingLLM gap closed | tokens/head | "
+            "KV KiB/seq | confident |",
+            "|---" * 7 + "|",
         ]
         for name, r in ppl["policies"].items():
             lines.append(
-                f"| {name} | {r['bits_per_byte']:.4f} | {_interval(r['gap_closed'])} | "
+                f"| {name} | {r['bits_per_token']:.4f} | {_interval(r['gap_closed'])} | "
+                f"{_interval(r['streaming_gap_closed'])} | "
                 f"{r['tokens_per_head']:.0f} | {r['kv_bytes_per_sequence'] / 1024:.0f} | "
                 f"{r['confident_fraction']:.2f} |"
             )
@@ -531,19 +601,19 @@ def table(report: dict) -> str:
 
 def ablation_table(ablation: dict) -> list[str]:
     lines = [
-        f"Ablation ({ablation['texts']} texts, {ablation['prefix']} bytes prefilled, "
-        f"{ablation['continuation']} read; full cache {ablation['full']['bits_per_byte']:.4f} "
-        "bpb; gap closed with a 90% bootstrap interval over texts)",
+        f"Ablation ({ablation['texts']} texts, {ablation['prefix']} tokens prefilled, "
+        f"{ablation['continuation']} read; full cache {ablation['full']['bits_per_token']:.4f} "
+        "bits per token; gap closed with a 90% bootstrap interval over texts)",
         "",
         "| row | full | window (tokens) | Conf-KV | Conf-KV tokens/head | confident | gap closed |",
         "|---" * 7 + "|",
     ]
-    full = ablation["full"]["bits_per_byte"]
+    full = ablation["full"]["bits_per_token"]
     for name, row in ablation["rows"].items():
         confkv, window = row["confkv"], row["window"]
         lines.append(
-            f"| {name} | {full:.4f} | {window['bits_per_byte']:.4f} ({row['window_tokens']}) | "
-            f"{confkv['bits_per_byte']:.4f} | {confkv['tokens_per_head']:.1f} | "
+            f"| {name} | {full:.4f} | {window['bits_per_token']:.4f} ({row['window_tokens']}) | "
+            f"{confkv['bits_per_token']:.4f} | {confkv['tokens_per_head']:.1f} | "
             f"{confkv['confident_fraction']:.2f} | {_interval(row['gap_closed'])} |"
         )
     return [*lines, ""]
@@ -568,12 +638,14 @@ def _settings(base: Settings, assignments: list[str]) -> Settings:
     return dataclasses.replace(base, **values)
 
 
-def _provenance(argv: list[str]) -> dict:
+def _provenance(argv: list[str], model_arg) -> dict:
     device = jax.devices()[0]
     return {
         "command": " ".join(["jaxkv bench confkv", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "jax": jax.__version__,
+        "model": str(model_arg),
+        "model_file_sha256": model_file_sha256(model_arg),
         "machine": {
             "device": f"{device.platform}: {device.device_kind}",
             "host": f"{platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs",
@@ -584,8 +656,22 @@ def _provenance(argv: list[str]) -> dict:
 
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="jaxkv bench confkv", description=__doc__)
-    parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
+    parser = argparse.ArgumentParser(
+        prog="jaxkv bench confkv",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        default=str(REFERENCE_MODEL),
+        help="a checkpoint directory, a .gguf file or a fetched model's name (default: the "
+        "bundled byte-level reference model)",
+    )
+    parser.add_argument(
+        "--text",
+        choices=TEXTS,
+        help="texts read (default: heldout for a byte-level model, prose otherwise)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny settings (tests)")
     parser.add_argument("--out", type=Path, default=Path("results/confkv"))
     parser.add_argument(
@@ -603,20 +689,28 @@ def main(argv=None) -> dict:
     if not parts or set(parts) - set(PARTS):
         raise SystemExit(f"--parts {args.parts!r}: expected a comma-separated subset of {PARTS}")
     s = _settings(QUICK if args.quick else Settings(), args.set)
-    model = load_hf_checkpoint(args.model, dtype="float32")
-    heldout = corpus_lib.load_corpus("heldout")
+    model, tokenizer = load_model(args.model, dtype="float32")
+    byte_level = is_byte_tokenizer(tokenizer)
+    if "needle" in parts and not byte_level:
+        raise SystemExit(
+            "--parts needle: the needle part is byte-level; use `jaxkv bench real_quality` for "
+            f"needles on {args.model}"
+        )
+    reading = Reading(tokenizer, args.text or ("heldout" if byte_level else "prose"))
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    report = {**_provenance(argv), "settings": dataclasses.asdict(s)}
+    report = {**_provenance(argv, args.model), "text": reading.text}
+    report["settings"] = dataclasses.asdict(s)
     if "kl" in parts:
-        report["kl"] = run_kl(model, heldout, s, log=_timed_log)
+        report["kl"] = run_kl(model, reading, s, log=_timed_log)
     if "ppl" in parts:
-        report["ppl"] = run_ppl(model, heldout, s, log=_timed_log)
+        report["ppl"] = run_ppl(model, reading, s, log=_timed_log)
     if "needle" in parts:
+        heldout = corpus_lib.load_corpus("heldout")
         report["needle"] = run_needles(model, heldout, s, log=_timed_log)
     if "ablation" in parts:
         rows = args.rows.split(",") if args.rows else None
-        report["ablation"] = run_ablation(model, heldout, s, rows, log=_timed_log)
+        report["ablation"] = run_ablation(model, reading, s, rows, log=_timed_log)
     report["seconds"] = time.time() - started
     stem = "confkv" if parts == ["kl", "ppl", "needle"] else "-".join(["confkv", *parts])
     (args.out / f"{stem}.json").write_text(json.dumps(report) + "\n")
