@@ -155,9 +155,18 @@ def attention_input(lp: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return layers.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
 
 
+def _project_heads(h: jax.Array, w: jax.Array) -> jax.Array:
+    """[B, heads, T, H] from h [B, T, D] and w [D, heads, H].
+
+    The product is taken in the weight's own order ([B, T, heads, H]) and the small result
+    transposed: asking the dot for [B, heads, T, H] directly makes XLA:CPU copy a transposed
+    weight every layer and step, which dominated small decode steps."""
+    return jnp.einsum("btd,dnh->btnh", h, w).transpose(0, 2, 1, 3)
+
+
 def project_queries(lp: Params, cfg: ModelConfig, h: jax.Array, cos, sin) -> jax.Array:
     """Rotated queries [B, N, T, H] from attention inputs h [B, T, D]."""
-    q = jnp.einsum("btd,dnh->bnth", h, lp["wq"])
+    q = _project_heads(h, lp["wq"])
     if cfg.qkv_bias:
         q = q + lp["bq"][:, None]
     if cfg.qk_norm:
@@ -167,8 +176,8 @@ def project_queries(lp: Params, cfg: ModelConfig, h: jax.Array, cos, sin) -> jax
 
 def project_unrotated_keys_values(lp: Params, cfg: ModelConfig, h: jax.Array):
     """Keys before RoPE (after Qwen3's k_norm) and values [B, K, T, H] from h [B, T, D]."""
-    k = jnp.einsum("btd,dkh->bkth", h, lp["wk"])
-    v = jnp.einsum("btd,dkh->bkth", h, lp["wv"])
+    k = _project_heads(h, lp["wk"])
+    v = _project_heads(h, lp["wv"])
     if cfg.qkv_bias:
         k = k + lp["bk"][:, None]
         v = v + lp["bv"][:, None]
@@ -203,7 +212,8 @@ def attention_output_and_mlp(
       device.
     """
     reduce = reduce_partial_sums or (lambda y: y)
-    x = x + reduce(jnp.einsum("bnth,nhd->btd", attn.astype(x.dtype), lp["wo"]))
+    heads_last = attn.astype(x.dtype).transpose(0, 2, 1, 3)  # [B, T, N, H]: see _project_heads
+    x = x + reduce(jnp.einsum("btnh,nhd->btd", heads_last, lp["wo"]))
     h = layers.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     return x + reduce(layers.swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
 
