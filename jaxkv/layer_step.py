@@ -12,9 +12,10 @@ Then it writes: the policy's attention mass into the cached slots' scores, and t
 admitted tokens into the pages (through the ring's lazy promotion with a ring; followed by the
 spill out of the model-dtype window with int8 storage).
 
-The plain step (no ring, no int8 tier, no page selection) writes first and then reads the
-cached pages up to the lengths held before the write, which is the same attention: the written
-tokens lie past those lengths. An attention-mass policy's scores are set after the attention:
+The step without a ring or an int8 tier writes first and then reads the cached pages up to
+the lengths held before the write, which is the same attention: the written tokens lie past
+those lengths (a page-selecting policy picks its pages from the page bounds as they were before
+the write). An attention-mass policy's scores are set after the attention:
 the cached slots' by accumulation, the chunk's own tokens' at the slots the write gave them.
 The order matters for speed on "xla": XLA updates the
 shared pool in place, and when reads of it had to come before the in-place write in the same
@@ -169,11 +170,12 @@ def _accumulate_mass(
     return pool, query_weights
 
 
-def _writes_first(ring, tier, read_budget) -> bool:
+def _writes_first(ring, tier) -> bool:
     """Whether the chunk can be written before the cached pages are read (module docstring):
-    when nothing the write changes (ring promotion, the int8 spill, Quest's page bounds) is
-    read by the attention. Attention-mass scores are set after the attention, by slot."""
-    return ring is None and tier is None and read_budget is None
+    when nothing the write changes (ring promotion, the int8 spill) is read by the attention.
+    Attention-mass scores are set after the attention, by slot; Quest's page bounds are read
+    as they were before the write."""
+    return ring is None and tier is None
 
 
 def _mass_scores(
@@ -259,14 +261,16 @@ def attend_and_write(
 
     read = dict(policy=policy, read_budget=read_budget, step=step)
     mass = dict(policy=policy, step=step)
-    if _writes_first(ring, tier, read_budget):
+    if _writes_first(ring, tier):
         # The chunk goes to slots past `held`; reading the written pool up to `held` sees
         # exactly the cached tokens (module docstring: XLA then needs no copy of the pool).
+        bounds = dict(key_min=pool.key_min, key_max=pool.key_max)  # before the write
         pool, page_table, new_held = write_tokens(
             pool, page_table, held, k, v, positions, admitted, write_scores
         )
+        read_pool = dataclasses.replace(pool, **bounds)
         out, lse, cached = _attend(
-            q, k, v, positions, admitted, pool, page_table, held, ring, layer, **read
+            q, k, v, positions, admitted, read_pool, page_table, held, ring, layer, **read
         )
         if policy.accumulates_attention:
             pool, scores = _mass_scores(

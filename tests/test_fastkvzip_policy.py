@@ -15,6 +15,7 @@ import jaxkv
 from jaxkv import policies
 from jaxkv.cache import geometry
 from jaxkv.gates import fastkvzip as gate
+from jaxkv.generation import prefill
 from tests import hf_models
 from tests import policy_references as ref
 from tests.test_fastkvzip_gate import numpy_scores
@@ -62,9 +63,15 @@ def kept_positions(state, layer, row, head, length):
     return keep
 
 
-def test_one_chunk_keeps_the_global_top_with_the_window_forced(setup):
+# 160: the chunk's forward in one piece; 32: in five (as a 16K chunk runs in 2K pieces).
+@pytest.mark.parametrize("max_forward_tokens", [160, 32])
+def test_one_chunk_keeps_the_global_top_with_the_window_forced(
+    setup, monkeypatch, max_forward_tokens
+):
     hf, model, params, prompts = setup
     policy = policies.get("fastkvzip", ratio=RATIO)
+    monkeypatch.setattr(prefill, "MAX_FORWARD_TOKENS", max_forward_tokens)
+    jax.clear_caches()  # the bound is read while tracing
     state = jaxkv.compress_prompt(
         model,
         prompts,
@@ -73,6 +80,7 @@ def test_one_chunk_keeps_the_global_top_with_the_window_forced(setup):
         cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
         prefill_chunk=160,
     )
+    jax.clear_caches()
     for row, prompt in enumerate(prompts):
         t = len(prompt)
         expected, scores = reference_keep(

@@ -7,6 +7,7 @@ import pytest
 
 import jaxkv
 from jaxkv import policies
+from jaxkv.policies import kvzip
 from jaxkv.policies.kvzip import keep_top_globally, reconstruction_scores
 from tests import hf_models
 from tests import policy_references as ref
@@ -39,8 +40,11 @@ def dense_targets(hf, context):
     return best
 
 
-def test_reconstruction_scores_match_dense_attention(setup):
+# 4096: the whole prefix in one block; 16 and 40: several (40 with a padded last block).
+@pytest.mark.parametrize("prefix_block", [4096, 16, 40])
+def test_reconstruction_scores_match_dense_attention(setup, monkeypatch, prefix_block):
     hf, model, contexts = setup
+    monkeypatch.setattr(kvzip, "REPLAY_PREFIX_BLOCK", prefix_block)
     state = jaxkv.compress_prompt(
         model, contexts, cache=jaxkv.CacheConfig(page_size=8), prefill_chunk=CHUNK
     )

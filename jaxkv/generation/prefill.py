@@ -64,6 +64,22 @@ def _empty_carry(model: Model, batch: int, policy: Policy) -> _PrefillCarry:
     )
 
 
+# Tokens of the longest forward pass a prefill chunk is run in: a policy whose method
+# prescribes long chunks (Fast KVzip's 16K) evicts once per chunk, but its forward runs in pieces
+# of at most this many tokens, so that activations and attention scores stay those of a piece.
+MAX_FORWARD_TOKENS = 2048
+
+
+def forward_piece(chunk: int) -> int:
+    """Tokens per forward piece of a `chunk`-token prefill chunk: the chunk itself up to
+    `MAX_FORWARD_TOKENS`, else its largest divisor within that bound (pieces tile the chunk);
+    a chunk with no divisor of at least a quarter of the bound runs whole."""
+    if chunk <= MAX_FORWARD_TOKENS:
+        return chunk
+    piece = next(size for size in range(MAX_FORWARD_TOKENS, 0, -1) if chunk % size == 0)
+    return piece if 4 * piece >= MAX_FORWARD_TOKENS else chunk
+
+
 def _prefill_span(
     model: Model,
     tokens,
@@ -80,19 +96,21 @@ def _prefill_span(
     backend: Backend,
 ):
     """Prefills chunks [first_chunk, end_chunk) (traced) of tokens [B, T_pad]; the padded tail
-    past the last prompt token is never run, so a prompt-length bucket costs no compute.
-    Returns (kv, carry)."""
+    past the last prompt token is never run, so a prompt-length bucket costs no compute. Each
+    chunk's forward runs in `forward_piece(chunk)`-token pieces, then the policy's
+    `after_prefill_chunk`. Returns (kv, carry)."""
     w = policy.observation_window
+    piece = forward_piece(chunk)
 
-    def step(index, state):
+    def forward(start, state):
+        """One forward piece of `piece` tokens from position `start`."""
         kv, carry = state
-        start = index * chunk
-        chunk_tokens = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
-        token_index = start + jnp.arange(chunk)
+        piece_tokens = jax.lax.dynamic_slice_in_dim(tokens, start, piece, axis=1)
+        token_index = start + jnp.arange(piece)
         positions = jnp.where(token_index < lengths[:, None], token_index, -1)
         hidden, kv, collected = forward_cached(
             model,
-            chunk_tokens,
+            piece_tokens,
             positions,
             kv,
             policy=policy,
@@ -100,10 +118,6 @@ def _prefill_span(
             collect_queries=w > 0,
             collect_input_stats=carry.moments is not None,
             policy_params=policy_params,
-        )
-        seen = jnp.minimum(start + chunk, lengths)
-        kv = policy.after_prefill_chunk(
-            kv, seen=seen, prompt_lengths=lengths, budget_tokens=budget_tokens
         )
         is_last = token_index == lengths[:, None] - 1
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
@@ -117,6 +131,20 @@ def _prefill_span(
                 *moments, count, collected["input_mean"], collected["input_m2"]
             )
         return kv, _PrefillCarry(last_hidden=last_hidden, window=window, moments=moments)
+
+    def step(index, state):
+        start = index * chunk
+        if piece == chunk:
+            kv, carry = forward(start, state)
+        else:
+            kv, carry = jax.lax.fori_loop(
+                0, chunk // piece, lambda i, state: forward(start + i * piece, state), state
+            )
+        seen = jnp.minimum(start + chunk, lengths)
+        kv = policy.after_prefill_chunk(
+            kv, seen=seen, prompt_lengths=lengths, budget_tokens=budget_tokens
+        )
+        return kv, carry
 
     initial = collectives.varying_like((kv, carry), tokens)  # on a mesh: as the step's output
     return jax.lax.fori_loop(first_chunk, end_chunk, step, initial)

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxkv import attention as attention_ops
 from jaxkv import collectives
+from jaxkv.attention.dense import attention_from_scores, grouped_scores, merge_partials
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.models import layers
@@ -46,6 +47,9 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the previous context exactly, starting with"
 OVERLAP = 8
 DEFAULT_REPLAY_CHUNK = 512
+# Prefix slots a replay layer reads at once (`_replay_attention`): a chunk's scores are
+# [chunk queries x this], not [chunk queries x the whole context].
+REPLAY_PREFIX_BLOCK = 4096
 
 
 def byte_ids(text: str) -> tuple[int, ...]:
@@ -123,6 +127,54 @@ def _replay_inputs(tokens, lengths, index: jax.Array, chunk: int, repeat_ids, co
     return ids, jnp.where(valid, positions, -1)
 
 
+def _replay_attention(q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale):
+    """Attention of the replay queries q [B, N, C, H] over the cached prefix (keys, values
+    [B, K, S, H], slots held bool [B, K, S]) and, causally, the chunk itself (k, v [B, K, C, H]).
+
+    The prefix is read in blocks of `REPLAY_PREFIX_BLOCK` slots, twice: an online softmax for
+    the output and the logsumexp, then each block's probabilities for the largest one every
+    slot receives; no [C, S] matrix is formed. Returns attn f32 [B, N, C, H] and f32 [B, K, S]
+    the largest probability each prefix slot receives from any valid query of its group.
+    """
+    b, n, c, _ = q.shape
+    num_kv, s = prefix_k.shape[1], prefix_k.shape[2]
+    block = min(s, REPLAY_PREFIX_BLOCK)
+    blocks = -(-s // block)
+    padding = blocks * block - s
+    pad_slots = ((0, 0), (0, 0), (0, padding))
+    prefix_k, prefix_v = (jnp.pad(x, (*pad_slots, (0, 0))) for x in (prefix_k, prefix_v))
+    prefix_held = jnp.pad(prefix_held, pad_slots)
+    query_valid = (positions >= 0)[:, None, None, :, None]
+    causal = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] >= 0)
+    chunk_scores = grouped_scores(q, k) * sm_scale
+    chunk_scores = jnp.where(causal[:, None, None] & query_valid, chunk_scores, -jnp.inf)
+    out, lse = attention_from_scores(chunk_scores, v)
+
+    def prefix_block(index):
+        """Scaled, masked scores [B, K, G, C, block] and values of one block of the prefix."""
+        keys, values = (
+            jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=2)
+            for x in (prefix_k, prefix_v)
+        )
+        held = jax.lax.dynamic_slice_in_dim(prefix_held, index * block, block, axis=2)
+        scores = grouped_scores(q, keys) * sm_scale
+        return jnp.where(held[:, :, None, None, :] & query_valid, scores, -jnp.inf), values
+
+    def accumulate(index, partial):
+        return merge_partials(*partial, *attention_from_scores(*prefix_block(index)))
+
+    out, lse = jax.lax.fori_loop(0, blocks, accumulate, (out, lse))
+    grouped_lse = lse.reshape(b, num_kv, n // num_kv, c)[..., None]
+
+    def received(index):
+        scores, _ = prefix_block(index)
+        probs = jnp.where(jnp.isfinite(grouped_lse), jnp.exp(scores - grouped_lse), 0.0)
+        return jnp.max(probs, axis=(2, 3))  # [B, K, block]
+
+    per_block = jax.lax.map(received, jnp.arange(blocks))  # [blocks, B, K, block]
+    return out, jnp.moveaxis(per_block, 0, 2).reshape(b, num_kv, -1)[..., :s]
+
+
 def _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, prefix_held):
     """One layer on the replay tokens over the cached prefix and themselves.
 
@@ -132,24 +184,9 @@ def _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, prefix_he
     h = attention_input(lp, cfg, x)
     q = project_queries(lp, cfg, h, cos, sin)
     k, v = project_keys_values(lp, cfg, h, cos, sin)
-    keys = jnp.concatenate([prefix_k.astype(k.dtype), k], axis=2)
-    values = jnp.concatenate([prefix_v.astype(v.dtype), v], axis=2)
-    b, c = positions.shape
-    num_kv, s = cfg.num_kv_heads, prefix_k.shape[2]
-    query_valid = (positions >= 0)[:, None, None, :, None]
-    causal = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] >= 0)
-    mask = jnp.concatenate(
-        [
-            jnp.broadcast_to(prefix_held[:, :, None, None, :], (b, num_kv, 1, c, s)),
-            jnp.broadcast_to(causal[:, None, None], (b, num_kv, 1, c, c)),
-        ],
-        axis=-1,
+    attn, received = _replay_attention(
+        q, k, v, positions, prefix_k, prefix_v, prefix_held, cfg.head_dim**-0.5
     )
-    probs = attention_ops.attention_probabilities(q, keys, mask & query_valid, cfg.head_dim**-0.5)
-    grouped = probs.reshape(b, num_kv, -1, c, s + c)
-    attn = jnp.einsum("bkgcs,bksh->bkgch", grouped, values.astype(jnp.float32))
-    received = jnp.max(grouped[..., :s], axis=(2, 3))
-    attn = attn.reshape(b, cfg.num_heads, c, -1)
     return attention_output_and_mlp(lp, cfg, x, attn, collectives.reduce_partial_sums), received
 
 
