@@ -42,10 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -56,6 +53,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv import bundled, policies, tasks
+from jaxkv.benchmarks import harness
 from jaxkv.forward import forward_cached
 from jaxkv.generation import StepContext, decode_step
 from jaxkv.model_sources import load_model, model_file_sha256
@@ -638,22 +636,6 @@ def _settings(base: Settings, assignments: list[str]) -> Settings:
     return dataclasses.replace(base, **values)
 
 
-def _provenance(argv: list[str], model_arg) -> dict:
-    device = jax.devices()[0]
-    return {
-        "command": " ".join(["jaxkv bench confkv", *argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "jax": jax.__version__,
-        "model": str(model_arg),
-        "model_file_sha256": model_file_sha256(model_arg),
-        "machine": {
-            "device": f"{device.platform}: {device.device_kind}",
-            "host": f"{platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs",
-            "load_average_at_start": os.getloadavg(),
-        },
-    }
-
-
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -697,9 +679,9 @@ def main(argv=None) -> dict:
             f"needles on {args.model}"
         )
     reading = Reading(tokenizer, args.text or ("heldout" if byte_level else "prose"))
-    args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    report = {**_provenance(argv, args.model), "text": reading.text}
+    report = {**harness.provenance("jaxkv bench confkv", argv), "model": str(args.model)}
+    report |= {"model_file_sha256": model_file_sha256(args.model), "text": reading.text}
     report["settings"] = dataclasses.asdict(s)
     if "kl" in parts:
         report["kl"] = run_kl(model, reading, s, log=_timed_log)
@@ -713,13 +695,12 @@ def main(argv=None) -> dict:
         report["ablation"] = run_ablation(model, reading, s, rows, log=_timed_log)
     report["seconds"] = time.time() - started
     stem = "confkv" if parts == ["kl", "ppl", "needle"] else "-".join(["confkv", *parts])
-    (args.out / f"{stem}.json").write_text(json.dumps(report) + "\n")
+    text = table(report)
+    harness.save(args.out, stem, report, text, indent=None)  # per-step traces
     if "ppl" in parts:
         prefix = "" if stem == "confkv" else f"{stem}-"
         plot_trace(report["ppl"]["policies"]["confkv"], args.out / f"{prefix}trace.png")
         plot_ppl(report["ppl"], args.out / f"{prefix}ppl_by_length.png")
-    text = table(report)
-    (args.out / f"{stem}.md").write_text(text)
     print(text)
     return report
 

@@ -10,8 +10,9 @@ writes JSON. Absolute times from a CPU machine are noise; the ratios are the res
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ from tqdm import tqdm
 
 import jaxkv
 from jaxkv import policies
+from jaxkv.benchmarks import harness
 from jaxkv.models import ModelConfig, init_model
 from jaxkv.models.configs import Family
 
@@ -91,8 +93,7 @@ def main(argv=None) -> dict:
         row["memory_ratio"] = row["kv_bytes_final"] / full["kv_bytes_final"]
         row["pool_ratio"] = row["pool_bytes_allocated"] / full["pool_bytes_allocated"]
     report = {
-        "device": str(jax.devices()[0]),
-        "jax": jax.__version__,
+        **harness.provenance("jaxkv bench decode", sys.argv[1:] if argv is None else argv),
         "config": vars(args),
         "rows": rows,
     }
@@ -102,8 +103,8 @@ def main(argv=None) -> dict:
             f"{name:<15}{row['time_ratio']:>12.3f}{row['memory_ratio']:>15.3f}"
             f"{row['pool_ratio']:>12.3f}"
         )
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    out = Path(args.out)
+    harness.save(out.parent, out.stem, report)
     return report
 
 

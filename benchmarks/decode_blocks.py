@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import time
 from pathlib import Path
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
 from jaxkv import bundled, policies
 from jaxkv.benchmarks import confkv as reader
+from jaxkv.benchmarks import harness
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.train import corpus as corpus_lib
 
@@ -88,18 +86,13 @@ def main(argv=None) -> dict:
     texts = [heldout.text(rng, s.prefix + s.continuation + 1) for _ in range(args.texts)]
     summary = run(model, texts, s)
     report = {
-        "command": "jaxkv bench decode_blocks " + " ".join(argv or []),
-        "date": time.strftime("%Y-%m-%d"),
-        "jax": jax.__version__,
-        "device": str(jax.devices()[0]),
+        **harness.provenance("jaxkv bench decode_blocks", argv or []),
         "settings": dataclasses.asdict(s),
         "texts": args.texts,
         "results": summary,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode_blocks.json").write_text(json.dumps(report, indent=1) + "\n")
     text = table(summary, args.texts, s)
-    (args.out / "decode_blocks.md").write_text(text)
+    harness.save(args.out, "decode_blocks", report, text)
     print(text)
     return report
 

@@ -15,10 +15,13 @@ import dataclasses
 import functools
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import jax
 
 from jaxkv import pallas_kernels as pk
+from jaxkv.benchmarks import harness
 from jaxkv.benchmarks.kernels import FULL, decode_inputs, prefill_lists, seconds_per_call
 
 
@@ -114,13 +117,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--out", default="tuning.json")
     args = parser.parse_args(argv)
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    command = "python -m jaxkv.benchmarks.kernel_tuning"
+    report = harness.provenance(command, sys.argv[1:] if argv is None else argv)
     if not args.skip_decode:
         report["decode"] = tune_decode(((1, 32768), (8, 32768), (32, 32768)), args.repeats)
     if not args.skip_prefill:
         report["prefill"] = tune_prefill(args.prefill_tokens, (1.0, 0.25), args.repeats)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    harness.save(Path(args.out).parent, Path(args.out).stem, report)
     for section, key in (("decode", ("batch", "tokens")), ("prefill", ("tokens", "density"))):
         timed = [row for row in report.get(section, ()) if "ms" in row]
         for shape in sorted({tuple(row[k] for k in key) for row in timed}):

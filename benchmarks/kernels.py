@@ -31,7 +31,9 @@ import argparse
 import dataclasses
 import functools
 import json
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,7 @@ import numpy as np
 
 from jaxkv import attention
 from jaxkv import pallas_kernels as pk
+from jaxkv.benchmarks import harness
 from jaxkv.pallas_kernels.paged_decode.ops import offsets_would_wrap
 
 
@@ -361,8 +364,7 @@ def main(argv=None) -> dict:
     interpret = jax.default_backend() != "gpu"
     copy_bps = copy_bandwidth(sweep.copy_bytes, args.repeats)
     report = {
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
+        **harness.provenance("jaxkv bench kernels", sys.argv[1:] if argv is None else argv),
         "interpret": interpret,
         "sweep": dataclasses.asdict(sweep),
         "copy_bandwidth_gbs": copy_bps / 1e9,
@@ -398,8 +400,7 @@ def main(argv=None) -> dict:
 
 
 def _save(report: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
+    harness.save(Path(path).parent, Path(path).stem, report)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +45,7 @@ import numpy as np
 
 from jaxkv import policies
 from jaxkv.attention import Backend
+from jaxkv.benchmarks import harness
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig
 from jaxkv.cache.repack import device_decode_geometry
@@ -348,21 +347,6 @@ def plan_request(
     }
 
 
-def _source_commit() -> str | None:
-    """The git commit of the checkout this runs from (None outside one)."""
-    try:
-        found = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return found.stdout.strip()
-
-
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -434,19 +418,15 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
             print(markdown_table([row]).splitlines()[-1], flush=True)
     report = {
-        "command": "jaxkv bench plan " + " ".join(argv),
+        **harness.provenance("jaxkv bench plan", argv),
         "model": args.model,
-        "jax": jax.__version__,
         "backend": jax.default_backend(),
-        "commit": _source_commit(),
         "rows": rows,
     }
     table = markdown_table(rows)
     print(table)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "plan.json").write_text(json.dumps(report, indent=2) + "\n")
-        (args.out / "plan.md").write_text(table)
+        harness.save(args.out, "plan", report, table)
     return report
 
 

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 from pathlib import Path
 
 import jax
@@ -33,6 +34,7 @@ from tqdm import tqdm
 
 import jaxkv
 from jaxkv import bundled, policies, tasks
+from jaxkv.benchmarks import harness
 from jaxkv.forward import forward_cached
 from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.gates.wgkv import load_write_gates
@@ -453,8 +455,8 @@ def main(argv=None) -> dict:
         params["fastkvzip"] = fastkvzip_gate.load_safetensors(args.fastkvzip_gates, model.config)
     heldout = corpus_lib.load_corpus("heldout")
     rows = run_sweep(model, sweep, heldout, policy_params=params)
-    args.out.mkdir(parents=True, exist_ok=True)
     report = {
+        **harness.provenance("jaxkv bench quality", sys.argv[1:] if argv is None else argv),
         "model": str(args.model),
         "gates": {
             name: str(path)
@@ -462,11 +464,9 @@ def main(argv=None) -> dict:
             if name in sweep.policies and path is not None
         },
         "sweep": dataclasses.asdict(sweep),
-        "jax": jax.__version__,
-        "device": jax.devices()[0].device_kind,
         "rows": rows,
     }
-    (args.out / "quality.json").write_text(json.dumps(report, indent=2) + "\n")
+    harness.save(args.out, "quality", report)
     return render(args.out / "quality.json")
 
 

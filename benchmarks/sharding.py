@@ -33,6 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jaxkv.benchmarks import harness
+
 ROW_MARKER = "SHARDING_ROW_JSON "
 CHILD_CWD = Path(__file__).resolve().parents[2]  # the directory that holds the jaxkv package
 COLLECTIVE_KINDS = (
@@ -335,9 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
+    harness.save(out.parent, out.stem, report, markdown(report))
     print(markdown(report))
     return report
 

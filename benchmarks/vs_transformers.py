@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 import warnings
@@ -27,6 +26,7 @@ import jax
 
 import jaxkv
 from jaxkv import downloads, policies
+from jaxkv.benchmarks import harness
 from jaxkv.models import gguf_tokenizer, load_gguf
 from jaxkv.prose import prose
 
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     path = downloads.model_path(args.model)
     model, tokenizer = load_gguf(path), gguf_tokenizer(path)
     lengths = tuple(args.new_tokens)
+    provenance = harness.provenance("jaxkv bench vs_transformers", argv)  # the load at start
     rows = []
     for prompt_tokens in args.prompt_tokens:
         prompt = tokenizer.encode(prose(8 * prompt_tokens))[:prompt_tokens]
@@ -113,17 +114,13 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(json.dumps(row))
     report = {
-        "command": "jaxkv bench vs_transformers " + " ".join(argv),
+        **provenance,
         "model": args.model,
         "file_sha256": downloads.KNOWN_MODELS[args.model].sha256,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "load_average_at_end": os.getloadavg(),
-        "jax": jax.__version__,
         "new_tokens": lengths,
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "vs-transformers.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "| prompt tokens | jaxkv ms/token | transformers ms/token | decode speed-up | "
         "prefill speed-up |",
@@ -135,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['transformers_ms_per_token']:.1f} | {row['decode_speedup']:.2f}x | "
             f"{row['prefill_speedup']:.2f}x |"
         )
-    (args.out / "vs-transformers.md").write_text("\n".join(lines) + "\n")
+    harness.save(args.out, "vs-transformers", report, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

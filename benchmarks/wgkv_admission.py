@@ -17,17 +17,15 @@ per-(head, text) shares).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 
 import jaxkv
 from jaxkv import bundled, policies
+from jaxkv.benchmarks import harness
 from jaxkv.benchmarks.quality import BOS
 from jaxkv.gates.wgkv import load_write_gates
 from jaxkv.models import load_hf_checkpoint
@@ -155,12 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(args.seed)
     texts = [corpus.text(rng, args.length - 1) for _ in range(args.texts)]
     policy = policies.WGKV()
+    command = "python -m jaxkv.benchmarks.wgkv_admission"
     report = {
-        "command": "python -m jaxkv.benchmarks.wgkv_admission "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": datetime.date.today().isoformat(),
-        "jax": jax.__version__,
-        "machine": f"{platform.machine()} CPU" if jax.default_backend() == "cpu" else "GPU",
+        **harness.provenance(command, sys.argv[1:] if argv is None else argv),
         "texts": args.texts,
         "length": args.length,
         "tau": policy.tau,
@@ -175,9 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         row["example"] = example(shares, positions, texts, args.example_bytes)
         report["gates"][path.name] = row
         all_shares[path.name] = shares
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(report))
+    harness.save(args.out.parent, args.out.name, report, markdown(report))
     plot(report, all_shares, args.out.with_suffix(".png"))
     print(markdown(report))
     return report
