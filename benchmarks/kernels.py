@@ -311,7 +311,9 @@ def bench_wgkv_prefill(sweep, tokens, *, backend, repeats) -> list[dict]:
 
 
 def _print_tables(report: dict) -> None:
-    print(f"copy bandwidth {report['copy_bandwidth_gbs']:.1f} GB/s on {report['device']}")
+    print(
+        f"copy bandwidth {report['copy_bandwidth_gbs']:.1f} GB/s on {report['machine']['device']}"
+    )
     print(
         f"{'batch':>6}{'tokens':>9}{'pages':>7}{'ms':>10}{'GB/s':>10}{'of copy':>9}{'vs dense':>10}"
     )
