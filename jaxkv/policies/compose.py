@@ -52,6 +52,13 @@ class Composed(base.Policy):
                     "(the decode budget is the selection's read budget); compose an admission "
                     "policy with a page selection policy"
                 )
+            if _compresses_the_prompt(part):
+                raise ValueError(
+                    f"policy {part.name!r} compresses the prompt after prefill with a budget "
+                    "of its own, which compose() does not carry (the one budget is the "
+                    "selection's read budget); compose an admission policy with a page "
+                    "selection policy"
+                )
 
     @property
     def label(self) -> str:
@@ -118,6 +125,17 @@ class Composed(base.Policy):
 
     def on_decode(self, kv: KVState, ctx: base.DecodeContext) -> KVState:
         return self.selection.on_decode(self.admission.on_decode(kv, ctx), ctx)
+
+
+def _compresses_the_prompt(policy: base.Policy) -> bool:
+    """Whether the policy evicts between prefill chunks or after prefill (its own hooks)."""
+    return (
+        any(
+            getattr(type(policy), hook) is not getattr(base.Policy, hook)
+            for hook in ("compress", "after_prefill_chunk")
+        )
+        or policy.needs_prompt_tokens
+    )
 
 
 def compose(admission: base.Policy, selection: base.Policy) -> Composed:
