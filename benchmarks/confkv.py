@@ -322,6 +322,7 @@ def _close_gaps(results: dict, full: dict, s: Settings, task: str) -> None:
 
 
 def run_ppl(model, reading: Reading, s: Settings, log=print) -> dict:
+    ppl_policies(s, matched=1)  # settings no policy accepts fail here, before any reading
     rows = reading.rows("ppl", s.texts, s.prefix + s.continuation + 1)
     prefill = len(reading.opening) + s.prefix
 

@@ -115,3 +115,12 @@ def test_tiny_ablation_matches_the_window_to_confkv_memory(model, reading):
         assert set(row["gap_closed"]) == {"share", "interval_90", "per_text", "texts"}
     with pytest.raises(ValueError, match="unknown ablation rows"):
         bench.run_ablation(model, reading, s, ["nope"])
+
+
+def test_ppl_settings_no_policy_accepts_fail_before_any_reading(model, reading):
+    # The pyramid's smallest layer budget is tight x 0.5 = 8, not above protected = 8.
+    s = dataclasses.replace(bench.QUICK, tight=16, loose=32, protected=8)
+    logged = []
+    with pytest.raises(ValueError, match="protected=8 must be smaller"):
+        bench.run_ppl(model, reading, s, log=lambda *args: logged.append(args))
+    assert logged == []
