@@ -33,8 +33,8 @@ per-token metadata), averaged over decode steps. Sample counts are small (CPU); 
 
     jaxkv bench confkv --out results/confkv
     jaxkv bench confkv --parts ablation --set ablation_texts=12
-    jaxkv bench confkv --model smollm2-135m-instruct --parts ppl --set texts=24 --set prefix=256 \
-        --set continuation=768 --set tight=128 --set loose=512 --set protected=64
+    jaxkv bench confkv --model smollm2-135m-instruct --parts ppl --set texts=16 --set prefix=256 \
+        --set continuation=512 --set tight=128 --set loose=512 --set protected=48
 """
 
 from __future__ import annotations
@@ -215,6 +215,12 @@ def _bytes_per_step(kv, pages: np.ndarray) -> np.ndarray:
         tier = kv.pool.int8
         held += pages[:, 1].astype(np.int64) * tier.pool.page_bytes + tier.channel_scale_bytes
     return held
+
+
+def byte_rows(texts: list[bytes]) -> np.ndarray:
+    """int32 [B, 1 + len] the byte-level model's ids of equal-length texts: BOS, then the bytes
+    (`teacher_forced` then prefills `1 + prefix` of them)."""
+    return np.array([[BOS, *text] for text in texts], np.int32)
 
 
 def teacher_forced(

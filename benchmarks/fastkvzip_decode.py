@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from jaxkv import policies
-from jaxkv.benchmarks.confkv import REFERENCE_MODEL, SEED, Settings, teacher_forced
+from jaxkv.benchmarks import harness
+from jaxkv.benchmarks.confkv import REFERENCE_MODEL, SEED, Settings, byte_rows, teacher_forced
 from jaxkv.benchmarks.quality import FASTKVZIP_GATES
 from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.models import load_hf_checkpoint
@@ -29,15 +29,18 @@ from jaxkv.train import corpus as corpus_lib
 
 
 def run(model, gates, texts, settings: Settings, ratio: float, log=print) -> dict:
-    results = {"full": teacher_forced(model, policies.FullCache(), texts, settings)}
-    log("full", results["full"]["bits_per_byte"])
-    fast = policies.FastKVzip(ratio=ratio)
-    results["fastkvzip"] = teacher_forced(model, fast, texts, settings, policy_params=gates)
+    ids, prefill = byte_rows(texts), settings.prefix + 1
+
+    def read(policy, policy_params=None):
+        return teacher_forced(model, policy, ids, prefill, settings, policy_params=policy_params)
+
+    results = {"full": read(policies.FullCache())}
+    log("full", results["full"]["bits_per_token"])
+    results["fastkvzip"] = read(policies.FastKVzip(ratio=ratio), gates)
     matched = max(int(round(results["fastkvzip"]["tokens_per_head"])), 1)
-    log("fastkvzip", results["fastkvzip"]["bits_per_byte"], "tokens/head", matched)
-    h2o = policies.H2O(budget=matched, recent=settings.protected)
-    results["h2o"] = teacher_forced(model, h2o, texts, settings)
-    log("h2o", results["h2o"]["bits_per_byte"])
+    log("fastkvzip", results["fastkvzip"]["bits_per_token"], "tokens/head", matched)
+    results["h2o"] = read(policies.H2O(budget=matched, recent=settings.protected))
+    log("h2o", results["h2o"]["bits_per_token"])
     for result in results.values():
         result.pop("trace")
     return {"ratio": ratio, "matched_tokens_per_head": matched, "policies": results}
@@ -49,10 +52,10 @@ def table(report: dict) -> str:
         "| policy | bpb | bpb - full | tokens/head | KV KiB/seq (mean over steps) |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for name, result in report["policies"].items():
+    for name, result in report["policies"].items():  # byte-level: bits per token are per byte
         lines.append(
-            f"| {name} | {result['bits_per_byte']:.3f} | "
-            f"{result['bits_per_byte'] - full['bits_per_byte']:+.3f} | "
+            f"| {name} | {result['bits_per_token']:.3f} | "
+            f"{result['bits_per_token'] - full['bits_per_token']:+.3f} | "
             f"{result['tokens_per_head']:.0f} | {result['kv_bytes_per_sequence'] / 1024:.0f} |"
         )
     return "\n".join(lines) + "\n"
@@ -85,13 +88,13 @@ def main(argv=None) -> dict:
     generator = np.random.default_rng([SEED, 1])
     length = args.prefix + args.continuation + 1
     texts = [heldout.text(generator, length) for _ in range(args.texts)]
-    report = run(model, gates, texts, settings, args.ratio)
+    command = harness.provenance(
+        "python -m jaxkv.benchmarks.fastkvzip_decode", sys.argv[1:] if argv is None else argv
+    )
+    report = {**command, **run(model, gates, texts, settings, args.ratio)}
     report["settings"] = vars(args) | {"model": str(args.model), "gates": str(args.gates)}
-    report["jax"] = jax.__version__
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode.json").write_text(json.dumps(report, default=str) + "\n")
     text = table(report)
-    (args.out / "decode.md").write_text(text)
+    harness.save(args.out, "decode", report, text)
     print(text)
     return report
 

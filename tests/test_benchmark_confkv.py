@@ -24,6 +24,14 @@ def reading():
     return bench.Reading(byte_tokenizer(), "heldout")
 
 
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    """A tiny model file with a tokenizer of its own (not byte-level)."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    gguf_files.write_gguf(path, gguf_files.random_model("qwen2-bias"), "qwen2", "F16", "qwen2")
+    return path
+
+
 @pytest.mark.parametrize("evict_every", [1, 8])
 def test_teacher_forced_read_holds_the_budget_on_due_steps(model, evict_every):
     text = b"def area(width, height):\n    return width * height\n\n" * 4
@@ -79,10 +87,8 @@ def test_heldout_rows_are_the_bos_and_the_corpus_bytes(reading):
     assert not np.array_equal(rows, reading.rows("kl", 3, 40))  # each task its own texts
 
 
-def test_prose_rows_are_the_models_own_ids_of_python_docs(tmp_path):
-    path = tmp_path / "tiny.gguf"
-    gguf_files.write_gguf(path, gguf_files.random_model("qwen2-bias"), "qwen2", "F16", "qwen2")
-    tokenizer = gguf_tokenizer(path)
+def test_prose_rows_are_the_models_own_ids_of_python_docs(gguf_path):
+    tokenizer = gguf_tokenizer(gguf_path)
     reading = bench.Reading(tokenizer, "prose")
     rows = reading.rows("ppl", 2, 300)
     assert rows.shape == (2, len(tokenizer.encode("")) + 300)
@@ -94,11 +100,9 @@ def test_prose_rows_are_the_models_own_ids_of_python_docs(tmp_path):
         bench.Reading(tokenizer, "web")
 
 
-def test_needles_are_refused_for_a_model_with_its_own_tokenizer(tmp_path):
-    path = tmp_path / "tiny.gguf"
-    gguf_files.write_gguf(path, gguf_files.random_model("qwen2-bias"), "qwen2", "F16", "qwen2")
+def test_needles_are_refused_for_a_model_with_its_own_tokenizer(gguf_path, tmp_path):
     with pytest.raises(SystemExit, match="the needle part is byte-level"):
-        bench.main(["--model", str(path), "--parts", "ppl,needle", "--out", str(tmp_path)])
+        bench.main(["--model", str(gguf_path), "--parts", "ppl,needle", "--out", str(tmp_path)])
 
 
 def test_tiny_ablation_matches_the_window_to_confkv_memory(model, reading):
