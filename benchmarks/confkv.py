@@ -33,8 +33,9 @@ per-token metadata), averaged over decode steps. Sample counts are small (CPU); 
 
     jaxkv bench confkv --out results/confkv
     jaxkv bench confkv --parts ablation --set ablation_texts=12
-    jaxkv bench confkv --model smollm2-135m-instruct --parts ppl --set texts=16 --set prefix=256 \
-        --set continuation=512 --set tight=128 --set loose=512 --set protected=48
+    jaxkv bench confkv --model smollm2-135m-instruct --parts ppl --set texts=24 --set prefix=512 \
+        --set continuation=512 --set tight=128 --set loose=512 --set protected=48 \
+        --out results/confkv-smollm2
 """
 
 from __future__ import annotations
@@ -283,10 +284,10 @@ def ppl_policies(s: Settings, matched: int) -> dict:
         "sliding_window": policies.SlidingWindow(budget=matched, evict_every=1),
         "streaming_llm": policies.StreamingLLM(budget=matched, evict_every=1),
         "confkv_pyramid": dataclasses.replace(confkv, pyramid=True),
-        "confkv_int8": (confkv, INT8_CACHE),  # (policy, cache)
         "confkv_random": dataclasses.replace(confkv, ranking=Ranking.RANDOM),
         "confkv_recency_alpha0": dataclasses.replace(confkv, alpha=0.0),
         "confkv_attention_alpha1": dataclasses.replace(confkv, alpha=1.0),
+        "confkv_int8": (confkv, INT8_CACHE),  # (policy, cache); last: the slowest on a CPU
     }
 
 

@@ -9,7 +9,7 @@ reports:
   repack    the compressed state into its decode geometry (`repack_program`), where it differs;
   decode    the decode loop (`decode_loop`): its memory;
   step      one decode step's reading (`read_tokens`): bytes accessed and flops per token;
-  evict     the policy's decode-time eviction (`Policy.on_decode`), run every
+  evict     the policy's decode-time eviction (the decode eviction's `on_decode`), run every
             `decode_interval` steps: its bytes and flops apart, and per step amortised.
 
 Bytes accessed are XLA's cost analysis (HloCostAnalysis), an upper bound on traffic, not a
@@ -52,7 +52,7 @@ from jaxkv.cache.repack import device_decode_geometry
 from jaxkv.generation import StepContext
 from jaxkv.generation.decode import decode_context, decode_loop, read_tokens, repack_program
 from jaxkv.generation.prefill import prefill_and_compress
-from jaxkv.generation.request import DEFAULT_PREFILL_CHUNK, Prompts, prefill_geometry
+from jaxkv.generation.request import Prompts, default_prefill_chunk, prefill_geometry
 from jaxkv.models import configs
 from jaxkv.models.decoder import Model, param_shapes
 from jaxkv.sampling import Sampler
@@ -180,7 +180,7 @@ def _abstract_request(
     cfg: configs.ModelConfig, *, context, batch, policy, max_new_tokens, page_size, dtype
 ) -> _AbstractRequest:
     lengths = np.full(batch, context, np.int32)
-    chunk = policy.prefill_chunk(lengths, DEFAULT_PREFILL_CHUNK)
+    chunk = default_prefill_chunk(policy, lengths)
     num_chunks = -(-context // chunk)
     prompts = Prompts(
         tokens=np.zeros((batch, chunk * num_chunks), np.int32),
@@ -271,10 +271,11 @@ def _decode_costs(
         )
     )
     evict = None
-    if r.static.evicts_during_decode:
+    eviction = r.static.decode_eviction
+    if eviction is not None:
 
         def on_decode(kv, ctx, positions, logits):
-            return r.static.on_decode(kv, decode_context(ctx, positions, logits, cfg.group_size))
+            return eviction.on_decode(kv, decode_context(ctx, positions, logits, cfg.group_size))
 
         logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32)
         evict = program_cost(
@@ -305,7 +306,11 @@ def plan_request(
     )
     prefill = _prefill_cost(r)
     held, held_rule = planned_lengths(policy, cfg, context, batch, r.budget_tokens)
-    bound = policy.decode_tokens_bound(r.budget_tokens, r.lengths, max_new_tokens)
+    bound = None
+    if policy.decode_eviction is not None:
+        bound = policy.decode_eviction.decode_tokens_bound(
+            r.budget_tokens, r.lengths, max_new_tokens
+        )
     num_pages, max_pages = device_decode_geometry(held, bound, max_new_tokens, page_size)
     decode_geometry = dict(r.geometry, num_pages=num_pages, max_tokens=max_pages * page_size)
     decode_kv = jax.eval_shape(lambda: KVState.create(**decode_geometry))
@@ -324,7 +329,7 @@ def plan_request(
     peaks = [prefill.peak, decode.peak]
     if repack is not None:
         peaks.append(weights + repack.peak)
-    interval = r.static.decode_interval if evict is not None else None
+    interval = r.static.decode_eviction.decode_interval if evict is not None else None
     step_bytes = step.bytes_accessed + (evict.bytes_accessed / interval if evict else 0.0)
     return {
         "policy": policy.name,

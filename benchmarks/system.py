@@ -326,7 +326,7 @@ def _kv_read_per_step(policy, out, prompt_lengths) -> tuple[float, str]:
     """KV bytes one decode step reads: the mean held over the decode steps; a page-selecting
     policy reads its budget's worth of tokens plus every page's key bounds."""
     held = float(np.mean(out.memory_bytes[1:])) if len(out.memory_bytes) > 1 else 0.0
-    if not policy.selects_pages:
+    if policy.selection is None:
         return held, "mean KV bytes held over the decode steps"
     state = out.state
     pool = state.pool

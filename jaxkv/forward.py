@@ -3,7 +3,7 @@
 `forward` is the model's cache-free forward with the attention on a chosen backend.
 `forward_cached` runs one chunk (prefill chunk or decode token) through the model's blocks
 (`jaxkv.models.decoder`), threading the paged KV state layer by layer: per layer, the model projects
-q, k, v, the policy scores the chunk's keys (`Policy.write_scores`), `layer_step.attend_and_write`
+q, k, v, the policy's gate scores the chunk's keys (`write_scores`), `layer_step.attend_and_write`
 attends and writes, and the model's output projection and MLP follow.
 """
 
@@ -18,11 +18,12 @@ import jax.numpy as jnp
 
 from jaxkv import attention as attention_ops
 from jaxkv import collectives
-from jaxkv.cache import KVState, check_ring_policy
+from jaxkv.cache import KVState, LocalRing
 from jaxkv.layer_step import attend_and_write
 from jaxkv.models import decoder, layers
 from jaxkv.models.configs import ModelConfig
 from jaxkv.models.decoder import Model
+from jaxkv.parts import PolicyParts, local_window
 
 
 def forward(
@@ -69,7 +70,7 @@ def forward_cached(
     positions: jax.Array,
     kv: KVState,
     *,
-    policy: Any,
+    policy: PolicyParts,
     backend: str | attention_ops.Backend = "xla",
     collect_queries: bool = False,
     collect_input_stats: bool = False,
@@ -82,7 +83,8 @@ def forward_cached(
       tokens: int32 [B, C]; positions: int32 [B, C] original positions, -1 marks padding
         (not attended from, never written).
       kv: the KV state holding everything before this chunk.
-      policy: the cache policy (static); decides admission at write time.
+      policy: the cache policy (static; `jaxkv.parts`): its gate scores and its admission
+        decides what is written, its attention scoring and selection act in the step.
       backend: "xla", "pallas" or "interpret", resolved here once (`jaxkv.attention.Backend`).
       collect_queries: also return every layer's rotated queries, "queries" [L, B, N, C, H].
       collect_input_stats: also return per-layer statistics of the attention input over the
@@ -90,7 +92,7 @@ def forward_cached(
         mean, two-pass) f32 [L, B, D], to be combined across chunks (`combine_moments`).
       read_budget: int32 [B] tokens' worth of pages a page-selecting policy reads (Quest).
       policy_params: the policy's learned parameters (gates), every leaf stacked [L, ...];
-        layer l's slice reaches `policy.write_scores`. None for policies without parameters.
+        layer l's slice reaches the gate's `write_scores`. None for policies without them.
     Returns:
       final-normed hidden states [B, C, D], the KV state with the chunk written, and the
       collected per-layer values (an empty dict when nothing is collected).
@@ -98,7 +100,7 @@ def forward_cached(
     cfg, params = model.config, model.params
     backend = attention_ops.resolve_backend(backend)
     _check_chunk_shapes(cfg, tokens, positions, kv)
-    check_ring_policy(policy, kv.ring)
+    _check_ring(policy, kv.ring)
     cos, sin = decoder.rope_for(cfg, positions)
     valid = (positions >= 0)[..., None]
 
@@ -109,9 +111,11 @@ def forward_cached(
         q = decoder.project_queries(lp, cfg, h, cos, sin)
         k_unrotated, v = decoder.project_unrotated_keys_values(lp, cfg, h)
         k = layers.apply_rope(k_unrotated, cos, sin)
-        write_scores = policy.write_scores(
-            layer_policy_params, h=h, k_unrotated=k_unrotated, k=k, positions=positions
-        )
+        write_scores = None
+        if policy.gate is not None:
+            write_scores = policy.gate.write_scores(
+                layer_policy_params, h=h, k_unrotated=k_unrotated, k=k, positions=positions
+            )
         attn, pool, page_table, lengths, ring = attend_and_write(
             pool,
             page_table,
@@ -143,6 +147,18 @@ def forward_cached(
     )
     kv = dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths, ring=ring)
     return decoder.final_hidden(params, cfg, x), kv, collected
+
+
+def _check_ring(policy: PolicyParts, ring: LocalRing | None) -> None:
+    """Raises when a policy whose admission reads a local ring meets a state without one of
+    its size."""
+    wanted = local_window(policy)
+    if wanted and (ring is None or ring.window != wanted):
+        have = "no local ring" if ring is None else f"a local ring of {ring.window} slots"
+        raise ValueError(
+            f"policy {policy.name!r} needs a KV state with a local ring of window={wanted} "
+            f"slots (KVState.create(local_window=...)); this state has {have}"
+        )
 
 
 def chunk_moments(h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:

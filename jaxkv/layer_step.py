@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +38,7 @@ from jaxkv.cache.int8 import spill_layer
 from jaxkv.cache.ring import promote_and_push
 from jaxkv.cache.state import Int8Tier, LocalRing, PagePool
 from jaxkv.cache.writes import accumulate_cached_mass, set_written_scores, write_tokens
+from jaxkv.parts import PolicyParts
 
 
 def int8_tier_attention(
@@ -68,16 +68,17 @@ def int8_tier_attention(
     )
 
 
-def _check_step(policy, pool: PagePool, ring: LocalRing | None, write_scores) -> None:
+def _check_step(policy: PolicyParts, pool: PagePool, ring: LocalRing | None, write_scores) -> None:
     """Raises for combinations the step does not support (static, while tracing)."""
-    if ring is not None and policy.accumulates_attention:
+    scoring = policy.attention_scoring is not None
+    if ring is not None and scoring:
         raise ValueError(
             f"policy {policy.name!r} accumulates attention mass, which a state with a local "
             "ring does not track"
         )
     if ring is not None and pool.int8 is not None:
         raise ValueError("a KV state with a local ring does not support int8 storage yet")
-    if policy.accumulates_attention and write_scores is not None:
+    if scoring and write_scores is not None:
         raise ValueError(f"policy {policy.name!r} both accumulates attention and gates writes")
 
 
@@ -85,10 +86,9 @@ def _cached_partials(q, pool: PagePool, page_table, held, layer, *, policy, read
     """Partial attentions over the cached pages, then the int8 tier's: [(out, lse[, probs])]."""
     page_mask = None
     if read_budget is not None:
-        page_mask = policy.select_pages(q, pool, page_table, held, read_budget)
-    return_probs = policy.accumulates_attention and attention_ops.probs_come_with_attention(
-        step["backend"], q.shape[2]
-    )
+        page_mask = policy.selection.select_pages(q, pool, page_table, held, read_budget)
+    scoring = policy.attention_scoring is not None
+    return_probs = scoring and attention_ops.probs_come_with_attention(step["backend"], q.shape[2])
     partials = [
         attention_ops.paged_attention(
             q,
@@ -127,13 +127,13 @@ def _chunk_partials(q, k, v, positions, admitted, ring: LocalRing | None, *, ste
 
 
 def _accumulate_mass(
-    q, pool: PagePool, page_table, held, lengths, cached, lse, layer, *, policy, positions, step
+    q, pool: PagePool, page_table, held, lengths, cached, lse, layer, *, scoring, positions, step
 ):
     """Adds the chunk's attention mass to the cached slots' scores (pages, then the int8 tier)
-    by the policy's rule (`update_scores`); lengths [B, K]: every tier's tokens per head."""
-    _, query_weights = policy.mass_weights(positions)
+    by the scoring's rule (`update_scores`); lengths [B, K]: every tier's tokens per head."""
+    _, query_weights = scoring.mass_weights(positions)
     num_kv_heads = page_table.shape[1]
-    update = functools.partial(policy.update_scores, positions=positions, cached_lengths=lengths)
+    update = functools.partial(scoring.update_scores, positions=positions, cached_lengths=lengths)
 
     def mass(partial, k_pages, table, tokens, k_scales=None, k_channel_scales=None):
         if len(partial) == 3:  # the probabilities came with the attention
@@ -179,10 +179,10 @@ def _writes_first(ring, tier) -> bool:
 
 
 def _mass_scores(
-    q, k, positions, pool, page_table, held, lengths, cached, lse, layer, *, policy, step
+    q, k, positions, pool, page_table, held, lengths, cached, lse, layer, *, scoring, step
 ):
     """The chunk's attention mass: added to the cached slots' scores (`_accumulate_mass`), and
-    the chunk's own tokens' scores f32 [B, K, C] by the policy's rule. Returns (pool, scores)."""
+    the chunk's own tokens' scores f32 [B, K, C] by the scoring's rule. Returns (pool, scores)."""
     pool, query_weights = _accumulate_mass(
         q,
         pool,
@@ -192,12 +192,14 @@ def _mass_scores(
         cached,
         lse,
         layer,
-        policy=policy,
+        scoring=scoring,
         positions=positions,
         step=step,
     )
     chunk_mass = attention_ops.chunk_attention_mass(q, k, positions, lse, query_weights, **step)
-    return pool, policy.update_scores(None, chunk_mass, positions=positions, cached_lengths=lengths)
+    return pool, scoring.update_scores(
+        None, chunk_mass, positions=positions, cached_lengths=lengths
+    )
 
 
 def _attend(
@@ -227,7 +229,7 @@ def attend_and_write(
     *,
     layer: jax.Array | int,
     sm_scale: float,
-    policy: Any,
+    policy: PolicyParts,
     backend: Backend,
     read_budget: jax.Array | None = None,
     write_scores: jax.Array | None = None,
@@ -243,11 +245,11 @@ def attend_and_write(
         from nor written). The chunk's queries see every cached token their head reads plus the
         chunk's earlier tokens, whether or not the policy admits those to the cache.
       layer: int32 [] this layer's index (the int8 tier's tables are indexed by it).
-      policy: the static cache policy (a `jaxkv.policies.Policy`: admission, page selection,
-        attention-mass rule).
-      read_budget: int32 [B] tokens' worth of pages a page-selecting policy (Quest) reads.
-      write_scores: f32 [B, K, C] a learned gate's per-token scores: they reach `policy.admit`
-        and are stored as the written tokens' scores.
+      policy: the static cache policy; the step reads its admission, attention scoring and
+        selection parts (`jaxkv.parts`).
+      read_budget: int32 [B] tokens' worth of pages the selection (Quest) reads.
+      write_scores: f32 [B, K, C] a learned gate's per-token scores: they reach the admission's
+        `admit` and are stored as the written tokens' scores.
     Returns:
       (attn [B, N, C, H] in q.dtype, pool, page_table, lengths, ring).
     """
@@ -256,11 +258,14 @@ def attend_and_write(
     tier = pool.int8
     held = lengths if tier is None else lengths - tier.lengths[layer]  # model-dtype tokens
     valid = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
-    admitted = policy.admit(layer=layer, k=k, v=v, positions=positions, scores=write_scores)
-    admitted = valid if admitted is None else valid & admitted
-
+    admitted = valid
+    if policy.admission is not None:
+        admitted &= policy.admission.admit(
+            layer=layer, k=k, v=v, positions=positions, scores=write_scores
+        )
+    scoring = policy.attention_scoring
     read = dict(policy=policy, read_budget=read_budget, step=step)
-    mass = dict(policy=policy, step=step)
+    mass = dict(scoring=scoring, step=step)
     if _writes_first(ring, tier):
         # The chunk goes to slots past `held`; reading the written pool up to `held` sees
         # exactly the cached tokens (module docstring: XLA then needs no copy of the pool).
@@ -272,7 +277,7 @@ def attend_and_write(
         out, lse, cached = _attend(
             q, k, v, positions, admitted, read_pool, page_table, held, ring, layer, **read
         )
-        if policy.accumulates_attention:
+        if scoring is not None:
             pool, scores = _mass_scores(
                 q, k, positions, pool, page_table, held, lengths, cached, lse, layer, **mass
             )
@@ -283,7 +288,7 @@ def attend_and_write(
     )
 
     new_scores = write_scores
-    if policy.accumulates_attention:
+    if scoring is not None:
         pool, new_scores = _mass_scores(
             q, k, positions, pool, page_table, held, lengths, cached, lse, layer, **mass
         )

@@ -18,7 +18,7 @@ import numpy as np
 import jaxkv
 from jaxkv.forward import forward_cached
 from jaxkv.models.decoder import logits_from_hidden
-from jaxkv.policies.base import DecodeContext
+from jaxkv.parts import DecodeContext
 
 
 @dataclasses.dataclass

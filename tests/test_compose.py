@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import policies
+from jaxkv import parts, policies
 from jaxkv.models import init_model
 from tests.test_sharding import CONFIG, POLICIES, POLICY_PARAMS, sharded_test_prompts
 
@@ -32,11 +32,11 @@ def test_compose_refuses_or_keeps_what_its_admission_part_keeps(model, name):
             policies.compose(part, QUEST)
         return
     composed = policies.compose(part, QUEST)
-    assert composed.selects_pages and not composed.evicts_during_decode
-    assert (composed.local_window, composed.prefill_pool_grows) == (
-        part.local_window,
-        part.prefill_pool_grows,
-    )
+    # Every part comes from the policy that has it: admission and gate from `part`, the
+    # selection from Quest, and nothing else.
+    for part_name in parts.PARTS:
+        source = QUEST if part_name == "selection" else part
+        assert getattr(composed, part_name) is getattr(source, part_name), part_name
     prompts = sharded_test_prompts()[:3]
     params = POLICY_PARAMS[name]() if name in POLICY_PARAMS else None
     alone = jaxkv.compress_prompt(model, prompts, part, policy_params=params)
@@ -56,3 +56,17 @@ def test_quest_is_refused_as_the_admission_part_and_others_as_the_selection():
         policies.compose(QUEST, QUEST)
     with pytest.raises(ValueError, match="selection='full' does not select pages"):
         policies.compose(policies.FullCache(), policies.FullCache())
+
+
+def test_composed_answers_every_host_question_of_a_policy_itself():
+    """A composition forwards every member of the policy record besides its class constants:
+    a member added to `Policy` and forgotten here would silently give the base's answer."""
+    constants = {"name", "primary_knob"}
+    members = {
+        name
+        for name in dir(policies.Policy)
+        if not name.startswith("_") and name not in constants
+    }
+    missing = sorted(members - set(vars(policies.Composed)) - set(parts.PARTS))
+    assert not missing, f"Composed does not forward {missing}"
+    assert {"admission", "gate", "selection"} <= set(vars(policies.Composed))

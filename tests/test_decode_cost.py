@@ -129,7 +129,9 @@ def test_decode_pool_is_sized_by_the_budget_not_the_generation(model, make):
     )
     heads = cfg.num_layers * cfg.num_kv_heads
     full_pages = geometry.pool_pages_bucket(heads * -(-(3000 + 999) // 16), 16)
-    bound = policy.decode_tokens_bound(request.budget_tokens, request.prompts.lengths, 1000)
+    bound = policy.decode_eviction.decode_tokens_bound(
+        request.budget_tokens, request.prompts.lengths, 1000
+    )
     assert int(bound[0]) <= 64 + policy.decode_interval
     expected = geometry.pool_pages_bucket(heads * (-(-int(bound[0]) // 16) + 1), 16)
     assert expected < full_pages / 10

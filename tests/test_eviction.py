@@ -137,7 +137,7 @@ def test_streaming_llm_window_slides_during_decode(model):
         expected = list(range(4)) + list(range(last - 15, last + 1))
         for index in np.ndindex(positions.shape[0], positions.shape[2]):
             kept = positions[index[0], b, index[1]]
-            assert kept[kept >= 0].tolist() == expected
+            assert sorted(kept[kept >= 0].tolist()) == expected  # decode eviction: any order
     assert np.all(out.pages_in_use == out.pages_in_use[0])
 
 

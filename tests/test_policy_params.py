@@ -23,6 +23,20 @@ class LinearKeyGate(policies.Policy):
     """Score = w[layer, head] . k_unrotated; admit tokens scoring > 0 (a test-only policy)."""
 
     name: ClassVar[str] = "test_linear_key_gate"
+    local_window: ClassVar[int] = 0  # no ring: admission decides the write itself
+
+    @property
+    def gate(self):
+        return self
+
+    @property
+    def admission(self):
+        return self
+
+    def prefill_pages(self, prompt_lengths, chunk, config, page_size, reserve) -> int:
+        """A first guess of one page per head (the pool grows as admission fills it)."""
+        del chunk, reserve
+        return config.num_layers * config.num_kv_heads * len(prompt_lengths)
 
     def check_params(self, params, model_config) -> None:
         expected = (model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)

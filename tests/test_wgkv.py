@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import policies
+from jaxkv import parts, policies
 from jaxkv.cache import KVState, PoolExhaustedError
 from jaxkv.forward import forward_cached
 from jaxkv.gates.wgkv import init_write_gates, write_gate_values
@@ -137,8 +137,8 @@ def new_state(cfg, batch, max_tokens, policy, num_pages=400):
         page_size=PAGE,
         num_pages=num_pages,
         dtype=jnp.float32,
-        key_bounds=policy.selects_pages,
-        local_window=policy.local_window,
+        key_bounds=policy.selection is not None,
+        local_window=parts.local_window(policy),
     )
 
 
@@ -389,11 +389,11 @@ def _global_and_visible_ring(state, position):
 def test_composed_keeps_the_admission_prefill_pool_and_refuses_decode_eviction():
     config = tiny_model("llama").config
     policy = policies.compose(WGKV, policies.Quest(budget=8))
-    assert policy.prefill_pool_grows  # a pool sized for what the gates admit, grown on demand
+    # WG-KV's admission sizes the pool for what the gates admit (grown on demand), not Quest's
+    # full-cache need (Quest has no admission part).
+    assert policy.admission is WGKV.admission and policies.Quest(budget=8).admission is None
     geometry = (np.array([200, 90]), 16, config, PAGE, 8)
-    assert policy.prefill_pages(*geometry) == WGKV.prefill_pages(*geometry)
-    assert isinstance(policy.prefill_pages(*geometry), int)  # not Quest's full-cache need:
-    assert policies.Quest(budget=8).prefill_pages(*geometry) is None
+    assert isinstance(policy.admission.prefill_pages(*geometry), int)
     with pytest.raises(ValueError, match="streaming_llm.*evicts during decode"):
         policies.compose(policies.StreamingLLM(budget=32), policies.Quest(budget=8))
 
@@ -403,7 +403,7 @@ def test_wgkv_with_quest_reads_the_selected_global_pages_and_the_whole_ring():
     gates = random_gates(model.config)
     budget = 8
     policy = policies.compose(WGKV, policies.Quest(budget=budget))
-    assert policy.local_window == WINDOW and policy.selects_pages
+    assert parts.local_window(policy) == WINDOW and policy.selection is not None
     prompts, continuations = prompts_and_continuations()
     _, _, state, _ = cached_run(model, prompts, continuations[:, :0], policy.static(), gates, 16)
     assert int(np.asarray(state.lengths).max()) > 3 * PAGE  # Quest has pages to leave out

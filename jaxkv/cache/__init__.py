@@ -5,7 +5,7 @@ attention that reads it lives in `jaxkv.attention`, the step that reads then wri
 from jaxkv.cache.allocator import PageAllocator, allocate, release
 from jaxkv.cache.config import CacheConfig, Storage
 from jaxkv.cache.repack import decode_geometry, int8_decode_geometry, repack
-from jaxkv.cache.ring import check_ring_policy, promote_and_push
+from jaxkv.cache.ring import promote_and_push
 from jaxkv.cache.state import Int8Tier, KVState, LocalRing, PagePool, PoolExhaustedError
 from jaxkv.cache.writes import accumulate_cached_mass, write_tokens
 
@@ -20,7 +20,6 @@ __all__ = [
     "Storage",
     "accumulate_cached_mass",
     "allocate",
-    "check_ring_policy",
     "decode_geometry",
     "int8_decode_geometry",
     "promote_and_push",

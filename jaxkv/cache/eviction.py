@@ -25,21 +25,71 @@ def held_slots(kv: KVState) -> jax.Array:
 
 def compact_layer(pool: PagePool, page_table, lengths, keep):
     """Compacts one layer of `pool`: page_table [B, K, M], lengths [B, K] (the tokens this
-    pool's pages hold), keep bool [B, K, M * p]. Returns (pool, page_table, lengths)."""
+    pool's pages hold), keep bool [B, K, M * p]. Kept tokens keep their order. Returns (pool,
+    page_table, lengths)."""
     p = pool.page_size
-    max_pages = page_table.shape[-1]
-    slots = jnp.arange(max_pages * p)
+    slots = jnp.arange(page_table.shape[-1] * p)
     keep = keep & (slots < lengths[..., None])
     new_lengths = jnp.sum(keep, axis=-1, dtype=jnp.int32)
     new_slot = jnp.cumsum(keep, axis=-1) - 1
+    source = _flat_index(page_table, jnp.broadcast_to(slots, keep.shape), p)
+    destination = jnp.where(keep, _flat_index(page_table, new_slot, p), pool.num_pages * p)
+    pool = _move_tokens(pool, jnp.maximum(source, 0), destination)
+    return _free_emptied_pages(pool, page_table, lengths, new_lengths)
 
-    def flat_index(slot):
-        page = jnp.take_along_axis(page_table, jnp.clip(slot // p, 0, max_pages - 1), axis=-1)
-        return page * p + slot % p
 
-    source = flat_index(jnp.broadcast_to(slots, keep.shape))
-    destination = jnp.where(keep, flat_index(new_slot), pool.num_pages * p).reshape(-1)
-    source = jnp.maximum(source, 0).reshape(-1)
+def fill_holes_layer(pool: PagePool, page_table, lengths, keep, max_moves: int):
+    """`compact_layer` without keeping the order, for at most `max_moves` moves per head: the
+    kept tokens past a head's new length fill the slots of its evicted ones below it (k-th
+    hole from the k-th such token), so a step that evicts a few tokens moves those few rather
+    than every token after the first hole. Attention does not depend on the order (keys are
+    stored rotated, with their positions). The caller guarantees no head needs more moves."""
+    p = pool.page_size
+    slots = jnp.arange(page_table.shape[-1] * p)
+    keep = keep & (slots < lengths[..., None])
+    new_lengths = jnp.sum(keep, axis=-1, dtype=jnp.int32)
+    below = slots < new_lengths[..., None]
+    holes = _first_slots(below & ~keep, max_moves)  # [B, K, max_moves], -1 past the last
+    movers = _first_slots(~below & keep, max_moves)
+    source = _flat_index(page_table, jnp.maximum(movers, 0), p)
+    destination = jnp.where(holes >= 0, _flat_index(page_table, holes, p), pool.num_pages * p)
+    pool = _move_tokens(pool, source, destination)
+    return _free_emptied_pages(pool, page_table, lengths, new_lengths)
+
+
+def moves_to_fill_holes(keep: jax.Array, lengths: jax.Array) -> jax.Array:
+    """int32 [..., heads]: the moves `fill_holes_layer` makes per head (its evicted slots below
+    its new length) for keep [..., S] and lengths [...]."""
+    slots = jnp.arange(keep.shape[-1])
+    keep = keep & (slots < lengths[..., None])
+    below = slots < jnp.sum(keep, axis=-1, keepdims=True)
+    return jnp.sum(below & ~keep, axis=-1, dtype=jnp.int32)
+
+
+def _first_slots(mask: jax.Array, count: int) -> jax.Array:
+    """int32 [..., count]: the first `count` slots where mask [..., S] holds, -1 past the last."""
+    rank = jnp.cumsum(mask, axis=-1) - 1
+    target = jnp.where(mask & (rank < count), rank, count)
+    slots = jnp.broadcast_to(jnp.arange(mask.shape[-1], dtype=jnp.int32), mask.shape)
+    first = jnp.full((*mask.shape[:-1], count + 1), -1, jnp.int32)
+    batch = [
+        jnp.arange(n).reshape((-1,) + (1,) * (mask.ndim - 1 - axis))
+        for axis, n in enumerate(mask.shape[:-1])
+    ]
+    return first.at[(*batch, target)].set(slots)[..., :count]
+
+
+def _flat_index(page_table: jax.Array, slot: jax.Array, p: int) -> jax.Array:
+    """Pool-wide token index (page * p + offset) of each head's slot [B, K, n]."""
+    max_pages = page_table.shape[-1]
+    page = jnp.take_along_axis(page_table, jnp.clip(slot // p, 0, max_pages - 1), axis=-1)
+    return page * p + slot % p
+
+
+def _move_tokens(pool: PagePool, source: jax.Array, destination: jax.Array) -> PagePool:
+    """Every per-token field's tokens at `source` written to `destination` (flat indices,
+    destinations >= P * p dropped)."""
+    source, destination = source.reshape(-1), destination.reshape(-1)
 
     def move(pages):
         if pages is None:
@@ -48,13 +98,19 @@ def compact_layer(pool: PagePool, page_table, lengths, keep):
         # The gather reads the old pool before the scatter writes the new one.
         return flat.at[destination].set(flat[source], mode="drop").reshape(pages.shape)
 
+    return pool.map_token_data(move)
+
+
+def _free_emptied_pages(pool: PagePool, page_table, lengths, new_lengths):
+    """Frees the pages past each head's new length and refreshes the key bounds of the rest.
+    Returns (pool, page_table, new_lengths)."""
+    p = pool.page_size
     pages_needed = -(-new_lengths // p)
     pages_held = -(-lengths // p)
-    page_index = jnp.arange(max_pages)
+    page_index = jnp.arange(page_table.shape[-1])
     freed = (page_index >= pages_needed[..., None]) & (page_index < pages_held[..., None])
     pool = dataclasses.replace(
-        pool.map_token_data(move),
-        allocator=release(pool.allocator, jnp.where(freed, page_table, -1)),
+        pool, allocator=release(pool.allocator, jnp.where(freed, page_table, -1))
     )
     page_table = jnp.where(page_index >= pages_needed[..., None], -1, page_table)
     held_in_page = jnp.clip(new_lengths[..., None] - page_index * p, 0, p)
@@ -86,6 +142,35 @@ def compact(kv: KVState, keep: jax.Array) -> KVState:
     )
     pool = dataclasses.replace(pool, int8=tier)
     return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths + int8_lengths)
+
+
+def evict_in_place(kv: KVState, keep: jax.Array, max_moves: int) -> KVState:
+    """`compact` for a step that evicts a few tokens (decode-time eviction): when no head has
+    more than `max_moves` (static) evicted slots below its new length, each head's kept tokens
+    past it fill those slots (`fill_holes_layer`: the moves cost O(evicted), not O(held)) and
+    the kept tokens' order is not kept; otherwise, and with int8 storage (whose spill reads the
+    order), `compact`.
+
+    keep: bool [L, B, K, S] as for `compact`.
+    """
+    if kv.pool.int8 is not None:
+        return compact(kv, keep)
+
+    def fill(kv: KVState) -> KVState:
+        def layer(pool, xs):
+            page_table, lengths, layer_keep = xs
+            pool, page_table, lengths = fill_holes_layer(
+                pool, page_table, lengths, layer_keep, max_moves
+            )
+            return pool, (page_table, lengths)
+
+        pool, (page_table, lengths) = jax.lax.scan(
+            layer, kv.pool, (kv.page_table, kv.lengths, keep)
+        )
+        return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
+
+    few = jnp.max(moves_to_fill_holes(keep, kv.lengths)) <= max_moves
+    return jax.lax.cond(few, fill, lambda kv: compact(kv, keep), kv)
 
 
 def _compact_pool(pool: PagePool, page_table, lengths, keep):

@@ -82,7 +82,7 @@ def repack(
 def grow(kv: KVState, num_pages: int) -> KVState:
     """`kv` with a pool of `num_pages` (>= its own) pages: the same pages under the same ids,
     the new ones free. Used during prefill by policies whose need is known only as they admit
-    tokens (`Policy.prefill_pool_grows`)."""
+    tokens (a policy with an admission part)."""
     pool = kv.pool
     added = num_pages - pool.num_pages
     if added < 0 or pool.int8 is not None:
@@ -127,8 +127,8 @@ def decode_geometry(
     which never hold more than the window plus one token.
 
     tokens_bound: int [B], the policy's bound on the tokens a head of each sequence holds on
-    average during decode (`Policy.decode_tokens_bound`); the pool then holds that many per
-    head (plus a partial page each), or what the state holds now if that is more.
+    average during decode (its decode eviction's `decode_tokens_bound`); the pool then holds
+    that many per head (plus a partial page each), or what the state holds now if that is more.
     A mesh's per-device states stacked [S, ...] (`jaxkv.sharding`) get the geometry of the
     fullest device; tokens_bound is then [S, B/d], each device's rows.
     """

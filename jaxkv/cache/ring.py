@@ -103,18 +103,6 @@ def promote_and_push(
     return pool, page_table, lengths, ring
 
 
-def check_ring_policy(policy, ring: LocalRing | None) -> None:
-    """Raises when a policy that needs a local ring meets a state without one of its size."""
-    wanted = policy.local_window
-    if wanted and (ring is None or ring.window != wanted):
-        have = "no local ring" if ring is None else f"a local ring of {ring.window} slots"
-        raise ValueError(
-            f"policy {policy.name!r} needs a KV state with a local ring of window={wanted} "
-            f"slots (KVState.create(local_window=...)); this state has {have}"
-        )
-
-
 __all__ = [
-    "check_ring_policy",
     "promote_and_push",
 ]

@@ -2,5 +2,5 @@
 
 Gate parameters never live in the backbone's params: each gate module stacks its per-layer
 weights on a leading [L] axis, so the decoder's layer scan hands layer l's slice to
-`Policy.write_scores` (through `generate(..., policy_params=...)`).
+the policy's gate part, `write_scores` (through `generate(..., policy_params=...)`).
 """

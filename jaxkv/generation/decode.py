@@ -1,5 +1,5 @@
 """The decode step and loop: `decode_step` (one token per sequence through the model and the
-policy's decode hook) and the `lax.while_loop` that samples, records and stops; before it, the
+policy's decode eviction) and the `lax.while_loop` that samples, records and stops; before it, the
 compressed state moves into the decode geometry."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from jaxkv.forward import forward_cached
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.generation.request import Request
 from jaxkv.models.decoder import Model, logits_from_hidden
+from jaxkv.parts import DecodeContext
 from jaxkv.policies import Policy
-from jaxkv.policies.base import DecodeContext, after_decode_step
+from jaxkv.policies.base import after_decode_step
 from jaxkv.sampling import Sampler
 
 
@@ -68,7 +69,7 @@ def read_tokens(
         kv,
         policy=policy,
         backend=ctx.backend,
-        read_budget=ctx.budget_tokens if policy.selects_pages else None,
+        read_budget=ctx.budget_tokens if policy.selection is not None else None,
         policy_params=ctx.policy_params,
     )
     return kv, logits_from_hidden(model.params, model.config, hidden[:, 0])
@@ -92,7 +93,7 @@ def decode_step(
     model: Model, kv: KVState, tokens: jax.Array, positions: jax.Array, ctx: StepContext
 ) -> tuple[KVState, jax.Array]:
     """One decode step: `read_tokens` (tokens int32 [B] at positions int32 [B], -1: the row
-    writes nothing), then the policy's decode hook (eviction, scores, promotion) on the steps
+    writes nothing), then the policy's decode eviction on the steps
     it is due. Returns (kv, logits f32 [B, V]). Pure and jittable; the generation loop, the
     Conf-KV benchmark and teacher forcing share it."""
     kv, logits = read_tokens(model, kv, tokens, positions, ctx)
@@ -161,7 +162,7 @@ def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: in
     done = state.done | jnp.any(token[:, None] == stop_tokens[None, :], axis=-1)
     confidence = state.confidence
     if confidence is not None:
-        confidence = confidence.at[state.step].set(state.context.policy.step_confidence(logits))
+        confidence = confidence.at[state.step].set(_step_confidence(state.context.policy, logits))
     return dataclasses.replace(
         state,
         kv=kv,
@@ -177,6 +178,13 @@ def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: in
     )
 
 
+def _step_confidence(policy: Policy, logits: jax.Array) -> jax.Array | None:
+    """f32 [B] what the policy's decode eviction reads from a step's logits [B, V] (Conf-KV's
+    confidence), recorded per step; None when it reads none."""
+    eviction = policy.decode_eviction
+    return None if eviction is None else eviction.step_confidence(logits)
+
+
 repack_program = program(static=("num_pages", "max_pages", "int8_geometry"), kv=SHARD)(
     repack
 )  # the caller drops the prefill state after it: its pool is freed before decoding
@@ -187,9 +195,11 @@ def to_decode_geometry(
 ) -> KVState:
     """The compressed state in a pool sized for what it holds and will hold during decode
     (bounded by the policy's budget where it evicts); the same state when that is its size."""
-    bound = policy.decode_tokens_bound(
-        request.budget_tokens, request.prompts.lengths, max_new_tokens
-    )
+    bound = None
+    if policy.decode_eviction is not None:
+        bound = policy.decode_eviction.decode_tokens_bound(
+            request.budget_tokens, request.prompts.lengths, max_new_tokens
+        )
     if bound is not None and request.placement is not None:
         # The bound is an average over heads; a budget shared across heads may all go to
         # this device's heads.
@@ -252,7 +262,7 @@ def decode_loop(
     loop updates the pool in place."""
     logits = logits_from_hidden(model.params, model.config, last_hidden)
     b = lengths.shape[0]
-    records_confidence = policy.step_confidence(logits) is not None
+    records_confidence = _step_confidence(policy, logits) is not None
     context = StepContext(
         prompt_lengths=lengths,
         budget_tokens=budget_tokens,

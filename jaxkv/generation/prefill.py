@@ -19,8 +19,8 @@ from jaxkv.forward import combine_moments, forward_cached
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.generation.request import Request, device_shares
 from jaxkv.models.decoder import Model
+from jaxkv.parts import PrefillObservations, observation_window
 from jaxkv.policies import Policy
-from jaxkv.policies.base import PrefillObservations
 
 
 def _record_window_queries(window, queries, positions, lengths):
@@ -54,13 +54,15 @@ class _PrefillCarry:
 
 def _empty_carry(model: Model, batch: int, policy: Policy) -> _PrefillCarry:
     cfg = model.config
-    w = policy.observation_window
+    w = observation_window(policy)
     shape = (cfg.num_layers, batch, cfg.num_heads, w, cfg.head_dim)
     zeros = jnp.zeros((cfg.num_layers, batch, cfg.hidden_size), jnp.float32)
+    compression = policy.prompt_compression
+    input_stats = compression is not None and compression.needs_input_stats
     return _PrefillCarry(
         last_hidden=jnp.zeros((batch, cfg.hidden_size), model.dtype),
         window=jnp.zeros(shape, model.dtype) if w else None,
-        moments=(jnp.zeros((batch, 1)), zeros, zeros) if policy.needs_input_stats else None,
+        moments=(jnp.zeros((batch, 1)), zeros, zeros) if input_stats else None,
     )
 
 
@@ -97,9 +99,9 @@ def _prefill_span(
 ):
     """Prefills chunks [first_chunk, end_chunk) (traced) of tokens [B, T_pad]; the padded tail
     past the last prompt token is never run, so a prompt-length bucket costs no compute. Each
-    chunk's forward runs in `forward_piece(chunk)`-token pieces, then the policy's
-    `after_prefill_chunk`. Returns (kv, carry)."""
-    w = policy.observation_window
+    chunk's forward runs in `forward_piece(chunk)`-token pieces, then the chunk eviction's
+    `after_prefill_chunk` (if the policy has one). Returns (kv, carry)."""
+    w = observation_window(policy)
     piece = forward_piece(chunk)
 
     def forward(start, state):
@@ -140,10 +142,13 @@ def _prefill_span(
             kv, carry = jax.lax.fori_loop(
                 0, chunk // piece, lambda i, state: forward(start + i * piece, state), state
             )
-        seen = jnp.minimum(start + chunk, lengths)
-        kv = policy.after_prefill_chunk(
-            kv, seen=seen, prompt_lengths=lengths, budget_tokens=budget_tokens
-        )
+        if policy.chunk_eviction is not None:
+            kv = policy.chunk_eviction.after_prefill_chunk(
+                kv,
+                seen=jnp.minimum(start + chunk, lengths),
+                prompt_lengths=lengths,
+                budget_tokens=budget_tokens,
+            )
         return kv, carry
 
     initial = collectives.varying_like((kv, carry), tokens)  # on a mesh: as the step's output
@@ -153,26 +158,33 @@ def _prefill_span(
 def _compress(
     model, tokens, lengths, budget_tokens, kv, carry: _PrefillCarry, key, *, policy, int8_window
 ):
-    """The policy's compression from what prefill observed, then (with int8 storage, window
-    `int8_window` not None) every head's tokens but the newest `int8_window` move to int8.
-    Returns (kv, last_hidden)."""
+    """The policy's prompt compression (if any) from what prefill observed, then (with int8
+    storage, window `int8_window` not None) every head's tokens but the newest `int8_window`
+    move to int8. Returns (kv, last_hidden)."""
+    compression = policy.prompt_compression
+    if compression is not None:
+        kv = compression.compress(
+            kv, _observations(tokens, lengths, budget_tokens, carry, key, compression), model
+        )
+    if int8_window is not None:
+        kv = start_int8(kv, int8_window)
+    return kv, carry.last_hidden
+
+
+def _observations(tokens, lengths, budget_tokens, carry: _PrefillCarry, key, compression):
     mean = var = None
     if carry.moments is not None:
         count, mean, m2 = carry.moments
         var = m2 / jnp.maximum(count - 1, 1)  # unbiased
-    obs = PrefillObservations(
+    return PrefillObservations(
         prompt_lengths=lengths,
         budget_tokens=budget_tokens,
         queries=carry.window,
         input_mean=mean,
         input_var=var,
         key=key,
-        prompt_tokens=tokens if policy.needs_prompt_tokens else None,
+        prompt_tokens=tokens if compression.needs_prompt_tokens else None,
     )
-    kv = policy.compress(kv, obs, model)
-    if int8_window is not None:
-        kv = start_int8(kv, int8_window)
-    return kv, carry.last_hidden
 
 
 _SPAN_PLACEMENTS = dict(
@@ -236,7 +248,7 @@ def prefill_and_compress(
     )
 
 
-# The growing path (`Policy.prefill_pool_grows`): one chunk per call, the pool checked between.
+# The growing path (a policy with an admission part): a chunk per call, the pool checked between.
 prefill_span = program(
     static=("chunk", "policy", "backend"),
     donate=("kv", "carry"),

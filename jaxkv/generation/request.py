@@ -18,10 +18,20 @@ from jaxkv.cache.geometry import pool_pages_bucket, table_pages_bucket
 from jaxkv.models.configs import ModelConfig
 from jaxkv.models.decoder import Model
 from jaxkv.pallas_kernels.common import next_power_of_two
+from jaxkv.parts import local_window
 from jaxkv.policies import FullCache, Policy, from_spec
 from jaxkv.sharding import InferenceMesh
 
 DEFAULT_PREFILL_CHUNK = 512
+
+
+def default_prefill_chunk(policy: Policy, prompt_lengths: np.ndarray) -> int:
+    """Tokens per prefill chunk when the caller gives none: `DEFAULT_PREFILL_CHUNK`, unless the
+    policy's chunk eviction prescribes its own (Fast KVzip's 16K chunks at long context)."""
+    if policy.chunk_eviction is None:
+        return DEFAULT_PREFILL_CHUNK
+    return policy.chunk_eviction.prefill_chunk(prompt_lengths, DEFAULT_PREFILL_CHUNK)
+
 
 # Chunks shorter than this are not bucketed further (a prompt's chunk is a power of two >= it).
 MIN_PREFILL_CHUNK = 16
@@ -166,14 +176,19 @@ def prefill_geometry(
         _full_cache_pages(local_cfg, lengths, reserve_tokens, page_size)
         for local_cfg, lengths in shares
     )
+    # The part that sizes the prefill pool: the admission's first guess (the pool grows as it
+    # fills) or the chunk eviction's bound; without either, the full cache's need.
+    sizer = policy.admission if policy.admission is not None else policy.chunk_eviction
     if num_pages is None:
         needs = []
         for local_cfg, lengths in shares:
             # A budget shared across heads may all go to this device's heads.
             bound_cfg = cfg if policy.decides_across_heads else local_cfg
-            bound = policy.prefill_pages(
-                lengths, prompts.chunk, bound_cfg, page_size, reserve_tokens
-            )
+            bound = None
+            if sizer is not None:
+                bound = sizer.prefill_pages(
+                    lengths, prompts.chunk, bound_cfg, page_size, reserve_tokens
+                )
             full = _full_cache_pages(local_cfg, lengths, reserve_tokens, page_size)
             needs.append(full if bound is None else min(bound, full))
         num_pages = pool_pages_bucket(max(needs), page_size)
@@ -194,8 +209,8 @@ def prefill_geometry(
         page_size=page_size,
         num_pages=num_pages,
         dtype=dtype,
-        key_bounds=policy.selects_pages,
-        local_window=policy.local_window,
+        key_bounds=policy.selection is not None,
+        local_window=local_window(policy),
     )
     return geometry
 
@@ -242,13 +257,13 @@ def set_up(
     cache = CacheConfig() if cache is None else cache
     if not isinstance(cache, CacheConfig):
         raise ValueError(f"cache={cache!r} must be a jaxkv.CacheConfig")
-    if cache.int8_window is not None and policy.selects_pages:
+    if cache.int8_window is not None and policy.selection is not None:
         raise ValueError(f"policy {policy.name!r} selects pages, which int8 storage does not do")
     policy.check_params(policy_params, model.config)
     prompt_lists = _prompt_lists(prompt_ids)
     lengths = _prompt_lengths(model, prompt_lists)
     if prefill_chunk is None:
-        prefill_chunk = policy.prefill_chunk(lengths, DEFAULT_PREFILL_CHUNK)
+        prefill_chunk = default_prefill_chunk(policy, lengths)
     prompts = _pad_prompts(prompt_lists, lengths, prefill_chunk)
     if placement is not None:
         placement.check(model.config, len(lengths))
@@ -261,7 +276,7 @@ def set_up(
         kv = KVState.create(**geometry)
     else:
         kv = placement.run(KVState.create, (), (), geometry)
-    grows = cache.num_pages is None and policy.prefill_pool_grows
+    grows = cache.num_pages is None and policy.admission is not None
     if placement is not None:
         model = placement.place(model, placement.model_specs(model))
         policy_params = placement.place_policy_params(policy, policy_params)

@@ -1,11 +1,12 @@
 """Cache policies (admission, eviction, selection) over the paged KV state."""
 
+from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies.base import (
     Budget,
-    DecodeContext,
+    CompressesPrompt,
     FullCache,
     Policy,
-    PrefillObservations,
+    SummedAttention,
     get,
     register,
     registered,
@@ -21,7 +22,7 @@ from jaxkv.policies.confkv import (
     confidence_logit,
     is_confident,
 )
-from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView
+from jaxkv.policies.eviction import DecodeEvictionPolicy, EvictionPolicy, LayerView
 from jaxkv.policies.fastkvzip import FastKVzip
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
@@ -56,10 +57,11 @@ __all__ = [
     "AdaKV",
     "Budget",
     "Composed",
+    "CompressesPrompt",
     "ConfKV",
     "ConfidenceWeights",
     "DecodeContext",
-    "DecodeEviction",
+    "DecodeEvictionPolicy",
     "DuoAttention",
     "EvictionPolicy",
     "FastKVzip",
@@ -81,6 +83,7 @@ __all__ = [
     "SlidingWindow",
     "SnapKV",
     "StreamingLLM",
+    "SummedAttention",
     "compose",
     "confidence",
     "confidence_features",

@@ -32,9 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import collectives
+from jaxkv import collectives, parts
 from jaxkv.cache import KVState
-from jaxkv.cache.eviction import compact, keep_top_per_head
+from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head
+from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies import base
 from jaxkv.policies.eviction import check_evict_every
 
@@ -132,7 +133,7 @@ def rank_scores(mass, positions, held, protected, alpha: float) -> jax.Array:
 
 @base.register
 @dataclasses.dataclass(frozen=True)
-class ConfKV(base.Policy):
+class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
     """Confidence-aware eviction.
 
     Attributes:
@@ -153,8 +154,6 @@ class ConfKV(base.Policy):
 
     name: ClassVar[str] = "confkv"
     primary_knob: ClassVar[str] = "tight"
-    accumulates_attention: ClassVar[bool] = True
-    evicts_during_decode: ClassVar[bool] = True
     tight: int | None = 128
     loose: int | None = 512
     tau: float = 0.7
@@ -207,6 +206,10 @@ class ConfKV(base.Policy):
         return dataclasses.replace(self, tight=None, loose=None)
 
     @property
+    def decode_eviction(self) -> parts.DecodeEviction:
+        return self
+
+    @property
     def decode_interval(self) -> int:
         return self.evict_every
 
@@ -233,7 +236,7 @@ class ConfKV(base.Policy):
         scale = pyramid_scale(num_layers, self.gamma_max, self.gamma_min)
         return jnp.round(scale[:, None] * budget[None].astype(jnp.float32)).astype(jnp.int32)
 
-    def step_budgets(self, kv: KVState, ctx: base.DecodeContext) -> jax.Array:
+    def step_budgets(self, kv: KVState, ctx: DecodeContext) -> jax.Array:
         """int32 [L, B]: this step's budget per layer and sequence."""
         confident = is_confident(ctx.logits, self.tau, self.weights)
         budget = jnp.where(confident, ctx.budget_tokens[:, 0], ctx.budget_tokens[:, 1])
@@ -250,9 +253,10 @@ class ConfKV(base.Policy):
         layer_mean = jnp.mean(collectives.gather_heads(mass, axis=2), axis=2, keepdims=True)
         return jnp.broadcast_to(layer_mean, mass.shape)
 
-    def _evict(self, kv: KVState, budgets, newest_positions, key) -> KVState:
+    def _evict(self, kv: KVState, budgets, newest_positions, key, max_moves=None) -> KVState:
         """Each head keeps its newest `protected` positions (up to newest_positions [B]) and its
-        best-ranked others, budgets [L, B] tokens in all, when it holds more."""
+        best-ranked others, budgets [L, B] tokens in all, when it holds more; in place
+        (`evict_in_place`, up to `max_moves` moves per head) during decode."""
         budgets = budgets[..., None]
 
         def evict(kv: KVState) -> KVState:
@@ -268,21 +272,22 @@ class ConfKV(base.Policy):
                 mass = self.ranking_mass(kv)
                 scores = rank_scores(mass, positions, held, protected, self.alpha)
             budget = jnp.broadcast_to(budgets, kv.lengths.shape)
-            return compact(kv, keep_top_per_head(scores, budget, held, protected))
+            keep = keep_top_per_head(scores, budget, held, protected)
+            return compact(kv, keep) if max_moves is None else evict_in_place(kv, keep, max_moves)
 
         # Every device takes the same branch: the per-layer ranking gathers across devices.
         over_budget = collectives.any_shard(jnp.any(kv.lengths > budgets))
         return jax.lax.cond(over_budget, evict, lambda kv: kv, kv)
 
-    def compress(self, kv: KVState, obs: base.PrefillObservations, model) -> KVState:
+    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         """After prefill, down to the loose budget (no step can keep more), so that the decode
         pool is sized by the budget and not by the prompt."""
         del model
         budgets = self.layer_budgets(obs.budget_tokens[:, 1], kv.num_layers)
         return self._evict(kv, budgets, obs.prompt_lengths - 1, obs.key)
 
-    def on_decode(self, kv: KVState, ctx: base.DecodeContext) -> KVState:
+    def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
         budgets = self.step_budgets(kv, ctx)
         # Finished sequences (position -1) wrote nothing and are left as they are.
         budgets = jnp.where(ctx.positions >= 0, budgets, kv.max_tokens_per_head)
-        return self._evict(kv, budgets, ctx.positions, ctx.key)
+        return self._evict(kv, budgets, ctx.positions, ctx.key, max_moves=self.evict_every)

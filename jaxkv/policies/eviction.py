@@ -8,7 +8,7 @@ the budget, and `compact` frees the pages left empty.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import flax.struct
 import jax
@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import attention as attention_ops
+from jaxkv import parts
 from jaxkv.cache import KVState
-from jaxkv.cache.eviction import compact, keep_top_per_head
-from jaxkv.policies.base import Budget, DecodeContext, Policy, PrefillObservations
+from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head
+from jaxkv.parts import DecodeContext, PrefillObservations
+from jaxkv.policies.base import Budget, CompressesPrompt, Policy
 
 
 @flax.struct.dataclass
@@ -104,8 +106,8 @@ def group_mean(per_query_head: jax.Array, num_kv_heads: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvictionPolicy(Policy):
-    """A scorer plus the shared keep-top-k eviction.
+class EvictionPolicy(CompressesPrompt, Policy):
+    """A scorer plus the shared keep-top-k eviction: a prompt compression.
 
     Attributes:
       budget: tokens kept per (layer, sequence, KV head): a ratio of the prompt (float) or a
@@ -193,8 +195,8 @@ class EvictionPolicy(Policy):
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeEviction(EvictionPolicy):
-    """An eviction policy that also evicts during decode.
+class DecodeEvictionPolicy(EvictionPolicy):
+    """An eviction policy that also evicts during decode (its own decode eviction part).
 
     Every `evict_every` decode steps, a head holding more than its budget evicts down to it;
     in between it holds up to `evict_every` tokens more (the one approximation of per-step
@@ -208,12 +210,18 @@ class DecodeEviction(EvictionPolicy):
       evict_every: decode steps between evictions (>= 1).
     """
 
-    evicts_during_decode: ClassVar[bool] = True
     evict_every: int = 32
 
     def __post_init__(self):
         super().__post_init__()
         check_evict_every(self.evict_every)
+
+    @property
+    def decode_eviction(self) -> parts.DecodeEviction:
+        return self
+
+    def step_confidence(self, logits: jax.Array) -> None:
+        del logits
 
     @property
     def decode_interval(self) -> int:
@@ -245,7 +253,7 @@ class DecodeEviction(EvictionPolicy):
             keep = keep_top_per_head(
                 self.decode_scores(kv, positions), budgets, positions >= 0, protected
             )
-            return compact(kv, keep)
+            return evict_in_place(kv, keep, max_moves=self.evict_every)
 
         return jax.lax.cond(jnp.any(kv.lengths > budget), evict, lambda kv: kv, kv)
 

@@ -33,11 +33,12 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import collectives
+from jaxkv import collectives, parts
 from jaxkv.cache import KVState
-from jaxkv.cache.eviction import compact
+from jaxkv.cache.eviction import compact, evict_in_place
 from jaxkv.gates import fastkvzip as gate
-from jaxkv.policies.base import Budget, DecodeContext, Policy, register
+from jaxkv.parts import DecodeContext
+from jaxkv.policies.base import Budget, Policy, register
 from jaxkv.policies.kvzip import keep_top_globally
 
 LONG_CONTEXT = 16384
@@ -76,7 +77,6 @@ class FastKVzip(Policy):
     """
 
     name: ClassVar[str] = "fastkvzip"
-    evicts_during_decode: ClassVar[bool] = True
     needs_params: ClassVar[bool] = True
     decides_across_heads: ClassVar[bool] = True
 
@@ -102,6 +102,18 @@ class FastKVzip(Policy):
             raise ValueError(
                 f"sinks={self.sinks} must be >= 0 and decode_buffer={self.decode_buffer} >= 1"
             )
+
+    @property
+    def gate(self) -> parts.Gate:
+        return self
+
+    @property
+    def chunk_eviction(self) -> parts.ChunkEviction:
+        return self
+
+    @property
+    def decode_eviction(self) -> parts.DecodeEviction:
+        return self
 
     def static(self) -> FastKVzip:
         return dataclasses.replace(self, ratio=None, decode_tokens=None)
@@ -178,9 +190,10 @@ class FastKVzip(Policy):
         del k_unrotated, k, positions
         return gate.gate_scores(layer_params, h)
 
-    def _evict(self, kv: KVState, total, protected) -> KVState:
+    def _evict(self, kv: KVState, total, protected, max_moves=None) -> KVState:
         """Keeps `total` [B] tokens per sequence over every layer and KV head (all devices'
-        heads on a mesh), the protected ones first."""
+        heads on a mesh), the protected ones first; in place (`evict_in_place`, up to
+        `max_moves` moves per head) during decode."""
 
         def keep(scores, held, protected):
             protected = protected & held
@@ -189,7 +202,9 @@ class FastKVzip(Policy):
 
         held = kv.positions() >= 0
         keep_mask = collectives.over_all_heads(keep, kv.token_scores(), held, protected, axis=2)
-        return compact(kv, keep_mask)
+        if max_moves is None:
+            return compact(kv, keep_mask)
+        return evict_in_place(kv, keep_mask, max_moves)
 
     @staticmethod
     def _heads(kv: KVState) -> int:
@@ -218,6 +233,9 @@ class FastKVzip(Policy):
         held = np.maximum(np.maximum(kept, budget_tokens[:, 0]), self.sinks + self.decode_buffer)
         return np.minimum(held + self.decode_buffer, grown)
 
+    def step_confidence(self, logits) -> None:
+        del logits
+
     @staticmethod
     def ratio_of(budget_tokens, prompt_lengths) -> np.ndarray:
         """The kept share floor(r T) / T per prompt (r itself is stripped from the static copy)."""
@@ -240,4 +258,4 @@ class FastKVzip(Policy):
         positions = kv.positions()
         newest = positions > (ctx.positions - self.decode_buffer)[None, :, None, None]
         protected = (positions < self.sinks) | newest | ~active[None, :, None, None]
-        return self._evict(kv, total, protected)
+        return self._evict(kv, total, protected, max_moves=self.decode_buffer)

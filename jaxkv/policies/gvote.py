@@ -24,6 +24,7 @@ import numpy as np
 from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, rank_descending
+from jaxkv.parts import PrefillObservations
 from jaxkv.policies import base
 from jaxkv.policies.eviction import LayerView, map_layers
 
@@ -64,7 +65,7 @@ def sample_hidden_states(key, mean, var, num_samples: int) -> jax.Array:
 
 @base.register
 @dataclasses.dataclass(frozen=True)
-class GVote(base.Policy):
+class GVote(base.CompressesPrompt, base.Policy):
     """Adaptive-budget eviction by Gaussian-sampled query voting (no budget to set).
 
     Attributes:
@@ -113,6 +114,6 @@ class GVote(base.Policy):
         queries = project_queries(view.params, cfg, hidden, cos, sin)  # [B, N, S_samples, H]
         return vote(queries, view.keys, view.held, step_budget)
 
-    def compress(self, kv: KVState, obs: base.PrefillObservations, model) -> KVState:
+    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         keep = map_layers(kv, obs, model, lambda view: self.keep_mask(view, model.config))
         return compact(kv, keep)

@@ -41,7 +41,8 @@ from jaxkv.models.decoder import (
     project_queries,
     scan_layers,
 )
-from jaxkv.policies.base import Budget, Policy, PrefillObservations, register
+from jaxkv.parts import PrefillObservations
+from jaxkv.policies.base import Budget, CompressesPrompt, Policy, register
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the previous context exactly, starting with"
@@ -253,7 +254,7 @@ def keep_top_globally(scores, total, held, protected) -> jax.Array:
 
 @register
 @dataclasses.dataclass(frozen=True)
-class KVzip(Policy):
+class KVzip(CompressesPrompt, Policy):
     """KVzip's reconstruction scores, one global threshold: keeps `ratio` of all KV pairs.
 
     Attributes:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import parts
 from jaxkv.cache.eviction import rank_descending
 from jaxkv.policies import base
 
@@ -41,13 +42,16 @@ class Quest(base.Policy):
     """
 
     name: ClassVar[str] = "quest"
-    selects_pages: ClassVar[bool] = True
     budget: base.Budget | float | int | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.budget is not None:
             object.__setattr__(self, "budget", base.Budget.parse(self.budget))
+
+    @property
+    def selection(self) -> parts.Selection:
+        return self
 
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
         if self.budget is None:

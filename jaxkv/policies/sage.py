@@ -15,15 +15,17 @@ The sinks and the recent window come from the budget, so `SageKV` rejects the `s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.cache import KVState
-from jaxkv.cache.eviction import compact, rank_descending
+from jaxkv.cache.eviction import compact, evict_in_place, rank_descending
+from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies import base
-from jaxkv.policies.eviction import DecodeEviction, LayerView
+from jaxkv.policies.eviction import DecodeEvictionPolicy, LayerView
 
 
 def sage_split(budget_tokens: jax.Array, group_size: int):
@@ -39,7 +41,7 @@ def sage_split(budget_tokens: jax.Array, group_size: int):
 
 @base.register
 @dataclasses.dataclass(frozen=True)
-class SageKV(DecodeEviction):
+class SageKV(DecodeEvictionPolicy):
     """SAGE-KV (module docstring). During decode the recent window slides every `evict_every`
     steps (in between it holds up to that many tokens more)."""
 
@@ -68,7 +70,7 @@ class SageKV(DecodeEviction):
         """The last query's attention per query head, f32 [B, N, S] (not per KV head)."""
         return view.window_probabilities()[:, :, 0]
 
-    def compress(self, kv: KVState, obs: base.PrefillObservations, model) -> KVState:
+    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         scores = self.scores(kv, obs, model)  # [L, B, N, S]
         positions = kv.positions()  # [L, B, K, S]
         num_kv_heads = positions.shape[2]
@@ -87,7 +89,7 @@ class SageKV(DecodeEviction):
         union = jnp.any(chosen.reshape(num_layers, batch, num_kv_heads, group, slots), axis=3)
         return compact(kv, is_sink | is_recent | union)
 
-    def on_decode(self, kv: KVState, ctx: base.DecodeContext) -> KVState:
+    def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
         """Slides the recent window: it holds the newest `recent` positions again."""
         _, _, recent = sage_split(ctx.budget_tokens, ctx.group_size)
         positions = kv.positions()
@@ -95,4 +97,5 @@ class SageKV(DecodeEviction):
         in_window = positions > (ctx.positions - recent)[None, :, None, None]
         keep = before_window | in_window
         leaving = jnp.any((positions >= 0) & ~keep)
-        return jax.lax.cond(leaving, lambda kv: compact(kv, keep), lambda kv: kv, kv)
+        evict = functools.partial(evict_in_place, keep=keep, max_moves=self.evict_every)
+        return jax.lax.cond(leaving, evict, lambda kv: kv, kv)

@@ -38,13 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache import KVState
+from jaxkv.parts import PrefillObservations
 from jaxkv.policies import base
-from jaxkv.policies.eviction import DecodeEviction, LayerView
+from jaxkv.policies.eviction import DecodeEvictionPolicy, LayerView
 
 
 @base.register
 @dataclasses.dataclass(frozen=True)
-class Scissorhands(DecodeEviction):
+class Scissorhands(base.SummedAttention, DecodeEvictionPolicy):
     """Persistence of importance: evict the tokens most often attended below average.
 
     Attributes (besides `EvictionPolicy`'s budget, sinks and recent):
@@ -53,7 +54,6 @@ class Scissorhands(DecodeEviction):
     """
 
     name: ClassVar[str] = "scissorhands"
-    accumulates_attention: ClassVar[bool] = True
 
     def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
         del prompt_lengths
@@ -87,7 +87,7 @@ class Scissorhands(DecodeEviction):
     def layer_scores(self, view: LayerView) -> jax.Array:
         return view.token_scores
 
-    def compress(self, kv: KVState, obs: base.PrefillObservations, model) -> KVState:
+    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         """H2O's prompt compression, then every kept token's count set to 0."""
         return super().compress(kv, obs, model).with_token_scores_zeroed()
 

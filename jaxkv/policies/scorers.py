@@ -25,12 +25,12 @@ from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import keep_top_across_heads
 from jaxkv.policies import base
-from jaxkv.policies.eviction import DecodeEviction, EvictionPolicy, LayerView, group_mean
+from jaxkv.policies.eviction import DecodeEvictionPolicy, EvictionPolicy, LayerView, group_mean
 
 
 @base.register
 @dataclasses.dataclass(frozen=True)
-class StreamingLLM(DecodeEviction):
+class StreamingLLM(DecodeEvictionPolicy):
     """Attention sinks plus the most recent tokens; the window slides during decode."""
 
     name: ClassVar[str] = "streaming_llm"
@@ -164,7 +164,7 @@ class Knorm(EvictionPolicy):
 
 @base.register
 @dataclasses.dataclass(frozen=True)
-class H2O(DecodeEviction):
+class H2O(base.SummedAttention, DecodeEvictionPolicy):
     """Heavy hitters: attention received, summed over every query, averaged over the group.
 
     Prefill scores come from accumulating the attention of every prompt query; during decode the
@@ -173,7 +173,6 @@ class H2O(DecodeEviction):
     """
 
     name: ClassVar[str] = "h2o"
-    accumulates_attention: ClassVar[bool] = True
 
     def layer_scores(self, view: LayerView) -> jax.Array:
         return view.token_scores
@@ -184,11 +183,10 @@ class H2O(DecodeEviction):
 
 @base.register
 @dataclasses.dataclass(frozen=True)
-class ObservedAttention(EvictionPolicy):
+class ObservedAttention(base.SummedAttention, EvictionPolicy):
     """Attention received, averaged over the queries that can see the key (prefill only)."""
 
     name: ClassVar[str] = "observed_attention"
-    accumulates_attention: ClassVar[bool] = True
 
     def layer_scores(self, view: LayerView) -> jax.Array:
         seen_by = view.prompt_lengths[:, None, None] - view.positions
@@ -228,8 +226,8 @@ class AdaKV(EvictionPolicy):
         return max(self.recent, self.inner.protected_recent)
 
     @property
-    def accumulates_attention(self) -> bool:  # type: ignore[override]
-        return self.inner.accumulates_attention
+    def attention_scoring(self):
+        return self.inner.attention_scoring
 
     def layer_scores(self, view: LayerView) -> jax.Array:
         return self.inner.layer_scores(view)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import attention as attention_ops
+from jaxkv import parts
 from jaxkv.gates.wgkv import (
     PARAM_AXES,
     check_write_gates,
@@ -55,17 +56,26 @@ class RingAdmission(base.Policy):
         if self.window <= 0:
             raise ValueError(f"window={self.window} must be > 0")
 
-    prefill_pool_grows: ClassVar[bool] = True
     # The share of a prompt the prefill pool is first sized for; it grows when more is admitted.
     admitted_guess: ClassVar[float] = 0.25
+
+    @property
+    def admission(self) -> parts.Admission:
+        return self
+
+    @property
+    def gate(self) -> parts.Gate:
+        """Each subclass's `write_scores`: the gate values that `admit` compares with tau."""
+        return self
 
     @property
     def local_window(self) -> int:
         return int(self.window)
 
     def prefill_pages(self, prompt_lengths, chunk, model_config, page_size, reserve) -> int:
-        """The admitted share guessed, plus a chunk and `reserve` tokens per head: the global
-        pages hold admitted tokens only (the ring is a side array)."""
+        """A first guess (the pool grows as admission fills it): the admitted share, plus a
+        chunk and `reserve` tokens per head; the global pages hold admitted tokens only (the
+        ring is a side array)."""
         heads = model_config.num_layers * model_config.num_kv_heads
         admitted = np.ceil(self.admitted_tokens(np.asarray(prompt_lengths)) / page_size)
         per_head = admitted + -(-(chunk + reserve) // page_size) + 2
