@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
 import sys
 import time
 from pathlib import Path
@@ -55,23 +54,27 @@ import numpy as np
 import jaxkv
 from jaxkv import bundled, policies, tasks
 from jaxkv.benchmarks import harness
+from jaxkv.benchmarks.confkv_report import plot_ppl, plot_trace, table
+from jaxkv.benchmarks.teacher_forced import (
+    BOS,
+    PAGE_SIZE,
+    PAGES,
+    TEXTS,
+    Reading,
+    rng_for,
+    teacher_forced,
+)
 from jaxkv.forward import forward_cached
-from jaxkv.generation import StepContext, decode_step
 from jaxkv.model_sources import load_model, model_file_sha256
-from jaxkv.models import Tokenizer
 from jaxkv.models.decoder import forward, logits_from_hidden
 from jaxkv.models.tokenizer import is_byte_tokenizer
-from jaxkv.policies.confkv import Ranking, confidence, is_confident
-from jaxkv.prose import prose
+from jaxkv.policies.confkv import Ranking, confidence
 from jaxkv.train import corpus as corpus_lib
 
 REFERENCE_MODEL = bundled.REFERENCE_MODEL
-BOS, EOS, PAD = 256, 257, 258
-PAGE_SIZE = 16
-PAGES = jaxkv.CacheConfig(page_size=PAGE_SIZE)
+EOS, PAD = 257, 258
 # Conf-KV's mixed precision: F below the tight budget, so that the int8 tier holds something.
 INT8_CACHE = jaxkv.CacheConfig(page_size=PAGE_SIZE, storage="int8", full_precision_window=32)
-SEED = 20_000  # disjoint from training (< 10000) and the quality benchmark (10000+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,163 +119,6 @@ QUICK = Settings(
     ablation_continuation=32,
     bootstrap=200,
 )
-
-
-def _rng(task: str) -> np.random.Generator:
-    return np.random.default_rng([SEED, sum(map(ord, task))])
-
-
-TEXTS = ("heldout", "prose")
-
-
-@dataclasses.dataclass(frozen=True)
-class Reading:
-    """The texts a run reads: `text` ("heldout" or "prose") in `tokenizer`'s ids."""
-
-    tokenizer: Tokenizer
-    text: str
-
-    def __post_init__(self):
-        if self.text not in TEXTS:
-            raise ValueError(f"text={self.text!r}: expected one of {TEXTS}")
-
-    @property
-    def opening(self) -> list[int]:
-        """The ids every row opens with: the BOS where the tokenizer adds one."""
-        return self.tokenizer.encode("")
-
-    def rows(self, task: str, count: int, length: int) -> np.ndarray:
-        """int32 [count, len(opening) + length]: `count` texts of `length` tokens after the
-        opening, drawn from the task's own seed (the same rows for every policy)."""
-        rng = _rng(task)
-        if self.text == "heldout":
-            corpus = corpus_lib.load_corpus("heldout")
-            texts = [corpus.token_ids(rng, self.tokenizer, length) for _ in range(count)]
-        else:
-            seeds = rng.integers(0, 2**31, count)
-            texts = [self._prose_ids(int(seed), length) for seed in seeds]
-        return np.array([[*self.opening, *text] for text in texts], np.int32)
-
-    def _prose_ids(self, seed: int, length: int) -> list[int]:
-        """The first `length` ids of paragraphs shuffled by `seed` (4 characters a token at
-        least, else the docs are read again with more)."""
-        chars = 4 * length
-        while True:
-            ids = self.tokenizer.encode(prose(chars, seed=seed), add_bos=False)
-            if len(ids) >= length:
-                return ids[:length]
-            chars *= 2  # ValueError past what the docs hold
-
-
-# --- teacher-forced reading with decode-time eviction ----------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames="policy")
-def _read(
-    model, kv, tokens, targets, starts, budget_tokens, budget_ratio, key, policy_params, policy
-):
-    """Reads tokens [B, N] one by one from positions `starts` [B], the policy's decode hook
-    after each (on the steps it is due, as in `generate`).
-
-    Returns per step: nll f32 [N, B] of targets, confidence [N, B], tight-budget steps
-    bool [N, B] (Conf-KV's rule; False for other policies), pages in use of both tiers [N, 2],
-    mean tokens held per head [N].
-    """
-
-    context = StepContext(
-        prompt_lengths=starts,
-        budget_tokens=budget_tokens,
-        budget_ratio=budget_ratio,
-        key=key,
-        step=jnp.zeros((), jnp.int32),
-        policy_params=policy_params,
-        policy=policy,
-    )
-
-    def step(kv, xs):
-        token, target, i = xs
-        positions = starts + i
-        # As in `generate`: the step after i + 1 tokens of the continuation were generated.
-        kv, logits = decode_step(model, kv, token, positions, context.replace(step=i + 1))
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), target[:, None], axis=-1)[:, 0]
-        int8_pages = 0 if kv.pool.int8 is None else kv.pool.int8.pages_in_use()
-        pages = jnp.stack([kv.pages_in_use(), jnp.asarray(int8_pages, jnp.int32)])
-        held = jnp.mean(kv.lengths.astype(jnp.float32))
-        if isinstance(policy, policies.ConfKV):
-            confident = is_confident(logits, policy.tau, policy.weights)
-        else:
-            confident = jnp.zeros(logits.shape[:1], bool)
-        return kv, (nll, confidence(logits), confident, pages, held)
-
-    steps = jnp.arange(tokens.shape[1])
-    _, out = jax.lax.scan(step, kv, (tokens.T, targets.T, steps))
-    return out
-
-
-def _bytes_per_step(kv, pages: np.ndarray) -> np.ndarray:
-    """Bytes held per step from pages in use [N, 2] of both tiers."""
-    held = pages[:, 0].astype(np.int64) * kv.pool.page_bytes
-    if kv.pool.int8 is not None:
-        tier = kv.pool.int8
-        held += pages[:, 1].astype(np.int64) * tier.pool.page_bytes + tier.channel_scale_bytes
-    return held
-
-
-def byte_rows(texts: list[bytes]) -> np.ndarray:
-    """int32 [B, 1 + len] the byte-level model's ids of equal-length texts: BOS, then the bytes
-    (`teacher_forced` then prefills `1 + prefix` of them)."""
-    return np.array([[BOS, *text] for text in texts], np.int32)
-
-
-def teacher_forced(
-    model, policy, rows: np.ndarray, prefill: int, s: Settings, policy_params=None, cache=None
-) -> dict:
-    """Prefills the first `prefill` tokens of each row [B, prefill + s.continuation + 1], then
-    reads `s.continuation` tokens one by one with the policy's decode hook after each; bits per
-    token, memory held and the trace. `cache`: the CacheConfig (default: pages of PAGE_SIZE in
-    the model dtype)."""
-    if rows.shape[1] < prefill + s.continuation + 1:
-        raise ValueError(f"rows of {rows.shape[1]} tokens: need {prefill + s.continuation + 1}")
-    kv = jaxkv.compress_prompt(
-        model,
-        rows[:, :prefill],
-        policy,
-        cache=cache or PAGES,
-        reserve_tokens=s.continuation,
-        policy_params=policy_params,
-    )
-    starts = np.full((len(rows),), prefill, np.int32)
-    budget_tokens = jnp.asarray(policy.budget_tokens(starts))
-    nll, conf, confident, pages, held = _read(
-        model,
-        kv,
-        jnp.asarray(rows[:, prefill : prefill + s.continuation]),
-        jnp.asarray(rows[:, prefill + 1 : prefill + 1 + s.continuation]),
-        jnp.asarray(starts),
-        budget_tokens,
-        jnp.asarray(policy.budget_ratio(len(rows))),
-        jax.random.PRNGKey(SEED),
-        policy_params,
-        policy.static(),
-    )
-    nll, conf, confident, pages, held = (np.asarray(x) for x in (nll, conf, confident, pages, held))
-    memory = _bytes_per_step(kv, pages) / len(rows)
-    bins = np.array_split(np.arange(nll.shape[0]), s.bins)
-    return {
-        "bits_per_token": float(nll.mean() / math.log(2)),
-        "bits_per_token_per_text": (nll.mean(axis=0) / math.log(2)).tolist(),
-        "bits_per_token_by_length": [
-            {"until": int(b[-1]) + 1, "bits": float(nll[b].mean() / math.log(2))} for b in bins
-        ],
-        "kv_bytes_per_sequence": float(memory.mean()),
-        "tokens_per_head": float(held.mean()),
-        "confident_fraction": float(np.mean(confident)),
-        "trace": {
-            "kv_bytes": memory.tolist(),
-            "tokens_per_head": held.tolist(),
-            "confidence": conf[:, 0].tolist(),
-        },
-    }
 
 
 def ppl_policies(s: Settings, matched: int) -> dict:
@@ -323,7 +169,7 @@ def _close_gaps(results: dict, full: dict, s: Settings, task: str) -> None:
                 full["bits_per_token_per_text"],
                 reference,
                 result["bits_per_token_per_text"],
-                _rng(task),
+                rng_for(task),
                 s.bootstrap,
             )
 
@@ -334,7 +180,7 @@ def run_ppl(model, reading: Reading, s: Settings, log=print) -> dict:
     prefill = len(reading.opening) + s.prefix
 
     def read(policy, cache=None):
-        return teacher_forced(model, policy, rows, prefill, s, cache=cache)
+        return teacher_forced(model, policy, rows, prefill, s.continuation, s.bins, cache=cache)
 
     results = {"full": read(policies.FullCache())}
     log("ppl full", results["full"]["bits_per_token"])
@@ -398,7 +244,8 @@ def run_ablation(
     prefill = len(reading.opening) + s.prefix
 
     def read(policy):
-        return _summary(teacher_forced(model, policy, texts, prefill, settings))
+        read = teacher_forced(model, policy, texts, prefill, settings.continuation, settings.bins)
+        return _summary(read)
 
     full = read(policies.FullCache())
     log("ablation full", full["bits_per_token"])
@@ -413,7 +260,7 @@ def run_ablation(
             full["bits_per_token_per_text"],
             window["bits_per_token_per_text"],
             result["bits_per_token_per_text"],
-            _rng("ablation-bootstrap"),
+            rng_for("ablation-bootstrap"),
             s.bootstrap,
         )
         out[name] = {"policy": repr(policy), "confkv": result, "window_tokens": matched}
@@ -455,7 +302,7 @@ def needle_accuracy(model, policy, episodes, cache=None) -> dict:
 
 
 def run_needles(model, corpus, s: Settings, log=print) -> dict:
-    rng = _rng("needle")
+    rng = rng_for("needle")
     depths = np.linspace(0.0, 1.0, s.needle_samples)
     episodes = [tasks.needle(corpus, rng, s.needle_length - 1, depth=float(d)) for d in depths]
     confkv = policies.ConfKV(tight=s.needle_tight, loose=s.needle_loose, protected=s.protected)
@@ -518,111 +365,6 @@ def run_kl(model, reading: Reading, s: Settings, log=print) -> dict:
     r = float(np.corrcoef(confidences, shifts)[0, 1])
     log("kl pearson r", r)
     return {"pearson_r": r, "points": len(shifts), "confidence": confidences, "kl": shifts}
-
-
-# --- report --------------------------------------------------------------------------------
-
-
-def plot_trace(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    trace = result["trace"]
-    fig, size_axis = plt.subplots(figsize=(9, 3.5))
-    size_axis.plot(trace["tokens_per_head"], color="tab:blue", lw=1)
-    size_axis.set_xlabel("decode step")
-    size_axis.set_ylabel("tokens held per head", color="tab:blue")
-    conf_axis = size_axis.twinx()
-    conf_axis.plot(trace["confidence"], color="tab:orange", lw=0.6, alpha=0.7)
-    conf_axis.axhline(0.7, color="tab:orange", ls=":", lw=1)
-    conf_axis.set_ylabel("confidence (seq 0)", color="tab:orange")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_ppl(ppl: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(7, 4))
-    for name, result in ppl["policies"].items():
-        bins = result["bits_per_token_by_length"]
-        axis.plot([b["until"] for b in bins], [b["bits"] for b in bins], marker="o", label=name)
-    axis.set_xlabel("generated length (tokens)")
-    axis.set_ylabel("bits per token (bin)")
-    axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _interval(closed: dict) -> str:
-    if closed["interval_90"] is None:
-        return "-"
-    low, high = closed["interval_90"]
-    return f"{closed['share']:.2f} [{low:.2f}, {high:.2f}]"
-
-
-def table(report: dict) -> str:
-    lines = []
-    if "ppl" in report:
-        ppl = report["ppl"]
-        lines += [
-            f"Perplexity ({ppl['texts']} texts; share of the sliding window's and of "
-            "StreamingLLM's gap to the full cache closed, with a 90% bootstrap interval over "
-            "texts)",
-            "",
-            "| policy | bits/token | window gap closed | StreamingLLM gap closed | tokens/head | "
-            "KV KiB/seq | confident |",
-            "|---" * 7 + "|",
-        ]
-        for name, r in ppl["policies"].items():
-            lines.append(
-                f"| {name} | {r['bits_per_token']:.4f} | {_interval(r['gap_closed'])} | "
-                f"{_interval(r['streaming_gap_closed'])} | "
-                f"{r['tokens_per_head']:.0f} | {r['kv_bytes_per_sequence'] / 1024:.0f} | "
-                f"{r['confident_fraction']:.2f} |"
-            )
-        lines.append("")
-    if "needle" in report:
-        lines += ["| policy | needle acc | tokens/head | KV KiB/seq |", "|---" * 4 + "|"]
-        for name, r in report["needle"]["policies"].items():
-            lines.append(
-                f"| {name} | {r['accuracy']:.2f} | {r['tokens_per_head']:.0f} | "
-                f"{r['kv_bytes_per_sequence'] / 1024:.0f} |"
-            )
-        lines.append("")
-    if "kl" in report:
-        kl = report["kl"]
-        lines += [f"KL premise: Pearson r = {kl['pearson_r']:.3f} over {kl['points']} points", ""]
-    if "ablation" in report:
-        lines += ablation_table(report["ablation"])
-    return "\n".join(lines)
-
-
-def ablation_table(ablation: dict) -> list[str]:
-    lines = [
-        f"Ablation ({ablation['texts']} texts, {ablation['prefix']} tokens prefilled, "
-        f"{ablation['continuation']} read; full cache {ablation['full']['bits_per_token']:.4f} "
-        "bits per token; gap closed with a 90% bootstrap interval over texts)",
-        "",
-        "| row | full | window (tokens) | Conf-KV | Conf-KV tokens/head | confident | gap closed |",
-        "|---" * 7 + "|",
-    ]
-    full = ablation["full"]["bits_per_token"]
-    for name, row in ablation["rows"].items():
-        confkv, window = row["confkv"], row["window"]
-        lines.append(
-            f"| {name} | {full:.4f} | {window['bits_per_token']:.4f} ({row['window_tokens']}) | "
-            f"{confkv['bits_per_token']:.4f} | {confkv['tokens_per_head']:.1f} | "
-            f"{confkv['confident_fraction']:.2f} | {_interval(row['gap_closed'])} |"
-        )
-    return [*lines, ""]
 
 
 def _timed_log(*args):

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from jaxkv import bundled, policies
 from jaxkv.benchmarks import confkv as reader
 from jaxkv.benchmarks import harness
+from jaxkv.benchmarks.teacher_forced import byte_rows, teacher_forced
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.train import corpus as corpus_lib
 
@@ -41,10 +42,10 @@ def block_policies(s: reader.Settings, evict_every: int) -> dict[str, policies.P
 
 
 def run(model, texts: list[bytes], s: reader.Settings, blocks=BLOCKS) -> dict:
-    ids = reader.byte_rows(texts)
+    ids = byte_rows(texts)
 
     def read(policy):
-        return reader.teacher_forced(model, policy, ids, s.prefix + 1, s)
+        return teacher_forced(model, policy, ids, s.prefix + 1, s.continuation, s.bins)
 
     rows = {"full": read(policies.FullCache())}
     jobs = [(n, name, p) for n in blocks for name, p in block_policies(s, n).items()]

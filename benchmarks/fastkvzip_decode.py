@@ -2,7 +2,7 @@
 
 Each held-out text's first `--prefix` bytes are prefilled (Fast KVzip evicts after every prefill
 chunk), then `--continuation` bytes are read token by token with every policy's decode hook after
-each token (`jaxkv.benchmarks.confkv.teacher_forced`): Fast KVzip gates each token as it is
+each token (`jaxkv.benchmarks.teacher_forced`): Fast KVzip gates each token as it is
 written and every 128 steps evicts back to its ratio of the current length (first 4 and newest
 128 kept). H2O runs at the tokens per head Fast KVzip held on average (equal memory). Prints a
 table and writes JSON.
@@ -21,8 +21,9 @@ import numpy as np
 
 from jaxkv import policies
 from jaxkv.benchmarks import harness
-from jaxkv.benchmarks.confkv import REFERENCE_MODEL, SEED, Settings, byte_rows, teacher_forced
+from jaxkv.benchmarks.confkv import REFERENCE_MODEL, Settings
 from jaxkv.benchmarks.quality import FASTKVZIP_GATES
+from jaxkv.benchmarks.teacher_forced import SEED, byte_rows, teacher_forced
 from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.train import corpus as corpus_lib
@@ -32,7 +33,15 @@ def run(model, gates, texts, settings: Settings, ratio: float, log=print) -> dic
     ids, prefill = byte_rows(texts), settings.prefix + 1
 
     def read(policy, policy_params=None):
-        return teacher_forced(model, policy, ids, prefill, settings, policy_params=policy_params)
+        return teacher_forced(
+            model,
+            policy,
+            ids,
+            prefill,
+            settings.continuation,
+            settings.bins,
+            policy_params=policy_params,
+        )
 
     results = {"full": read(policies.FullCache())}
     log("full", results["full"]["bits_per_token"])

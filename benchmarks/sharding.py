@@ -24,19 +24,15 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from jaxkv.benchmarks import harness
 
-ROW_MARKER = "SHARDING_ROW_JSON "
-CHILD_CWD = Path(__file__).resolve().parents[2]  # the directory that holds the jaxkv package
 COLLECTIVE_KINDS = (
     "all-reduce",
     "all-gather",
@@ -177,7 +173,7 @@ def run_row(args, spec: str, dump_dir: str) -> dict:
 
     import jaxkv
     from jaxkv import sharding
-    from jaxkv.benchmarks.system import build_policy
+    from jaxkv.benchmarks.system_model import build_policy
 
     cfg = model_config(args)
     from jaxkv.models import init_model
@@ -211,7 +207,7 @@ def run_row(args, spec: str, dump_dir: str) -> dict:
 
 
 def model_config(args):
-    from jaxkv.benchmarks.system import SHAPES
+    from jaxkv.benchmarks.system_model import SHAPES
     from jaxkv.models import configs
 
     shapes = {**SHAPES, "cpu-small": CPU_SMALL}
@@ -241,18 +237,16 @@ def _child_env(args, dump_dir: str) -> dict:
 
 
 def row_in_subprocess(argv: list[str], spec: str) -> dict:
+    """One policy's row in a fresh process (its own device count and HLO dump)."""
     with tempfile.TemporaryDirectory() as dump_dir:
-        command = [sys.executable, "-m", "jaxkv.benchmarks.sharding", *argv]
-        command += ["--one", spec, "--dump-dir", dump_dir]
-        args = parse_args(argv)
-        done = subprocess.run(
-            command, cwd=CHILD_CWD, env=_child_env(args, dump_dir), capture_output=True, text=True
+        child = harness.run_child(
+            "jaxkv.benchmarks.sharding",
+            [*argv, "--one", spec, "--dump-dir", dump_dir],
+            env=_child_env(parse_args(argv), dump_dir),
         )
-    for line in done.stdout.splitlines():
-        if line.startswith(ROW_MARKER):
-            return json.loads(line[len(ROW_MARKER) :])
-    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-    return {"policy": spec, "error": f"exited with {done.returncode}: " + " | ".join(tail)}
+    if child.result is not None:
+        return child.result
+    return {"policy": spec, "error": f"exited with {child.returncode}: {child.tail}"}
 
 
 # ---------------------------------------------------------------------------- report
@@ -321,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.one is not None:
-        print(ROW_MARKER + json.dumps(run_row(args, args.one, args.dump_dir)), flush=True)
+        harness.print_row(run_row(args, args.one, args.dump_dir))
         return {}
     from tqdm.auto import tqdm
 

@@ -39,13 +39,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import math
 import os
 import platform
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,21 +51,26 @@ import jax
 import numpy as np
 
 import jaxkv
-from jaxkv import policies
+from jaxkv.benchmarks import harness
 from jaxkv.benchmarks.kernels import copy_bandwidth
-from jaxkv.gates import fastkvzip as fastkvzip_gates
-from jaxkv.gates.wgkv import init_write_gates
-from jaxkv.models import configs, init_model
+from jaxkv.benchmarks.system_model import (
+    GIB,
+    ITEMSIZE,
+    MIB,
+    SHAPES,
+    build_policy,
+    does_not_fit_message,
+    memory_estimate,
+    model_config,
+    parse_policy,
+    weight_bytes,
+)
+from jaxkv.benchmarks.system_report import derive, markdown, plot
+from jaxkv.models import init_model
 from jaxkv.models.configs import dtype_from_name
-from jaxkv.models.decoder import param_shapes
 
-ROW_MARKER = "SYSTEM_ROW_JSON "
-# Rows and the device probe run as `python -m jaxkv.benchmarks.system` in a child process, from
-# the directory that holds the jaxkv package imported here (a checkout or site-packages), so the
-# child runs the same code.
-CHILD_CWD = Path(jaxkv.__file__).resolve().parents[1]
-GIB = 2**30
-MIB = 2**20
+# Rows and the device probe run as `python -m jaxkv.benchmarks.system` in a child process.
+MODULE = "jaxkv.benchmarks.system"
 DECODE_METHOD = (
     "slope of the fastest generate() wall times between max_new_tokens=1+s and 1+s+d "
     "(s = --decode-start, d = --decode-tokens decode steps), each the minimum over --repeats "
@@ -77,46 +79,6 @@ DECODE_METHOD = (
     "per-request work = t(1+s) - t(1) - s x slope "
     "(set-up, repack and output between prefill and the decode loop)"
 )
-# Random weights with Llama-3.1-8B layer shapes; vocabulary and depth can be cut by flags.
-LLAMA3_8B_SHAPE = {
-    "family": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_layers": 32,
-    "num_heads": 32,
-    "num_kv_heads": 8,
-    "head_dim": 128,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 131072,
-}
-CPU_SHAPE = {
-    "family": "llama",
-    "vocab_size": 4096,
-    "hidden_size": 512,
-    "intermediate_size": 1536,
-    "num_layers": 4,
-    "num_heads": 8,
-    "num_kv_heads": 2,
-    "head_dim": 64,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 8192,
-}
-# KV-heavy: 8 KV heads x 128 per layer (no GQA), a small MLP and vocabulary, so a decode step
-# reads far more KV than weights at 4K+ tokens (issue 27's shape).
-CPU_KV_SHAPE = {
-    "family": "llama",
-    "vocab_size": 512,
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_layers": 4,
-    "num_heads": 8,
-    "num_kv_heads": 8,
-    "head_dim": 128,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 16384,
-}
-SHAPES = {"llama3-8b-shape": LLAMA3_8B_SHAPE, "cpu-mid": CPU_SHAPE, "cpu-kv": CPU_KV_SHAPE}
 CPU_DEFAULTS = {
     "model": "cpu-mid",
     "contexts": [512, 1024, 2048],
@@ -135,138 +97,6 @@ GPU_DEFAULTS = {
     "decode_tokens": 32,
     "repeats": 5,
 }
-
-# --------------------------------------------------------------------------- model and policies
-
-
-def model_config(args):
-    """The ModelConfig of `--model` (a built-in shape, a models preset, or an HF config.json)
-    with `--layers` / `--vocab-size` applied and positions raised to the longest request."""
-    if args.model in SHAPES:
-        shape = dict(SHAPES[args.model])
-        cfg = configs.ModelConfig(**{**shape, "family": configs.Family(shape["family"])})
-    elif args.model in configs.PRESETS:
-        cfg = configs.preset(args.model)
-    else:
-        path = Path(args.model)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.exists():
-            raise SystemExit(
-                f"--model {args.model!r}: not a built-in shape {sorted(SHAPES)}, a preset "
-                f"{sorted(configs.PRESETS)}, nor an existing config.json"
-            )
-        cfg = configs.from_hf_config(json.loads(path.read_text()))
-    overrides = {"num_layers": args.layers, "vocab_size": args.vocab_size}
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    longest = max(args.contexts) + args.decode_start + args.decode_tokens + 1
-    if cfg.max_position_embeddings < longest:  # random weights: any position is as good
-        cfg = dataclasses.replace(cfg, max_position_embeddings=longest)
-    return cfg
-
-
-def parse_policy(spec: str):
-    """(the policy of `spec`, duo_attention's retrieval heads per layer or None): a named
-    SystemExit for a bad spec, before anything is measured."""
-    parts = spec.split(":")
-    heads = [part for part in parts if part.startswith("retrieval_heads=")]
-    if heads and parts[0] != "duo_attention":
-        raise SystemExit(f"policy {spec!r}: only duo_attention takes retrieval_heads=")
-    try:
-        policy = policies.from_spec(":".join(p for p in parts if p not in heads))
-        retrieval = int(heads[-1].partition("=")[2]) if heads else None
-    except ValueError as error:
-        raise SystemExit(str(error)) from None
-    return policy, retrieval
-
-
-def build_policy(spec: str, cfg, seed: int = 0):
-    """(policy, policy_params) for a spec; learned parameters freshly initialised."""
-    policy, retrieval = parse_policy(spec)
-    key = jax.random.PRNGKey(seed)
-    params = None
-    if policy.name == "wgkv":
-        params = init_write_gates(cfg, key)
-    elif policy.name == "fastkvzip":
-        params = fastkvzip_gates.init_params(cfg, key)
-    elif policy.name == "duo_attention":
-        retrieval = 1 if retrieval is None else retrieval
-        if not 0 <= retrieval <= cfg.num_kv_heads:
-            raise ValueError(f"retrieval_heads={retrieval}: 0..{cfg.num_kv_heads} heads per layer")
-        params = np.zeros((cfg.num_layers, cfg.num_kv_heads), bool)
-        params[:, :retrieval] = True
-    return policy, params
-
-
-# ------------------------------------------------------------------------- memory estimates
-
-
-def weight_bytes(cfg, itemsize: int) -> dict:
-    """Parameter bytes and the bytes one decode step reads (an untied embedding: B rows only)."""
-    shapes = param_shapes(cfg)
-    total = sum(math.prod(s) for s in _leaves(shapes)) * itemsize
-    embed = math.prod(shapes["embed"]) * itemsize
-    read = total if cfg.tie_word_embeddings else total - embed
-    return {"total": total, "read_per_step": read}
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(value)
-    else:
-        yield tree
-
-
-def memory_estimate(cfg, itemsize: int, context: int, batch: int, args) -> dict:
-    """Bytes a full-cache `generate` needs (an upper bound for every policy): weights, the prefill
-    pool and the repacked decode pool (alive together), and the largest attention temporaries
-    (XLA backend: a chunk's f32 scores and probabilities over the whole context, and the
-    gathered f32 keys/values of one layer)."""
-    page = args.page_size
-    tokens = -(-(context + args.decode_start + args.decode_tokens) // page) * page
-    per_token_head = 2 * cfg.head_dim * itemsize + 8  # K, V + position and score metadata
-    kv = cfg.num_layers * batch * cfg.num_kv_heads * tokens * per_token_head
-    chunk = min(args.prefill_chunk, context)
-    temporaries = 2 * batch * cfg.num_kv_heads * tokens * cfg.head_dim * 4
-    if args.backend == "xla":
-        temporaries += 2 * batch * cfg.num_heads * chunk * tokens * 4
-    hidden = batch * chunk * (cfg.intermediate_size * 3 + cfg.vocab_size) * 4
-    weights = weight_bytes(cfg, itemsize)["total"]
-    total = weights + 2 * kv + temporaries + hidden
-    return {"weights": weights, "kv_full": kv, "temporaries": temporaries + hidden, "total": total}
-
-
-def largest_fitting(cfg, itemsize: int, limit: int, context: int, batch: int, args) -> dict:
-    """The largest context at this batch and the largest batch at this context that fit."""
-
-    def fits(c, b):
-        return memory_estimate(cfg, itemsize, c, b, args)["total"] <= limit
-
-    def search(test, high):
-        low = 0
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if test(mid) else (low, mid - 1)
-        return low
-
-    step = args.page_size
-    best_context = step * search(lambda n: fits(n * step, batch), max(context // step, 1))
-    best_batch = search(lambda b: fits(context, b), batch)
-    return {"largest_context": best_context, "largest_batch": best_batch}
-
-
-def does_not_fit_message(cfg, itemsize, limit, context, batch, args, reason: str) -> str:
-    est = memory_estimate(cfg, itemsize, context, batch, args)
-    best = largest_fitting(cfg, itemsize, limit, context, batch, args)
-    return (
-        f"does not fit ({reason}): context {context} x batch {batch} needs ~"
-        f"{est['total'] / GIB:.2f} GiB (weights {est['weights'] / GIB:.2f} + 2 x full KV "
-        f"{est['kv_full'] / GIB:.2f} + temporaries {est['temporaries'] / GIB:.2f}) of "
-        f"{limit / GIB:.2f} GiB; largest context that fits at batch {batch}: "
-        f"~{best['largest_context']} tokens; largest batch at context {context}: "
-        f"{best['largest_batch']}"
-    )
-
 
 # ------------------------------------------------------------------------------ device probe
 
@@ -431,155 +261,23 @@ def _cb(row):
 
 
 def row_in_subprocess(argv: list[str], row: dict, limit: int, cfg, args) -> dict:
-    """Runs one row in a fresh Python process (`--one`) and parses its JSON line."""
-    command = [sys.executable, "-m", "jaxkv.benchmarks.system", *argv, "--one", json.dumps(row)]
-    command += ["--memory-limit-gib", str(limit / GIB)]
-    done = subprocess.run(command, cwd=CHILD_CWD, capture_output=True, text=True)
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith(ROW_MARKER):
-            return json.loads(line[len(ROW_MARKER) :])
-    if done.returncode < 0:  # killed: on a host, most likely by the kernel's OOM killer
-        itemsize = ITEMSIZE[args.dtype]
-        reason = f"process killed by signal {-done.returncode}, likely out of memory"
+    """Runs one row in a fresh Python process (`--one`): its result, or why there is none."""
+    child = harness.run_child(
+        MODULE, [*argv, "--one", json.dumps(row), "--memory-limit-gib", str(limit / GIB)]
+    )
+    if child.result is not None:
+        return child.result
+    if child.returncode < 0:  # killed: on a host, most likely by the kernel's OOM killer
+        reason = f"process killed by signal {-child.returncode}, likely out of memory"
         return {
             "error": does_not_fit_message(
-                cfg, itemsize, limit, **_cb(row), args=args, reason=reason
+                cfg, ITEMSIZE[args.dtype], limit, **_cb(row), args=args, reason=reason
             )
         }
-    tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-    return {"error": f"subprocess exited with {done.returncode}: " + " | ".join(tail)}
-
-
-# ------------------------------------------------------------------------- derived columns
-
-
-def derive(rows: list[dict], cfg, args, bandwidth_gbs: float) -> None:
-    """Adds ratios to the full cache of the same (context, batch) and the roofline columns."""
-    read_weights = weight_bytes(cfg, ITEMSIZE[args.dtype])["read_per_step"]
-    full = {(r["context"], r["batch"]): r for r in rows if r["policy"] == "full" and ok(r)}
-    for row in rows:
-        if not ok(row):
-            continue
-        step_bytes = read_weights + row["kv_bytes_read_per_step"]
-        row["weight_bytes_read_per_step"] = read_weights
-        row["roofline_ms_per_step"] = 1e3 * step_bytes / (bandwidth_gbs * 1e9)
-        if row["decode_ms_per_step"] > 0:
-            row["fraction_of_roofline"] = row["roofline_ms_per_step"] / row["decode_ms_per_step"]
-        base = full.get((row["context"], row["batch"]))
-        if base is None:
-            continue
-        row["prefill_ratio"] = row["prefill_s"] / base["prefill_s"]
-        row["decode_ratio"] = row["decode_ms_per_step"] / base["decode_ms_per_step"]
-        row["decode_speedup_vs_full"] = base["decode_ms_per_step"] / row["decode_ms_per_step"]
-        row["roofline_speedup_vs_full"] = base["roofline_ms_per_step"] / row["roofline_ms_per_step"]
-        for key in ("kv_bytes_after_prefill", "kv_bytes_final", "pool_bytes_allocated"):
-            row[key.replace("bytes", "ratio")] = row[key] / base[key]
-
-
-def ok(row: dict) -> bool:
-    return "error" not in row
-
-
-COLUMNS = (
-    ("context", "context", "{}"),
-    ("batch", "batch", "{}"),
-    ("policy", "policy", "{}"),
-    ("first call s", "first_call_s", "{:.2f}"),
-    ("prefill s", "prefill_s", "{:.3f}"),
-    ("prefill x", "prefill_ratio", "{:.2f}"),
-    ("request work of prefill", "request_work_of_prefill", "{:.3f}"),
-    ("decode ms/step", "decode_ms_per_step", "{:.2f}"),
-    ("+- ms", "decode_spread_ms_per_step", "{:.2f}"),
-    ("decode x", "decode_ratio", "{:.2f}"),
-    ("KV MiB prefill", "kv_bytes_after_prefill", "mib"),
-    ("KV MiB end", "kv_bytes_final", "mib"),
-    ("KV of full", "kv_ratio_final", "{:.3f}"),
-    ("pool MiB", "pool_bytes_allocated", "mib"),
-    ("device peak MiB", "device_peak_bytes", "mib"),
-    ("host RSS peak MiB", "host_peak_rss_bytes", "mib"),
-    ("roofline ms", "roofline_ms_per_step", "{:.3f}"),
-    ("of roofline", "fraction_of_roofline", "{:.2f}"),
-    ("speed-up", "decode_speedup_vs_full", "{:.2f}"),
-    ("roofline speed-up", "roofline_speedup_vs_full", "{:.2f}"),
-)
-
-
-def _cell(row: dict, key: str, fmt: str) -> str:
-    value = row.get(key)
-    if value is None:
-        return "-"
-    return f"{value / MIB:.1f}" if fmt == "mib" else fmt.format(value)
-
-
-def markdown(report: dict) -> str:
-    env = report["environment"]
-    lines = [
-        f"# System benchmark: {report['model']['name']}",
-        "",
-        f"{env['device']} ({env['host']}), jax {env['jax']}, {report['date']}; "
-        f"copy bandwidth {env['bandwidth_gbs']:.1f} GB/s ({env['bandwidth_source']}).",
-        "",
-        f"`{report['command']}`",
-        "",
-    ]
-    if env["platform"] == "cpu":
-        lines += ["**CPU numbers** (no accelerator): times and peaks say little about a GPU.", ""]
-    if report.get("note"):
-        lines += [report["note"], ""]
-    lines += [
-        "| " + " | ".join(name for name, _, _ in COLUMNS) + " |",
-        "|" + " --- |" * len(COLUMNS),
-    ]
-    for row in report["rows"]:
-        if ok(row):
-            cells = [_cell(row, key, fmt) for _, key, fmt in COLUMNS]
-        else:
-            cells = [str(row["context"]), str(row["batch"]), row["policy"], row["error"]]
-            cells += [""] * (len(COLUMNS) - len(cells))
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Decode: {report['decode_method']}; +- ms: the two samples' spreads "]
-    lines[-1] += "over the decode steps between them."
-    lines += ["", report["peak_memory_note"], ""]
-    return "\n".join(lines)
-
-
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    device_peak = any(r.get("device_peak_bytes") for r in report["rows"])
-    peak_key = "device_peak_bytes" if device_peak else "host_peak_rss_bytes"
-    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series = sorted({(r["policy"], r["batch"]) for r in report["rows"]})
-    for policy, batch in series:
-        rows = [r for r in report["rows"] if (r["policy"], r["batch"]) == (policy, batch)]
-        rows = sorted((r for r in rows if ok(r)), key=lambda r: r["context"])
-        if not rows:
-            continue
-        contexts = [r["context"] for r in rows]
-        label = f"{policy} (batch {batch})"
-        ax_time.plot(contexts, [r["decode_ms_per_step"] for r in rows], "o-", label=label)
-        peaks = [(r.get(peak_key) or np.nan) / MIB for r in rows]
-        ax_mem.plot(contexts, peaks, "o-", label=label)
-    for ax in (ax_time, ax_mem):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.grid(alpha=0.3)
-    ax_time.set_ylabel("decode ms per step (one token per sequence)")
-    ax_mem.set_ylabel(("device peak" if device_peak else "host peak RSS") + " MiB")
-    if ax_time.lines:
-        ax_time.legend(fontsize=7)
-    fig.suptitle(f"{report['model']['name']} on {report['environment']['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return {"error": f"subprocess exited with {child.returncode}: {child.tail}"}
 
 
 # ------------------------------------------------------------------------------------ main
-
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -649,23 +347,17 @@ def _child(args) -> int:
         cfg = model_config(args)
         row = json.loads(args.one)
         result = guarded_row(args, cfg, row, int(args.memory_limit_gib * GIB))
-    print(ROW_MARKER + json.dumps(result), flush=True)
+    harness.print_row(result)
     return 0
 
 
 def _environment(args, argv) -> dict:
     if args.in_process:
         return probe(args)
-    result = None
-    command = [sys.executable, "-m", "jaxkv.benchmarks.system", *argv, "--probe"]
-    done = subprocess.run(command, cwd=CHILD_CWD, capture_output=True, text=True)
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith(ROW_MARKER):
-            result = json.loads(line[len(ROW_MARKER) :])
-            break
-    if result is None:
-        raise SystemExit(f"device probe failed:\n{done.stderr[-3000:]}")
-    return result
+    child = harness.run_child(MODULE, [*argv, "--probe"])
+    if child.result is None:
+        raise SystemExit(f"device probe failed ({child.returncode}): {child.tail}")
+    return child.result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -701,8 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
     derive(rows, cfg, args, env["bandwidth_gbs"])
     report = {
         "benchmark": "system",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "jaxkv bench system " + " ".join(argv),
+        **harness.provenance("jaxkv bench system", argv),
         "environment": env,
         "cpu_numbers": env["platform"] == "cpu",
         "model": {

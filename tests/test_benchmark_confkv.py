@@ -8,6 +8,7 @@ import pytest
 
 from jaxkv import bundled, policies
 from jaxkv.benchmarks import confkv as bench
+from jaxkv.benchmarks.teacher_forced import Reading, rng_for, teacher_forced
 from jaxkv.models import byte_tokenizer, gguf_tokenizer, load_hf_checkpoint
 from jaxkv.prose import prose
 from jaxkv.train import corpus as corpus_lib
@@ -21,7 +22,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def reading():
-    return bench.Reading(byte_tokenizer(), "heldout")
+    return Reading(byte_tokenizer(), "heldout")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_teacher_forced_read_holds_the_budget_on_due_steps(model, evict_every):
     settings = bench.Settings(prefix=96, continuation=48, bins=2)
     policy = policies.ConfKV(tight=24, loose=40, protected=8, evict_every=evict_every)
     rows = np.array([[256, *text]], np.int32)
-    result = bench.teacher_forced(model, policy, rows, 97, settings)
+    result = teacher_forced(model, policy, rows, 97, settings.continuation, settings.bins)
     held = np.asarray(result["trace"]["tokens_per_head"])
     assert np.isfinite(result["bits_per_token"])
     assert len(held) == 48
@@ -73,7 +74,7 @@ def test_ablation_rows_change_one_thing_each():
 def test_teacher_forced_refuses_rows_too_short_for_the_read(model):
     rows = np.zeros((1, 100), np.int32)
     with pytest.raises(ValueError, match="rows of 100 tokens: need 101"):
-        bench.teacher_forced(model, policies.FullCache(), rows, 52, bench.Settings(continuation=48))
+        teacher_forced(model, policies.FullCache(), rows, 52, continuation=48)
 
 
 def test_heldout_rows_are_the_bos_and_the_corpus_bytes(reading):
@@ -89,15 +90,15 @@ def test_heldout_rows_are_the_bos_and_the_corpus_bytes(reading):
 
 def test_prose_rows_are_the_models_own_ids_of_python_docs(gguf_path):
     tokenizer = gguf_tokenizer(gguf_path)
-    reading = bench.Reading(tokenizer, "prose")
+    reading = Reading(tokenizer, "prose")
     rows = reading.rows("ppl", 2, 300)
     assert rows.shape == (2, len(tokenizer.encode("")) + 300)
-    seeds = bench._rng("ppl").integers(0, 2**31, 2)
+    seeds = rng_for("ppl").integers(0, 2**31, 2)
     for row, seed in zip(rows, seeds, strict=True):
         expected = tokenizer.encode(prose(20_000, seed=int(seed)), add_bos=False)[:300]
         np.testing.assert_array_equal(row[len(reading.opening) :], expected)
     with pytest.raises(ValueError, match="text='web'"):
-        bench.Reading(tokenizer, "web")
+        Reading(tokenizer, "web")
 
 
 def test_needles_are_refused_for_a_model_with_its_own_tokenizer(gguf_path, tmp_path):

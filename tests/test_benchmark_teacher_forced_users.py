@@ -9,6 +9,7 @@ import pytest
 
 from jaxkv import bundled
 from jaxkv.benchmarks import confkv, decode_blocks, fastkvzip_decode
+from jaxkv.benchmarks.teacher_forced import byte_rows
 from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.train import corpus as corpus_lib
@@ -31,7 +32,7 @@ def texts():
 
 
 def test_byte_rows_open_with_the_bos():
-    rows = confkv.byte_rows([b"ab", b"cd"])
+    rows = byte_rows([b"ab", b"cd"])
     np.testing.assert_array_equal(rows, [[256, 97, 98], [256, 99, 100]])
 
 

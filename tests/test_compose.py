@@ -63,9 +63,7 @@ def test_composed_answers_every_host_question_of_a_policy_itself():
     a member added to `Policy` and forgotten here would silently give the base's answer."""
     constants = {"name", "primary_knob"}
     members = {
-        name
-        for name in dir(policies.Policy)
-        if not name.startswith("_") and name not in constants
+        name for name in dir(policies.Policy) if not name.startswith("_") and name not in constants
     }
     missing = sorted(members - set(vars(policies.Composed)) - set(parts.PARTS))
     assert not missing, f"Composed does not forward {missing}"
