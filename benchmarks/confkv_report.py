@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jaxkv.benchmarks import harness
+
 
 def plot_trace(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     trace = result["trace"]
     fig, size_axis = plt.subplots(figsize=(9, 3.5))
@@ -27,10 +26,7 @@ def plot_trace(result: dict, path: Path) -> None:
 
 
 def plot_ppl(ppl: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     fig, axis = plt.subplots(figsize=(7, 4))
     for name, result in ppl["policies"].items():

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv import policies
+from jaxkv import bundled, policies
 from jaxkv.benchmarks import harness
 from jaxkv.benchmarks.confkv import REFERENCE_MODEL, Settings
-from jaxkv.benchmarks.quality import FASTKVZIP_GATES
 from jaxkv.benchmarks.teacher_forced import SEED, byte_rows, teacher_forced
 from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.models import load_hf_checkpoint
@@ -75,7 +74,7 @@ def main(argv=None) -> dict:
         prog="python -m jaxkv.benchmarks.fastkvzip_decode", description=__doc__
     )
     parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
-    parser.add_argument("--gates", type=Path, default=FASTKVZIP_GATES / "gates.safetensors")
+    parser.add_argument("--gates", type=Path, default=bundled.FASTKVZIP_GATES / "gates.safetensors")
     parser.add_argument("--ratio", type=float, default=0.3)
     parser.add_argument("--prefix", type=int, default=512, help="bytes prefilled")
     parser.add_argument("--continuation", type=int, default=1024, help="bytes read after")

@@ -79,6 +79,21 @@ def save(
         (out / f"{stem}.md").write_text(markdown)
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (the `bench` extra; a named error
+    without it)."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "the benchmarks' plots need matplotlib: pip install 'jaxkv[bench]'"
+        ) from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def print_row(result: dict) -> None:
     """A child's result, on the marked line `run_child` reads."""
     print(ROW_MARKER + json.dumps(result, default=str), flush=True)

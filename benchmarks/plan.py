@@ -6,7 +6,9 @@ context, a batch and each policy, the programs `generate` runs are lowered from 
 reports:
 
   prefill   chunked prefill + the policy's compression (`prefill_and_compress`);
-  repack    the compressed state into its decode geometry (`repack_program`), where it differs;
+  repack    the compressed state into its decode geometry (`repack_program`), where it differs
+            (none where decode keeps the prefill pool and only its page tables change width:
+            `jaxkv.cache.repack.keeps_prefill_pool`);
   decode    the decode loop (`decode_loop`): its memory;
   step      one decode step's reading (`read_tokens`): bytes accessed and flops per token;
   evict     the policy's decode-time eviction (the decode eviction's `on_decode`), run every
@@ -48,9 +50,14 @@ from jaxkv.attention import Backend
 from jaxkv.benchmarks import harness
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig
-from jaxkv.cache.repack import device_decode_geometry
+from jaxkv.cache.repack import device_decode_geometry, keeps_prefill_pool
 from jaxkv.generation import StepContext
-from jaxkv.generation.decode import decode_context, decode_loop, read_tokens, repack_program
+from jaxkv.generation.decode import (
+    decode_context,
+    decode_loop,
+    read_tokens,
+    repack_program,
+)
 from jaxkv.generation.prefill import prefill_and_compress
 from jaxkv.generation.request import Prompts, default_prefill_chunk, prefill_geometry
 from jaxkv.models import configs
@@ -312,10 +319,14 @@ def plan_request(
             r.budget_tokens, r.lengths, max_new_tokens
         )
     num_pages, max_pages = device_decode_geometry(held, bound, max_new_tokens, page_size)
+    keeps_pool = keeps_prefill_pool(r.geometry["num_pages"], num_pages)
+    if keeps_pool:  # as generate decides (to_decode_geometry)
+        num_pages = r.geometry["num_pages"]
     decode_geometry = dict(r.geometry, num_pages=num_pages, max_tokens=max_pages * page_size)
     decode_kv = jax.eval_shape(lambda: KVState.create(**decode_geometry))
     repack = None
-    if (num_pages, max_pages * page_size) != (r.geometry["num_pages"], r.geometry["max_tokens"]):
+    prefill_geometry = (r.geometry["num_pages"], r.geometry["max_tokens"])
+    if not keeps_pool and (num_pages, max_pages * page_size) != prefill_geometry:
         repack = program_cost(
             repack_program.jitted.lower(
                 kv=r.kv, num_pages=num_pages, max_pages=max_pages, int8_geometry=None

@@ -36,8 +36,6 @@ import jaxkv
 from jaxkv import bundled, policies, tasks
 from jaxkv.benchmarks import harness
 from jaxkv.forward import forward_cached
-from jaxkv.gates import fastkvzip as fastkvzip_gate
-from jaxkv.gates.wgkv import load_write_gates
 from jaxkv.generation import compress_prompt
 from jaxkv.models import Model, load_hf_checkpoint
 from jaxkv.models.decoder import logits_from_hidden
@@ -63,14 +61,15 @@ class Sweep:
     tasks: tuple[str, ...] = TASKS
 
 
-BUNDLED_PARAMS = ("fastkvzip",)  # policies whose reference-model parameters ship with jaxkv
+def _runs_by_default(name: str) -> bool:
+    """A policy without parameters, or whose parameters ship for the reference model; the
+    others (calibrated heads) run when given theirs."""
+    cls = policies.policy_class(name)
+    return not cls.needs_params or cls.bundled_params_path() is not None
+
+
 FULL = Sweep(
-    # Other policies that need parameters (learned gates, calibrated heads) run when given them.
-    policies=tuple(
-        n
-        for n in policies.registered()
-        if n in BUNDLED_PARAMS or not policies.base._REGISTRY[n].needs_params
-    ),
+    policies=tuple(n for n in policies.registered() if _runs_by_default(n)),
     budgets=(0.1, 0.2, 0.3, 0.5, 1.0),
     lengths=(2048, 4096),
     samples=16,
@@ -83,26 +82,16 @@ FAST = Sweep(
 )
 
 
-# Policies with learned parameters and where their trained parameters live.
-FASTKVZIP_GATES = bundled.FASTKVZIP_GATES
-
-
-def bundled_params(name: str, model: Model):
-    """The bundled trained parameters of a policy in BUNDLED_PARAMS for the reference model."""
-    if name != "fastkvzip":
-        raise ValueError(f"policy={name!r} has no bundled parameters ({BUNDLED_PARAMS} do)")
-    return fastkvzip_gate.load_safetensors(FASTKVZIP_GATES / "gates.safetensors", model.config)
-
-
 def check_sweep(sweep: Sweep, policy_params: dict | None = None) -> None:
     """Names the bad value before anything runs."""
     known = policies.registered()
     for name in sweep.policies:
         if name not in known:
             raise ValueError(f"policy={name!r}: registered policies are {known}")
-        has_params = name in (policy_params or {}) or name in BUNDLED_PARAMS
-        if policies.base._REGISTRY[name].needs_params and not has_params:
-            raise ValueError(f"policy={name!r} needs policy_params (for wgkv: --wgkv-gates)")
+        cls = policies.policy_class(name)
+        has_params = name in (policy_params or {}) or cls.bundled_params_path() is not None
+        if cls.needs_params and not has_params:
+            raise ValueError(f"policy={name!r} needs policy_params: --params {name}=PATH")
     for budget in sweep.budgets:
         if not 0 < budget <= 1:
             raise ValueError(f"budget={budget}: a ratio of the prompt in (0, 1]")
@@ -311,8 +300,9 @@ def run_sweep(model, sweep: Sweep, corpus, *, log=print, policy_params=None) -> 
         for task in sweep.tasks
     ]
     for name in sweep.policies:
-        if name not in policy_params and name in BUNDLED_PARAMS:
-            policy_params[name] = bundled_params(name, model)
+        path = policies.policy_class(name).bundled_params_path()
+        if name not in policy_params and path is not None:
+            policy_params[name] = policies.get(name).load_params(path, model.config)
     for name, budget, length, task in tqdm(cells, desc="quality", unit="cell"):
         policy = build_policy(name, budget)
         params = policy_params.get(name)
@@ -361,10 +351,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Accuracy (bits per byte for bpb) against KV KiB held, one panel per (task, length)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     panels = sorted(
         {(r["task"], r["length"]) for r in rows}, key=lambda p: (TASKS.index(p[0]), p[1])
@@ -417,12 +404,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--lengths", type=int, nargs="*", help="context lengths in bytes")
     parser.add_argument("--tasks", nargs="*", help=f"a subset of {TASKS}")
     parser.add_argument("--samples", type=int)
-    parser.add_argument("--wgkv-gates", type=Path, help="write gates for policy wgkv")
     parser.add_argument(
-        "--fastkvzip-gates",
-        type=Path,
-        default=FASTKVZIP_GATES / "gates.safetensors",
-        help="gates for policy fastkvzip (default: the bundled ones)",
+        "--params",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="saved parameters of a learned policy (default: those jaxkv ships for the "
+        "reference model, e.g. wgkv=assets/wgkv-gates/lambda-0.08)",
     )
     parser.add_argument("--out", type=Path, default=Path("quality"))
     parser.add_argument(
@@ -442,26 +430,21 @@ def main(argv=None) -> dict:
         "samples": args.samples,
     }
     sweep = dataclasses.replace(sweep, **{k: v for k, v in overrides.items() if v is not None})
-    if args.wgkv_gates is not None and not args.wgkv_gates.exists():
-        raise ValueError(f"--wgkv-gates {args.wgkv_gates}: no such file or directory")
-    if "fastkvzip" in sweep.policies and not args.fastkvzip_gates.is_file():
-        raise ValueError(f"--fastkvzip-gates {args.fastkvzip_gates}: no such file")
-    check_sweep(sweep, {"wgkv": None} if args.wgkv_gates else None)
+    paths = {name: found[-1] for name, found in spec.parse_params(args.params).items()}
+    check_sweep(sweep, paths)
     model = load_hf_checkpoint(args.model, dtype="float32")
-    params = {}
-    if args.wgkv_gates is not None:
-        params["wgkv"] = load_write_gates(args.wgkv_gates, model.config)
-    if "fastkvzip" in sweep.policies:
-        params["fastkvzip"] = fastkvzip_gate.load_safetensors(args.fastkvzip_gates, model.config)
+    params = {
+        name: policies.get(name).load_params(path, model.config) for name, path in paths.items()
+    }
     heldout = corpus_lib.load_corpus("heldout")
     rows = run_sweep(model, sweep, heldout, policy_params=params)
     report = {
         **harness.provenance("jaxkv bench quality", sys.argv[1:] if argv is None else argv),
         "model": str(args.model),
-        "gates": {
-            name: str(path)
-            for name, path in (("wgkv", args.wgkv_gates), ("fastkvzip", args.fastkvzip_gates))
-            if name in sweep.policies and path is not None
+        "params": {
+            name: str(paths.get(name, policies.policy_class(name).bundled_params_path()))
+            for name in sweep.policies
+            if policies.policy_class(name).needs_params
         },
         "sweep": dataclasses.asdict(sweep),
         "rows": rows,

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 import jaxkv
 from jaxkv import policies
+from jaxkv.benchmarks import harness
 from jaxkv.benchmarks.quality import build_policy, greedy_continuation
 from jaxkv.generation import compress_prompt
 from jaxkv.model_sources import load_model, model_file_sha256
@@ -217,23 +218,6 @@ def policy_label(name: str, source: Path | None) -> str:
     return f"{name}[{directory.name}]"
 
 
-def parse_params(pairs: list[str]) -> dict[str, list[Path]]:
-    """--params NAME=PATH pairs: the saved parameters of each learned policy (several per name
-    run one after the other)."""
-    known = policies.registered()
-    found: dict[str, list[Path]] = {}
-    for pair in pairs:
-        name, sep, path = pair.partition("=")
-        if not sep or name not in known:
-            raise ValueError(f"--params {pair}: give NAME=PATH with NAME one of {known}")
-        if not policies.base._REGISTRY[name].needs_params:
-            raise ValueError(f"--params {pair}: policy {name!r} takes no parameters")
-        if not Path(path).exists():
-            raise ValueError(f"--params {pair}: no such file or directory")
-        found.setdefault(name, []).append(Path(path))
-    return found
-
-
 def markdown_table(rows: list[dict]) -> str:
     """One line per (policy, budget, length, setting): exact [interval] / leading digits."""
     full = {
@@ -286,10 +270,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Exact match against the share of the full cache's bytes, a panel per task x setting."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     panels = sorted({(r["task"], r["setting"], r["length"]) for r in rows})
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
@@ -359,11 +340,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.render is not None:
         return render(args.render)
     known = policies.registered()
-    params = parse_params(args.params)
+    params = spec.parse_params(args.params)
     for name in args.policies:
         if name not in known:
             raise ValueError(f"--policies {name}: registered policies are {known}")
-        if policies.base._REGISTRY[name].needs_params and name not in params:
+        if policies.policy_class(name).needs_params and name not in params:
             raise ValueError(
                 f"--policies {name}: give its trained parameters, --params {name}=PATH"
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxkv.benchmarks import harness
 from jaxkv.benchmarks.system_model import ITEMSIZE, MIB, weight_bytes
 
 
@@ -99,10 +100,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     device_peak = any(r.get("device_peak_bytes") for r in report["rows"])
     peak_key = "device_peak_bytes" if device_peak else "host_peak_rss_bytes"

@@ -119,10 +119,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, shares: dict[str, np.ndarray], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     fig, axes = plt.subplots(1, len(shares), figsize=(5 * len(shares), 3.5), squeeze=False)
     for ax, (name, values) in zip(axes[0], shares.items(), strict=True):

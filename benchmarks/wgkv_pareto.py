@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from jaxkv.benchmarks import harness
+
 
 def load_points(run_dirs: list[Path]) -> list[dict]:
     """One point per run directory, sorted by admitted fraction."""
@@ -49,10 +51,7 @@ def on_frontier(points: list[dict]) -> list[bool]:
 
 
 def plot(points: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.6))
     xs = [100 * p["admitted_fraction"] for p in points]

@@ -15,11 +15,6 @@ from jaxkv.cache.config import DEFAULT_FULL_PRECISION_WINDOW
 
 # The bundled reference model (docs/reference-model.md), trained by `jaxkv train pretrain`.
 DEFAULT_MODEL = str(bundled.REFERENCE_MODEL)
-# Trained gates for the reference model: WG-KV at lambda 0.08 (docs/wgkv.md), Fast KVzip.
-SHIPPED_GATES = {
-    "wgkv": bundled.WGKV_GATES / "lambda-0.08",
-    "fastkvzip": bundled.FASTKVZIP_GATES,
-}
 # duo_attention without --gates: the share of (layer, KV head) pairs picked as retrieval heads.
 DEFAULT_RETRIEVAL_HEADS = 0.25
 DEFAULT_PROMPT = (
@@ -56,8 +51,11 @@ def build_policy(args: argparse.Namespace):
 
 
 def _shipped_gates(policy, model_arg: str, model_config):
-    """The shipped gates of the bundled reference model, with a hint when they do not fit."""
-    path = SHIPPED_GATES[policy.name]
+    """The gates jaxkv ships for its reference model (`Policy.bundled_params_path`), with a
+    hint when they do not fit."""
+    path = policy.bundled_params_path()
+    if path is None:
+        raise ValueError(f"--gates: policy {policy.name!r} ships no parameters; give --gates PATH")
     try:
         return policy.load_params(path, model_config), str(path)
     except ValueError as error:

@@ -12,7 +12,7 @@ part from one of them, and no hook can be forgotten on the way:
   prompt_compression   prefill  observation_window, needs_input_stats, needs_prompt_tokens,
                                 compress (which prompt tokens stay after prefill)
   chunk_eviction       prefill  prefill_chunk, prefill_pages, after_prefill_chunk
-  decode_eviction      decode   decode_interval, decode_tokens_bound, on_decode, step_confidence
+  decode_eviction      decode   decode_interval, decode_tokens_bound, on_decode, step_record
 
 The protocols live here, below `layer_step` and `forward`, so that those type their policy
 argument (`PolicyParts`) without importing the policies. A policy usually fills a part with
@@ -225,9 +225,9 @@ class DecodeEviction(Protocol):
     def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
         """The state after a decode step on which eviction is due."""
 
-    def step_confidence(self, logits: jax.Array) -> jax.Array | None:
-        """f32 [B] a value read from each step's logits [B, V] and recorded (Conf-KV's
-        confidence), or None."""
+    def step_record(self, logits: jax.Array) -> jax.Array | None:
+        """f32 [B] the value this part reads from each step's logits [B, V], recorded per step
+        in the generation's `policy_trace` (Conf-KV: its confidence), or None (no trace)."""
 
 
 class PolicyParts(Protocol):

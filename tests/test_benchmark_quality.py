@@ -68,17 +68,27 @@ def test_bad_sweep_arguments(argv, message):
         quality.main(["--fast", *argv])
 
 
-def test_the_default_sweep_includes_bundled_gates_and_names_missing_ones():
-    """The default sweep runs fastkvzip on its bundled gates; wgkv has none bundled and is
-    named when asked for without --wgkv-gates."""
-    assert "fastkvzip" in quality.FULL.policies and "wgkv" not in quality.FULL.policies
+def test_the_default_sweep_runs_the_bundled_gates_and_names_missing_parameters():
+    """The default sweep runs WG-KV and Fast KVzip on the gates jaxkv ships for the reference
+    model (`Policy.bundled_params_path`); duo_attention ships none and is named when asked for
+    without --params."""
+    assert {"fastkvzip", "wgkv"} <= set(quality.FULL.policies)
+    assert "duo_attention" not in quality.FULL.policies
     quality.check_sweep(quality.FULL)
-    with_wgkv = dataclasses.replace(quality.FULL, policies=("wgkv", "fastkvzip"))
-    with pytest.raises(ValueError, match="policy='wgkv' needs policy_params"):
-        quality.check_sweep(with_wgkv)
-    quality.check_sweep(with_wgkv, {"wgkv": None})
+    with_duo = dataclasses.replace(quality.FULL, policies=("duo_attention", "fastkvzip"))
+    with pytest.raises(ValueError, match="policy='duo_attention' needs policy_params: --params"):
+        quality.check_sweep(with_duo)
+    quality.check_sweep(with_duo, {"duo_attention": None})
 
 
-def test_missing_fastkvzip_gates_are_named():
-    with pytest.raises(ValueError, match="--fastkvzip-gates /nowhere.safetensors: no such file"):
-        quality.main(["--policies", "fastkvzip", "--fastkvzip-gates", "/nowhere.safetensors"])
+@pytest.mark.parametrize(
+    "pair,message",
+    [
+        ("fastkvzip=/nowhere.safetensors", "--params fastkvzip=/nowhere.safetensors: no such"),
+        ("snapkv=/tmp", "--params snapkv=/tmp: policy 'snapkv' takes no parameters"),
+        ("nothing", "--params nothing: give NAME=PATH"),
+    ],
+)
+def test_bad_params_are_named(pair, message):
+    with pytest.raises(ValueError, match=message):
+        quality.main(["--policies", "fastkvzip", "--params", pair])

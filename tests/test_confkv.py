@@ -230,8 +230,8 @@ def test_confident_steps_use_the_tight_budget_and_protected_tokens_stay(model):
     tight = jaxkv.generate(model, prompt, max_new_tokens=6, policy=always_tight, stop_tokens=())
     assert np.all(np.asarray(loose.state.lengths) == 64)
     # The per-step confidence trace (the paper's Fig. 8) comes with every generation.
-    assert loose.confidence.shape == (6, 1)
-    assert np.all((loose.confidence > 0) & (loose.confidence < 1))
+    assert loose.policy_trace.shape == (6, 1)
+    assert np.all((loose.policy_trace > 0) & (loose.policy_trace < 1))
     assert np.all(np.asarray(tight.state.lengths) == 32)
     positions = np.asarray(tight.state.positions())
     newest = 100 + 6 - 2

@@ -149,6 +149,44 @@ def test_full_cache_prefill_state_goes_to_decode_without_a_copy(model):
     assert out.state.pool.num_pages == geometry.pool_pages_bucket(heads * -(-(300 + 4) // 16), 16)
 
 
+def test_decode_keeps_the_prefill_pool_when_a_repack_would_save_less_than_half(model, monkeypatch):
+    """SnapKV at 0.7 keeps 70% of the prompt: its decode pool would be more than half the
+    prefill pool, so decode runs in the prefill pool (a repack would hold both at once). The
+    tokens and the kept positions are those of a run that repacks."""
+    prompts = [_prompt(2500, seed=1), _prompt(1900, seed=2)]
+    kwargs = dict(max_new_tokens=12, stop_tokens=(), policy=policies.SnapKV(budget=0.7, window=8))
+    before = decode_module.repack_program.jitted._cache_size()
+    kept = jaxkv.generate(model, prompts, **kwargs)
+    assert decode_module.repack_program.jitted._cache_size() == before  # no repack compiled
+    request = request_module.set_up(
+        model,
+        prompts,
+        kwargs["policy"],
+        reserve_tokens=11,
+        positions_after_prompt=12,
+        cache=jaxkv.CacheConfig(),
+        prefill_chunk=None,
+        policy_params=None,
+    )
+    assert kept.state.pool.num_pages == request.kv.pool.num_pages
+    monkeypatch.setattr(decode_module, "keeps_prefill_pool", lambda *a, **k: False)
+    repacked = jaxkv.generate(model, prompts, **kwargs)
+    assert repacked.state.pool.num_pages < kept.state.pool.num_pages
+    assert repacked.state.page_table.shape == kept.state.page_table.shape
+    np.testing.assert_array_equal(np.asarray(kept.tokens), np.asarray(repacked.tokens))
+    assert _kept(kept.state) == _kept(repacked.state)
+    np.testing.assert_array_equal(np.asarray(kept.memory_bytes), np.asarray(repacked.memory_bytes))
+
+
+def test_keeps_prefill_pool_only_when_the_decode_pool_is_over_half_of_it():
+    from jaxkv.cache import keeps_prefill_pool
+
+    assert keeps_prefill_pool(1000, 501) and keeps_prefill_pool(1000, 1000)
+    assert not keeps_prefill_pool(1000, 500)
+    assert not keeps_prefill_pool(1000, 1001)  # more than the prefill pool: repacked
+    assert not keeps_prefill_pool(1000, 900, int8=True)
+
+
 def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):
     programs = (
         prefill_module.prefill_and_compress,

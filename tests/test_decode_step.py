@@ -94,16 +94,13 @@ def test_a_program_places_every_argument_by_name():
     )
 
 
-@pytest.mark.parametrize("spec", ["full", "h2o:0.25", "snapkv:0.25", "observed_attention:0.25"])
-@pytest.mark.parametrize("chunk", [1, 32])
-def test_xla_updates_the_pool_in_place_without_copying_it(spec, chunk):
-    """A decode step and a prefill chunk write the pool in place: the compiled program holds
-    no copy of a K or V pool (XLA copies it when a read of the pool must precede the write;
-    attention-mass policies used to, every layer and step)."""
+POOL_PAGES = 37  # a pool shape no other array has
+
+
+def _abstract_step(spec: str):
+    """(model, abstract KV state of POOL_PAGES pages, step context) of a tiny model."""
     cfg = tiny_config(num_layers=2, num_kv_heads=2, head_dim=32)
-    model = init_model(cfg, seed=0)
     policy = policies.from_spec(spec)
-    pages = 37  # a pool shape no other array has
     kv = jax.eval_shape(
         lambda: KVState.create(
             num_layers=2,
@@ -112,11 +109,10 @@ def test_xla_updates_the_pool_in_place_without_copying_it(spec, chunk):
             head_dim=32,
             max_tokens=512,
             page_size=16,
-            num_pages=pages,
+            num_pages=POOL_PAGES,
             dtype=jnp.float32,
         )
     )
-    rows = jnp.zeros((1, chunk), jnp.int32)
     context = StepContext(
         prompt_lengths=jnp.full((1,), 400, jnp.int32),
         budget_tokens=policy.budget_tokens(np.array([400])),
@@ -125,6 +121,21 @@ def test_xla_updates_the_pool_in_place_without_copying_it(spec, chunk):
         step=jnp.zeros((), jnp.int32),
         policy=policy.static(),
     )
+    return init_model(cfg, seed=0), kv, context
+
+
+def _pool_copies(hlo: str) -> list[str]:
+    return re.findall(rf"f32\[{POOL_PAGES},16,32\]\S* copy\(", hlo)
+
+
+@pytest.mark.parametrize("spec", ["full", "h2o:0.25", "snapkv:0.25", "observed_attention:0.25"])
+@pytest.mark.parametrize("chunk", [1, 32])
+def test_xla_updates_the_pool_in_place_without_copying_it(spec, chunk):
+    """A decode step and a prefill chunk write the pool in place: the compiled program holds
+    no copy of a K or V pool (XLA copies it when a read of the pool must precede the write;
+    attention-mass policies used to, every layer and step)."""
+    model, kv, context = _abstract_step(spec)
+    rows = jnp.zeros((1, chunk), jnp.int32)
 
     def chunk_step(model, kv, tokens, positions, ctx):
         hidden, kv, _ = forward_cached(
@@ -138,5 +149,19 @@ def test_xla_updates_the_pool_in_place_without_copying_it(spec, chunk):
         .compile()
         .as_text()
     )
-    copies = re.findall(rf"f32\[{pages},16,32\]\S* copy\(", hlo)
+    copies = _pool_copies(hlo)
+    assert not copies, f"{len(copies)} copies of a pool"
+
+
+@pytest.mark.parametrize(
+    "spec", ["h2o:0.25", "streaming_llm:0.25", "sage_kv:0.25", "scissorhands:0.25", "confkv"]
+)
+def test_decode_eviction_compacts_the_pool_in_place(spec):
+    """A decode step with its conditional eviction (due every few steps, then in place or a
+    compaction) holds no copy of a pool: a `lax.cond` around the eviction made XLA copy the
+    whole pool into the conditional (`run_if`)."""
+    model, kv, context = _abstract_step(spec)
+    rows = jnp.zeros((1,), jnp.int32)
+    hlo = jax.jit(decode_step, donate_argnums=1).lower(model, kv, rows, rows, context)
+    copies = _pool_copies(hlo.compile().as_text())
     assert not copies, f"{len(copies)} copies of a pool"

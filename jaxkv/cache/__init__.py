@@ -4,7 +4,13 @@ attention that reads it lives in `jaxkv.attention`, the step that reads then wri
 
 from jaxkv.cache.allocator import PageAllocator, allocate, release
 from jaxkv.cache.config import CacheConfig, Storage
-from jaxkv.cache.repack import decode_geometry, int8_decode_geometry, repack
+from jaxkv.cache.repack import (
+    decode_geometry,
+    int8_decode_geometry,
+    keeps_prefill_pool,
+    repack,
+    retable,
+)
 from jaxkv.cache.ring import promote_and_push
 from jaxkv.cache.state import Int8Tier, KVState, LocalRing, PagePool, PoolExhaustedError
 from jaxkv.cache.writes import accumulate_cached_mass, write_tokens
@@ -22,8 +28,10 @@ __all__ = [
     "allocate",
     "decode_geometry",
     "int8_decode_geometry",
+    "keeps_prefill_pool",
     "promote_and_push",
     "repack",
+    "retable",
     "release",
     "write_tokens",
 ]

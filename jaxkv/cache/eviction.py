@@ -144,6 +144,19 @@ def compact(kv: KVState, keep: jax.Array) -> KVState:
     return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths + int8_lengths)
 
 
+def run_if(pred: jax.Array, fn, operand):
+    """`fn(operand)` where the scalar `pred` holds, else `operand`, updating it in place.
+
+    A `lax.cond` whose branch scatters into a pool makes XLA (CPU seen) copy the whole pool
+    into the conditional, on every call; a `while_loop` of zero or one trips updates its
+    carry in place. Every conditional eviction of a KV state goes through this."""
+
+    def once(carry):
+        return jnp.zeros((), bool), fn(carry[1])
+
+    return jax.lax.while_loop(lambda carry: carry[0], once, (jnp.asarray(pred), operand))[1]
+
+
 def evict_in_place(kv: KVState, keep: jax.Array, max_moves: int) -> KVState:
     """`compact` for a step that evicts a few tokens (decode-time eviction): when no head has
     more than `max_moves` (static) evicted slots below its new length, each head's kept tokens
@@ -170,7 +183,8 @@ def evict_in_place(kv: KVState, keep: jax.Array, max_moves: int) -> KVState:
         return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
 
     few = jnp.max(moves_to_fill_holes(keep, kv.lengths)) <= max_moves
-    return jax.lax.cond(few, fill, lambda kv: compact(kv, keep), kv)
+    kv = run_if(few, fill, kv)
+    return run_if(~few, lambda kv: compact(kv, keep), kv)
 
 
 def _compact_pool(pool: PagePool, page_table, lengths, keep):

@@ -5,6 +5,11 @@ copies the held pages, renumbered 0..n-1 in table order, into a pool of `num_pag
 trims every page table to `max_pages` entries, so the decode loop runs on arrays sized for the
 compressed cache: less memory held and fewer pages read per step. With int8 storage the int8
 tier is repacked the same way into `int8_geometry = (num_pages, max_pages)`.
+
+A repack holds the prefill pool and the decode pool at once, so it raises the request's peak by
+the decode pool. Where the decode pool would be more than half the prefill pool
+(`keeps_prefill_pool`), decoding stays in the prefill pool and only the page tables change
+width (`retable`): the peak stays the prefill's, for at most twice the pages decode needs.
 """
 
 from __future__ import annotations
@@ -20,19 +25,23 @@ from jaxkv.cache.state import KVState, PagePool
 from jaxkv.sharding import to_host
 
 
+def _table_of_width(table, max_pages: int):
+    """Page tables [..., W] trimmed or padded (with -1) to [..., max_pages]: a head's pages are
+    the first entries of its table."""
+    width = table.shape[-1]
+    if max_pages <= width:
+        return table[..., :max_pages]
+    pad = [(0, 0)] * (table.ndim - 1) + [(0, max_pages - width)]
+    return jnp.pad(table, pad, constant_values=-1)
+
+
 def _repack_pool(pool: PagePool, table, lengths, num_pages: int, max_pages: int):
     """(pool of `num_pages` pages, tables [..., max_pages]) holding the same tokens."""
     p = pool.page_size
     held = table >= 0
     fits = (jnp.sum(held) <= num_pages) & jnp.all(lengths <= max_pages * p)
     new_id = (jnp.cumsum(held.reshape(-1)) - 1).reshape(table.shape)
-    new_table = jnp.where(held, new_id, -1)
-    width = table.shape[-1]
-    if max_pages <= width:
-        new_table = new_table[..., :max_pages]
-    else:
-        pad = [(0, 0)] * (table.ndim - 1) + [(0, max_pages - width)]
-        new_table = jnp.pad(new_table, pad, constant_values=-1)
+    new_table = _table_of_width(jnp.where(held, new_id, -1), max_pages)
     destination = jnp.where(held, new_id, num_pages).reshape(-1)
     source = jnp.zeros((num_pages,), jnp.int32).at[destination].set(table.reshape(-1), mode="drop")
 
@@ -77,6 +86,25 @@ def repack(
         tier = dataclasses.replace(tier, pool=int8_pool, page_table=int8_table)
         pool = dataclasses.replace(pool, int8=tier, overflow=pool.overflow | int8_pool.overflow)
     return dataclasses.replace(kv, pool=pool, page_table=table)
+
+
+def keeps_prefill_pool(pool_pages: int, decode_pages: int, int8: bool = False) -> bool:
+    """Whether decode runs in the prefill pool of `pool_pages` pages rather than a repacked one
+    of `decode_pages`: when repacking would save at most half of it (module docstring). An int8
+    tier is always repacked (its geometry changes with the window)."""
+    return not int8 and pool_pages // 2 < decode_pages <= pool_pages
+
+
+def retable(kv: KVState, *, max_pages: int) -> KVState:
+    """`kv` with page tables of `max_pages` entries over the same pool arrays (not a program:
+    the pool's buffers are shared, not copied); flagged `overflow` where a head holds more
+    tokens than that many pages do. Stacked per-device states [S, ...] keep their leading axis."""
+    if kv.pool.int8 is not None:
+        raise ValueError("retable: a state with an int8 tier is repacked (repack)")
+    too_long = kv.full_precision_lengths() > max_pages * kv.pool.page_size
+    overflow = kv.pool.overflow | jnp.any(too_long, axis=(-3, -2, -1))
+    pool = dataclasses.replace(kv.pool, overflow=overflow)
+    return dataclasses.replace(kv, pool=pool, page_table=_table_of_width(kv.page_table, max_pages))
 
 
 def grow(kv: KVState, num_pages: int) -> KVState:

@@ -36,8 +36,9 @@ class GenerateOutput:
       int8_pages_in_use: int32 [steps] the same of the int8 tier (0 without int8 storage).
       memory_bytes: int64 [steps] the bytes all those pages hold (and the int8 channel scales,
         and the local ring of ring policies).
-      confidence: f32 [steps, B] the policy's confidence of the logits each token was sampled
-        from (Conf-KV, with its weights); None for policies that read none.
+      policy_trace: f32 [steps, B] what the policy recorded of the logits each token was
+        sampled from (its decode eviction's `step_record`; Conf-KV: its confidence, with its
+        weights); None for policies that record nothing.
       state: the final KV state; on a mesh, every device's state stacked on a leading axis
         [S] (`jaxkv.sharding`: shard s holds data shard s // model, model shard s % model).
     """
@@ -47,7 +48,7 @@ class GenerateOutput:
     pages_in_use: np.ndarray
     int8_pages_in_use: np.ndarray
     memory_bytes: np.ndarray
-    confidence: np.ndarray | None
+    policy_trace: np.ndarray | None
     state: KVState
 
 
@@ -165,16 +166,16 @@ def _output(
         tier = state.kv.pool.int8
         memory_bytes += int8_pages.astype(np.int64) * tier.pool.page_bytes
         memory_bytes += tier.channel_scale_bytes
-    confidence = None
-    if state.confidence is not None:
-        confidence = per_row(jnp.swapaxes(state.confidence, -1, -2)).T[:steps]
+    policy_trace = None
+    if state.policy_trace is not None:
+        policy_trace = per_row(jnp.swapaxes(state.policy_trace, -1, -2)).T[:steps]
     return GenerateOutput(
         tokens=tokens,
         num_tokens=num_tokens.astype(np.int32),
         pages_in_use=pages,
         int8_pages_in_use=int8_pages,
         memory_bytes=memory_bytes,
-        confidence=confidence,
+        policy_trace=policy_trace,
         state=state.kv,
     )
 

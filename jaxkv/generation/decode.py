@@ -13,7 +13,14 @@ import jax.numpy as jnp
 
 from jaxkv import collectives
 from jaxkv.attention import Backend
-from jaxkv.cache import KVState, decode_geometry, int8_decode_geometry, repack
+from jaxkv.cache import (
+    KVState,
+    decode_geometry,
+    int8_decode_geometry,
+    keeps_prefill_pool,
+    repack,
+    retable,
+)
 from jaxkv.forward import forward_cached
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.generation.request import Request
@@ -115,8 +122,8 @@ class GenState:
       done: bool [B] sequence hit a stop token.
       pages_in_use: int32 [S] pages held after prefill (entry 0) and each step.
       int8_pages_in_use: int32 [S] the same for the int8 tier (0 without one).
-      confidence: f32 [S, B] the policy's `step_confidence` of each step's logits (Conf-KV);
-        None for policies that read none.
+      policy_trace: f32 [S, B] the decode eviction's `step_record` of each step's logits
+        (Conf-KV: its confidence); None for policies that record none.
     """
 
     kv: KVState
@@ -127,7 +134,7 @@ class GenState:
     done: jax.Array
     pages_in_use: jax.Array
     int8_pages_in_use: jax.Array
-    confidence: jax.Array | None
+    policy_trace: jax.Array | None
 
     @property
     def step(self) -> jax.Array:
@@ -160,9 +167,9 @@ def _sample(sampler: Sampler, logits: jax.Array, key: jax.Array) -> jax.Array:
 def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: int) -> GenState:
     token = jnp.where(state.done, pad_id, token)
     done = state.done | jnp.any(token[:, None] == stop_tokens[None, :], axis=-1)
-    confidence = state.confidence
-    if confidence is not None:
-        confidence = confidence.at[state.step].set(_step_confidence(state.context.policy, logits))
+    trace = state.policy_trace
+    if trace is not None:
+        trace = trace.at[state.step].set(_step_record(state.context.policy, logits))
     return dataclasses.replace(
         state,
         kv=kv,
@@ -174,15 +181,15 @@ def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: in
         int8_pages_in_use=state.int8_pages_in_use.at[state.step].set(
             0 if kv.pool.int8 is None else kv.pool.int8.pages_in_use()
         ),
-        confidence=confidence,
+        policy_trace=trace,
     )
 
 
-def _step_confidence(policy: Policy, logits: jax.Array) -> jax.Array | None:
-    """f32 [B] what the policy's decode eviction reads from a step's logits [B, V] (Conf-KV's
-    confidence), recorded per step; None when it reads none."""
+def _step_record(policy: Policy, logits: jax.Array) -> jax.Array | None:
+    """f32 [B] what the policy's decode eviction records of a step's logits [B, V]; None when
+    it records nothing."""
     eviction = policy.decode_eviction
-    return None if eviction is None else eviction.step_confidence(logits)
+    return None if eviction is None else eviction.step_record(logits)
 
 
 repack_program = program(static=("num_pages", "max_pages", "int8_geometry"), kv=SHARD)(
@@ -194,7 +201,8 @@ def to_decode_geometry(
     kv: KVState, policy: Policy, request: Request, max_new_tokens: int
 ) -> KVState:
     """The compressed state in a pool sized for what it holds and will hold during decode
-    (bounded by the policy's budget where it evicts); the same state when that is its size."""
+    (bounded by the policy's budget where it evicts); the same state when that is its size, and
+    in its own pool when a repack would save at most half of it (`keeps_prefill_pool`)."""
     bound = None
     if policy.decode_eviction is not None:
         bound = policy.decode_eviction.decode_tokens_bound(
@@ -216,6 +224,8 @@ def to_decode_geometry(
         kv.page_table.shape[-1],
     ):
         return kv
+    if keeps_prefill_pool(kv.pool.num_pages, decode_pages, int8=int8_geometry is not None):
+        return retable(kv, max_pages=max_pages)
     return repack_program(
         request.placement,
         kv=kv,
@@ -262,7 +272,7 @@ def decode_loop(
     loop updates the pool in place."""
     logits = logits_from_hidden(model.params, model.config, last_hidden)
     b = lengths.shape[0]
-    records_confidence = _step_confidence(policy, logits) is not None
+    records = _step_record(policy, logits) is not None
     context = StepContext(
         prompt_lengths=lengths,
         budget_tokens=budget_tokens,
@@ -282,7 +292,7 @@ def decode_loop(
         done=jnp.zeros((b,), bool),
         pages_in_use=jnp.zeros((steps_bucket,), jnp.int32),
         int8_pages_in_use=jnp.zeros((steps_bucket,), jnp.int32),
-        confidence=jnp.zeros((steps_bucket, b), jnp.float32) if records_confidence else None,
+        policy_trace=jnp.zeros((steps_bucket, b), jnp.float32) if records else None,
     )
     token = _sample(sampler, logits, jax.random.fold_in(key, 0))
     state = _record(state, kv, logits, token, stop_tokens, pad_id)

@@ -8,6 +8,7 @@ from jaxkv.policies.base import (
     Policy,
     SummedAttention,
     get,
+    policy_class,
     register,
     registered,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "get",
     "is_confident",
     "long_range_attention_mass",
+    "policy_class",
     "register",
     "registered",
     "retrieval_heads",

@@ -14,6 +14,7 @@ part, through the mixins below or methods of its own. Besides its parts it answe
   text      for_tokenizer(...)     the policy with its own text in the model's tokens (KVzip)
   params    needs_params           flag: runs only with `policy_params` (learned gates)
             init_params / load_params  fresh ones / saved ones read from a path
+            bundled_params_path()  where jaxkv ships trained ones for its reference model
             check_params(...)      validate the parameters against the model
             param_axes(...)        their logical axes, to shard them with their KV heads
 
@@ -34,6 +35,7 @@ import numpy as np
 
 from jaxkv import parts
 from jaxkv.cache import KVState
+from jaxkv.cache.eviction import run_if
 from jaxkv.models.configs import ModelConfig
 from jaxkv.parts import DecodeContext
 
@@ -51,6 +53,13 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
+def policy_class(name: str) -> type[Policy]:
+    """The class registered as `name` (a KeyError naming the registered ones otherwise)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"policy={name!r}: registered policies are {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
 def get(name: str, **kwargs: Any) -> Policy:
     """Builds a registered policy by name, e.g. `get("snapkv", budget=0.3)`.
 
@@ -59,9 +68,7 @@ def get(name: str, **kwargs: Any) -> Policy:
     budget, or with budgets of its own (Conf-KV's `tight=`/`loose=`), raises a ValueError
     saying so, as does any keyword that is not one of the policy's fields.
     """
-    if name not in _REGISTRY:
-        raise KeyError(f"policy={name!r}: registered policies are {sorted(_REGISTRY)}")
-    cls = _REGISTRY[name]
+    cls = policy_class(name)
     fields = [field.name for field in dataclasses.fields(cls) if field.init]
     if "budget" in kwargs and "budget" not in fields:
         kwargs = dict(kwargs)
@@ -245,6 +252,12 @@ class Policy:
         del model_config
         raise ValueError(f"policy {self.name!r} takes no policy_params (given {path})")
 
+    @classmethod
+    def bundled_params_path(cls) -> Path | None:
+        """Where jaxkv ships this policy's trained `policy_params` for its bundled reference
+        model (package data, read by `load_params`), or None: the caller gives them."""
+        return None
+
     def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
         """Validates `policy_params` against the model on the host; raises ValueError.
 
@@ -317,9 +330,9 @@ class FullCache(Policy):
 
 def after_decode_step(policy: Policy, kv: KVState, ctx: DecodeContext) -> KVState:
     """The state after a decode step: the decode eviction's `on_decode` on the steps it is due
-    (ctx.step % `decode_interval` == 0), skipped (not run and discarded) on the others."""
+    (ctx.step % `decode_interval` == 0), skipped on the others (in place: `run_if`)."""
     eviction = policy.decode_eviction
     if eviction is None:
         return kv
     due = ctx.step % eviction.decode_interval == 0
-    return jax.lax.cond(due, lambda kv: eviction.on_decode(kv, ctx), lambda kv: kv, kv)
+    return run_if(due, lambda kv: eviction.on_decode(kv, ctx), kv)

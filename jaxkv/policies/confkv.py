@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxkv import collectives, parts
 from jaxkv.cache import KVState
-from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head
+from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head, run_if
 from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies import base
 from jaxkv.policies.eviction import check_evict_every
@@ -218,7 +218,7 @@ class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
         widest = np.round(loose * (self.gamma_max if self.pyramid else 1.0)).astype(np.int64)
         return np.minimum(widest + self.evict_every, np.asarray(prompt_lengths) + max_new_tokens)
 
-    def step_confidence(self, logits: jax.Array) -> jax.Array:
+    def step_record(self, logits: jax.Array) -> jax.Array:
         return confidence(logits, self.weights)
 
     def mass_weights(self, positions: jax.Array):
@@ -277,7 +277,7 @@ class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
 
         # Every device takes the same branch: the per-layer ranking gathers across devices.
         over_budget = collectives.any_shard(jnp.any(kv.lengths > budgets))
-        return jax.lax.cond(over_budget, evict, lambda kv: kv, kv)
+        return run_if(over_budget, evict, kv)
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         """After prefill, down to the loose budget (no step can keep more), so that the decode

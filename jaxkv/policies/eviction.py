@@ -18,7 +18,7 @@ import numpy as np
 from jaxkv import attention as attention_ops
 from jaxkv import parts
 from jaxkv.cache import KVState
-from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head
+from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head, run_if
 from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies.base import Budget, CompressesPrompt, Policy
 
@@ -220,7 +220,7 @@ class DecodeEvictionPolicy(EvictionPolicy):
     def decode_eviction(self) -> parts.DecodeEviction:
         return self
 
-    def step_confidence(self, logits: jax.Array) -> None:
+    def step_record(self, logits: jax.Array) -> None:
         del logits
 
     @property
@@ -255,7 +255,7 @@ class DecodeEvictionPolicy(EvictionPolicy):
             )
             return evict_in_place(kv, keep, max_moves=self.evict_every)
 
-        return jax.lax.cond(jnp.any(kv.lengths > budget), evict, lambda kv: kv, kv)
+        return run_if(jnp.any(kv.lengths > budget), evict, kv)
 
 
 def decode_budget(ctx: DecodeContext) -> jax.Array:

@@ -33,7 +33,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import collectives, parts
+from jaxkv import bundled, collectives, parts
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place
 from jaxkv.gates import fastkvzip as gate
@@ -178,6 +178,11 @@ class FastKVzip(Policy):
             return gate.load_orbax(path, model_config)
         return gate.load_safetensors(path, model_config)
 
+    @classmethod
+    def bundled_params_path(cls) -> Path:
+        """The reference model's gates (docs/fastkvzip.md)."""
+        return bundled.FASTKVZIP_GATES
+
     def check_params(self, params, model_config) -> None:
         if params is None:
             raise ValueError(f"policy {self.name!r} needs policy_params: the trained gates")
@@ -233,7 +238,7 @@ class FastKVzip(Policy):
         held = np.maximum(np.maximum(kept, budget_tokens[:, 0]), self.sinks + self.decode_buffer)
         return np.minimum(held + self.decode_buffer, grown)
 
-    def step_confidence(self, logits) -> None:
+    def step_record(self, logits) -> None:
         del logits
 
     @staticmethod

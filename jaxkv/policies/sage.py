@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache import KVState
-from jaxkv.cache.eviction import compact, evict_in_place, rank_descending
+from jaxkv.cache.eviction import compact, evict_in_place, rank_descending, run_if
 from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies import base
 from jaxkv.policies.eviction import DecodeEvictionPolicy, LayerView
@@ -98,4 +98,4 @@ class SageKV(DecodeEvictionPolicy):
         keep = before_window | in_window
         leaving = jnp.any((positions >= 0) & ~keep)
         evict = functools.partial(evict_in_place, keep=keep, max_moves=self.evict_every)
-        return jax.lax.cond(leaving, evict, lambda kv: kv, kv)
+        return run_if(leaving, evict, kv)

@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from jaxkv.policies import base
@@ -49,7 +50,7 @@ def policy_fields(name: str) -> dict[str, dataclasses.Field]:
     """The fields a registered policy is built with, by name."""
     if name not in base.registered():
         raise ValueError(f"policy {name!r}: registered policies are {', '.join(base.registered())}")
-    return {f.name: f for f in dataclasses.fields(base._REGISTRY[name]) if f.init}
+    return {f.name: f for f in dataclasses.fields(base.policy_class(name)) if f.init}
 
 
 def takes_budget(name: str) -> bool:
@@ -166,7 +167,7 @@ def from_spec(spec: str) -> base.Policy:
             f"policy spec {spec!r}: one VALUE may follow the name, then KEY=VALUE parts"
         )
     pairs = parts[1:] if values else parts
-    knob = base._REGISTRY[name].primary_knob
+    knob = base.policy_class(name).primary_knob
     if values and knob != "budget":
         pairs = [f"{knob}={values[0]}", *pairs]
     budget = values[0] if values and knob == "budget" else None
@@ -175,3 +176,20 @@ def from_spec(spec: str) -> base.Policy:
     )
     kwargs = policy_kwargs(name, pairs, budget, **options)
     return base.get(name, **kwargs)
+
+
+def parse_params(pairs: Sequence[str], *, option: str = "--params") -> dict[str, list[Path]]:
+    """NAME=PATH pairs: the saved parameters of each learned policy, several per name in the
+    order given (the benchmarks' `--params`); errors name the pair and what is allowed."""
+    known = base.registered()
+    found: dict[str, list[Path]] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or name not in known:
+            raise ValueError(f"{option} {pair}: give NAME=PATH with NAME one of {known}")
+        if not base.policy_class(name).needs_params:
+            raise ValueError(f"{option} {pair}: policy {name!r} takes no parameters")
+        if not Path(path).exists():
+            raise ValueError(f"{option} {pair}: no such file or directory")
+        found.setdefault(name, []).append(Path(path))
+    return found

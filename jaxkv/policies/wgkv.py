@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from typing import ClassVar
 
 import jax
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import attention as attention_ops
-from jaxkv import parts
+from jaxkv import bundled, parts
 from jaxkv.gates.wgkv import (
     PARAM_AXES,
     check_write_gates,
@@ -117,6 +118,11 @@ class WGKV(RingAdmission):
 
     def load_params(self, path, model_config):
         return load_write_gates(path, model_config)
+
+    @classmethod
+    def bundled_params_path(cls) -> Path:
+        """The reference model's lambda-0.08 write gates (docs/wgkv.md)."""
+        return bundled.WGKV_GATES / "lambda-0.08"
 
     def check_params(self, params, model_config) -> None:
         if params is None:
