@@ -64,8 +64,8 @@ class Sweep:
 def _runs_by_default(name: str) -> bool:
     """A policy without parameters, or whose parameters ship for the reference model; the
     others (calibrated heads) run when given theirs."""
-    cls = policies.policy_class(name)
-    return not cls.needs_params or cls.bundled_params_path() is not None
+    policy = policies.get(name)
+    return not policy.needs_params or policy.bundled_params_path() is not None
 
 
 FULL = Sweep(
@@ -88,9 +88,9 @@ def check_sweep(sweep: Sweep, policy_params: dict | None = None) -> None:
     for name in sweep.policies:
         if name not in known:
             raise ValueError(f"policy={name!r}: registered policies are {known}")
-        cls = policies.policy_class(name)
-        has_params = name in (policy_params or {}) or cls.bundled_params_path() is not None
-        if cls.needs_params and not has_params:
+        policy = policies.get(name)
+        has_params = name in (policy_params or {}) or policy.bundled_params_path() is not None
+        if policy.needs_params and not has_params:
             raise ValueError(f"policy={name!r} needs policy_params: --params {name}=PATH")
     for budget in sweep.budgets:
         if not 0 < budget <= 1:
@@ -300,9 +300,10 @@ def run_sweep(model, sweep: Sweep, corpus, *, log=print, policy_params=None) -> 
         for task in sweep.tasks
     ]
     for name in sweep.policies:
-        path = policies.policy_class(name).bundled_params_path()
+        policy = policies.get(name)
+        path = policy.bundled_params_path()
         if name not in policy_params and path is not None:
-            policy_params[name] = policies.get(name).load_params(path, model.config)
+            policy_params[name] = policy.load_params(path, model.config)
     for name, budget, length, task in tqdm(cells, desc="quality", unit="cell"):
         policy = build_policy(name, budget)
         params = policy_params.get(name)
@@ -442,9 +443,9 @@ def main(argv=None) -> dict:
         **harness.provenance("jaxkv bench quality", sys.argv[1:] if argv is None else argv),
         "model": str(args.model),
         "params": {
-            name: str(paths.get(name, policies.policy_class(name).bundled_params_path()))
+            name: str(paths.get(name, policies.get(name).bundled_params_path()))
             for name in sweep.policies
-            if policies.policy_class(name).needs_params
+            if policies.get(name).needs_params
         },
         "sweep": dataclasses.asdict(sweep),
         "rows": rows,

@@ -252,8 +252,7 @@ class Policy:
         del model_config
         raise ValueError(f"policy {self.name!r} takes no policy_params (given {path})")
 
-    @classmethod
-    def bundled_params_path(cls) -> Path | None:
+    def bundled_params_path(self) -> Path | None:
         """Where jaxkv ships this policy's trained `policy_params` for its bundled reference
         model (package data, read by `load_params`), or None: the caller gives them."""
         return None

@@ -11,6 +11,7 @@ is the selection's read budget, which no prompt compression or eviction could sh
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -110,6 +111,9 @@ class Composed(base.Policy):
 
     def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
         self.admitting.check_params(params, model_config)
+
+    def bundled_params_path(self) -> Path | None:
+        return self.admitting.bundled_params_path()
 
     def load_params(self, path, model_config: ModelConfig) -> PolicyParams:
         return self.admitting.load_params(path, model_config)

@@ -178,8 +178,7 @@ class FastKVzip(Policy):
             return gate.load_orbax(path, model_config)
         return gate.load_safetensors(path, model_config)
 
-    @classmethod
-    def bundled_params_path(cls) -> Path:
+    def bundled_params_path(self) -> Path:
         """The reference model's gates (docs/fastkvzip.md)."""
         return bundled.FASTKVZIP_GATES
 

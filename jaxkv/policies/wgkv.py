@@ -119,8 +119,7 @@ class WGKV(RingAdmission):
     def load_params(self, path, model_config):
         return load_write_gates(path, model_config)
 
-    @classmethod
-    def bundled_params_path(cls) -> Path:
+    def bundled_params_path(self) -> Path:
         """The reference model's lambda-0.08 write gates (docs/wgkv.md)."""
         return bundled.WGKV_GATES / "lambda-0.08"
 
