@@ -151,8 +151,8 @@ def run_if(pred: jax.Array, fn, operand):
     into the conditional, on every call; a `while_loop` of zero or one trips updates its
     carry in place. Every conditional eviction of a KV state goes through this."""
 
-    def once(carry):
-        return jnp.zeros((), bool), fn(carry[1])
+    def once(carry):  # ~pred: False, typed as pred (device-varying on a mesh)
+        return ~carry[0], fn(carry[1])
 
     return jax.lax.while_loop(lambda carry: carry[0], once, (jnp.asarray(pred), operand))[1]
 
