@@ -28,6 +28,11 @@ from jaxkv.collectives import varying_like
 XLA_BLOCK_TOKENS = 512
 # At most this many blocks per table (wider tables get longer blocks): the blocks are unrolled.
 XLA_MAX_BLOCKS = 16
+# In a decode step (one query per sequence), the block that holds the longest head's last token
+# is read in parts of 1/XLA_BLOCK_PARTS of a block (whole pages), only as many as it holds: a
+# compressed cache's last block is mostly empty. A prefill chunk reads whole blocks (its
+# compute dwarfs the last block's waste, and each part is another branch to compile).
+XLA_BLOCK_PARTS = 4
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -151,10 +156,12 @@ def _xla_paged_attention(
 ):
     """`paged_attention` in jnp, block by block up to the longest head (module docstring).
 
-    The blocks are unrolled, each under a `lax.cond` that skips it past the longest head: a
-    loop would carry the pool through its state, and XLA copies a loop's read-only operand when
-    the caller goes on to update it in place (the cache write after attention), a copy of the
-    whole pool per layer and step.
+    The blocks are unrolled, each under a `lax.switch` on how many of its parts
+    (`XLA_BLOCK_PARTS` in a decode step, one in a chunk) hold a token of the longest head: none
+    skips it, the block that holds its end reads only its held parts, earlier blocks read whole.
+    A loop would carry the pool through its state, and XLA copies a loop's read-only operand
+    when the caller goes on to update it in place (the cache write after attention), a copy of
+    the whole pool per layer and step.
     """
     b, n, c, h = q.shape
     page_size, entries = k_pages.shape[1], page_table.shape[-1]
@@ -166,19 +173,26 @@ def _xla_paged_attention(
     )
     table, block, num_blocks = _blocked_table(page_table, page_size)
     block_tokens = block * page_size
-    blocks_held = xla_blocks_read(lengths, entries, page_size)
+    part = max(1, block // XLA_BLOCK_PARTS) if c == 1 else block  # pages
+    num_parts = -(-block // part)
+    longest = jnp.max(lengths)
     num_kv = page_table.shape[1]
     scores_shape = (b, num_kv, n // num_kv, c, block_tokens)
 
-    def attend_block(index, out, lse):
-        columns = table[:, :, index * block : (index + 1) * block]
+    def attend_block(index, pages, out, lse):
+        """The block's first `pages` pages (static) attended and merged into (out, lse)."""
+        columns = table[:, :, index * block : index * block + pages]
+        tokens = pages * page_size
         k = dequantize(k_pages, columns, k_scales, k_channel_scales, q.dtype)
         v = dequantize(v_pages, columns, v_scales, v_channel_scales, q.dtype)
-        read = index * block_tokens + jnp.arange(block_tokens) < lengths[..., None]
+        read = index * block_tokens + jnp.arange(tokens) < lengths[..., None]
         scores = jnp.where(read[:, :, None, None, :], grouped_scores(q, k) * sm_scale, -jnp.inf)
         v = jnp.where(read[..., None], v, 0)  # whatever lies past a head's tokens stays out
-        kept_scores = (scores,) if return_probs else ()  # only mass policies need them
-        return (*merge_partials(out, lse, *attention_from_scores(scores, v)), *kept_scores)
+        merged = merge_partials(out, lse, *attention_from_scores(scores, v))
+        if not return_probs:  # only mass policies need the scores, as wide as the block
+            return merged
+        padding = [(0, 0)] * (scores.ndim - 1) + [(0, block_tokens - tokens)]
+        return (*merged, jnp.pad(scores, padding, constant_values=-jnp.inf))
 
     def skip_block(out, lse):
         """The partial result as it is: a block past the longest head costs nothing (not even
@@ -193,9 +207,13 @@ def _xla_paged_attention(
     out, lse = varying_like((out, lse), q, k_pages, page_table, lengths)
     block_scores = []
     for index in range(num_blocks):
-        out, lse, *scores = jax.lax.cond(
-            index < blocks_held, functools.partial(attend_block, index), skip_block, out, lse
-        )
+        held_in_block = longest - index * block_tokens
+        parts_read = jnp.clip(-(-held_in_block // (part * page_size)), 0, num_parts)
+        reads = [
+            functools.partial(attend_block, index, min(parts * part, block))
+            for parts in range(1, num_parts + 1)
+        ]
+        out, lse, *scores = jax.lax.switch(parts_read, [skip_block, *reads], out, lse)
         block_scores += scores
     if not return_probs:
         return out, lse
