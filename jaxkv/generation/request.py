@@ -18,7 +18,7 @@ from jaxkv.cache.geometry import pool_pages_bucket, table_pages_bucket
 from jaxkv.models.configs import ModelConfig
 from jaxkv.models.decoder import Model
 from jaxkv.pallas_kernels.common import next_power_of_two
-from jaxkv.parts import local_window, present
+from jaxkv.parts import local_window
 from jaxkv.policies import FullCache, Policy, from_spec
 from jaxkv.sharding import InferenceMesh
 
@@ -192,7 +192,7 @@ def prefill_geometry(
             full = _full_cache_pages(local_cfg, lengths, reserve_tokens, page_size)
             needs.append(full if bound is None else min(bound, full))
         num_pages = pool_pages_bucket(max(needs), page_size)
-    elif not present(policy) and num_pages < full_need:  # a policy of no parts keeps all
+    elif isinstance(policy, FullCache) and num_pages < full_need:
         raise ValueError(
             f"num_pages={num_pages} is too small: the full cache needs {full_need} "
             f"pages of {page_size} tokens for these prompts"
