@@ -83,15 +83,6 @@ DEFAULT_POLICIES = [
     "confkv",
     "gvote",
 ]
-# Admission policies grow their prefill pool on the host chunk by chunk, as the gates admit:
-# what they hold is known only from the data.
-NOT_PLANNED = {
-    "wgkv": "admission: the pool grows on the host with what the gates admit (data)",
-    "local_attention": "admission: the pool grows on the host chunk by chunk",
-    "duo_attention": "admission: the pool grows on the host chunk by chunk",
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class ProgramCost:
     """XLA's accounting of one compiled program (bytes; flops and bytes accessed per run)."""
@@ -148,18 +139,11 @@ def tree_bytes(tree) -> int:
 
 
 def planned_lengths(policy, cfg, context: int, batch: int, budget_tokens) -> tuple[np.ndarray, str]:
-    """Tokens each head holds after compression, int [L, B, K] (host), and how it was planned."""
+    """Tokens each head holds after compression, int [L, B, K] (host), and how it was planned
+    (`Policy.planned_tokens`)."""
+    held, rule = policy.planned_tokens(budget_tokens, np.full(batch, context))
     shape = (cfg.num_layers, batch, cfg.num_kv_heads)
-    if budget_tokens is None or not policies.spec.takes_budget(policy.name):
-        if policy.name == "confkv":
-            return np.full(shape, min(context, policy.loose)), "the loose budget"
-        if policy.name == "gvote":
-            return np.full(shape, context), "data-dependent: planned at the whole prompt"
-        return np.full(shape, context), "the whole prompt"
-    if policy.name == "quest":
-        return np.full(shape, context), "the whole prompt (Quest reads a budget of pages)"
-    per_sequence = np.minimum(np.asarray(budget_tokens).reshape(batch, -1)[:, 0], context)
-    return np.broadcast_to(per_sequence[None, :, None], shape).copy(), "the budget per head"
+    return np.broadcast_to(np.asarray(held)[None, :, None], shape).copy(), rule
 
 
 def _kv_bytes(geometry: dict) -> int:
@@ -410,14 +394,16 @@ def main(argv: list[str] | None = None) -> dict:
             )
     specs = []
     for spec in args.policies:
-        name = spec.split(":")[0]
-        if name in NOT_PLANNED:
-            raise SystemExit(f"--policies {spec}: not planned from shapes: {NOT_PLANNED[name]}")
         try:
             policy = policies.from_spec(spec)
             policy.budget_tokens(np.asarray(args.contexts))  # a missing budget is named here
         except ValueError as error:
             raise SystemExit(f"--policies {spec}: {error}") from None
+        if policy.admission is not None:
+            raise SystemExit(
+                f"--policies {spec}: not planned from shapes: an admission policy's pool grows "
+                "on the host chunk by chunk with what it admits (data)"
+            )
         specs.append(policy)
     rows = []
     for context in args.contexts:

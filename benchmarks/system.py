@@ -30,9 +30,9 @@ work at a context reports jaxkv's ValueError in its row. Writes `<out>.json`, `<
     jaxkv bench system --cpu --out results/system/cpu/system   # 12 rows, ~10 min on 2 busy cores
 
 Policy specs are `jaxkv.policies.from_spec`'s `name[:value][:key=value...]` (the value is the
-budget for most: `tau` for wgkv, `window` for local_attention, `tight` for confkv), and
-duo_attention's `retrieval_heads=N` heads per layer. Learned parameters are freshly initialised
-(random gates).
+budget for most: `tau` for wgkv, `window` for local_attention, `tight` for confkv).
+Learned parameters are freshly initialised (random gates; duo_attention's retrieval heads the
+first `retrieval_share` of every layer's).
 """
 
 from __future__ import annotations

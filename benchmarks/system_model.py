@@ -157,29 +157,16 @@ def does_not_fit_message(cfg, itemsize, limit, context, batch, args, reason: str
 
 
 def parse_policy(spec: str):
-    """(the policy of `spec`, duo_attention's retrieval heads per layer or None): a named
-    SystemExit for a bad spec, before anything is measured."""
-    parts = spec.split(":")
-    heads = [part for part in parts if part.startswith("retrieval_heads=")]
-    if heads and parts[0] != "duo_attention":
-        raise SystemExit(f"policy {spec!r}: only duo_attention takes retrieval_heads=")
+    """The policy of `spec` (`policies.from_spec`): a named SystemExit for a bad spec, before
+    anything is measured."""
     try:
-        policy = policies.from_spec(":".join(p for p in parts if p not in heads))
-        retrieval = int(heads[-1].partition("=")[2]) if heads else None
+        return policies.from_spec(spec)
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    return policy, retrieval
 
 
 def build_policy(spec: str, cfg, seed: int = 0):
-    """(policy, policy_params) for a spec: the policy's own fresh (untrained) parameters, and
-    for duo_attention its first `retrieval_heads` heads of every layer (default 1)."""
-    policy, retrieval = parse_policy(spec)
-    if policy.name != "duo_attention":
-        return policy, policy.init_params(cfg, jax.random.PRNGKey(seed))
-    retrieval = 1 if retrieval is None else retrieval
-    if not 0 <= retrieval <= cfg.num_kv_heads:
-        raise ValueError(f"retrieval_heads={retrieval}: 0..{cfg.num_kv_heads} heads per layer")
-    params = np.zeros((cfg.num_layers, cfg.num_kv_heads), bool)
-    params[:, :retrieval] = True
-    return policy, params
+    """(policy, policy_params) for a spec: the policy's own fresh (untrained) parameters
+    (`Policy.init_params`; duo_attention's first `retrieval_share` of every layer's heads)."""
+    policy = parse_policy(spec)
+    return policy, policy.init_params(cfg, jax.random.PRNGKey(seed))

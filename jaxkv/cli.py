@@ -15,8 +15,6 @@ from jaxkv.cache.config import DEFAULT_FULL_PRECISION_WINDOW
 
 # The bundled reference model (docs/reference-model.md), trained by `jaxkv train pretrain`.
 DEFAULT_MODEL = str(bundled.REFERENCE_MODEL)
-# duo_attention without --gates: the share of (layer, KV head) pairs picked as retrieval heads.
-DEFAULT_RETRIEVAL_HEADS = 0.25
 DEFAULT_PROMPT = (
     "def lookup(table, key):\n"
     "    # The special magic number for amber-otter is 4821937.\n"
@@ -65,39 +63,8 @@ def _shipped_gates(policy, model_arg: str, model_config):
         ) from None
 
 
-def _retrieval_heads(policy, model, prompt_ids, share: float | None):
-    """duo_attention's bool [L, K] picked on the prompt itself: the share --retrieval-heads of
-    (layer, KV head) pairs with the most long-range attention mass."""
-    import jax.numpy as jnp
-
-    from jaxkv import policies
-
-    share = DEFAULT_RETRIEVAL_HEADS if share is None else share
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"--retrieval-heads {share}: give a share in [0, 1]")
-    window = min(policy.window, len(prompt_ids) - policy.sinks - 1)
-    if window < 1:
-        raise ValueError(
-            f"--policy duo_attention picks retrieval heads on the prompt, which needs more than "
-            f"sinks + 1 = {policy.sinks + 1} tokens; give --gates FILE.npy (bool [L, K])"
-        )
-    tokens = jnp.asarray([prompt_ids], jnp.int32)
-    mass = policies.long_range_attention_mass(model, tokens, sinks=policy.sinks, window=window)
-    return policies.retrieval_heads(mass, share), "picked on the prompt"
-
-
 def refuse_unused_options(args: argparse.Namespace) -> None:
     """ValueError for an option that the chosen policy or storage would ignore."""
-    if args.retrieval_heads is not None and args.policy != "duo_attention":
-        raise ValueError(
-            f"--retrieval-heads: policy {args.policy!r} has no retrieval heads "
-            "(only duo_attention picks them)"
-        )
-    if args.retrieval_heads is not None and args.gates is not None:
-        raise ValueError(
-            f"--retrieval-heads: duo_attention reads its retrieval heads from --gates "
-            f"{args.gates}; give one of the two"
-        )
     if args.full_precision_window is not None and args.storage != "int8":
         raise ValueError(
             f"--full-precision-window: --storage {args.storage} keeps every token in the kv "
@@ -106,15 +73,17 @@ def refuse_unused_options(args: argparse.Namespace) -> None:
 
 
 def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]):
-    """(policy_params, where they came from): --gates, the shipped gates, or None."""
+    """(policy_params, where they came from): --gates, ones the policy picks on the prompt
+    (DuoAttention's retrieval heads), the shipped gates, or None."""
     if not policy.needs_params:
         if args.gates is not None:
             raise ValueError(f"--gates: policy {policy.name!r} takes no parameters")
         return None, None
     if args.gates is not None:
         return policy.load_params(args.gates, model.config), str(args.gates)
-    if policy.name == "duo_attention":
-        return _retrieval_heads(policy, model, prompt_ids, args.retrieval_heads)
+    picked = policy.prompt_params(model, prompt_ids)
+    if picked is not None:
+        return picked, "picked on the prompt"
     return _shipped_gates(policy, args.model, model.config)
 
 
@@ -275,14 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="parameters of wgkv / fastkvzip (gates file or directory; default: the shipped "
-        "gates of the reference model) or duo_attention (a bool [L, K] .npy)",
-    )
-    gen.add_argument(
-        "--retrieval-heads",
-        type=float,
-        default=None,
-        help="duo_attention without --gates: the share of (layer, KV head) pairs kept whole, "
-        f"picked on the prompt by long-range attention mass (default {DEFAULT_RETRIEVAL_HEADS})",
+        "gates of the reference model) or duo_attention (a bool [L, K] .npy; without it the "
+        "retrieval heads are picked on the prompt, --policy-arg retrieval_share=0.25)",
     )
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -226,7 +226,8 @@ def test_every_registered_policy_runs_through_the_cli(tmp_path, capsys, name):
 
 def test_duo_attention_picks_retrieval_heads_on_the_prompt(capsys):
     argv = ["generate", *TINY, *TINY_PROMPT, "--policy", "duo_attention"]
-    assert cli.main([*argv, "--policy-arg", "window=16", "--retrieval-heads", "0.5"]) == 0
+    share = ["--policy-arg", "retrieval_share=0.5"]
+    assert cli.main([*argv, "--policy-arg", "window=16", *share]) == 0
     assert _report(capsys)["policy_params"] == "picked on the prompt"
 
 

@@ -228,12 +228,13 @@ TINY_CLI = ["generate", "--model", "tiny-random", "--max-new-tokens", "2", "--pa
     ("argv", "match"),
     [
         (
-            ["--policy", "snapkv", "--budget", "0.5", "--retrieval-heads", "0.5"],
-            "--retrieval-heads: policy 'snapkv' has no retrieval heads",
+            ["--policy", "snapkv", "--budget", "0.5", "--policy-arg", "retrieval_share=0.5"],
+            "--policy-arg 'retrieval_share=0.5': give KEY=VALUE with KEY one of the fields",
         ),
         (
-            ["--policy", "duo_attention", "--gates", "heads.npy", "--retrieval-heads", "0.5"],
-            "duo_attention reads its retrieval heads from --gates heads.npy",
+            ["--policy", "duo_attention", "--gates", "heads.npy"]
+            + ["--policy-arg", "retrieval_share=0.5"],
+            "retrieval_share=0.5: duo_attention reads its retrieval heads from heads.npy",
         ),
         (
             ["--full-precision-window", "64"],

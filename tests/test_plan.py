@@ -105,6 +105,25 @@ def test_fastkvzip_peak_is_its_prefill_pool():
     assert long["peak_bytes"] <= 1.15 * (weights + long["prefill_kv_bytes"])
 
 
+@pytest.mark.parametrize(
+    ("spec", "held", "rule"),
+    [
+        ("full", [300, 40], "the whole prompt"),
+        ("snapkv:64:window=8", [64, 40], "the budget per head"),
+        ("kvzip:0.5", [150, 20], "the budget per head"),
+        ("fastkvzip:0.5:window=8", [150, 20], "the budget per head"),
+        ("confkv:32:loose=64:protected=8", [64, 40], "the loose budget"),
+        ("gvote", [300, 40], "data-dependent: planned at the whole prompt"),
+        ("quest:64", [300, 40], "the whole prompt (Quest reads a budget of pages)"),
+    ],
+)
+def test_each_policy_plans_what_its_heads_hold(spec, held, rule):
+    policy = policies.from_spec(spec)
+    lengths = np.array([300, 40])
+    planned, how = policy.planned_tokens(policy.budget_tokens(lengths), lengths)
+    assert np.asarray(planned).tolist() == held and how == rule
+
+
 def test_bad_plan_requests_are_named():
     with pytest.raises(SystemExit, match="--contexts 131072: llama-3.1-8b takes 1 to 130816"):
         plan.main(["--contexts", "131072", "--policies", "full"])

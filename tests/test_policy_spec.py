@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxkv import cli, policies
 from jaxkv.benchmarks import system
 from jaxkv.policies import spec
+from tests.tiny_models import tiny_config
 
 
 @pytest.mark.parametrize(
@@ -64,11 +66,13 @@ def test_the_cli_and_the_system_benchmark_share_the_grammar():
     with pytest.raises(ValueError, match="--policy-arg 'w': give KEY=VALUE"):
         cli.policy_kwargs("snapkv", ["w"], None)
     for text in ("snapkv:0.25", "wgkv:0.5", "kvzip:0.3", "confkv:128:loose=256"):
-        assert system.parse_policy(text) == (policies.from_spec(text), None)
-    policy, heads = system.parse_policy("duo_attention:window=16:retrieval_heads=2")
-    assert (policy, heads) == (policies.get("duo_attention", window=16), 2)
-    with pytest.raises(SystemExit, match="only duo_attention takes retrieval_heads"):
-        system.parse_policy("snapkv:0.3:retrieval_heads=2")
+        assert system.parse_policy(text) == policies.from_spec(text)
+    with pytest.raises(SystemExit, match="KEY one of the fields of policy 'snapkv'"):
+        system.parse_policy("snapkv:0.3:retrieval_share=0.5")
+    config = tiny_config(num_kv_heads=4, num_heads=8, num_layers=3)
+    policy, heads = system.build_policy("duo_attention:window=16:retrieval_share=0.5", config)
+    assert policy.static() == policies.get("duo_attention", window=16)
+    assert np.asarray(heads).sum(axis=1).tolist() == [2, 2, 2]
     assert spec.takes_ratio_only("kvzip") and not spec.takes_budget("gvote")
 
 

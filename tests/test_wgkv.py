@@ -497,6 +497,25 @@ def test_duo_calibration_score_and_head_choice():
         policies.long_range_attention_mass(model, tokens[:, :6], sinks=sinks, window=window)
 
 
+def test_duo_attention_picks_its_retrieval_heads_on_the_prompt():
+    model = tiny_model("llama")
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, 64, 24)]
+    duo = policies.DuoAttention(window=4, sinks=2, retrieval_share=0.5)
+    mass = policies.long_range_attention_mass(model, jnp.asarray([ids]), sinks=2, window=4)
+    expected = policies.retrieval_heads(mass, 0.5)
+    np.testing.assert_array_equal(duo.prompt_params(model, ids), expected)
+    composed = policies.compose(duo, policies.Quest(budget=8))
+    np.testing.assert_array_equal(composed.prompt_params(model, ids), expected)
+    assert policies.WGKV().prompt_params(model, ids) is None  # gates are never picked on a prompt
+    assert duo.static().retrieval_share is None  # host-only: no recompile per share
+    with pytest.raises(ValueError, match="needs more than sinks"):
+        duo.prompt_params(model, ids[:3])
+    with pytest.raises(ValueError, match=r"retrieval_share=1.5 must be a number in \[0, 1\]"):
+        policies.DuoAttention(retrieval_share=1.5)
+    with pytest.raises(ValueError, match="reads its retrieval heads from heads.npy"):
+        duo.load_params("heads.npy", model.config)
+
+
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 def test_wgkv_with_quest_kernel_backend_equals_xla(backend):
     model = tiny_model("qwen3")

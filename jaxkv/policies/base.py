@@ -8,6 +8,7 @@ part, through the mixins below or methods of its own. Besides its parts it answe
 
   budgets   budget_tokens(...)     int32 [B] (or [B, n]) tokens per head, checked on the host
             budget_ratio(...)      f32 [B] the budget as a share of the growing sequence
+            planned_tokens(...)    int [B] the most a head holds after the prompt (plans)
             static()               the policy without per-request values: what jit sees
             decides_across_heads   flag: one budget shared by heads (pool sizing on a mesh)
   prefill   check_prefill(...)     validate prompts x chunk
@@ -15,6 +16,7 @@ part, through the mixins below or methods of its own. Besides its parts it answe
   params    needs_params           flag: runs only with `policy_params` (learned gates)
             init_params / load_params  fresh ones / saved ones read from a path
             bundled_params_path()  where jaxkv ships trained ones for its reference model
+            prompt_params(...)     ones picked on the request's own prompt (DuoAttention)
             check_params(...)      validate the parameters against the model
             param_axes(...)        their logical axes, to shard them with their KV heads
 
@@ -224,6 +226,15 @@ class Policy:
         """f32 [B]: the budget as a ratio of the sequence (0: a token budget or none)."""
         return np.zeros((batch,), np.float32)
 
+    def planned_tokens(
+        self, budget_tokens: np.ndarray, prompt_lengths: np.ndarray
+    ) -> tuple[np.ndarray, str]:
+        """(int [B] the most tokens a head holds once the prompts are compressed, as `jaxkv
+        bench plan` sizes a request from shapes alone; how that is known). budget_tokens:
+        this policy's `budget_tokens(prompt_lengths)`."""
+        del budget_tokens
+        return np.asarray(prompt_lengths), "the whole prompt"
+
     def static(self) -> Policy:
         """This policy with per-request values removed: what jit sees."""
         return self
@@ -257,6 +268,13 @@ class Policy:
         model (package data, read by `load_params`), or None: the caller gives them."""
         return None
 
+    def prompt_params(self, model, prompt_ids: list[int]) -> PolicyParams | None:
+        """`policy_params` picked on the request's own prompt (ids without padding) when none
+        are given, e.g. DuoAttention's retrieval heads from the prompt's attention; None for a
+        policy that cannot pick its own."""
+        del model, prompt_ids
+        return None
+
     def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
         """Validates `policy_params` against the model on the host; raises ValueError.
 
@@ -272,6 +290,14 @@ class Policy:
         gates with their KV heads; None: replicated (no parameters)."""
         del params
         return None
+
+
+def within_budget(budget_tokens: np.ndarray, prompt_lengths: np.ndarray) -> tuple[np.ndarray, str]:
+    """`Policy.planned_tokens` of a policy that compresses each head to its budget: int [B] the
+    budget (its first column) or the prompt where that is shorter."""
+    lengths = np.asarray(prompt_lengths)
+    budget = np.asarray(budget_tokens).reshape(len(lengths), -1)[:, 0]
+    return np.minimum(budget, lengths), "the budget per head"
 
 
 class SummedAttention:

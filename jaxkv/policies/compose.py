@@ -118,6 +118,9 @@ class Composed(base.Policy):
     def load_params(self, path, model_config: ModelConfig) -> PolicyParams:
         return self.admitting.load_params(path, model_config)
 
+    def prompt_params(self, model, prompt_ids: list[int]) -> PolicyParams | None:
+        return self.admitting.prompt_params(model, prompt_ids)
+
     def param_axes(self, params: PolicyParams | None) -> PolicyParams | None:
         return self.admitting.param_axes(params)
 

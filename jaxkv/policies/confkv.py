@@ -202,6 +202,10 @@ class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
             raise ValueError("policy 'confkv' needs tight= and loose= budgets")
         return np.tile(np.array([[self.tight, self.loose]], np.int32), (len(prompt_lengths), 1))
 
+    def planned_tokens(self, budget_tokens, prompt_lengths):
+        """The loose budget (column 1 of `budget_tokens`): a head holds at most that much."""
+        return np.minimum(np.asarray(budget_tokens)[:, 1], prompt_lengths), "the loose budget"
+
     def static(self) -> ConfKV:
         return dataclasses.replace(self, tight=None, loose=None)
 

@@ -20,7 +20,7 @@ from jaxkv import parts
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head, run_if
 from jaxkv.parts import DecodeContext, PrefillObservations
-from jaxkv.policies.base import Budget, CompressesPrompt, Policy
+from jaxkv.policies.base import Budget, CompressesPrompt, Policy, within_budget
 
 
 @flax.struct.dataclass
@@ -156,6 +156,9 @@ class EvictionPolicy(CompressesPrompt, Policy):
                 f"{protected / lengths[row]:.3g} for this prompt), or a smaller window/sinks"
             )
         return tokens
+
+    def planned_tokens(self, budget_tokens, prompt_lengths):
+        return within_budget(budget_tokens, prompt_lengths)
 
     def static(self) -> EvictionPolicy:
         return dataclasses.replace(self, budget=None)

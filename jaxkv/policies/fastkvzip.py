@@ -38,7 +38,7 @@ from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place
 from jaxkv.gates import fastkvzip as gate
 from jaxkv.parts import DecodeContext
-from jaxkv.policies.base import Budget, Policy, register
+from jaxkv.policies.base import Budget, Policy, register, within_budget
 from jaxkv.policies.kvzip import keep_top_globally
 
 LONG_CONTEXT = 16384
@@ -138,6 +138,9 @@ class FastKVzip(Policy):
             )
         decode = np.full(lengths.shape, self.decode_tokens or 0)
         return np.stack([kept, windows, decode], axis=1).astype(np.int32)
+
+    def planned_tokens(self, budget_tokens, prompt_lengths):
+        return within_budget(budget_tokens, prompt_lengths)
 
     def prefill_chunk(self, prompt_lengths: np.ndarray, default: int) -> int:
         """The paper's 16K chunks at long context (four protected windows of 4K); at shorter

@@ -98,6 +98,11 @@ class GVote(base.CompressesPrompt, base.Policy):
             raise ValueError("policy 'gvote' needs prompts of at least 2 tokens")
         return np.asarray(prompt_lengths, np.int32)
 
+    def planned_tokens(self, budget_tokens, prompt_lengths):
+        """The votes decide how much each head keeps: a plan can only assume the whole prompt."""
+        del budget_tokens
+        return np.asarray(prompt_lengths), "data-dependent: planned at the whole prompt"
+
     def keep_mask(self, view: LayerView, cfg) -> jax.Array:
         """bool [B, K, S]: the union of the votes of one layer."""
         # models builds on jaxkv, so it is imported here rather than at module load.

@@ -42,7 +42,7 @@ from jaxkv.models.decoder import (
     scan_layers,
 )
 from jaxkv.parts import PrefillObservations
-from jaxkv.policies.base import Budget, CompressesPrompt, Policy, register
+from jaxkv.policies.base import Budget, CompressesPrompt, Policy, register, within_budget
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the previous context exactly, starting with"
@@ -289,6 +289,9 @@ class KVzip(CompressesPrompt, Policy):
         if self.ratio is None:
             raise ValueError(f"policy {self.name!r} needs ratio= in (0, 1]")
         return Budget(ratio=self.ratio).tokens_for(prompt_lengths)
+
+    def planned_tokens(self, budget_tokens, prompt_lengths):
+        return within_budget(budget_tokens, prompt_lengths)
 
     def static(self) -> KVzip:
         return dataclasses.replace(self, ratio=None)

@@ -58,6 +58,11 @@ class Quest(base.Policy):
             raise ValueError("policy 'quest' needs budget= (a ratio or a token count)")
         return self.budget.tokens_for(prompt_lengths)
 
+    def planned_tokens(self, budget_tokens, prompt_lengths):
+        """Quest keeps every token; its budget is of pages read per decode step."""
+        del budget_tokens
+        return np.asarray(prompt_lengths), "the whole prompt (Quest reads a budget of pages)"
+
     def static(self) -> Quest:
         return dataclasses.replace(self, budget=None)
 

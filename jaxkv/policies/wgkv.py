@@ -91,6 +91,10 @@ class RingAdmission(base.Policy):
         return scores > self.tau
 
 
+# DuoAttention's retrieval heads when picked on a prompt: a quarter of all (layer, KV head) pairs.
+DEFAULT_RETRIEVAL_SHARE = 0.25
+
+
 def _sink_gates(positions: jax.Array, sinks: int, num_kv_heads: int) -> jax.Array:
     """f32 [B, K, C]: 1 for the first `sinks` positions, else 0."""
     sink = (positions >= 0) & (positions < sinks)
@@ -168,31 +172,68 @@ class LocalAttention(RingAdmission):
 @dataclasses.dataclass(frozen=True)
 class DuoAttention(RingAdmission):
     """DuoAttention-style static admission: retrieval heads admit every token, streaming heads
-    only the sinks (then read the window). policy_params: bool [L, K], True for retrieval heads
-    (`retrieval_heads` picks them from a calibration score).
+    only the sinks (then read the window). policy_params: bool [L, K], True for retrieval heads,
+    saved ones (`load_params`) or picked on the prompt itself (`prompt_params`).
 
     Attributes:
       sinks: leading positions every head admits.
+      retrieval_share: the share of all (layer, KV head) pairs that `prompt_params` and
+        `init_params` make retrieval heads, in [0, 1]; None: DEFAULT_RETRIEVAL_SHARE (saved
+        heads refuse a share, which they would ignore).
     """
 
     name: ClassVar[str] = "duo_attention"
     needs_params: ClassVar[bool] = True
     sinks: int = 4
+    retrieval_share: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
         _check_sinks(self.sinks)
+        share = self.retrieval_share
+        if share is not None and (
+            isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1
+        ):
+            raise ValueError(f"retrieval_share={share!r} must be a number in [0, 1]")
+
+    @property
+    def share(self) -> float:
+        return DEFAULT_RETRIEVAL_SHARE if self.retrieval_share is None else self.retrieval_share
+
+    def static(self) -> DuoAttention:
+        return dataclasses.replace(self, retrieval_share=None)  # host-side only
 
     def init_params(self, model_config, key):
-        """No retrieval heads (`retrieval_heads` chooses them from a calibration score)."""
+        """Untrained heads for planning: the first `share` of every layer's KV heads."""
         del key
-        return jnp.zeros((model_config.num_layers, model_config.num_kv_heads), bool)
+        count = int(round(self.share * model_config.num_kv_heads))
+        heads = np.zeros((model_config.num_layers, model_config.num_kv_heads), bool)
+        heads[:, :count] = True
+        return jnp.asarray(heads)
 
     def load_params(self, path, model_config):
         """A saved bool [L, K] array (.npy)."""
+        if self.retrieval_share is not None:
+            raise ValueError(
+                f"retrieval_share={self.retrieval_share}: duo_attention reads its retrieval heads "
+                f"from {path}; give one of the two"
+            )
         heads = np.load(path)
         self.check_params(heads, model_config)
         return heads
+
+    def prompt_params(self, model, prompt_ids):
+        """bool [L, K]: the `share` of (layer, KV head) pairs with the most long-range attention
+        mass on the prompt itself (`long_range_attention_mass`, `retrieval_heads`)."""
+        window = min(self.window, len(prompt_ids) - self.sinks - 1)
+        if window < 1:
+            raise ValueError(
+                f"policy 'duo_attention' picks retrieval heads on the prompt, which needs more "
+                f"than sinks + 1 = {self.sinks + 1} tokens; give saved heads (bool [L, K] .npy)"
+            )
+        tokens = jnp.asarray([prompt_ids], jnp.int32)
+        mass = long_range_attention_mass(model, tokens, sinks=self.sinks, window=window)
+        return retrieval_heads(mass, self.share)
 
     def check_params(self, params, model_config) -> None:
         expected = (model_config.num_layers, model_config.num_kv_heads)
