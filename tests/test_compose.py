@@ -45,10 +45,18 @@ def test_compose_refuses_or_keeps_what_its_admission_part_keeps(model, name):
     assert both.pool.num_pages == alone.pool.num_pages
     lengths = np.array([len(p) for p in prompts])
     np.testing.assert_array_equal(composed.budget_tokens(lengths), QUEST.budget_tokens(lengths))
-    out = jaxkv.generate(
-        model, prompts, max_new_tokens=3, policy=composed, policy_params=params, stop_tokens=[]
-    )
-    assert out.tokens.shape == (3, 3)
+    # Decode: reading every page (Quest at ratio 1), the composition generates, keeps and
+    # pools what the admission part alone does.
+    def generate(policy):
+        return jaxkv.generate(
+            model, prompts, max_new_tokens=5, policy=policy, policy_params=params, stop_tokens=[]
+        )
+
+    alone, both = generate(part), generate(policies.compose(part, policies.Quest(budget=1.0)))
+    np.testing.assert_array_equal(both.tokens, alone.tokens)
+    np.testing.assert_array_equal(_kept(both.state), _kept(alone.state))
+    assert both.state.pool.num_pages == alone.state.pool.num_pages
+    assert generate(composed).tokens.shape == (3, 5)
 
 
 def test_quest_is_refused_as_the_admission_part_and_others_as_the_selection():

@@ -97,6 +97,11 @@ class Composed(base.Policy):
     def budget_ratio(self, batch: int) -> np.ndarray:
         return self.selecting.budget_ratio(batch)
 
+    def planned_tokens(self, budget_tokens, prompt_lengths) -> tuple[np.ndarray, str]:
+        """What the admission holds (the selection keeps every token it is given)."""
+        admitted_budget = self.admitting.budget_tokens(prompt_lengths)
+        return self.admitting.planned_tokens(admitted_budget, prompt_lengths)
+
     def static(self) -> Composed:
         return Composed(admitting=self.admitting.static(), selecting=self.selecting.static())
 
