@@ -55,6 +55,7 @@ import jaxkv
 from jaxkv import bundled, policies, tasks
 from jaxkv.benchmarks import harness
 from jaxkv.benchmarks.confkv_report import plot_ppl, plot_trace, table
+from jaxkv.benchmarks.confkv_settings import QUICK, Settings, with_overrides
 from jaxkv.benchmarks.teacher_forced import (
     BOS,
     PAGE_SIZE,
@@ -75,50 +76,6 @@ REFERENCE_MODEL = bundled.REFERENCE_MODEL
 EOS, PAD = 257, 258
 # Conf-KV's mixed precision: F below the tight budget, so that the int8 tier holds something.
 INT8_CACHE = jaxkv.CacheConfig(page_size=PAGE_SIZE, storage="int8", full_precision_window=32)
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    prefix: int = 320  # tokens prefilled (after the BOS) before the read (> every budget)
-    continuation: int = 512  # tokens read one by one
-    texts: int = 2
-    tight: int = 96
-    loose: int = 192
-    protected: int = 40  # < tight * gamma_min for the pyramid (the default 64 would not fit)
-    needle_length: int = 1024
-    needle_samples: int = 4
-    needle_tight: int = 256
-    needle_loose: int = 512
-    kl_texts: int = 2
-    kl_points: int = 24  # query positions per text
-    kl_length: int = 768
-    kl_ablated: int = 256
-    bins: int = 4
-    ablation_texts: int = 12
-    ablation_continuation: int = 256  # after the same `prefix`
-    bootstrap: int = 2000  # resamples of the texts for the gap-closed interval
-
-
-QUICK = Settings(
-    prefix=128,
-    continuation=64,
-    texts=1,
-    tight=48,
-    loose=96,
-    protected=16,
-    needle_length=256,
-    needle_samples=1,
-    needle_tight=96,
-    needle_loose=128,
-    kl_texts=1,
-    kl_points=4,
-    kl_length=320,
-    kl_ablated=64,
-    bins=2,
-    ablation_texts=2,
-    ablation_continuation=32,
-    bootstrap=200,
-)
 
 
 def ppl_policies(s: Settings, matched: int) -> dict:
@@ -374,18 +331,6 @@ def _timed_log(*args):
 PARTS = ("kl", "ppl", "needle", "ablation")
 
 
-def _settings(base: Settings, assignments: list[str]) -> Settings:
-    """`base` with NAME=VALUE overrides (integers)."""
-    fields = {field.name for field in dataclasses.fields(Settings)}
-    values = {}
-    for assignment in assignments:
-        name, _, value = assignment.partition("=")
-        if name not in fields or not value:
-            raise SystemExit(f"--set {assignment!r}: expected NAME=INT, NAME one of {fields}")
-        values[name] = int(value)
-    return dataclasses.replace(base, **values)
-
-
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -420,7 +365,7 @@ def main(argv=None) -> dict:
     parts = args.parts.split(",")
     if not parts or set(parts) - set(PARTS):
         raise SystemExit(f"--parts {args.parts!r}: expected a comma-separated subset of {PARTS}")
-    s = _settings(QUICK if args.quick else Settings(), args.set)
+    s = with_overrides(QUICK if args.quick else Settings(), args.set)
     model, tokenizer = load_model(args.model, dtype="float32")
     byte_level = is_byte_tokenizer(tokenizer)
     if "needle" in parts and not byte_level:

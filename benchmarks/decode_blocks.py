@@ -20,9 +20,9 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxkv import bundled, policies
-from jaxkv.benchmarks import confkv as reader
 from jaxkv.benchmarks import harness
-from jaxkv.benchmarks.teacher_forced import byte_rows, teacher_forced
+from jaxkv.benchmarks.confkv_settings import QUICK, Settings
+from jaxkv.benchmarks.teacher_forced import SEED, byte_rows, teacher_forced
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.train import corpus as corpus_lib
 
@@ -30,7 +30,7 @@ REFERENCE_MODEL = bundled.REFERENCE_MODEL
 BLOCKS = (1, 8, 32)
 
 
-def block_policies(s: reader.Settings, evict_every: int) -> dict[str, policies.Policy]:
+def block_policies(s: Settings, evict_every: int) -> dict[str, policies.Policy]:
     """The decode-evicting policies at the Conf-KV benchmark's budgets, evicting in blocks."""
     return {
         "h2o": policies.H2O(budget=s.tight, recent=s.protected, evict_every=evict_every),
@@ -41,7 +41,7 @@ def block_policies(s: reader.Settings, evict_every: int) -> dict[str, policies.P
     }
 
 
-def run(model, texts: list[bytes], s: reader.Settings, blocks=BLOCKS) -> dict:
+def run(model, texts: list[bytes], s: Settings, blocks=BLOCKS) -> dict:
     ids = byte_rows(texts)
 
     def read(policy):
@@ -63,7 +63,7 @@ def run(model, texts: list[bytes], s: reader.Settings, blocks=BLOCKS) -> dict:
     return summary
 
 
-def table(summary: dict, texts: int, s: reader.Settings) -> str:
+def table(summary: dict, texts: int, s: Settings) -> str:
     lines = [
         f"Teacher-forced read of {s.continuation} bytes after a {s.prefix}-byte prefix, "
         f"{texts} held-out texts, reference model (CPU).",
@@ -86,10 +86,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny settings (tests)")
     parser.add_argument("--out", type=Path, default=Path("results/decode-blocks"))
     args = parser.parse_args(argv)
-    s = reader.QUICK if args.quick else reader.Settings()
+    s = QUICK if args.quick else Settings()
     model = load_hf_checkpoint(args.model, dtype="float32")
     heldout = corpus_lib.load_corpus("heldout")
-    rng = np.random.default_rng([reader.SEED, 7])
+    rng = np.random.default_rng([SEED, 7])
     texts = [heldout.text(rng, s.prefix + s.continuation + 1) for _ in range(args.texts)]
     summary = run(model, texts, s)
     report = {

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxkv import bundled, policies
 from jaxkv.benchmarks import harness
-from jaxkv.benchmarks.confkv import REFERENCE_MODEL, Settings
+from jaxkv.benchmarks.confkv_settings import Settings
 from jaxkv.benchmarks.teacher_forced import SEED, byte_rows, teacher_forced
 from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.models import load_hf_checkpoint
@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
         prog="python -m jaxkv.benchmarks.fastkvzip_decode", description=__doc__
     )
-    parser.add_argument("--model", type=Path, default=REFERENCE_MODEL)
+    parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, default=bundled.FASTKVZIP_GATES / "gates.safetensors")
     parser.add_argument("--ratio", type=float, default=0.3)
     parser.add_argument("--prefix", type=int, default=512, help="bytes prefilled")

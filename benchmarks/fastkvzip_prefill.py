@@ -12,7 +12,6 @@ peak: the whole pool is allocated up front) and the bytes held after compression
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxkv import bundled, compress_prompt, policies
+from jaxkv.benchmarks import harness
 from jaxkv.gates import fastkvzip as gate
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.train import corpus as corpus_lib
@@ -95,8 +95,7 @@ def main(argv=None) -> dict:
             f"{pool:.0f} | {r['pool_vs_full']:.2f} | {held:.0f} |"
         )
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "prefill.json").write_text(json.dumps(report, indent=2) + "\n")
+        harness.save(args.out, "prefill", report)
     return report
 
 

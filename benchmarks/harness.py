@@ -1,17 +1,20 @@
 """What every benchmark shares: the provenance block its results open with, how they are saved,
-and how a row runs in a process of its own.
+how a row runs in a process of its own, and the probes and statistics several of them use.
 
 A benchmark measures; this module records how (`provenance`: the command, date, jax version,
 source commit and machine), writes the JSON and markdown next to each other (`save`), so every
 number in the README and `docs/` traces back to a command and a file, and runs rows that need a
 fresh process (their own memory peak, device count or XLA flags) through `run_child` and
-`print_row`.
+`print_row`. Shared by several benchmarks: the timing and bandwidth probe (`seconds_per_call`,
+`copy_bandwidth`), a sweep cell's policy (`build_policy`) and the Wilson interval of a share of
+correct answers (`wilson_interval`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import subprocess
@@ -21,8 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 import jaxkv
+from jaxkv import policies
 
 # The line a child process prints its result on: this marker, then the result as JSON.
 ROW_MARKER = "JAXKV_ROW_JSON "
@@ -69,7 +75,7 @@ def provenance(command: str, argv: Sequence[str]) -> dict:
 
 
 def save(
-    out: Path, stem: str, report: dict, markdown: str | None = None, indent: int | None = 2
+    out: Path, stem: str, report: dict | list, markdown: str | None = None, indent: int | None = 2
 ) -> None:
     """Writes `out/stem.json` (and `out/stem.md` with `markdown`), creating `out`; `indent`
     None keeps long per-step traces on one line."""
@@ -125,3 +131,47 @@ def run_child(module: str, argv: Sequence[str], env: dict | None = None) -> Chil
             break
     tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-5:])
     return ChildRun(result=result, returncode=done.returncode, tail=tail)
+
+
+# ------------------------------------------------------------------------------ device probe
+
+
+def seconds_per_call(fn, *args, repeats: int, calls: int = 10) -> float:
+    """Median over `repeats` of the wall time of `calls` back-to-back calls, per call, after one
+    compiling call. Dispatch is asynchronous, so the launches of one batch overlap the work."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            result = fn(*args)
+        jax.block_until_ready(result)
+        times.append((time.perf_counter() - start) / calls)
+    return float(np.median(times))
+
+
+def copy_bandwidth(num_bytes: int, repeats: int) -> float:
+    """Bytes per second moved by an elementwise op that reads and writes `num_bytes` each."""
+    x = jnp.ones(num_bytes // 4, jnp.float32)
+    return 2 * num_bytes / seconds_per_call(jax.jit(lambda x: x + 1), x, repeats=repeats)
+
+
+# ------------------------------------------------------------------------------ sweeps
+
+
+def build_policy(name: str, budget: float | None):
+    """Policy `name` at a budget ratio (None: its defaults; `policies.get` maps the budget to
+    KVzip's `ratio=`)."""
+    return policies.get(name) if budget is None else policies.get(name, budget=budget)
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a binomial proportion."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = (
+        z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    )
+    return max(0.0, centre - half), min(1.0, centre + half)

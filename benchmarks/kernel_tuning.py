@@ -22,7 +22,8 @@ import jax
 
 from jaxkv import pallas_kernels as pk
 from jaxkv.benchmarks import harness
-from jaxkv.benchmarks.kernels import FULL, decode_inputs, prefill_lists, seconds_per_call
+from jaxkv.benchmarks.harness import seconds_per_call
+from jaxkv.benchmarks.kernel_inputs import FULL, decode_inputs, prefill_lists
 
 
 def tune_decode(shapes, repeats: int) -> list[dict]:

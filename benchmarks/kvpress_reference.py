@@ -31,7 +31,9 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxkv import downloads
-from jaxkv.benchmarks import real_quality
+from jaxkv.benchmarks import harness
+from jaxkv.benchmarks.needles import ANSWER_TOKENS, SETTINGS, TASKS, build_episode, score
+from jaxkv.benchmarks.real_quality_report import markdown_table
 from jaxkv.models import gguf_tokenizer
 
 # jaxkv's policy name -> kvpress 0.5.5's press class.
@@ -125,13 +127,13 @@ def run_cell(model, stop, tokenizer, press, episodes, setting: str) -> dict:
             prefill, question = list(episode.context_ids + episode.question_ids), []
         else:
             prefill, question = list(episode.context_ids), list(episode.question_ids)
-        tokens, kv_bytes = answer(model, press, prefill, question, real_quality.ANSWER_TOKENS, stop)
-        results.append(real_quality.score(tokenizer, tokens, episode.answer))
+        tokens, kv_bytes = answer(model, press, prefill, question, ANSWER_TOKENS, stop)
+        results.append(score(tokenizer, tokens, episode.answer))
         held.append(kv_bytes)
     exact = sum(r[0] for r in results)
     return {
         "exact": exact / len(episodes),
-        "exact_interval": real_quality.wilson_interval(exact, len(episodes)),
+        "exact_interval": harness.wilson_interval(exact, len(episodes)),
         "leading_digits": float(np.mean([r[1] for r in results])),
         "samples": len(episodes),
         "kv_bytes_per_sequence": float(np.mean(held)),
@@ -144,8 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--presses", nargs="+", default=["full", "snapkv", "streaming_llm"])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.3])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
-    parser.add_argument("--tasks", nargs="+", default=list(real_quality.TASKS))
-    parser.add_argument("--settings", nargs="+", default=list(real_quality.SETTINGS))
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS))
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("results/real-quality/kvpress"))
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -176,9 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     for name, budget, length, task, setting in tqdm(cells, desc="kvpress", unit="cell"):
-        episodes = [
-            real_quality.build_episode(tokenizer, task, length, i) for i in range(args.samples)
-        ]
+        episodes = [build_episode(tokenizer, task, length, i) for i in range(args.samples)]
         result = run_cell(model, stop, tokenizer, make_press(name, budget), episodes, setting)
         row = {"policy": name, "budget": budget, "length": length, "task": task}
         rows.append({**row, "setting": setting, **result})
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
             "transformers": transformers.__version__,
             "rows": rows,
         }
-        report_path.write_text(json.dumps(report, indent=2) + "\n")
-    table = real_quality.markdown_table(rows)
+        harness.save(args.out, "quality", report)  # after each row: a cut run resumes
+    table = markdown_table(rows)
     (args.out / "quality.md").write_text(table)
     print(table)
     return {"rows": rows}

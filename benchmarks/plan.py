@@ -83,6 +83,8 @@ DEFAULT_POLICIES = [
     "confkv",
     "gvote",
 ]
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramCost:
     """XLA's accounting of one compiled program (bytes; flops and bytes accessed per run)."""

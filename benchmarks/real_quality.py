@@ -23,10 +23,7 @@ after compression, per sequence.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
-import re
 import sys
 from pathlib import Path
 
@@ -36,132 +33,19 @@ from tqdm import tqdm
 
 import jaxkv
 from jaxkv import policies
-from jaxkv.benchmarks import harness
-from jaxkv.benchmarks.quality import build_policy, greedy_continuation
+from jaxkv.benchmarks import harness, real_quality_report
+from jaxkv.benchmarks.continuation import greedy_continuation
+from jaxkv.benchmarks.needles import (
+    ANSWER_TOKENS,
+    SETTINGS,
+    TASKS,
+    TextEpisode,
+    build_episode,
+    score,
+)
 from jaxkv.generation import compress_prompt
 from jaxkv.model_sources import load_model, model_file_sha256
-from jaxkv.models import Tokenizer, render_chat
 from jaxkv.policies import spec
-from jaxkv.prose import prose
-
-TASKS = ("needle", "multikey")
-SETTINGS = ("aware", "agnostic")
-MULTIKEY_KEYS = 6
-DIGITS = 7
-ANSWER_TOKENS = 10  # " " + 7 digits + "." + end of turn
-EVAL_SEED = 20_000
-_MARK = "\u2063CONTEXT\u2063"
-# Keys are first names, no two alike: compound names that share a word (icy-otter, icy-meadow)
-# are confused by the model with the full cache already, which would hide what policies lose.
-_NAMES = (
-    "Alice Bruno Clara Dmitri Elena Farid Greta Hiroshi Ingrid Javier Kofi Leila Marco Nadia "
-    "Oscar Priya Quentin Rosa Stefan Tamara Ulrich Valeria Walter Yusuf"
-).split()
-
-
-@dataclasses.dataclass(frozen=True)
-class TextEpisode:
-    """context_ids: the chat prefix and the haystack; question_ids: the rest of the prompt (the
-    question, end of turn, assistant header, answer prefix); answer: the digits asked for."""
-
-    task: str
-    context_ids: tuple[int, ...]
-    question_ids: tuple[int, ...]
-    answer: str
-    depths: tuple[float, ...]
-
-
-def _chat_halves(tokenizer: Tokenizer) -> tuple[str, str]:
-    """The chat text before and after a user message's content (generation prompt included)."""
-    text = render_chat(tokenizer, [{"role": "user", "content": _MARK}])
-    before, after = text.split(_MARK)
-    return before, after
-
-
-def _sentences(seed: int) -> list[str]:
-    return re.split(r"(?<=[.!?])\s+", prose(60_000, seed=seed))
-
-
-def _haystack_text(sentences: list[str], needles: list[str]) -> str:
-    """Filler sentences joined by spaces, each needle a paragraph of its own (the full cache
-    finds 12/16 multikey answers at 2K so, 10/16 with needles inline: what policies lose
-    should show against a full cache that finds them)."""
-    text = " ".join(sentences)
-    for needle in needles:
-        text = text.replace(needle, f"\n\n{needle}\n\n")
-    return re.sub(r" *\n\n *", "\n\n", text).strip()
-
-
-def build_episode(tokenizer: Tokenizer, task: str, length: int, index: int) -> TextEpisode:
-    """Episode `index` of `task` with a prompt of at most `length` tokens (deterministic)."""
-    rng = np.random.default_rng([EVAL_SEED, TASKS.index(task), length, index])
-    keys = 1 if task == "needle" else MULTIKEY_KEYS
-    names = [str(name) for name in rng.choice(_NAMES, keys, replace=False)]
-    numbers = [str(rng.integers(10 ** (DIGITS - 1), 10**DIGITS)) for _ in names]
-    asked = int(rng.integers(keys))
-    if task == "needle":  # needles sweep the depths evenly over the episodes
-        depths = [float((index * 0.618034) % 1.0)]
-    else:
-        depths = sorted(float(d) for d in rng.uniform(0, 1, keys))
-    before, after = _chat_halves(tokenizer)
-    question = (
-        f"\n\nWhat is the special magic number for {names[asked]} mentioned in the text above?"
-        f"{after}The special magic number for {names[asked]} is"
-    )
-    question_ids = tuple(tokenizer.encode(question, add_bos=False))
-    prefix_ids = tokenizer.encode(before)
-    room = length - len(prefix_ids) - len(question_ids) - 16 * keys
-    sentences = _sentences(seed=int(rng.integers(1 << 30)))
-    haystack, used = [], 0
-    for sentence in sentences:
-        cost = len(tokenizer.encode(" " + sentence, add_bos=False))
-        if used + cost > room:
-            break
-        haystack.append(sentence)
-        used += cost
-    needles = [
-        f"The special magic number for {n} is {v}." for n, v in zip(names, numbers, strict=True)
-    ]
-    for depth, needle in sorted(zip(depths, needles, strict=True), reverse=True):
-        haystack.insert(round(depth * len(haystack)), needle)
-    context_ids = prefix_ids + tokenizer.encode(_haystack_text(haystack, needles), add_bos=False)
-    while len(context_ids) + len(question_ids) > length:  # sentences tokenize apart differently
-        last_filler = max(i for i, s in enumerate(haystack) if s not in needles)
-        del haystack[last_filler]
-        context_ids = prefix_ids + tokenizer.encode(
-            _haystack_text(haystack, needles), add_bos=False
-        )
-    order = sorted(range(keys), key=lambda k: depths[k])
-    return TextEpisode(
-        task=task,
-        context_ids=tuple(context_ids),
-        question_ids=question_ids,
-        answer=numbers[asked],
-        depths=(depths[order.index(asked)] if task == "multikey" else depths[0],),
-    )
-
-
-def score(tokenizer: Tokenizer, generated: np.ndarray, answer: str) -> tuple[bool, float]:
-    """(exact match, share of correct leading digits) of a generated answer."""
-    text = tokenizer.decode(generated)
-    found = re.search(r"\d+", text)
-    digits = found.group(0) if found else ""
-    pairs = zip(digits, answer, strict=False)  # a wrong answer may have more or fewer digits
-    leading = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-    leading = min(len(digits), len(answer)) if leading is None else leading
-    return digits == answer, leading / len(answer)
-
-
-def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95% Wilson score interval of a binomial proportion."""
-    if trials == 0:
-        return 0.0, 1.0
-    p = successes / trials
-    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
-    half = (
-        z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    )
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def run_cell(
@@ -195,7 +79,7 @@ def run_cell(
     exact = sum(r[0] for r in results)
     return {
         "exact": exact / len(episodes),
-        "exact_interval": wilson_interval(exact, len(episodes)),
+        "exact_interval": harness.wilson_interval(exact, len(episodes)),
         "leading_digits": float(np.mean([r[1] for r in results])),
         "kv_bytes_per_sequence": kv_bytes,
         "samples": len(episodes),
@@ -216,95 +100,6 @@ def policy_label(name: str, source: Path | None) -> str:
         return name
     directory = source.parent if source.is_file() else source
     return f"{name}[{directory.name}]"
-
-
-def markdown_table(rows: list[dict]) -> str:
-    """One line per (policy, budget, length, setting): exact [interval] / leading digits."""
-    full = {
-        (r["length"], r["task"], r["setting"]): r["kv_bytes_per_sequence"]
-        for r in rows
-        if r["policy"] == "full"
-    }
-    lines = [
-        "| policy | budget | context | setting | KV of full | needle exact [95% CI] | "
-        "needle digits | multikey exact [95% CI] | multikey digits | samples |",
-        "|" + " --- |" * 10,
-    ]
-    keys = sorted(
-        {(r["policy"], r["budget"], r["length"], r["setting"]) for r in rows},
-        key=lambda k: (k[2], k[3], k[0], -1 if k[1] is None else k[1]),
-    )
-    for policy, budget, length, setting in keys:
-        cells = {
-            r["task"]: r
-            for r in rows
-            if (r["policy"], r["budget"], r["length"], r["setting"])
-            == (policy, budget, length, setting)
-        }
-        shares = [
-            c["kv_bytes_per_sequence"] / full[(length, t, setting)]
-            for t, c in cells.items()
-            if (length, t, setting) in full
-        ]
-        share = f"{100 * np.mean(shares):.0f}%" if shares else "?"
-        values = []
-        for task in TASKS:
-            cell = cells.get(task)
-            if cell is None:
-                values += ["", ""]
-                continue
-            low, high = cell["exact_interval"]
-            values += [
-                f"{cell['exact']:.2f} [{low:.2f}, {high:.2f}]",
-                f"{cell['leading_digits']:.2f}",
-            ]
-        samples = "/".join(sorted({str(c["samples"]) for c in cells.values()}))
-        budget_text = "auto" if budget is None else f"{budget:g}"
-        lines.append(
-            f"| {policy} | {budget_text} | {length} | {setting} | {share} | "
-            + " | ".join(values)
-            + f" | {samples} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    """Exact match against the share of the full cache's bytes, a panel per task x setting."""
-    plt = harness.pyplot()
-
-    panels = sorted({(r["task"], r["setting"], r["length"]) for r in rows})
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
-    for axis, (task, setting, length) in zip(axes.flat, panels, strict=True):
-        cell_rows = [
-            r for r in rows if (r["task"], r["setting"], r["length"]) == (task, setting, length)
-        ]
-        full = next((r["kv_bytes_per_sequence"] for r in cell_rows if r["policy"] == "full"), None)
-        for name in sorted({r["policy"] for r in cell_rows}):
-            points = sorted(
-                (r["kv_bytes_per_sequence"] / (full or 1), r["exact"])
-                for r in cell_rows
-                if r["policy"] == name
-            )
-            xs, ys = zip(*points, strict=True)
-            axis.plot(xs, ys, marker="o", label=name)
-        axis.set_title(f"{task}, {setting}, {length} tokens")
-        axis.set_xlabel("KV bytes held / full cache's" if full else "KV bytes held")
-        axis.set_ylabel("exact match")
-        axis.set_ylim(-0.05, 1.05)
-    axes.flat[0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
-def render(report_path: Path) -> dict:
-    """quality.md and quality.png beside a saved report, from its rows."""
-    rows = json.loads(report_path.read_text())["rows"]
-    table = markdown_table(rows)
-    (report_path.parent / "quality.md").write_text(table)
-    plot(rows, report_path.parent / "quality.png")
-    print(table)
-    return {"rows": rows}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -338,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.render is not None:
-        return render(args.render)
+        return real_quality_report.render(args.render)
     known = policies.registered()
     params = spec.parse_params(args.params)
     for name in args.policies:
@@ -377,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, budget, source, length, task, setting in tqdm(
         cells, desc="real quality", unit="cell"
     ):
-        policy = build_policy(name, budget).for_tokenizer(tokenizer)
+        policy = harness.build_policy(name, budget).for_tokenizer(tokenizer)
         if source is not None and source not in loaded:
             loaded[source] = policy.load_params(source, model.config)
         result = run_cell(
@@ -402,11 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
             "jax": jax.__version__,
             "rows": rows,
         }
-        report_path.write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown_table(rows)
-    (args.out / "quality.md").write_text(table)
-    plot(rows, args.out / "quality.png")
-    print(table)
+        harness.save(args.out, "quality", report)  # after each row: a cut run resumes
+    print(real_quality_report.write(rows, args.out))
     return {"rows": rows}
 
 

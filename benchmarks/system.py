@@ -52,7 +52,6 @@ import numpy as np
 
 import jaxkv
 from jaxkv.benchmarks import harness
-from jaxkv.benchmarks.kernels import copy_bandwidth
 from jaxkv.benchmarks.system_model import (
     GIB,
     ITEMSIZE,
@@ -127,7 +126,7 @@ def probe(args) -> dict:
     else:
         copy_bytes = (args.copy_mib or (1024 if device.platform == "gpu" else 64)) * MIB
         info |= {
-            "bandwidth_gbs": copy_bandwidth(copy_bytes, args.repeats) / 1e9,
+            "bandwidth_gbs": harness.copy_bandwidth(copy_bytes, args.repeats) / 1e9,
             "bandwidth_source": f"measured: jitted elementwise copy of {copy_bytes // MIB} MiB, "
             "(read + written bytes) / median time",
         }
@@ -418,10 +417,8 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(report)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(text)
+    harness.save(out.parent, out.stem, report, text)
     plot(report, str(out.with_suffix(".png")))
     print(text)
     return report

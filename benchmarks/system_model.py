@@ -11,7 +11,6 @@ import math
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from jaxkv import policies
 from jaxkv.models import configs

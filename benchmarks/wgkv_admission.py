@@ -26,7 +26,7 @@ import numpy as np
 import jaxkv
 from jaxkv import bundled, policies
 from jaxkv.benchmarks import harness
-from jaxkv.benchmarks.quality import BOS
+from jaxkv.benchmarks.byte_tasks import BOS
 from jaxkv.gates.wgkv import load_write_gates
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.train import corpus as corpus_lib

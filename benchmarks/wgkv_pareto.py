@@ -86,8 +86,7 @@ def main(argv=None) -> list[dict]:
             f"{p['sparsity_weight']:>8g} {100 * p['admitted_fraction']:>10.1f} "
             f"{p['distillation']:>13.3e} {p['mean_gate']:>7.3f} {p['steps']:>6}"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pareto.json").write_text(json.dumps(points, indent=2) + "\n")
+    harness.save(args.out, "pareto", points)
     plot(points, args.out / "pareto.png")
     return points
 

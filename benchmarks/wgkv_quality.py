@@ -1,6 +1,7 @@
 """WG-KV on the reference model: against static admission at equal memory, and with Quest.
 
-For every gates file (one per lambda of the distillation), on `benchmarks/quality.py`'s tasks:
+For every gates file (one per lambda of the distillation), on the quality benchmark's tasks
+(`benchmarks/byte_tasks.py`):
   wgkv             WGKV(tau, window) with those gates; its memory M per sequence is measured
                    (ring + admitted pages, what the cache really holds after prefill).
   local_attention  sinks + sliding window, the window chosen so the ring holds M bytes.
@@ -24,8 +25,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxkv import policies
-from jaxkv.benchmarks import quality
+from jaxkv import bundled, policies
+from jaxkv.benchmarks import harness
+from jaxkv.benchmarks.byte_tasks import BOS, QA_TASKS, run_task
 from jaxkv.cache import LocalRing
 from jaxkv.gates.wgkv import init_write_gates, load_write_gates
 from jaxkv.models import load_hf_checkpoint
@@ -55,7 +57,7 @@ def ring_bytes_per_slot(model) -> int:
 def calibrated_head_scores(model, corpus, length: int, window: int) -> np.ndarray:
     """DuoAttention's head choice score [L, K] on 2 held-out calibration texts."""
     rng = np.random.default_rng(CALIBRATION_SEED)
-    rows = [[quality.BOS, *corpus.text(rng, length - 1)] for _ in range(2)]
+    rows = [[BOS, *corpus.text(rng, length - 1)] for _ in range(2)]
     tokens = jax.numpy.asarray(rows, jax.numpy.int32)
     return np.asarray(policies.long_range_attention_mass(model, tokens, sinks=SINKS, window=window))
 
@@ -79,7 +81,7 @@ def run(model, corpus, gate_sets, *, window, tau, length, samples, tasks, read_b
     rows = []
 
     def record(label, gates_name, policy, params, task, **extra):
-        result = quality.run_task(model, policy, corpus, task, length, samples, params)
+        result = run_task(model, policy, corpus, task, length, samples, params)
         row = {"policy": label, "gates": gates_name, "length": length, "task": task, **extra}
         rows.append({**row, "samples": samples, **result})
         log(json.dumps(rows[-1]))
@@ -127,7 +129,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
         prog="python -m jaxkv.benchmarks.wgkv_quality", description=__doc__
     )
-    parser.add_argument("--model", type=Path, default=quality.REFERENCE_MODEL)
+    parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, nargs="*", default=[], help="write gate files")
     parser.add_argument("--fast", action="store_true", help="random gates, 512 bytes, 2 samples")
     parser.add_argument("--window", type=int, default=256)
@@ -141,8 +143,8 @@ def main(argv=None) -> dict:
     if args.fast:
         args.length, args.samples, args.window = 512, 2, 64
     for task in args.tasks:
-        if task not in quality.QA_TASKS:
-            raise ValueError(f"task={task!r}: allowed are {quality.QA_TASKS} (decode-time tasks)")
+        if task not in QA_TASKS:
+            raise ValueError(f"task={task!r}: allowed are {QA_TASKS} (decode-time tasks)")
     if not args.gates and not args.fast:
         raise ValueError("--gates: give one or more trained write-gate files (or --fast)")
     policies.WGKV(tau=args.tau, window=args.window)  # checks tau and window before loading
@@ -165,11 +167,9 @@ def main(argv=None) -> dict:
         tasks=tuple(args.tasks),
         read_budget=read_budget,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
     report = {"args": json.loads(json.dumps(vars(args), default=str)), "rows": rows}
-    (args.out / "wgkv_quality.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown_table(rows)
-    (args.out / "wgkv_quality.md").write_text(table)
+    harness.save(args.out, "wgkv_quality", report, table)
     print(table)
     return report
 

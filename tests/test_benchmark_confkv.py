@@ -8,6 +8,7 @@ import pytest
 
 from jaxkv import bundled, policies
 from jaxkv.benchmarks import confkv as bench
+from jaxkv.benchmarks.confkv_settings import QUICK, Settings
 from jaxkv.benchmarks.teacher_forced import Reading, rng_for, teacher_forced
 from jaxkv.models import byte_tokenizer, gguf_tokenizer, load_hf_checkpoint
 from jaxkv.prose import prose
@@ -36,7 +37,7 @@ def gguf_path(tmp_path_factory):
 @pytest.mark.parametrize("evict_every", [1, 8])
 def test_teacher_forced_read_holds_the_budget_on_due_steps(model, evict_every):
     text = b"def area(width, height):\n    return width * height\n\n" * 4
-    settings = bench.Settings(prefix=96, continuation=48, bins=2)
+    settings = Settings(prefix=96, continuation=48, bins=2)
     policy = policies.ConfKV(tight=24, loose=40, protected=8, evict_every=evict_every)
     rows = np.array([[256, *text]], np.int32)
     result = teacher_forced(model, policy, rows, 97, settings.continuation, settings.bins)
@@ -62,7 +63,7 @@ def test_gap_closed_share_and_interval():
 
 
 def test_ablation_rows_change_one_thing_each():
-    s = bench.Settings()
+    s = Settings()
     rows = bench.ablation_rows(s)
     base = rows["default"]
     assert (base.per_head, base.evict_every, base.alpha) == (False, 32, 0.5)
@@ -108,7 +109,7 @@ def test_needles_are_refused_for_a_model_with_its_own_tokenizer(gguf_path, tmp_p
 
 def test_tiny_ablation_matches_the_window_to_confkv_memory(model, reading):
     s = dataclasses.replace(
-        bench.QUICK, prefix=96, tight=24, loose=40, protected=8, ablation_continuation=12
+        QUICK, prefix=96, tight=24, loose=40, protected=8, ablation_continuation=12
     )
     out = bench.run_ablation(model, reading, s, ["default", "evict_every_1"], log=print)
     assert (out["texts"], out["continuation"]) == (2, 12)
@@ -124,7 +125,7 @@ def test_tiny_ablation_matches_the_window_to_confkv_memory(model, reading):
 
 def test_ppl_settings_no_policy_accepts_fail_before_any_reading(model, reading):
     # The pyramid's smallest layer budget is tight x 0.5 = 8, not above protected = 8.
-    s = dataclasses.replace(bench.QUICK, tight=16, loose=32, protected=8)
+    s = dataclasses.replace(QUICK, tight=16, loose=32, protected=8)
     logged = []
     with pytest.raises(ValueError, match="protected=8 must be smaller"):
         bench.run_ppl(model, reading, s, log=lambda *args: logged.append(args))

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from jaxkv import bundled
-from jaxkv.benchmarks import confkv, decode_blocks, fastkvzip_decode
+from jaxkv.benchmarks import confkv_settings, decode_blocks, fastkvzip_decode
 from jaxkv.benchmarks.teacher_forced import byte_rows
 from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.train import corpus as corpus_lib
 
 SETTINGS = dataclasses.replace(
-    confkv.QUICK, prefix=96, continuation=24, tight=24, loose=40, protected=8
+    confkv_settings.QUICK, prefix=96, continuation=24, tight=24, loose=40, protected=8
 )
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxkv import policies
-from jaxkv.benchmarks import real_quality
+from jaxkv.benchmarks import harness, needles, real_quality
 from jaxkv.models import gguf_tokenizer, load_gguf
 from tests import gguf_files
 
@@ -22,39 +22,39 @@ def model_and_tokenizer(tmp_path_factory):
     return load_gguf(path), gguf_tokenizer(path)
 
 
-@pytest.mark.parametrize("task", real_quality.TASKS)
+@pytest.mark.parametrize("task", needles.TASKS)
 def test_episodes_hide_the_asked_number_once_within_the_length(model_and_tokenizer, task):
     tokenizer = model_and_tokenizer[1]
     for index in range(3):
-        episode = real_quality.build_episode(tokenizer, task, 1024, index)
+        episode = needles.build_episode(tokenizer, task, 1024, index)
         assert len(episode.context_ids) + len(episode.question_ids) <= 1024
         context = tokenizer.decode(episode.context_ids, skip_special_tokens=False)
         question = tokenizer.decode(episode.question_ids, skip_special_tokens=False)
         asked = re.search(r"special magic number for (\w+) mentioned", question).group(1)
-        needles = re.findall(r"The special magic number for (\w+) is (\d+)\.", context)
-        assert len(needles) == (1 if task == "needle" else real_quality.MULTIKEY_KEYS)
-        assert dict(needles)[asked] == episode.answer and len(episode.answer) == 7
-        assert len({name for name, _ in needles}) == len(needles)
+        hidden = re.findall(r"The special magic number for (\w+) is (\d+)\.", context)
+        assert len(hidden) == (1 if task == "needle" else needles.MULTIKEY_KEYS)
+        assert dict(hidden)[asked] == episode.answer and len(episode.answer) == 7
+        assert len({name for name, _ in hidden}) == len(hidden)
         assert question.endswith(f"The special magic number for {asked} is")
-    again = real_quality.build_episode(tokenizer, task, 1024, 0)
-    assert again == real_quality.build_episode(tokenizer, task, 1024, 0)  # deterministic
+    again = needles.build_episode(tokenizer, task, 1024, 0)
+    assert again == needles.build_episode(tokenizer, task, 1024, 0)  # deterministic
 
 
 def test_scores_and_intervals(model_and_tokenizer):
     tokenizer = model_and_tokenizer[1]
-    assert real_quality.score(tokenizer, tokenizer.encode(" 4821937."), "4821937") == (True, 1.0)
-    assert real_quality.score(tokenizer, tokenizer.encode(" 48219."), "4821937") == (False, 5 / 7)
-    assert real_quality.score(tokenizer, tokenizer.encode(" 5821937"), "4821937") == (False, 0.0)
-    assert real_quality.score(tokenizer, tokenizer.encode(" no"), "4821937") == (False, 0.0)
+    assert needles.score(tokenizer, tokenizer.encode(" 4821937."), "4821937") == (True, 1.0)
+    assert needles.score(tokenizer, tokenizer.encode(" 48219."), "4821937") == (False, 5 / 7)
+    assert needles.score(tokenizer, tokenizer.encode(" 5821937"), "4821937") == (False, 0.0)
+    assert needles.score(tokenizer, tokenizer.encode(" no"), "4821937") == (False, 0.0)
     # Wilson's interval for 8 of 16 (z = 1.96): 0.5 -+ 0.2316 (by hand).
-    low, high = real_quality.wilson_interval(8, 16)
+    low, high = harness.wilson_interval(8, 16)
     assert low == pytest.approx(0.2800, abs=1e-4) and high == pytest.approx(0.7200, abs=1e-4)
-    assert real_quality.wilson_interval(16, 16)[1] == 1.0
+    assert harness.wilson_interval(16, 16)[1] == 1.0
 
 
 def test_full_cache_answers_the_same_in_both_settings(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    episodes = [real_quality.build_episode(tokenizer, "needle", 512, i) for i in range(3)]
+    episodes = [needles.build_episode(tokenizer, "needle", 512, i) for i in range(3)]
     full = policies.get("full")
     aware = real_quality.run_cell(model, tokenizer, full, episodes, "aware")
     agnostic = real_quality.run_cell(model, tokenizer, full, episodes, "agnostic")

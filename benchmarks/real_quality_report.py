@@ -1,0 +1,108 @@
+"""The real-model quality report (`jaxkv bench real_quality`, and kvpress_reference's table): one
+line per (policy, budget, context, setting) with exact match, its 95% Wilson interval and the
+leading digits per task, and a panel per (task, setting, context) of exact match against the
+share of the full cache's bytes held."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxkv.benchmarks import harness
+from jaxkv.benchmarks.needles import TASKS
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per (policy, budget, length, setting): exact [interval] / leading digits."""
+    full = {
+        (r["length"], r["task"], r["setting"]): r["kv_bytes_per_sequence"]
+        for r in rows
+        if r["policy"] == "full"
+    }
+    lines = [
+        "| policy | budget | context | setting | KV of full | needle exact [95% CI] | "
+        "needle digits | multikey exact [95% CI] | multikey digits | samples |",
+        "|" + " --- |" * 10,
+    ]
+    keys = sorted(
+        {(r["policy"], r["budget"], r["length"], r["setting"]) for r in rows},
+        key=lambda k: (k[2], k[3], k[0], -1 if k[1] is None else k[1]),
+    )
+    for policy, budget, length, setting in keys:
+        cells = {
+            r["task"]: r
+            for r in rows
+            if (r["policy"], r["budget"], r["length"], r["setting"])
+            == (policy, budget, length, setting)
+        }
+        shares = [
+            c["kv_bytes_per_sequence"] / full[(length, t, setting)]
+            for t, c in cells.items()
+            if (length, t, setting) in full
+        ]
+        share = f"{100 * np.mean(shares):.0f}%" if shares else "?"
+        values = []
+        for task in TASKS:
+            cell = cells.get(task)
+            if cell is None:
+                values += ["", ""]
+                continue
+            low, high = cell["exact_interval"]
+            values += [
+                f"{cell['exact']:.2f} [{low:.2f}, {high:.2f}]",
+                f"{cell['leading_digits']:.2f}",
+            ]
+        samples = "/".join(sorted({str(c["samples"]) for c in cells.values()}))
+        budget_text = "auto" if budget is None else f"{budget:g}"
+        lines.append(
+            f"| {policy} | {budget_text} | {length} | {setting} | {share} | "
+            + " | ".join(values)
+            + f" | {samples} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Exact match against the share of the full cache's bytes, a panel per task x setting."""
+    plt = harness.pyplot()
+
+    panels = sorted({(r["task"], r["setting"], r["length"]) for r in rows})
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for axis, (task, setting, length) in zip(axes.flat, panels, strict=True):
+        cell_rows = [
+            r for r in rows if (r["task"], r["setting"], r["length"]) == (task, setting, length)
+        ]
+        full = next((r["kv_bytes_per_sequence"] for r in cell_rows if r["policy"] == "full"), None)
+        for name in sorted({r["policy"] for r in cell_rows}):
+            points = sorted(
+                (r["kv_bytes_per_sequence"] / (full or 1), r["exact"])
+                for r in cell_rows
+                if r["policy"] == name
+            )
+            xs, ys = zip(*points, strict=True)
+            axis.plot(xs, ys, marker="o", label=name)
+        axis.set_title(f"{task}, {setting}, {length} tokens")
+        axis.set_xlabel("KV bytes held / full cache's" if full else "KV bytes held")
+        axis.set_ylabel("exact match")
+        axis.set_ylim(-0.05, 1.05)
+    axes.flat[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write(rows: list[dict], directory: Path) -> str:
+    """quality.md and quality.png of `rows` in `directory`; returns the table."""
+    table = markdown_table(rows)
+    (directory / "quality.md").write_text(table)
+    plot(rows, directory / "quality.png")
+    return table
+
+
+def render(report_path: Path) -> dict:
+    """quality.md and quality.png beside a saved report, from its rows."""
+    rows = json.loads(report_path.read_text())["rows"]
+    print(write(rows, report_path.parent))
+    return {"rows": rows}
