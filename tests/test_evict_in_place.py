@@ -8,7 +8,7 @@ import pytest
 
 import jaxkv
 from jaxkv import attention
-from jaxkv.cache.eviction import compact, evict_in_place, moves_to_fill_holes
+from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head, moves_to_fill_holes
 from jaxkv.models import init_model
 from tests.tiny_models import tiny_config
 
@@ -99,3 +99,39 @@ def test_evicting_the_oldest_moves_the_newest_into_their_slots(state):
         expected = positions[index][:n].copy()
         expected[:2] = positions[index][n - 2 : n]
         np.testing.assert_array_equal(after[index][: n - 2], expected[: n - 2])
+
+
+def _keep_top_reference(scores, budget, held, protected):
+    """Per head in numpy: protected first, then by descending score, ties by lower slot."""
+    keep = np.zeros(scores.shape, bool)
+    for head in np.ndindex(scores.shape[:-1]):
+        slots = np.flatnonzero(held[head])
+        order = sorted(slots, key=lambda s: (not protected[head][s], -scores[head][s], s))
+        keep[head][order[: max(int(budget[head]), 0)]] = True
+    return keep
+
+
+@pytest.mark.parametrize("max_evicted", [None, 1, 4, 64])
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_keep_top_per_head_is_the_stable_ranking(seed, mixed, max_evicted):
+    """One sort with a threshold, or top_k over a few victims, keeps what a full stable ranking
+    keeps: ties (many, integer scores) to the lower slot, protected slots always."""
+    rng = np.random.default_rng(seed)
+    shape = (2, 3, 4, 40)
+    scores = rng.integers(0, 6, shape).astype(np.float32)
+    held = rng.random(shape) < 0.8
+    protected = held & (rng.random(shape) < 0.1)
+    counts, floor = held.sum(-1), protected.sum(-1)
+    near = counts - rng.integers(0, 5, shape[:-1])  # a few victims: the top_k path
+    anywhere = rng.integers(0, shape[-1] + 3, shape[:-1])  # many: the sorted path
+    budget = np.maximum(np.where(mixed & (rng.random(shape[:-1]) < 0.3), anywhere, near), floor)
+    got = keep_top_per_head(
+        jnp.asarray(scores),
+        jnp.asarray(budget, jnp.int32),
+        jnp.asarray(held),
+        jnp.asarray(protected),
+        max_evicted=max_evicted,
+    )
+    expected = _keep_top_reference(scores, budget, held, protected)
+    np.testing.assert_array_equal(np.asarray(got), expected)

@@ -205,14 +205,52 @@ def rank_descending(scores: jax.Array) -> jax.Array:
     return jnp.argsort(order, axis=-1, stable=True)
 
 
-def keep_top_per_head(scores, budget, held, protected) -> jax.Array:
-    """Per head: the protected slots plus the best-scored others, `budget` slots in all.
+def keep_top_per_head(scores, budget, held, protected, max_evicted: int | None = None):
+    """Per head: the protected slots plus the best-scored others, `budget` slots in all (ties:
+    the lower slot is kept), as `rank_descending(...) < budget` but with one sort of the values.
 
     scores f32 [..., S]; budget int [...] (>= the protected count); held, protected bool [..., S].
+    max_evicted (static; decode-time eviction): when no head drops more than that many slots,
+    its lowest-scored ones are found by `lax.top_k` (O(S) for a few victims) instead of a sort
+    (O(S log S)); the same mask either way.
     """
     ranked = jnp.where(protected, jnp.inf, scores)
     ranked = jnp.where(held, ranked, -jnp.inf)
-    return (rank_descending(ranked) < budget[..., None]) & held
+    if max_evicted is None:
+        return _keep_above_threshold(ranked, budget, held)
+    candidates = held & ~protected
+    excess = jnp.sum(held, axis=-1, dtype=jnp.int32) - budget
+    few = jnp.all(excess <= jnp.minimum(max_evicted, jnp.sum(candidates, axis=-1)))
+    return jax.lax.cond(
+        few,
+        lambda: held & ~_lowest_slots(ranked, excess, candidates, max_evicted),
+        lambda: _keep_above_threshold(ranked, budget, held),
+    )
+
+
+def _keep_above_threshold(ranked, budget, held) -> jax.Array:
+    """The `budget` [...] best of ranked [..., S] per head (ties: the lower slot), via the
+    budget-th largest value: those above it, then the first of those equal to it."""
+    descending = -jnp.sort(-ranked, axis=-1)
+    last_kept = jnp.clip(budget, 1, ranked.shape[-1])[..., None] - 1
+    threshold = jnp.take_along_axis(descending, last_kept, axis=-1)
+    above = ranked > threshold
+    ties = ranked == threshold
+    room = budget[..., None] - jnp.sum(above, axis=-1, keepdims=True)
+    return (above | (ties & (jnp.cumsum(ties, axis=-1) <= room))) & held
+
+
+def _lowest_slots(ranked, count, candidates, most: int) -> jax.Array:
+    """bool [..., S]: each head's `count` [...] (<= most, static) lowest-ranked candidate slots,
+    ties: the higher slot first (the reverse of `_keep_above_threshold`'s order)."""
+    s = ranked.shape[-1]
+    most = min(most, s)
+    key = jnp.where(candidates, -ranked, -jnp.inf)[..., ::-1]  # reversed: top_k takes the
+    _, reversed_slots = jax.lax.top_k(key, most)  # lower index of a tie, the higher slot here
+    slots = s - 1 - reversed_slots  # [..., most], lowest first
+    chosen = jnp.arange(most) < count[..., None]
+    hits = (slots[..., None] == jnp.arange(s)) & chosen[..., None]  # [..., most, S]
+    return jnp.any(hits, axis=-2)
 
 
 def keep_top_across_heads(scores, budget_per_head, held, protected, safeguard: float):

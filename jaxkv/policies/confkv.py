@@ -276,7 +276,7 @@ class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
                 mass = self.ranking_mass(kv)
                 scores = rank_scores(mass, positions, held, protected, self.alpha)
             budget = jnp.broadcast_to(budgets, kv.lengths.shape)
-            keep = keep_top_per_head(scores, budget, held, protected)
+            keep = keep_top_per_head(scores, budget, held, protected, max_evicted=max_moves)
             return compact(kv, keep) if max_moves is None else evict_in_place(kv, keep, max_moves)
 
         # Every device takes the same branch: the per-layer ranking gathers across devices.

@@ -254,7 +254,11 @@ class DecodeEvictionPolicy(EvictionPolicy):
             protected = (positions >= 0) & ((positions < self.sinks) | newest)
             budgets = jnp.broadcast_to(budget, kv.lengths.shape)
             keep = keep_top_per_head(
-                self.decode_scores(kv, positions), budgets, positions >= 0, protected
+                self.decode_scores(kv, positions),
+                budgets,
+                positions >= 0,
+                protected,
+                max_evicted=self.evict_every,
             )
             return evict_in_place(kv, keep, max_moves=self.evict_every)
 
