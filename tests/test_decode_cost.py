@@ -282,3 +282,14 @@ def test_admission_prefill_pool_starts_small_and_grows_only_as_tokens_are_admitt
     )
     heads = CONFIG.num_layers * CONFIG.num_kv_heads
     assert local.pool.num_pages == geometry.MIN_POOL_PAGES < heads * 4000 // 16
+
+
+def test_pools_and_tables_come_in_eight_sizes_per_octave_at_most_an_eighth_over():
+    from jaxkv.cache.geometry import MIN_TABLE_PAGES, pool_pages_bucket, table_pages_bucket
+
+    for pages in range(1, 5000):
+        assert pages <= table_pages_bucket(pages) <= max(MIN_TABLE_PAGES, pages * 1.125)
+        assert pages <= pool_pages_bucket(pages, 16) <= max(256, pages * 1.125)
+    octave = {table_pages_bucket(pages) for pages in range(513, 1025)}
+    assert sorted(octave) == [576, 640, 704, 768, 832, 896, 960, 1024]
+    assert table_pages_bucket(8192 // 16 + 1) == 576  # one generated token past 8K tokens
