@@ -45,6 +45,7 @@ def test_compose_refuses_or_keeps_what_its_admission_part_keeps(model, name):
     assert both.pool.num_pages == alone.pool.num_pages
     lengths = np.array([len(p) for p in prompts])
     np.testing.assert_array_equal(composed.budget_tokens(lengths), QUEST.budget_tokens(lengths))
+
     # Decode: reading every page (Quest at ratio 1), the composition generates, keeps and
     # pools what the admission part alone does.
     def generate(policy):
