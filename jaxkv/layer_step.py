@@ -304,5 +304,7 @@ def attend_and_write(
     if tier is None:
         return out.astype(q.dtype), pool, page_table, held, ring
     lengths = held + pool.int8.lengths[layer]
-    pool, page_table, lengths = spill_layer(pool, page_table, lengths, layer)
+    # Before the write a head held at most the window in the model dtype.
+    most_held = tier.window + k.shape[2]
+    pool, page_table, lengths = spill_layer(pool, page_table, lengths, layer, most_held)
     return out.astype(q.dtype), pool, page_table, lengths, ring

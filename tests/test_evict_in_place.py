@@ -1,5 +1,6 @@
 """`evict_in_place`: the same kept tokens, lengths and freed pages as `compact`, with few moves
-(holes filled from past each head's new length) or through `compact` when a head needs more."""
+(holes filled from past each head's new length) or through `compact` when a head needs more;
+with int8 storage in both tiers, the model-dtype window in order."""
 
 import jax
 import jax.numpy as jnp
@@ -9,50 +10,78 @@ import pytest
 import jaxkv
 from jaxkv import attention
 from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head, moves_to_fill_holes
+from jaxkv.cache.int8 import spill_layer
 from jaxkv.models import init_model
 from tests.tiny_models import tiny_config
 
 CONFIG = tiny_config()
 PAGE_SIZE = 8
+WINDOW = 12  # int8 storage: the newest 12 tokens of a head in the model dtype, over 2 pages
+
+
+def _prompt_state(cache: jaxkv.CacheConfig):
+    model = init_model(CONFIG, seed=3, scale=0.3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (70, 45, 64)]
+    return jaxkv.compress_prompt(model, prompts, cache=cache, reserve_tokens=8)
 
 
 @pytest.fixture(scope="module")
 def state():
-    model = init_model(CONFIG, seed=3, scale=0.3)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (70, 45, 64)]
-    return jaxkv.compress_prompt(
-        model, prompts, cache=jaxkv.CacheConfig(page_size=PAGE_SIZE), reserve_tokens=8
-    )
+    return _prompt_state(jaxkv.CacheConfig(page_size=PAGE_SIZE))
 
 
-def _tokens_by_position(state) -> list[dict]:
-    """Per (layer, sequence, head): {position: (key, value)} of the held tokens."""
-    keys = jax.vmap(lambda t: attention.gather_pages(state.pool.k_pages, t))(state.page_table)
-    values = jax.vmap(lambda t: attention.gather_pages(state.pool.v_pages, t))(state.page_table)
-    keys, values = np.asarray(keys), np.asarray(values)
-    positions = np.asarray(state.positions())
+@pytest.fixture(scope="module")
+def int8_state():
+    cache = jaxkv.CacheConfig(page_size=PAGE_SIZE, storage="int8", full_precision_window=WINDOW)
+    return _prompt_state(cache)
+
+
+def _tokens_by_position(pool, page_table, lengths) -> list[dict]:
+    """Per (layer, sequence, head) of a pool: {position: (key, value, token scales)} of the
+    held tokens (the scales of int8 pages; None in the model dtype)."""
+
+    def view(pages):
+        if pages is None:
+            return None
+        gathered = jax.vmap(lambda t: attention.gather_pages(pages, t))(page_table)
+        return np.asarray(gathered).reshape(*page_table.shape[:3], -1, *pages.shape[2:])
+
+    keys, values, positions = view(pool.k_pages), view(pool.v_pages), view(pool.token_positions)
+    scales = view(pool.k_scales)
+    lengths = np.asarray(lengths)
     heads = []
     for index in np.ndindex(positions.shape[:3]):
-        held = positions[index] >= 0
-        slots = np.flatnonzero(held)
         heads.append(
             {
-                int(positions[index][s]): (keys[index][s].tolist(), values[index][s].tolist())
-                for s in slots
+                int(positions[index][s]): (
+                    keys[index][s].tolist(),
+                    values[index][s].tolist(),
+                    None if scales is None else float(scales[index][s]),
+                )
+                for s in range(lengths[index])
             }
         )
     return heads
 
 
-def _check_pool_accounting(state) -> None:
+def _tiers_by_position(state) -> list[list[dict]]:
+    """`_tokens_by_position` of the model-dtype pool, then of the int8 tier if any."""
+    tiers = [_tokens_by_position(state.pool, state.page_table, state.full_precision_lengths())]
+    tier = state.pool.int8
+    if tier is not None:
+        tiers.append(_tokens_by_position(tier.pool, tier.page_table, tier.lengths))
+    return tiers
+
+
+def _check_pool_accounting(pool, page_table) -> None:
     """Every page is either free or owned by exactly one head's table, once."""
-    table = np.asarray(state.page_table)
+    table = np.asarray(page_table)
     used = table[table >= 0]
-    alloc = state.pool.allocator
+    alloc = pool.allocator
     free = np.asarray(alloc.free_stack)[: int(alloc.num_free)]
     assert len(set(used.tolist())) == used.size
-    assert sorted([*used.tolist(), *free.tolist()]) == list(range(state.pool.num_pages))
+    assert sorted([*used.tolist(), *free.tolist()]) == list(range(pool.num_pages))
 
 
 def _keep(state, rng, evict_per_head: int) -> np.ndarray:
@@ -66,8 +95,12 @@ def _keep(state, rng, evict_per_head: int) -> np.ndarray:
     return keep
 
 
+@pytest.mark.parametrize("storage", ["model", "int8"])
 @pytest.mark.parametrize("evict_per_head, max_moves", [(3, 4), (3, 3), (0, 2), (12, 4)])
-def test_keeps_what_compact_keeps_and_frees_the_same_pages(state, evict_per_head, max_moves):
+def test_keeps_what_compact_keeps_and_frees_the_same_pages(
+    state, int8_state, storage, evict_per_head, max_moves
+):
+    state = int8_state if storage == "int8" else state
     keep = _keep(state, np.random.default_rng(evict_per_head), evict_per_head)
     expected = compact(state, jnp.asarray(keep))
     moved = jax.jit(evict_in_place, static_argnames="max_moves")(
@@ -75,13 +108,44 @@ def test_keeps_what_compact_keeps_and_frees_the_same_pages(state, evict_per_head
     )
     np.testing.assert_array_equal(np.asarray(moved.lengths), np.asarray(expected.lengths))
     assert int(moved.pages_in_use()) == int(expected.pages_in_use())
-    assert _tokens_by_position(moved) == _tokens_by_position(expected)
-    _check_pool_accounting(moved)
+    assert _tiers_by_position(moved) == _tiers_by_position(expected)
+    _check_pool_accounting(moved.pool, moved.page_table)
+    if storage == "int8":
+        tier, before = moved.pool.int8, state.pool.int8
+        _check_pool_accounting(tier.pool, tier.page_table)
+        assert int(tier.pages_in_use()) == int(expected.pool.int8.pages_in_use())
+        assert int(np.max(state.full_precision_lengths())) == WINDOW
+        assert not bool(moved.pool.overflow)
+        # The window keeps its order (the spill moves its first tokens out).
+        np.testing.assert_array_equal(
+            _window_positions(moved), _window_positions(expected), strict=True
+        )
+        if evict_per_head:  # the int8 tier lost tokens too
+            assert np.any(np.asarray(tier.lengths) < np.asarray(before.lengths))
+        return
     moves = np.asarray(moves_to_fill_holes(jnp.asarray(keep), state.lengths))
     if moves.max() > max_moves:  # too many for the few-moves path: compact's order
         np.testing.assert_array_equal(
             np.asarray(moved.positions()), np.asarray(expected.positions())
         )
+
+
+def _window_positions(state) -> np.ndarray:
+    """int32 [L, B, K, WINDOW]: the model-dtype slots' positions, in slot order."""
+    table = np.maximum(np.asarray(state.page_table), 0)
+    positions = np.asarray(state.pool.token_positions)[table].reshape(*table.shape[:3], -1)
+    held = np.arange(positions.shape[-1]) < np.asarray(state.full_precision_lengths())[..., None]
+    return np.where(held, positions, -1)[..., :WINDOW]
+
+
+def test_a_window_holding_more_than_the_spill_reads_is_flagged(int8_state):
+    """The spill reads the window's first pages only: a head holding more is an overflow,
+    never a silent loss."""
+    lengths = int8_state.lengths[0]
+    pool, _, _ = spill_layer(int8_state.pool, int8_state.page_table[0], lengths, 0, WINDOW + 1)
+    assert not bool(pool.overflow)
+    pool, _, _ = spill_layer(int8_state.pool, int8_state.page_table[0], lengths, 0, PAGE_SIZE)
+    assert bool(pool.overflow)
 
 
 def test_evicting_the_oldest_moves_the_newest_into_their_slots(state):

@@ -9,12 +9,13 @@ head that keeps fewer tokens really holds fewer pages.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.cache.allocator import release
-from jaxkv.cache.slots import split_slots
+from jaxkv.cache.slots import pages_holding, split_slots
 from jaxkv.cache.state import KVState, PagePool
 
 
@@ -128,20 +129,7 @@ def compact(kv: KVState, keep: jax.Array) -> KVState:
       the state with kept tokens in their original order at each head's first slots.
       With int8 storage each tier is compacted on its own (no token changes tier).
     """
-    tier = kv.pool.int8
-    if tier is None:
-        pool, page_table, lengths = _compact_pool(kv.pool, kv.page_table, kv.lengths, keep)
-        return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
-    keep_int8, keep = split_slots(keep, tier.lengths, tier.max_tokens_per_head)
-    int8_pool, int8_table, int8_lengths = _compact_pool(
-        tier.pool, tier.page_table, tier.lengths, keep_int8
-    )
-    tier = dataclasses.replace(tier, pool=int8_pool, page_table=int8_table, lengths=int8_lengths)
-    pool, page_table, lengths = _compact_pool(
-        dataclasses.replace(kv.pool, int8=None), kv.page_table, kv.full_precision_lengths(), keep
-    )
-    pool = dataclasses.replace(pool, int8=tier)
-    return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths + int8_lengths)
+    return _evict_tiers(kv, keep, _compact_pool)
 
 
 def run_if(pred: jax.Array, fn, operand):
@@ -161,30 +149,67 @@ def evict_in_place(kv: KVState, keep: jax.Array, max_moves: int) -> KVState:
     """`compact` for a step that evicts a few tokens (decode-time eviction): when no head has
     more than `max_moves` (static) evicted slots below its new length, each head's kept tokens
     past it fill those slots (`fill_holes_layer`: the moves cost O(evicted), not O(held)) and
-    the kept tokens' order is not kept; otherwise, and with int8 storage (whose spill reads the
-    order), `compact`.
+    the kept tokens' order is not kept; otherwise `compact`. With int8 storage this holds for
+    the int8 tier; the model-dtype window, whose order the spill reads, is compacted in order
+    (it holds at most the window's few tokens).
 
     keep: bool [L, B, K, S] as for `compact`.
     """
-    if kv.pool.int8 is not None:
-        return compact(kv, keep)
+    return _evict_tiers(kv, keep, functools.partial(_evict_pool_in_place, max_moves=max_moves))
 
-    def fill(kv: KVState) -> KVState:
+
+def _evict_tiers(kv: KVState, keep: jax.Array, evict_pool) -> KVState:
+    """`evict_pool(pool, page_table, lengths, keep) -> (pool, page_table, lengths)` on the
+    state's pool, or with int8 storage on the int8 tier, then `_compact_window` on the
+    model-dtype window."""
+    tier = kv.pool.int8
+    if tier is None:
+        pool, page_table, lengths = evict_pool(kv.pool, kv.page_table, kv.lengths, keep)
+        return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
+    keep_int8, keep = split_slots(keep, tier.lengths, tier.max_tokens_per_head)
+    int8_pool, int8_table, int8_lengths = evict_pool(
+        tier.pool, tier.page_table, tier.lengths, keep_int8
+    )
+    tier = dataclasses.replace(tier, pool=int8_pool, page_table=int8_table, lengths=int8_lengths)
+    pool, page_table, lengths = _compact_window(
+        dataclasses.replace(kv.pool, int8=None),
+        kv.page_table,
+        kv.full_precision_lengths(),
+        keep,
+        tier.window,
+    )
+    pool = dataclasses.replace(pool, int8=tier)
+    return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths + int8_lengths)
+
+
+def _compact_window(pool: PagePool, page_table, lengths, keep, window: int):
+    """`_compact_pool` of an int8 state's model-dtype pages, which hold at most `window`
+    tokens per head between steps: over the table's first pages that hold them, not its
+    whole width (a head holding more sets `overflow`)."""
+    width = pages_holding(window, pool.page_size, page_table.shape[-1])
+    unseen = jnp.any(lengths > width * pool.page_size)
+    pool, seen, lengths = _compact_pool(
+        pool, page_table[..., :width], lengths, keep[..., : width * pool.page_size]
+    )
+    pool = dataclasses.replace(pool, overflow=pool.overflow | unseen)
+    return pool, jnp.concatenate([seen, page_table[..., width:]], axis=-1), lengths
+
+
+def _evict_pool_in_place(pool: PagePool, page_table, lengths, keep, max_moves: int):
+    """`fill_holes_layer` over every layer when no head needs more than `max_moves` moves,
+    else `_compact_pool`: page_table [L, B, K, M], lengths [L, B, K]."""
+
+    def fill(state):
         def layer(pool, xs):
-            page_table, lengths, layer_keep = xs
-            pool, page_table, lengths = fill_holes_layer(
-                pool, page_table, lengths, layer_keep, max_moves
-            )
+            pool, page_table, lengths = fill_holes_layer(pool, *xs, max_moves)
             return pool, (page_table, lengths)
 
-        pool, (page_table, lengths) = jax.lax.scan(
-            layer, kv.pool, (kv.page_table, kv.lengths, keep)
-        )
-        return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
+        pool, (page_table, lengths) = jax.lax.scan(layer, state[0], (*state[1:], keep))
+        return pool, page_table, lengths
 
-    few = jnp.max(moves_to_fill_holes(keep, kv.lengths)) <= max_moves
-    kv = run_if(few, fill, kv)
-    return run_if(~few, lambda kv: compact(kv, keep), kv)
+    few = jnp.max(moves_to_fill_holes(keep, lengths)) <= max_moves
+    state = run_if(few, fill, (pool, page_table, lengths))
+    return run_if(~few, lambda state: _compact_pool(*state, keep), state)
 
 
 def _compact_pool(pool: PagePool, page_table, lengths, keep):

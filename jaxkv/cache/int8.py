@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.eviction import compact_layer
-from jaxkv.cache.slots import merge_slots, split_slots
+from jaxkv.cache.slots import merge_slots, pages_holding, split_slots
 from jaxkv.cache.state import Int8Tier, KVState, PagePool
 from jaxkv.cache.writes import write_tokens
 from jaxkv.collectives import varying_like
@@ -115,19 +115,22 @@ def start_int8(kv: KVState, window: int) -> KVState:
     return dataclasses.replace(kv, pool=pool, page_table=page_table, lengths=lengths)
 
 
-def spill_layer(pool: PagePool, page_table, lengths, layer):
+def spill_layer(pool: PagePool, page_table, lengths, layer, most_held: int | None = None):
     """Moves each head's model-dtype tokens beyond the newest `window` into the int8 tier.
 
     One layer: page_table [B, K, M], lengths [B, K] (both tiers); layer: int32 [] its index.
+    most_held (static): at most this many model-dtype tokens per head (during decode the
+    window plus the step's writes), so only the table's first pages that hold them are read
+    and compacted, not its whole width; a head holding more sets `overflow`.
     Returns (pool, page_table, lengths); lengths are unchanged unless the int8 tier overflowed.
     """
     tier = pool.int8
     int8_lengths = tier.lengths[layer]
     full_lengths = lengths - int8_lengths
-    leaving = (
-        jnp.arange(page_table.shape[-1] * pool.page_size) < (full_lengths - tier.window)[..., None]
-    )
-    table = jnp.maximum(page_table, 0)
+    width = pages_holding(most_held, pool.page_size, page_table.shape[-1])
+    seen = page_table[..., :width]
+    leaving = jnp.arange(width * pool.page_size) < (full_lengths - tier.window)[..., None]
+    table = jnp.maximum(seen, 0)
     b, k, m = table.shape
 
     def dense(pages):
@@ -155,8 +158,11 @@ def spill_layer(pool: PagePool, page_table, lengths, layer):
         page_table=tier.page_table.at[layer].set(int8_table),
         lengths=tier.lengths.at[layer].set(new_int8_lengths),
     )
-    pool, page_table, full_lengths = compact_layer(pool, page_table, full_lengths, ~leaving)
-    pool = dataclasses.replace(pool, int8=tier, overflow=pool.overflow | int8_pool.overflow)
+    unseen = jnp.any(full_lengths > width * pool.page_size)
+    pool, seen, full_lengths = compact_layer(pool, seen, full_lengths, ~leaving)
+    page_table = jnp.concatenate([seen, page_table[..., width:]], axis=-1)
+    overflow = pool.overflow | int8_pool.overflow | unseen
+    pool = dataclasses.replace(pool, int8=tier, overflow=overflow)
     return pool, page_table, full_lengths + new_int8_lengths
 
 

@@ -11,6 +11,14 @@ import jax
 import jax.numpy as jnp
 
 
+def pages_holding(tokens: int | None, page_size: int, max_pages: int) -> int:
+    """How many of a table's first pages hold a head's first `tokens` slots (static; at least
+    one, at most `max_pages`, all of them for None)."""
+    if tokens is None:
+        return max_pages
+    return min(max(-(-tokens // page_size), 1), max_pages)
+
+
 def slot_view(per_token: jax.Array, table: jax.Array, lengths: jax.Array, empty) -> jax.Array:
     """A page-aligned field [P, p] seen through page tables [..., M]: [..., M * p], `empty`
     past each head's length [...]."""
