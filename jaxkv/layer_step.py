@@ -9,17 +9,20 @@ their logsumexps, in this order:
   3. the local ring (WG-KV and its static baselines): W dense keys, band or admitted;
   4. the chunk itself: causal, or WG-KV's vertical-slash pattern with a ring.
 Then it writes: the policy's attention mass into the cached slots' scores, and the chunk's
-admitted tokens into the pages (through the ring's lazy promotion with a ring; followed by the
-spill out of the model-dtype window with int8 storage).
+admitted tokens into the pages (through the ring's lazy promotion with a ring).
 
-The step without a ring or an int8 tier writes first and then reads the cached pages up to
-the lengths held before the write, which is the same attention: the written tokens lie past
-those lengths (a page-selecting policy picks its pages from the page bounds as they were before
-the write). An attention-mass policy's scores are set after the attention:
+The step without a ring writes first and then reads the cached pages up to the lengths held
+before the write, which is the same attention: the written tokens lie past those lengths (a
+page-selecting policy picks its pages from the page bounds as they were before the write).
+With int8 storage the spill out of the model-dtype window comes between the write and the
+reads: a token pushed out by the chunk is read from the int8 tier already, and the chunk,
+which stays in the window (C <= F), at its last slots is left out of the cached read.
+An attention-mass policy's scores are set after the attention:
 the cached slots' by accumulation, the chunk's own tokens' at the slots the write gave them.
 The order matters for speed on "xla": XLA updates the
-shared pool in place, and when reads of it had to come before the in-place write in the same
-layer, it copied the whole pool (K and V, every layer, every step) to keep them safe.
+shared pool in place, and when reads of it had to come before an in-place write in the same
+layer (the write, or the spill's moves), it copied the whole pool (K and V, every layer,
+every step) to keep them safe.
 
 Storage (`jaxkv.cache`) knows nothing of attention; this module composes the two.
 """
@@ -68,7 +71,9 @@ def int8_tier_attention(
     )
 
 
-def _check_step(policy: PolicyParts, pool: PagePool, ring: LocalRing | None, write_scores) -> None:
+def _check_step(
+    policy: PolicyParts, pool: PagePool, ring: LocalRing | None, write_scores, chunk: int
+) -> None:
     """Raises for combinations the step does not support (static, while tracing)."""
     scoring = policy.attention_scoring is not None
     if ring is not None and scoring:
@@ -78,6 +83,11 @@ def _check_step(policy: PolicyParts, pool: PagePool, ring: LocalRing | None, wri
         )
     if ring is not None and pool.int8 is not None:
         raise ValueError("a KV state with a local ring does not support int8 storage yet")
+    if pool.int8 is not None and chunk > pool.int8.window:
+        raise ValueError(
+            f"a chunk of {chunk} tokens with int8 storage needs full_precision_window >= "
+            f"{chunk} (the chunk is read in the model dtype); got {pool.int8.window}"
+        )
     if scoring and write_scores is not None:
         raise ValueError(f"policy {policy.name!r} both accumulates attention and gates writes")
 
@@ -170,14 +180,6 @@ def _accumulate_mass(
     return pool, query_weights
 
 
-def _writes_first(ring, tier) -> bool:
-    """Whether the chunk can be written before the cached pages are read (module docstring):
-    when nothing the write changes (ring promotion, the int8 spill) is read by the attention.
-    Attention-mass scores are set after the attention, by slot; Quest's page bounds are read
-    as they were before the write."""
-    return ring is None and tier is None
-
-
 def _mass_scores(
     q, k, positions, pool, page_table, held, lengths, cached, lse, layer, *, scoring, step
 ):
@@ -253,7 +255,7 @@ def attend_and_write(
     Returns:
       (attn [B, N, C, H] in q.dtype, pool, page_table, lengths, ring).
     """
-    _check_step(policy, pool, ring, write_scores)
+    _check_step(policy, pool, ring, write_scores, k.shape[2])
     step = dict(sm_scale=sm_scale, backend=backend)
     tier = pool.int8
     held = lengths if tier is None else lengths - tier.lengths[layer]  # model-dtype tokens
@@ -266,13 +268,17 @@ def attend_and_write(
     scoring = policy.attention_scoring
     read = dict(policy=policy, read_budget=read_budget, step=step)
     mass = dict(scoring=scoring, step=step)
-    if _writes_first(ring, tier):
+    if ring is None:
         # The chunk goes to slots past `held`; reading the written pool up to `held` sees
         # exactly the cached tokens (module docstring: XLA then needs no copy of the pool).
         bounds = dict(key_min=pool.key_min, key_max=pool.key_max)  # before the write
         pool, page_table, new_held = write_tokens(
             pool, page_table, held, k, v, positions, admitted, write_scores
         )
+        if tier is not None:  # the chunk stays in the window, in the last slots
+            written = new_held - held
+            pool, page_table, new_held = _spill(pool, page_table, new_held, layer, k.shape[2])
+            held = new_held - written
         read_pool = dataclasses.replace(pool, **bounds)
         out, lse, cached = _attend(
             q, k, v, positions, admitted, read_pool, page_table, held, ring, layer, **read
@@ -282,29 +288,29 @@ def attend_and_write(
                 q, k, positions, pool, page_table, held, lengths, cached, lse, layer, **mass
             )
             pool = set_written_scores(pool, page_table, held, new_held, admitted, scores)
+        if tier is not None:
+            new_held = new_held + pool.int8.lengths[layer]
         return out.astype(q.dtype), pool, page_table, new_held, ring
     out, lse, cached = _attend(
         q, k, v, positions, admitted, pool, page_table, held, ring, layer, **read
     )
-
     new_scores = write_scores
     if scoring is not None:
         pool, new_scores = _mass_scores(
             q, k, positions, pool, page_table, held, lengths, cached, lse, layer, **mass
         )
-    if ring is not None:
-        scores = jnp.zeros(k.shape[:3], jnp.float32) if new_scores is None else new_scores
-        pool, page_table, held, ring = promote_and_push(
-            pool, page_table, held, ring, k, v, positions, scores, admitted
-        )
-        return out.astype(q.dtype), pool, page_table, held, ring
-    pool, page_table, held = write_tokens(
-        pool, page_table, held, k, v, positions, admitted, new_scores
+    scores = jnp.zeros(k.shape[:3], jnp.float32) if new_scores is None else new_scores
+    pool, page_table, held, ring = promote_and_push(
+        pool, page_table, held, ring, k, v, positions, scores, admitted
     )
-    if tier is None:
-        return out.astype(q.dtype), pool, page_table, held, ring
+    return out.astype(q.dtype), pool, page_table, held, ring
+
+
+def _spill(pool: PagePool, page_table, held, layer, chunk: int):
+    """`spill_layer` after a write of `chunk` (static) tokens, with held [B, K] the model-dtype
+    tokens (before the write a head held at most the window). Returns (pool, page_table,
+    held)."""
     lengths = held + pool.int8.lengths[layer]
-    # Before the write a head held at most the window in the model dtype.
-    most_held = tier.window + k.shape[2]
+    most_held = pool.int8.window + chunk
     pool, page_table, lengths = spill_layer(pool, page_table, lengths, layer, most_held)
-    return out.astype(q.dtype), pool, page_table, lengths, ring
+    return pool, page_table, lengths - pool.int8.lengths[layer]

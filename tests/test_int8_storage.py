@@ -129,7 +129,7 @@ def test_attention_over_both_tiers_equals_dense_reference_on_dequantised_values(
     k_new = rng.normal(size=(2, 2, 1, 16)).astype(np.float32)
     v_new = rng.normal(size=(2, 2, 1, 16)).astype(np.float32)
     positions = np.array([[23], [14]], np.int32)
-    out, *_ = attend_and_write(
+    out, pool, page_table, step_lengths, _ = attend_and_write(
         kv.pool,
         kv.page_table[layer],
         kv.lengths[layer],
@@ -143,6 +143,12 @@ def test_attention_over_both_tiers_equals_dense_reference_on_dequantised_values(
         backend="xla",
     )
 
+    # The spill comes before the reads: the token the write pushed out of the window is read
+    # from the int8 tier, dequantised; the chunk, the window's last slot, is read as itself.
+    tier = pool.int8
+    moved = np.asarray(tier.lengths[layer]) - np.asarray(kv.pool.int8.lengths[layer])
+    assert np.all(moved == 1)
+
     def dequantised(pages, token_scales, channel, b, h):
         table = np.asarray(tier.page_table)[layer, b, h]
         n = int(tier.lengths[layer, b, h])
@@ -151,8 +157,8 @@ def test_attention_over_both_tiers_equals_dense_reference_on_dequantised_values(
         return raw * scales * np.asarray(channel)[layer, b, h]
 
     def full_precision(pages, b, h):
-        n = int(kv.lengths[layer, b, h] - tier.lengths[layer, b, h])
-        return np.asarray(pages)[np.asarray(kv.page_table)[layer, b, h]].reshape(-1, 16)[:n]
+        n = int(step_lengths[b, h] - tier.lengths[layer, b, h]) - 1  # without the chunk
+        return np.asarray(pages)[np.asarray(page_table)[b, h]].reshape(-1, 16)[:n]
 
     def held_tokens(kind, new, b, h):  # int8 tier, model-dtype window, the chunk: [n, H]
         int8 = dequantised(
@@ -162,7 +168,8 @@ def test_attention_over_both_tiers_equals_dense_reference_on_dequantised_values(
             b,
             h,
         )
-        window = full_precision(getattr(kv.pool, f"{kind}_pages"), b, h)
+        window = full_precision(getattr(pool, f"{kind}_pages"), b, h)
+        assert len(int8) + len(window) == int(kv.lengths[layer, b, h])  # every cached token
         return np.concatenate([int8, window, new[b, h]])
 
     for b in range(2):
@@ -180,6 +187,25 @@ def test_attention_over_both_tiers_equals_dense_reference_on_dequantised_values(
     ]
     for xla, kernel in zip(*read, strict=True):
         np.testing.assert_allclose(np.asarray(kernel), np.asarray(xla), atol=1e-5)
+
+
+def test_a_chunk_longer_than_the_window_is_refused(model):
+    kv = jaxkv.compress_prompt(model, _prompts([20]), cache=INT8, reserve_tokens=WINDOW + 1)
+    c = WINDOW + 1
+    with pytest.raises(ValueError, match=f"full_precision_window >= {c}"):
+        attend_and_write(
+            kv.pool,
+            kv.page_table[0],
+            kv.lengths[0],
+            jnp.zeros((1, 4, c, 16)),
+            jnp.zeros((1, 2, c, 16)),
+            jnp.zeros((1, 2, c, 16)),
+            jnp.arange(20, 20 + c)[None],
+            layer=0,
+            sm_scale=0.25,
+            policy=policies.FullCache().static(),
+            backend="xla",
+        )
 
 
 def test_memory_bytes_count_int8_bytes_and_scales(generated):
@@ -237,7 +263,7 @@ def test_bad_storage_options_raise(model):
     with pytest.raises(ValueError, match="storage='fp4'"):
         jaxkv.CacheConfig(storage="fp4")
     with pytest.raises(ValueError, match="full_precision_window"):
-        jaxkv.CacheConfig(storage="int8", full_precision_window=-1)
+        jaxkv.CacheConfig(storage="int8", full_precision_window=0)
     with pytest.raises(ValueError, match="selects pages"):
         jaxkv.generate(model, prompt, max_new_tokens=2, policy=policies.Quest(budget=8), cache=INT8)
 

@@ -50,7 +50,8 @@ class CacheConfig:
         model's. Stored as a `numpy.dtype`.
       storage: Storage.MODEL (every token in kv_dtype) or Storage.INT8 (mixed precision); the
         names "model" / "int8" are accepted and stored as the enum.
-      full_precision_window: F, the newest tokens per head kept in kv_dtype under int8 storage.
+      full_precision_window: F >= 1, the newest tokens per head kept in kv_dtype under int8
+        storage (a decode step's token is read from there).
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
@@ -70,7 +71,7 @@ class CacheConfig:
         except ValueError:
             allowed = ", ".join(repr(s.value) for s in Storage)
             raise ValueError(f"storage={self.storage!r}: allowed are {allowed}") from None
-        window = check_count("full_precision_window", self.full_precision_window, 0)
+        window = check_count("full_precision_window", self.full_precision_window, 1)
         object.__setattr__(self, "page_size", page_size)
         object.__setattr__(self, "storage", storage)
         object.__setattr__(self, "full_precision_window", window)

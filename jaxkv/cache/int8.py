@@ -3,8 +3,9 @@
 Every (layer, sequence, KV head) keeps at most `window` (F) of its newest tokens in the model-dtype
 pages of `KVState.pool`; when a write pushes a head past F, its oldest model-dtype tokens leave
 the window and are quantised into the int8 tier (`Int8Tier`, a second page pool with its own page
-tables). Tokens never return to the model dtype: after an eviction the window may hold fewer than
-F, and it refills with the next writes. The int8 tier's tokens are all older than the window's.
+tables), before the step's attention reads them (`jaxkv.layer_step`). Tokens never return to
+the model dtype: after an eviction the window may hold fewer than F, and it refills with the
+next writes. The int8 tier's tokens are all older than the window's.
 
 Quantisation is symmetric, per token and per channel: with a channel scale c [H] fixed per
 (layer, sequence, head) when the tier is created (the largest |x| per channel over the tokens
@@ -120,18 +121,20 @@ def spill_layer(pool: PagePool, page_table, lengths, layer, most_held: int | Non
 
     One layer: page_table [B, K, M], lengths [B, K] (both tiers); layer: int32 [] its index.
     most_held (static): at most this many model-dtype tokens per head (during decode the
-    window plus the step's writes), so only the table's first pages that hold them are read
-    and compacted, not its whole width; a head holding more sets `overflow`.
+    window plus the step's writes), so only the table's first pages that hold them are
+    compacted, and the first that hold the `most_held - window` leaving ones are read and
+    quantised, not the table's whole width; a head holding more sets `overflow`.
     Returns (pool, page_table, lengths); lengths are unchanged unless the int8 tier overflowed.
     """
     tier = pool.int8
     int8_lengths = tier.lengths[layer]
     full_lengths = lengths - int8_lengths
     width = pages_holding(most_held, pool.page_size, page_table.shape[-1])
+    most_leaving = None if most_held is None else most_held - tier.window
     seen = page_table[..., :width]
-    leaving = jnp.arange(width * pool.page_size) < (full_lengths - tier.window)[..., None]
-    table = jnp.maximum(seen, 0)
+    table = jnp.maximum(seen[..., : pages_holding(most_leaving, pool.page_size, width)], 0)
     b, k, m = table.shape
+    leaving = jnp.arange(m * pool.page_size) < (full_lengths - tier.window)[..., None]
 
     def dense(pages):
         return pages[table].reshape(b, k, m * pool.page_size, *pages.shape[2:])
@@ -151,7 +154,12 @@ def spill_layer(pool: PagePool, page_table, lengths, layer, most_held: int | Non
         v_scales=v_scales,
     )
     moved = jnp.all(new_int8_lengths == int8_lengths + jnp.sum(leaving, -1, dtype=jnp.int32))
-    leaving = leaving & moved  # an int8 overflow moves nothing (and is flagged)
+    # The moves below update the pool in place after the reads above; XLA keeps a read safe
+    # from an in-place update only when the update depends on what was read (else it copies
+    # the whole pool: K and V, every layer, every step), so they depend on the token scales
+    # (>= 0, NaN only from NaN keys or values).
+    read = (jnp.min(k_scales) >= 0) & (jnp.min(v_scales) >= 0)
+    leaving = leaving & moved & read  # an int8 overflow moves nothing (and is flagged)
     tier = dataclasses.replace(
         tier,
         pool=int8_pool,
@@ -159,7 +167,10 @@ def spill_layer(pool: PagePool, page_table, lengths, layer, most_held: int | Non
         lengths=tier.lengths.at[layer].set(new_int8_lengths),
     )
     unseen = jnp.any(full_lengths > width * pool.page_size)
-    pool, seen, full_lengths = compact_layer(pool, seen, full_lengths, ~leaving)
+    staying = jnp.pad(
+        ~leaving, ((0, 0), (0, 0), (0, (width - m) * pool.page_size)), constant_values=True
+    )
+    pool, seen, full_lengths = compact_layer(pool, seen, full_lengths, staying)
     page_table = jnp.concatenate([seen, page_table[..., width:]], axis=-1)
     overflow = pool.overflow | int8_pool.overflow | unseen
     pool = dataclasses.replace(pool, int8=tier, overflow=overflow)
