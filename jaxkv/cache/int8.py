@@ -157,7 +157,7 @@ def spill_layer(pool: PagePool, page_table, lengths, layer, most_held: int | Non
     # The moves below update the pool in place after the reads above; XLA keeps a read safe
     # from an in-place update only when the update depends on what was read (else it copies
     # the whole pool: K and V, every layer, every step), so they depend on the token scales
-    # (>= 0, NaN only from NaN keys or values).
+    # (>= 0; NaN only from a NaN key or value, which is flagged as an overflow).
     read = (jnp.min(k_scales) >= 0) & (jnp.min(v_scales) >= 0)
     leaving = leaving & moved & read  # an int8 overflow moves nothing (and is flagged)
     tier = dataclasses.replace(
@@ -172,7 +172,7 @@ def spill_layer(pool: PagePool, page_table, lengths, layer, most_held: int | Non
     )
     pool, seen, full_lengths = compact_layer(pool, seen, full_lengths, staying)
     page_table = jnp.concatenate([seen, page_table[..., width:]], axis=-1)
-    overflow = pool.overflow | int8_pool.overflow | unseen
+    overflow = pool.overflow | int8_pool.overflow | unseen | ~read
     pool = dataclasses.replace(pool, int8=tier, overflow=overflow)
     return pool, page_table, full_lengths + new_int8_lengths
 
