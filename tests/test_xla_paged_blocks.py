@@ -90,6 +90,15 @@ def test_blocks_read_follow_the_longest_head_not_the_table_width():
     # A wide table (128K tokens) has at most XLA_MAX_BLOCKS blocks, each longer.
     wide = 8192
     assert -(-wide // xla_block_pages(wide, PAGE)) == paged.XLA_MAX_BLOCKS
+    # Between powers of two (tables come in 8 widths per octave) blocks stay a power of two
+    # times the base, so a prompt of 8192 tokens fills 8 of them, not 14.2 blocks of width / 16.
+    base = paged.XLA_BLOCK_TOKENS // PAGE
+    for entries in (576, 640, 1152, 4608, 9216):
+        block = xla_block_pages(entries, PAGE)
+        assert block % base == 0 and (block // base) & (block // base - 1) == 0, (entries, block)
+        assert -(-entries // block) <= paged.XLA_MAX_BLOCKS
+        assert -(-entries // (block // 2)) > paged.XLA_MAX_BLOCKS, (entries, block)
+    assert int(xla_blocks_read(jnp.asarray([[8192]]), entries=576, page_size=PAGE)) == 8
     assert int(xla_blocks_read(jnp.asarray([[9000]]), entries=wide, page_size=PAGE)) == 2
 
 

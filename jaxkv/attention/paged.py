@@ -131,8 +131,14 @@ def paged_attention(
 
 def xla_block_pages(entries: int, page_size: int) -> int:
     """Pages per block of the XLA path for a table of `entries` pages: `XLA_BLOCK_TOKENS`, or
-    more for wide tables so that a table has at most `XLA_MAX_BLOCKS` blocks."""
-    return max(1, min(entries, max(XLA_BLOCK_TOKENS // page_size, -(-entries // XLA_MAX_BLOCKS))))
+    twice, four times... that for wide tables, so that a table has at most `XLA_MAX_BLOCKS`
+    blocks. Powers of two times the base: the lengths prefill chunks leave (multiples of the
+    chunk) then end on block boundaries whatever the table's width (8 widths per octave), where
+    blocks of width / 16 read up to a block past them in every chunk."""
+    block = max(1, XLA_BLOCK_TOKENS // page_size)
+    while -(-entries // block) > XLA_MAX_BLOCKS:
+        block *= 2
+    return max(1, min(entries, block))
 
 
 def xla_blocks_read(lengths: jax.Array, entries: int, page_size: int) -> jax.Array:
