@@ -80,6 +80,16 @@ def _first_slots(mask: jax.Array, count: int) -> jax.Array:
     return first.at[(*batch, target)].set(slots)[..., :count]
 
 
+def compact_first_pages(pool: PagePool, page_table, lengths, keep, width: int):
+    """`compact_layer` over the table's first `width` (static) pages [B, K, :width] only, for
+    heads known to hold no more (keep bool [B, K, width * p]); a head holding more sets
+    `overflow` rather than losing tokens silently. Returns (pool, page_table, lengths)."""
+    unseen = jnp.any(lengths > width * pool.page_size)
+    pool, seen, lengths = compact_layer(pool, page_table[..., :width], lengths, keep)
+    pool = dataclasses.replace(pool, overflow=pool.overflow | unseen)
+    return pool, jnp.concatenate([seen, page_table[..., width:]], axis=-1), lengths
+
+
 def _flat_index(page_table: jax.Array, slot: jax.Array, p: int) -> jax.Array:
     """Pool-wide token index (page * p + offset) of each head's slot [B, K, n]."""
     max_pages = page_table.shape[-1]
@@ -184,15 +194,10 @@ def _evict_tiers(kv: KVState, keep: jax.Array, evict_pool) -> KVState:
 
 def _compact_window(pool: PagePool, page_table, lengths, keep, window: int):
     """`_compact_pool` of an int8 state's model-dtype pages, which hold at most `window`
-    tokens per head between steps: over the table's first pages that hold them, not its
-    whole width (a head holding more sets `overflow`)."""
+    tokens per head between steps: `compact_first_pages` of the pages that hold them."""
     width = pages_holding(window, pool.page_size, page_table.shape[-1])
-    unseen = jnp.any(lengths > width * pool.page_size)
-    pool, seen, lengths = _compact_pool(
-        pool, page_table[..., :width], lengths, keep[..., : width * pool.page_size]
-    )
-    pool = dataclasses.replace(pool, overflow=pool.overflow | unseen)
-    return pool, jnp.concatenate([seen, page_table[..., width:]], axis=-1), lengths
+    layer = functools.partial(compact_first_pages, width=width)
+    return _compact_pool(pool, page_table, lengths, keep[..., : width * pool.page_size], layer)
 
 
 def _evict_pool_in_place(pool: PagePool, page_table, lengths, keep, max_moves: int):
@@ -212,12 +217,13 @@ def _evict_pool_in_place(pool: PagePool, page_table, lengths, keep, max_moves: i
     return run_if(~few, lambda state: _compact_pool(*state, keep), state)
 
 
-def _compact_pool(pool: PagePool, page_table, lengths, keep):
-    """`compact_layer` over every layer: page_table [L, B, K, M], lengths [L, B, K]."""
+def _compact_pool(pool: PagePool, page_table, lengths, keep, compact_one=compact_layer):
+    """`compact_one` (`compact_layer`) over every layer: page_table [L, B, K, M], lengths
+    [L, B, K]."""
 
     def layer(pool, xs):
         page_table, lengths, layer_keep = xs
-        pool, page_table, lengths = compact_layer(pool, page_table, lengths, layer_keep)
+        pool, page_table, lengths = compact_one(pool, page_table, lengths, layer_keep)
         return pool, (page_table, lengths)
 
     pool, (page_table, lengths) = jax.lax.scan(layer, pool, (page_table, lengths, keep))

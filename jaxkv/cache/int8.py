@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache.allocator import PageAllocator
-from jaxkv.cache.eviction import compact_layer
+from jaxkv.cache.eviction import compact_first_pages
 from jaxkv.cache.slots import merge_slots, pages_holding, split_slots
 from jaxkv.cache.state import Int8Tier, KVState, PagePool
 from jaxkv.cache.writes import write_tokens
@@ -131,8 +131,8 @@ def spill_layer(pool: PagePool, page_table, lengths, layer, most_held: int | Non
     full_lengths = lengths - int8_lengths
     width = pages_holding(most_held, pool.page_size, page_table.shape[-1])
     most_leaving = None if most_held is None else most_held - tier.window
-    seen = page_table[..., :width]
-    table = jnp.maximum(seen[..., : pages_holding(most_leaving, pool.page_size, width)], 0)
+    table = page_table[..., : pages_holding(most_leaving, pool.page_size, width)]
+    table = jnp.maximum(table, 0)
     b, k, m = table.shape
     leaving = jnp.arange(m * pool.page_size) < (full_lengths - tier.window)[..., None]
 
@@ -166,13 +166,13 @@ def spill_layer(pool: PagePool, page_table, lengths, layer, most_held: int | Non
         page_table=tier.page_table.at[layer].set(int8_table),
         lengths=tier.lengths.at[layer].set(new_int8_lengths),
     )
-    unseen = jnp.any(full_lengths > width * pool.page_size)
     staying = jnp.pad(
         ~leaving, ((0, 0), (0, 0), (0, (width - m) * pool.page_size)), constant_values=True
     )
-    pool, seen, full_lengths = compact_layer(pool, seen, full_lengths, staying)
-    page_table = jnp.concatenate([seen, page_table[..., width:]], axis=-1)
-    overflow = pool.overflow | int8_pool.overflow | unseen | ~read
+    pool, page_table, full_lengths = compact_first_pages(
+        pool, page_table, full_lengths, staying, width
+    )
+    overflow = pool.overflow | int8_pool.overflow | ~read
     pool = dataclasses.replace(pool, int8=tier, overflow=overflow)
     return pool, page_table, full_lengths + new_int8_lengths
 
