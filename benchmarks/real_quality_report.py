@@ -1,7 +1,8 @@
 """The real-model quality report (`jaxkv bench real_quality`, and kvpress_reference's table): one
 line per (policy, budget, context, setting) with exact match, its 95% Wilson interval and the
 leading digits per task, and a panel per (task, setting, context) of exact match against the
-share of the full cache's bytes held."""
+share of the full cache's bytes held; and for the policies run at several budgets, one line per
+(policy, context, setting) with their exact match at each budget."""
 
 from __future__ import annotations
 
@@ -64,6 +65,45 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def budget_table(rows: list[dict]) -> str:
+    """One line per (policy, length, setting) run at more than one budget: exact match of each
+    task and the share of the full cache's bytes at each budget, "-" where not run."""
+    full = {
+        (r["length"], r["task"], r["setting"]): r["kv_bytes_per_sequence"]
+        for r in rows
+        if r["policy"] == "full"
+    }
+    by_line: dict[tuple, dict] = {}
+    for r in rows:
+        if r["budget"] is not None:
+            line = by_line.setdefault((r["policy"], r["length"], r["setting"]), {})
+            line[(r["budget"], r["task"])] = r
+    swept = {k: v for k, v in by_line.items() if len({b for b, _ in v}) > 1}
+    budgets = sorted({b for line in swept.values() for b, _ in line})
+    header = ["policy", "context", "setting"] + [
+        f"{task} at {b:g}" for task in TASKS for b in budgets
+    ]
+    header += [f"KV of full at {b:g}" for b in budgets]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for policy, length, setting in sorted(swept, key=lambda k: (k[1], k[2], k[0])):
+        line = swept[(policy, length, setting)]
+        exact = [
+            f"{line[(b, task)]['exact']:.2f}" if (b, task) in line else "-"
+            for task in TASKS
+            for b in budgets
+        ]
+        shares = []
+        for b in budgets:
+            held = [
+                line[(b, t)]["kv_bytes_per_sequence"] / full[(length, t, setting)]
+                for t in TASKS
+                if (b, t) in line and (length, t, setting) in full
+            ]
+            shares.append(f"{100 * np.mean(held):.0f}%" if held else "-")
+        lines.append(f"| {policy} | {length} | {setting} | " + " | ".join(exact + shares) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Exact match against the share of the full cache's bytes, a panel per task x setting."""
     plt = harness.pyplot()
@@ -94,9 +134,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def write(rows: list[dict], directory: Path) -> str:
-    """quality.md and quality.png of `rows` in `directory`; returns the table."""
+    """quality.md, quality-budgets.md and quality.png of `rows` in `directory`; returns the
+    first table."""
     table = markdown_table(rows)
     (directory / "quality.md").write_text(table)
+    (directory / "quality-budgets.md").write_text(budget_table(rows))
     plot(rows, directory / "quality.png")
     return table
 

@@ -88,6 +88,24 @@ def test_render_writes_the_table_of_a_saved_report(tmp_path):
             exact=0.25,
             kv_bytes_per_sequence=30.0,
         ),
+        dict(
+            cell,
+            policy="snapkv",
+            budget=0.1,
+            task="needle",
+            setting="aware",
+            exact=0.0625,
+            kv_bytes_per_sequence=10.0,
+        ),
+        dict(
+            cell,
+            policy="tova",
+            budget=0.3,
+            task="needle",
+            setting="aware",
+            exact=0.5,
+            kv_bytes_per_sequence=30.0,
+        ),
     ]
     report = tmp_path / "quality.json"
     report.write_text(json.dumps({"rows": rows}))
@@ -95,6 +113,13 @@ def test_render_writes_the_table_of_a_saved_report(tmp_path):
     table = (tmp_path / "quality.md").read_text()
     assert "| snapkv | 0.3 | 2048 | aware | 30% | 0.25 [0.10, 0.60] | 0.50 |" in table
     assert (tmp_path / "quality.png").stat().st_size > 0
+    budgets = (tmp_path / "quality-budgets.md").read_text().splitlines()
+    assert budgets[0] == (
+        "| policy | context | setting | needle at 0.1 | needle at 0.3 | multikey at 0.1 | "
+        "multikey at 0.3 | KV of full at 0.1 | KV of full at 0.3 |"
+    )
+    # One budget is no sweep: tova has no line; a task not run is "-".
+    assert budgets[2:] == ["| snapkv | 2048 | aware | 0.06 | 0.25 | - | - | 10% | 30% |"]
 
 
 def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, tmp_path):
