@@ -109,6 +109,12 @@ def plot(rows: list[dict], path: Path) -> None:
     plt = harness.pyplot()
 
     panels = sorted({(r["task"], r["setting"], r["length"]) for r in rows})
+    names = sorted({r["policy"] for r in rows})  # one color and marker per policy, every panel
+    colors = plt.get_cmap("tab20").colors
+    style = {
+        name: dict(color=colors[i % len(colors)], marker="osD^v"[i % 5])
+        for i, name in enumerate(names)
+    }
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
     for axis, (task, setting, length) in zip(axes.flat, panels, strict=True):
         cell_rows = [
@@ -122,14 +128,14 @@ def plot(rows: list[dict], path: Path) -> None:
                 if r["policy"] == name
             )
             xs, ys = zip(*points, strict=True)
-            axis.plot(xs, ys, marker="o", label=name)
+            axis.plot(xs, ys, label=name, **style[name])
         axis.set_title(f"{task}, {setting}, {length} tokens")
         axis.set_xlabel("KV bytes held / full cache's" if full else "KV bytes held")
         axis.set_ylabel("exact match")
         axis.set_ylim(-0.05, 1.05)
-    axes.flat[0].legend(fontsize=7)
+    axes.flat[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
 
 
