@@ -133,7 +133,8 @@ def plot(rows: list[dict], path: Path) -> None:
         axis.set_xlabel("KV bytes held / full cache's" if full else "KV bytes held")
         axis.set_ylabel("exact match")
         axis.set_ylim(-0.05, 1.05)
-    axes.flat[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    handles = [plt.Line2D([], [], label=name, **style[name]) for name in names]
+    axes.flat[-1].legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     figure.tight_layout()
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
