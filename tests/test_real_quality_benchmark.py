@@ -69,43 +69,15 @@ def test_full_cache_answers_the_same_in_both_settings(model_and_tokenizer):
 
 def test_render_writes_the_table_of_a_saved_report(tmp_path):
     cell = dict(length=2048, samples=16, leading_digits=0.5, exact_interval=[0.1, 0.6])
+    cell.update(task="needle", setting="aware")
     rows = [
-        dict(
-            cell,
-            policy="full",
-            budget=None,
-            task="needle",
-            setting="aware",
-            exact=1.0,
-            kv_bytes_per_sequence=100.0,
-        ),
-        dict(
-            cell,
-            policy="snapkv",
-            budget=0.3,
-            task="needle",
-            setting="aware",
-            exact=0.25,
-            kv_bytes_per_sequence=30.0,
-        ),
-        dict(
-            cell,
-            policy="snapkv",
-            budget=0.1,
-            task="needle",
-            setting="aware",
-            exact=0.0625,
-            kv_bytes_per_sequence=10.0,
-        ),
-        dict(
-            cell,
-            policy="tova",
-            budget=0.3,
-            task="needle",
-            setting="aware",
-            exact=0.5,
-            kv_bytes_per_sequence=30.0,
-        ),
+        dict(cell, policy=policy, budget=budget, exact=exact, kv_bytes_per_sequence=held)
+        for policy, budget, exact, held in [
+            ("full", None, 1.0, 100.0),
+            ("snapkv", 0.3, 0.25, 30.0),
+            ("snapkv", 0.1, 0.0625, 10.0),
+            ("tova", 0.3, 0.5, 30.0),
+        ]
     ]
     report = tmp_path / "quality.json"
     report.write_text(json.dumps({"rows": rows}))
