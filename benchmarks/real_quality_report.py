@@ -105,21 +105,32 @@ def budget_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Exact match against the share of the full cache's bytes, a panel per task x setting."""
+    """Exact match against the share of the full cache's bytes: a row of panels per context
+    length, a panel per task x setting (empty where that length has no such cell)."""
     plt = harness.pyplot()
 
-    panels = sorted({(r["task"], r["setting"], r["length"]) for r in rows})
+    lengths = sorted({r["length"] for r in rows})
+    columns = sorted({(r["task"], r["setting"]) for r in rows})
     names = sorted({r["policy"] for r in rows})  # one color and marker per policy, every panel
     colors = plt.get_cmap("tab20").colors
     style = {
         name: dict(color=colors[i % len(colors)], marker="osD^v"[i % 5])
         for i, name in enumerate(names)
     }
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    figure, axes = plt.subplots(
+        len(lengths),
+        len(columns),
+        figsize=(5 * len(columns), 3.8 * len(lengths)),
+        squeeze=False,
+    )
+    panels = [(task, setting, length) for length in lengths for task, setting in columns]
     for axis, (task, setting, length) in zip(axes.flat, panels, strict=True):
         cell_rows = [
             r for r in rows if (r["task"], r["setting"], r["length"]) == (task, setting, length)
         ]
+        if not cell_rows:
+            axis.set_axis_off()
+            continue
         full = next((r["kv_bytes_per_sequence"] for r in cell_rows if r["policy"] == "full"), None)
         for name in sorted({r["policy"] for r in cell_rows}):
             points = sorted(
@@ -133,8 +144,10 @@ def plot(rows: list[dict], path: Path) -> None:
         axis.set_xlabel("KV bytes held / full cache's" if full else "KV bytes held")
         axis.set_ylabel("exact match")
         axis.set_ylim(-0.05, 1.05)
+        if full:  # the same scale in every panel; Quest holds a little more than the full cache
+            axis.set_xlim(0, max(1.1, max(r["kv_bytes_per_sequence"] for r in cell_rows) / full))
     handles = [plt.Line2D([], [], label=name, **style[name]) for name in names]
-    axes.flat[-1].legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    axes[0, -1].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)

@@ -79,11 +79,15 @@ def test_render_writes_the_table_of_a_saved_report(tmp_path):
             ("tova", 0.3, 0.5, 30.0),
         ]
     ]
+    # A longer context run for one task and setting only: its row of panels is part empty.
+    longer = dict(cell, length=4096, task="multikey", setting="agnostic")
+    rows.append(dict(longer, policy="full", budget=None, exact=0.5, kv_bytes_per_sequence=200.0))
     report = tmp_path / "quality.json"
     report.write_text(json.dumps({"rows": rows}))
     real_quality.main(["--render", str(report)])
     table = (tmp_path / "quality.md").read_text()
     assert "| snapkv | 0.3 | 2048 | aware | 30% | 0.25 [0.10, 0.60] | 0.50 |" in table
+    assert "| full | auto | 4096 | agnostic | 100% |  |  | 0.50 [0.10, 0.60] | 0.50 | 16 |" in table
     assert (tmp_path / "quality.png").stat().st_size > 0
     budgets = (tmp_path / "quality-budgets.md").read_text().splitlines()
     assert budgets[0] == (
