@@ -47,12 +47,15 @@ PRESSES = {
     "kvzip": "KVzipPress",
     "observed_attention": "ObservedAttentionPress",
 }
+# The attention each press runs under: eager (which every press but KVzip supports, and
+# ObservedAttention needs for its attention weights) unless named here.
+ATTENTION = {"kvzip": "sdpa"}  # kvpress's KVzipPress refuses eager attention
 
 
 def load_model(path: Path):
-    """(model, the ids it stops at) from the GGUF file, f32, eager attention (which every press,
-    ObservedAttention included, supports); the stop ids are the generation config's eos ids
-    and the chat's end of turn, as `real_quality` stops."""
+    """(model, the ids it stops at) from the GGUF file, f32, eager attention (`ATTENTION`); the
+    stop ids are the generation config's eos ids and the chat's end of turn, as `real_quality`
+    stops."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -179,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     for name, budget, length, task, setting in tqdm(cells, desc="kvpress", unit="cell"):
         episodes = [build_episode(tokenizer, task, length, i) for i in range(args.samples)]
+        model.set_attn_implementation(ATTENTION.get(name, "eager"))
         result = run_cell(model, stop, tokenizer, make_press(name, budget), episodes, setting)
         row = {"policy": name, "budget": budget, "length": length, "task": task}
         rows.append({**row, "setting": setting, **result})
