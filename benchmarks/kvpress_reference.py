@@ -47,9 +47,15 @@ PRESSES = {
     "kvzip": "KVzipPress",
     "observed_attention": "ObservedAttentionPress",
 }
+# kvpress presses changed to test why they differ from jaxkv's policy of the same name.
+#   kvzip_scored_prefix  KVzipPress scoring the whole context: kvpress skips the chat template's
+#                        prefix (SmolLM2's system turn and the user header, 24 tokens): past the
+#                        4 sinks it keeps score 0, so the global threshold evicts it first, and the
+#                        replay's softmax leaves it out. jaxkv's KVzip scores every prompt token.
+VARIANTS = {"kvzip_scored_prefix": "kvzip"}
 # The attention each press runs under: eager (which every press but KVzip supports, and
 # ObservedAttention needs for its attention weights) unless named here.
-ATTENTION = {"kvzip": "sdpa"}  # kvpress's KVzipPress refuses eager attention
+ATTENTION = {"kvzip": "sdpa", "kvzip_scored_prefix": "sdpa"}  # KVzipPress refuses eager
 
 
 def load_model(path: Path):
@@ -63,9 +69,7 @@ def load_model(path: Path):
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     # KVzipPress reads the tokenizer from `config.name_or_path`: a directory it can open.
-    directory = tempfile.mkdtemp(prefix="jaxkv-kvpress-tokenizer-")
-    tokenizer.save_pretrained(directory)
-    model.config.name_or_path = directory
+    model.config.name_or_path = saved_tokenizer_directory(tokenizer)
     model.eval()
     eos = model.generation_config.eos_token_id
     stop = {
@@ -75,13 +79,52 @@ def load_model(path: Path):
     return model, stop
 
 
+def saved_tokenizer_directory(tokenizer) -> str:
+    """A directory from which `AutoTokenizer.from_pretrained` loads `tokenizer` as it is.
+
+    transformers' GGUF tokenizer saves as "CodeLlamaTokenizer", and that class rebuilds a
+    sentencepiece-style pre-tokenizer on loading: SmolLM2's byte-level BPE then encodes every
+    space as id 0, so KVzipPress's repeat prompt would come out garbled. Saved as the fast
+    tokenizer its tokenizer.json describes, it loads unchanged (checked here on a sentence).
+    """
+    import transformers
+
+    directory = tempfile.mkdtemp(prefix="jaxkv-kvpress-tokenizer-")
+    tokenizer.save_pretrained(directory)
+    config_path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config))
+    probe = "\n\nRepeat the previous context exactly."
+    reloaded = transformers.AutoTokenizer.from_pretrained(directory)
+    saved, original = (t.encode(probe, add_special_tokens=False) for t in (reloaded, tokenizer))
+    if saved != original:
+        raise RuntimeError(f"the saved tokenizer encodes {probe!r} as {saved}, not {original}")
+    return directory
+
+
 def make_press(name: str, budget: float | None):
     """kvpress's press for jaxkv policy `name` keeping `budget` of the prompt; None: none."""
     if name == "full":
         return None
     import kvpress
 
+    if name == "kvzip_scored_prefix":
+        return _kvzip_scoring_prefix(kvpress.KVzipPress)(compression_ratio=1.0 - budget)
     return getattr(kvpress, PRESSES[name])(compression_ratio=1.0 - budget)
+
+
+def _kvzip_scoring_prefix(press_class):
+    """KVzipPress replaying and scoring the context from its first token (`VARIANTS`)."""
+
+    class KVzipScoringPrefix(press_class):
+        def prepare(self, model, tokenizer, *args, **kwargs):
+            # kvpress reads the prefix length from the chat template before the replay and
+            # starts both the replayed chunks and the scored slots there.
+            self.prefix_length = 0
+            return super().prepare(model, tokenizer, *args, **kwargs)
+
+    return KVzipScoringPrefix
 
 
 def answer(model, press, prefill_ids: list[int], question_ids: list[int], steps: int, stop):
@@ -143,6 +186,10 @@ def run_cell(model, stop, tokenizer, press, episodes, setting: str) -> dict:
     }
 
 
+def _cell_key(row: dict) -> tuple:
+    return row["policy"], row["budget"], row["length"], row["task"], row["setting"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m jaxkv.benchmarks.kvpress_reference")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a fetched model")
@@ -153,11 +200,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("results/real-quality/kvpress"))
+    parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="run the cells again where the report has them, replacing their rows",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     for name in args.presses:
-        if name != "full" and name not in PRESSES:
-            raise SystemExit(f"--presses {name}: kvpress presses here are full, {sorted(PRESSES)}")
+        if name != "full" and name not in PRESSES and name not in VARIANTS:
+            known = sorted([*PRESSES, *VARIANTS])
+            raise SystemExit(f"--presses {name}: kvpress presses here are full, {known}")
     for budget in args.budgets:
         if not 0 < budget < 1:
             raise SystemExit(f"--budgets {budget}: a share of the prompt kept, in (0, 1)")
@@ -167,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     report_path = args.out / "quality.json"
     previous = json.loads(report_path.read_text()) if report_path.exists() else {}
     rows = previous.get("rows", [])
-    done = {(r["policy"], r["budget"], r["length"], r["task"], r["setting"]) for r in rows}
+    done = {_cell_key(r) for r in rows}
     cells = [
         (name, None if name == "full" else budget, length, task, setting)
         for name in args.presses
@@ -176,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
         for task in args.tasks
         for setting in args.settings
     ]
-    cells = [cell for cell in cells if cell not in done]
+    if not args.replace:
+        cells = [cell for cell in cells if cell not in done]
     import kvpress
     import transformers
 
@@ -185,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
         model.set_attn_implementation(ATTENTION.get(name, "eager"))
         result = run_cell(model, stop, tokenizer, make_press(name, budget), episodes, setting)
         row = {"policy": name, "budget": budget, "length": length, "task": task}
-        rows.append({**row, "setting": setting, **result})
+        row = {**row, "setting": setting, **result}
+        rows = [r for r in rows if _cell_key(r) != _cell_key(row)] + [row]
         print(json.dumps(rows[-1]), flush=True)
         report = {
             "commands": [*previous.get("commands", []), "kvpress_reference " + " ".join(argv)],

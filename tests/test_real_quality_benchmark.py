@@ -124,3 +124,23 @@ def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, t
     assert all(0 < r["kv_bytes_per_sequence"] for r in rows)
     resumed = real_quality.main(argv)["rows"]  # nothing left to run
     assert resumed == json.loads(json.dumps(rows))
+
+
+def test_kvpress_reference_saves_a_tokenizer_that_loads_unchanged(tmp_path):
+    """KVzipPress loads the tokenizer from a directory: it must encode as the GGUF's does."""
+    import transformers
+
+    from jaxkv.benchmarks.kvpress_reference import saved_tokenizer_directory
+
+    path = tmp_path / "llama.gguf"
+    gguf_files.write_gguf(path, gguf_files.random_model("llama-gqa"), "llama", "F16", "default")
+    original = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    saved = transformers.AutoTokenizer.from_pretrained(saved_tokenizer_directory(original))
+    text = "\n\nRepeat the previous context exactly. The special magic number for Rosa is 1234567."
+    assert saved.encode(text) == original.encode(text) == gguf_tokenizer(path).encode(text)
+    messages = [{"role": "user", "content": text}]
+    rendered = [
+        t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        for t in (saved, original)
+    ]
+    assert rendered[0] == rendered[1]
