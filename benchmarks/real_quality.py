@@ -130,10 +130,18 @@ def main(argv: list[str] | None = None) -> dict:
         help="write the table and plot of a saved quality.json (this benchmark's or "
         "kvpress_reference's) beside it, and run nothing",
     )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="with --render: also write agreement.md beside it, the cells it shares with this "
+        "report (jaxkv's results/real-quality/quality.json) side by side, in episodes",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.against is not None and args.render is None:
+        raise ValueError("--against compares a report given with --render: give --render PATH")
     if args.render is not None:
-        return real_quality_report.render(args.render)
+        return real_quality_report.render(args.render, args.against)
     known = policies.registered()
     params = spec.parse_params(args.params)
     for name in args.policies:

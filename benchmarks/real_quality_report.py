@@ -2,7 +2,8 @@
 line per (policy, budget, context, setting) with exact match, its 95% Wilson interval and the
 leading digits per task, and a panel per (task, setting, context) of exact match against the
 share of the full cache's bytes held; and for the policies run at several budgets, one line per
-(policy, context, setting) with their exact match at each budget."""
+(policy, context, setting) with their exact match at each budget; and the cells two reports
+share (jaxkv's against kvpress's) side by side, in episodes."""
 
 from __future__ import annotations
 
@@ -104,6 +105,38 @@ def budget_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cell(row: dict) -> tuple:
+    return row["policy"], row["budget"], row["length"], row["task"], row["setting"]
+
+
+def agreement_table(rows: list[dict], reference_rows: list[dict]) -> str:
+    """One line per cell both reports ran on the same number of episodes: each one's exact
+    matches (episodes) and leading digits, and how many episodes apart their exact matches are."""
+    reference = {_cell(r): r for r in reference_rows}
+    shared = sorted(
+        (c for c in {_cell(r): r for r in rows}.items() if c[0] in reference),
+        key=lambda c: (c[0][2], c[0][3], c[0][4], c[0][0], -1 if c[0][1] is None else c[0][1]),
+    )
+    lines = [
+        "| policy | budget | context | task | setting | exact | reference exact | "
+        "episodes apart | digits | reference digits |",
+        "|" + " --- |" * 10,
+    ]
+    for (policy, budget, length, task, setting), row in shared:
+        other = reference[(policy, budget, length, task, setting)]
+        if other["samples"] != row["samples"]:
+            continue
+        found, found_there = (round(r["exact"] * r["samples"]) for r in (row, other))
+        budget_text = "auto" if budget is None else f"{budget:g}"
+        lines.append(
+            f"| {policy} | {budget_text} | {length} | {task} | {setting} | "
+            f"{found}/{row['samples']} | {found_there}/{other['samples']} | "
+            f"{abs(found - found_there)} | {row['leading_digits']:.2f} | "
+            f"{other['leading_digits']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Exact match against the share of the full cache's bytes: a row of panels per context
     length, a panel per task x setting (empty where that length has no such cell)."""
@@ -158,13 +191,20 @@ def write(rows: list[dict], directory: Path) -> str:
     first table."""
     table = markdown_table(rows)
     (directory / "quality.md").write_text(table)
-    (directory / "quality-budgets.md").write_text(budget_table(rows))
+    if len({r["budget"] for r in rows if r["budget"] is not None}) > 1:
+        (directory / "quality-budgets.md").write_text(budget_table(rows))
     plot(rows, directory / "quality.png")
     return table
 
 
-def render(report_path: Path) -> dict:
-    """quality.md and quality.png beside a saved report, from its rows."""
+def render(report_path: Path, against: Path | None = None) -> dict:
+    """quality.md and quality.png beside a saved report, from its rows; with `against`, another
+    report (jaxkv's, for kvpress_reference's), agreement.md: their shared cells side by side."""
     rows = json.loads(report_path.read_text())["rows"]
     print(write(rows, report_path.parent))
+    if against is not None:
+        ours = json.loads(against.read_text())["rows"]
+        table = agreement_table(ours, rows)
+        (report_path.parent / "agreement.md").write_text(table)
+        print(table)
     return {"rows": rows}

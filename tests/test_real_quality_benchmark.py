@@ -97,6 +97,25 @@ def test_render_writes_the_table_of_a_saved_report(tmp_path):
     # One budget is no sweep: tova has no line; a task not run is "-".
     assert budgets[2:] == ["| snapkv | 2048 | aware | 0.06 | 0.25 | - | - | 10% | 30% |"]
 
+    # kvpress's report beside it: the cells both ran, in episodes; no budget sweep, no table.
+    reference = [
+        dict(rows[1], exact=0.25, leading_digits=0.4),  # snapkv 0.3: the same 4/16
+        dict(rows[3], exact=0.375),  # tova 0.3: 6/16 against 8/16
+        dict(rows[3], policy="kvzip_scored_prefix"),  # no jaxkv policy of that name
+        dict(rows[0], samples=13),  # other episodes: not compared
+    ]
+    (tmp_path / "kvpress").mkdir()
+    kvpress_report = tmp_path / "kvpress" / "quality.json"
+    kvpress_report.write_text(json.dumps({"rows": reference}))
+    real_quality.main(["--render", str(kvpress_report), "--against", str(report)])
+    assert (tmp_path / "kvpress" / "agreement.md").read_text().splitlines()[2:] == [
+        "| snapkv | 0.3 | 2048 | needle | aware | 4/16 | 4/16 | 0 | 0.50 | 0.40 |",
+        "| tova | 0.3 | 2048 | needle | aware | 8/16 | 6/16 | 2 | 0.50 | 0.50 |",
+    ]
+    assert not (tmp_path / "kvpress" / "quality-budgets.md").exists()
+    with pytest.raises(ValueError, match="--render"):
+        real_quality.main(["--against", str(report)])
+
 
 def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, tmp_path):
     """--params NAME=PATH: the policy loads its parameters (its own load_params), the row names
