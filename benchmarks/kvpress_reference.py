@@ -47,12 +47,12 @@ PRESSES = {
     "kvzip": "KVzipPress",
     "observed_attention": "ObservedAttentionPress",
 }
-# kvpress presses changed to test why they differ from jaxkv's policy of the same name.
-#   kvzip_scored_prefix  KVzipPress scoring the whole context: kvpress skips the chat template's
-#                        prefix (SmolLM2's system turn and the user header, 24 tokens): past the
-#                        4 sinks it keeps score 0, so the global threshold evicts it first, and the
-#                        replay's softmax leaves it out. jaxkv's KVzip scores every prompt token.
-VARIANTS = {"kvzip_scored_prefix": "kvzip"}
+# kvpress presses changed to test a difference from jaxkv's policy of the same name:
+#   kvzip_scored_prefix  KVzipPress scoring the whole context. kvpress skips the chat template's
+#                        prefix (SmolLM2's system turn and user header, 24 tokens): past the 4
+#                        sinks it keeps score 0, so the global threshold evicts it first, and
+#                        the replay's softmax leaves it out. jaxkv's KVzip scores every token.
+VARIANTS = ("kvzip_scored_prefix",)
 # The attention each press runs under: eager (which every press but KVzip supports, and
 # ObservedAttention needs for its attention weights) unless named here.
 ATTENTION = {"kvzip": "sdpa", "kvzip_scored_prefix": "sdpa"}  # KVzipPress refuses eager
