@@ -33,7 +33,7 @@ from tqdm import tqdm
 from jaxkv import downloads
 from jaxkv.benchmarks import harness
 from jaxkv.benchmarks.needles import ANSWER_TOKENS, SETTINGS, TASKS, build_episode, score
-from jaxkv.benchmarks.real_quality_report import markdown_table
+from jaxkv.benchmarks.real_quality_report import cell_key, markdown_table
 from jaxkv.models import gguf_tokenizer
 
 # jaxkv's policy name -> kvpress 0.5.5's press class.
@@ -186,10 +186,6 @@ def run_cell(model, stop, tokenizer, press, episodes, setting: str) -> dict:
     }
 
 
-def _cell_key(row: dict) -> tuple:
-    return row["policy"], row["budget"], row["length"], row["task"], row["setting"]
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m jaxkv.benchmarks.kvpress_reference")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a fetched model")
@@ -220,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     report_path = args.out / "quality.json"
     previous = json.loads(report_path.read_text()) if report_path.exists() else {}
     rows = previous.get("rows", [])
-    done = {_cell_key(r) for r in rows}
+    done = {cell_key(r) for r in rows}
     cells = [
         (name, None if name == "full" else budget, length, task, setting)
         for name in args.presses
@@ -240,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_cell(model, stop, tokenizer, make_press(name, budget), episodes, setting)
         row = {"policy": name, "budget": budget, "length": length, "task": task}
         row = {**row, "setting": setting, **result}
-        rows = [r for r in rows if _cell_key(r) != _cell_key(row)] + [row]
+        rows = [r for r in rows if cell_key(r) != cell_key(row)] + [row]
         print(json.dumps(rows[-1]), flush=True)
         report = {
             "commands": [*previous.get("commands", []), "kvpress_reference " + " ".join(argv)],

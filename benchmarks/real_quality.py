@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     previous = json.loads(report_path.read_text()) if report_path.exists() else {}
     rows = previous.get("rows", [])
     commands = [*previous.get("commands", []), "jaxkv bench real_quality " + " ".join(argv)]
-    done = {(r["policy"], r["budget"], r["length"], r["task"], r["setting"]) for r in rows}
+    done = {real_quality_report.cell_key(r) for r in rows}
     episodes = {
         (task, length): [build_episode(tokenizer, task, length, i) for i in range(args.samples)]
         for task in args.tasks

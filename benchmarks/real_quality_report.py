@@ -105,16 +105,17 @@ def budget_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _cell(row: dict) -> tuple:
+def cell_key(row: dict) -> tuple:
+    """A row's cell: (policy, budget, length, task, setting)."""
     return row["policy"], row["budget"], row["length"], row["task"], row["setting"]
 
 
 def agreement_table(rows: list[dict], reference_rows: list[dict]) -> str:
     """One line per cell both reports ran on the same number of episodes: each one's exact
     matches (episodes) and leading digits, and how many episodes apart their exact matches are."""
-    reference = {_cell(r): r for r in reference_rows}
+    reference = {cell_key(r): r for r in reference_rows}
     shared = sorted(
-        (c for c in {_cell(r): r for r in rows}.items() if c[0] in reference),
+        (c for c in {cell_key(r): r for r in rows}.items() if c[0] in reference),
         key=lambda c: (c[0][2], c[0][3], c[0][4], c[0][0], -1 if c[0][1] is None else c[0][1]),
     )
     lines = [
