@@ -136,6 +136,9 @@ def run_child(module: str, argv: Sequence[str], env: dict | None = None) -> Chil
 # ------------------------------------------------------------------------------ device probe
 
 
+READ_ROW = 1024  # floats per row of the read-bandwidth array: 4 KiB of output in all
+
+
 def seconds_per_call(fn, *args, repeats: int, calls: int = 10) -> float:
     """Median over `repeats` of the wall time of `calls` back-to-back calls, per call, after one
     compiling call. Dispatch is asynchronous, so the launches of one batch overlap the work."""
@@ -154,6 +157,16 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
     """Bytes per second moved by an elementwise op that reads and writes `num_bytes` each."""
     x = jnp.ones(num_bytes // 4, jnp.float32)
     return 2 * num_bytes / seconds_per_call(jax.jit(lambda x: x + 1), x, repeats=repeats)
+
+
+def read_bandwidth(num_bytes: int, repeats: int) -> float:
+    """Bytes per second read by column sums of an f32 array of `num_bytes` (READ_ROW wide): the
+    memory-read roofline of a decode step, which reads weights and KV and writes little. An
+    elementwise copy is no substitute on a CPU: it writes a fresh buffer each call, and the
+    first touch of its pages costs more than the reads (a third of the read rate on 2 cores)."""
+    x = jnp.ones((num_bytes // (4 * READ_ROW), READ_ROW), jnp.float32)
+    column_sums = jax.jit(lambda x: jnp.sum(x, axis=0))
+    return x.size * 4 / seconds_per_call(column_sums, x, repeats=repeats)
 
 
 # ------------------------------------------------------------------------------ sweeps

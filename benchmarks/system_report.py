@@ -73,7 +73,7 @@ def markdown(report: dict) -> str:
         f"# System benchmark: {report['model']['name']}",
         "",
         f"{env['device']} ({env['host']}), jax {env['jax']}, {report['date']}; "
-        f"copy bandwidth {env['bandwidth_gbs']:.1f} GB/s ({env['bandwidth_source']}).",
+        f"read bandwidth {env['bandwidth_gbs']:.1f} GB/s ({env['bandwidth_source']}).",
         "",
         f"`{report['command']}`",
         "",

@@ -28,3 +28,16 @@ def test_save_writes_the_json_and_the_markdown_side_by_side(tmp_path):
     harness.save(tmp_path, "flat", report, indent=None)
     assert len((tmp_path / "flat.json").read_text().splitlines()) == 1
     assert not (tmp_path / "flat.md").exists()
+
+
+def test_read_bandwidth_times_a_read_of_every_byte(monkeypatch):
+    seen = {}
+
+    def one_second(fn, x, repeats):
+        seen["sums"] = fn(x)
+        return 1.0
+
+    monkeypatch.setattr(harness, "seconds_per_call", one_second)
+    num_bytes = 8 * 4 * harness.READ_ROW
+    assert harness.read_bandwidth(num_bytes, repeats=1) == num_bytes
+    assert seen["sums"].shape == (harness.READ_ROW,) and float(seen["sums"][0]) == 8.0
