@@ -74,6 +74,7 @@ def forward_cached(
     backend: str | attention_ops.Backend = "xla",
     collect_queries: bool = False,
     collect_input_stats: bool = False,
+    collect_query_moments_from: int | None = None,
     read_budget: jax.Array | None = None,
     policy_params: Any = None,
 ) -> tuple[jax.Array, KVState, dict[str, jax.Array]]:
@@ -90,6 +91,9 @@ def forward_cached(
       collect_input_stats: also return per-layer statistics of the attention input over the
         chunk's valid tokens: "input_mean" and "input_m2" (sum of squared deviations from that
         mean, two-pass) f32 [L, B, D], to be combined across chunks (`combine_moments`).
+      collect_query_moments_from: also return each query head's moments over the chunk's tokens
+        at positions >= this one, before RoPE: "query_mean" f32 [L, B, N, H] and "query_m2"
+        [L, B, N, H, H] (the sum of deviations' outer products, `combine_covariances`).
       read_budget: int32 [B] tokens' worth of pages a page-selecting policy reads (Quest).
       policy_params: the policy's learned parameters (gates), every leaf stacked [L, ...];
         layer l's slice reaches the gate's `write_scores`. None for policies without them.
@@ -108,7 +112,8 @@ def forward_cached(
         x, pool = carry
         page_table, lengths, layer_index, layer_policy_params, ring = xs
         h = decoder.attention_input(lp, cfg, x)
-        q = decoder.project_queries(lp, cfg, h, cos, sin)
+        q_unrotated = decoder.project_unrotated_queries(lp, cfg, h)
+        q = layers.apply_rope(q_unrotated, cos, sin)
         k_unrotated, v = decoder.project_unrotated_keys_values(lp, cfg, h)
         k = layers.apply_rope(k_unrotated, cos, sin)
         write_scores = None
@@ -137,6 +142,9 @@ def forward_cached(
             collected["queries"] = q
         if collect_input_stats:
             collected["input_mean"], collected["input_m2"] = chunk_moments(h, valid)
+        if collect_query_moments_from is not None:
+            counted = (positions >= collect_query_moments_from)[:, None, :, None]
+            collected["query_mean"], collected["query_m2"] = chunk_covariance(q_unrotated, counted)
         x = decoder.attention_output_and_mlp(lp, cfg, x, attn, collectives.reduce_partial_sums)
         return (x, pool), (page_table, lengths, ring, collected)
 
@@ -169,6 +177,29 @@ def chunk_moments(h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]
     mean = jnp.sum(jnp.where(valid, h32, 0.0), axis=1) / count
     deviation = jnp.where(valid, h32 - mean[:, None], 0.0)
     return mean, jnp.sum(deviation * deviation, axis=1)
+
+
+def chunk_covariance(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Mean f32 [..., H] and sum of the deviations' outer products f32 [..., H, H] of the
+    vectors x [..., C, H] over the valid [..., C, 1] ones (two passes, as `chunk_moments`)."""
+    x32 = x.astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(valid, axis=-2), 1).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(valid, x32, 0.0), axis=-2) / count
+    deviation = jnp.where(valid, x32 - mean[..., None, :], 0.0)
+    m2 = jnp.einsum("...ci,...cj->...ij", deviation, deviation, precision="highest")
+    return mean, m2
+
+
+def combine_covariances(count_a, mean_a, m2_a, count_b, mean_b, m2_b):
+    """`combine_moments` for vectors: (count, mean [..., H], m2 [..., H, H]) of two disjoint
+    sets from each one's; counts broadcast against the means."""
+    count = count_a + count_b
+    safe = jnp.maximum(count, 1).astype(jnp.float32)
+    delta = mean_b - mean_a
+    mean = mean_a + delta * (count_b / safe)
+    weight = (count_a * count_b / safe)[..., None]
+    m2 = m2_a + m2_b + delta[..., :, None] * delta[..., None, :] * weight
+    return count, mean, m2
 
 
 def combine_moments(count_a, mean_a, m2_a, count_b, mean_b, m2_b):

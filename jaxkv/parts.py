@@ -10,7 +10,7 @@ part from one of them, and no hook can be forgotten on the way:
   attention_scoring    attend   mass_weights, update_scores (the attention a token receives)
   selection            read     select_pages (the pages a decode step reads)
   prompt_compression   prefill  observation_window, needs_input_stats, needs_prompt_tokens,
-                                compress (which prompt tokens stay after prefill)
+                                query_moments_from, compress (which prompt tokens stay)
   chunk_eviction       prefill  prefill_chunk, prefill_pages, after_prefill_chunk
   decode_eviction      decode   decode_interval, decode_tokens_bound, on_decode, step_record
 
@@ -58,6 +58,9 @@ class PrefillObservations:
       key: PRNG key for stochastic policies.
       prompt_tokens: int32 [B, T_pad] the right-padded prompts (None unless the prompt
         compression sets `needs_prompt_tokens`: KVzip replays them).
+      query_mean, query_covariance: f32 [L, B, N, H] and [L, B, N, H, H] mean and population
+        covariance of each query head's pre-RoPE queries over the prompt's positions from the
+        compression's `query_moments_from` on (None unless it sets one: ExpectedAttention).
     """
 
     prompt_lengths: jax.Array
@@ -67,6 +70,8 @@ class PrefillObservations:
     input_var: jax.Array | None
     key: jax.Array
     prompt_tokens: jax.Array | None = None
+    query_mean: jax.Array | None = None
+    query_covariance: jax.Array | None = None
 
     def query_positions(self) -> jax.Array:
         """int32 [B, w] the observed queries' positions, -1 for empty slots."""
@@ -178,6 +183,11 @@ class PromptCompression(Protocol):
     @property
     def needs_prompt_tokens(self) -> bool:
         """Whether `compress` reads the prompt's ids (KVzip's replay)."""
+
+    @property
+    def query_moments_from(self) -> int | None:
+        """The first position whose pre-RoPE query prefill adds to each head's mean and
+        covariance (ExpectedAttention); None records none."""
 
     def compress(self, kv: KVState, obs: PrefillObservations, model: Model) -> KVState:
         """The state after prefill, compressed."""

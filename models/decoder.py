@@ -164,14 +164,19 @@ def _project_heads(h: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("btd,dnh->btnh", h, w).transpose(0, 2, 1, 3)
 
 
-def project_queries(lp: Params, cfg: ModelConfig, h: jax.Array, cos, sin) -> jax.Array:
-    """Rotated queries [B, N, T, H] from attention inputs h [B, T, D]."""
+def project_unrotated_queries(lp: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """Queries before RoPE (after Qwen3's q_norm) [B, N, T, H] from h [B, T, D]."""
     q = _project_heads(h, lp["wq"])
     if cfg.qkv_bias:
         q = q + lp["bq"][:, None]
     if cfg.qk_norm:
         q = layers.rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-    return layers.apply_rope(q, cos, sin)
+    return q
+
+
+def project_queries(lp: Params, cfg: ModelConfig, h: jax.Array, cos, sin) -> jax.Array:
+    """Rotated queries [B, N, T, H] from attention inputs h [B, T, D]."""
+    return layers.apply_rope(project_unrotated_queries(lp, cfg, h), cos, sin)
 
 
 def project_unrotated_keys_values(lp: Params, cfg: ModelConfig, h: jax.Array):

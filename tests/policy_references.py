@@ -16,13 +16,14 @@ import torch
 
 @dataclasses.dataclass
 class Forward:
-    """One prompt through a transformers model: per layer attention [N, T, T], keys [K, T, H],
-    attention inputs [T, D] (input_layernorm of the layer's input), and the model."""
+    """One prompt through a transformers model: per layer attention [N, T, T], keys and values
+    [K, T, H], attention inputs [T, D] (input_layernorm of the layer's input), and the model."""
 
     attentions: list[np.ndarray]
     keys: list[np.ndarray]
     attention_inputs: list[np.ndarray]
     model: torch.nn.Module
+    values: list[np.ndarray] | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -51,6 +52,7 @@ def run(model, prompt) -> Forward:
         keys=[layer.keys[0].double().numpy() for layer in out.past_key_values.layers],
         attention_inputs=inputs,
         model=model,
+        values=[layer.values[0].double().numpy() for layer in out.past_key_values.layers],
     )
 
 
@@ -232,4 +234,46 @@ def gvote(
                 chosen = np.argsort(-logits[sample], kind="stable")[: step_budget[head]]
                 keep[head // group, chosen] = True
         out.append((keep, None))
+    return out
+
+
+def expected_attention(fwd: Forward, budget: int, sinks: int = 4, future_positions: int = 512):
+    """kvpress's ExpectedAttentionPress as its docstring states it: per query head, the mean and
+    covariance of the pre-RoPE queries past the sinks, rotated by RoPE averaged over the next
+    `future_positions` positions; score exp-term mu.k / sqrt(d) + k S k / 2d, softmaxed over
+    the keys past the sinks, averaged over the group, times the value norm; sinks kept."""
+    model = fwd.model
+    head_dim, group = fwd.keys[0].shape[-1], fwd.group
+    t = fwd.keys[0].shape[1]
+    with torch.no_grad():
+        positions = torch.arange(t, t + future_positions)[None]
+        cos, sin = model.model.rotary_emb(torch.zeros(1, future_positions, head_dim), positions)
+    cos, sin = cos[0].double().numpy().mean(0), sin[0].double().numpy().mean(0)
+    half = head_dim // 2
+    rotate_half = np.zeros((head_dim, head_dim))
+    rotate_half[:half, half:], rotate_half[half:, :half] = -np.eye(half), np.eye(half)
+    rotation = np.diag(cos) + sin[:, None] * rotate_half
+    out = []
+    for layer, (keys, values, h) in enumerate(
+        zip(fwd.keys, fwd.values, fwd.attention_inputs, strict=True)
+    ):
+        q_proj = model.model.layers[layer].self_attn.q_proj
+        q = h[sinks:] @ q_proj.weight.detach().double().numpy().T
+        if q_proj.bias is not None:
+            q = q + q_proj.bias.detach().double().numpy()
+        q = q.reshape(t - sinks, -1, head_dim).transpose(1, 0, 2)  # [N, T - sinks, H]
+        per_query_head = []
+        for head in range(q.shape[0]):
+            mean = q[head].mean(0)
+            covariance = (q[head] - mean).T @ (q[head] - mean) / (t - sinks)
+            mean, covariance = rotation @ mean, rotation @ covariance @ rotation.T
+            k = keys[head // group, sinks:]
+            logits = k @ mean / np.sqrt(head_dim)
+            logits += np.einsum("ti,ij,tj->t", k, covariance, k) / head_dim / 2
+            probs = np.exp(logits - logits.max())
+            per_query_head.append(probs / probs.sum())
+        scores = group_mean(np.stack(per_query_head), fwd.num_kv_heads)
+        scores = scores * np.linalg.norm(values[:, sinks:], axis=-1)
+        scores = np.concatenate([np.full((scores.shape[0], sinks), np.inf), scores], axis=1)
+        out.append((top_per_head(scores, budget), scores))
     return out

@@ -15,6 +15,7 @@ EXPECTED = {
     "pyramidkv": ("prompt_compression",),
     "tova": ("prompt_compression",),
     "knorm": ("prompt_compression",),
+    "expected_attention": ("prompt_compression",),
     "observed_attention": ("attention_scoring", "prompt_compression"),
     "adakv": ("prompt_compression",),  # with SnapKV inside; with H2O it scores attention
     "h2o": ("attention_scoring", "prompt_compression", "decode_eviction"),

@@ -81,6 +81,11 @@ CASES = {
         {"window": 8},
     ),
     "sage_kv": (lambda: policies.SageKV(budget=0.4), ref.sage_kv, {}),
+    "expected_attention": (
+        lambda: policies.ExpectedAttention(budget=0.3, future_positions=64),
+        ref.expected_attention,
+        {"future_positions": 64},
+    ),
 }
 
 
@@ -90,7 +95,11 @@ def test_policy_matches_numpy_reference(setup, name):
     make_policy, reference, kwargs = CASES[name]
     ratio = make_policy().budget.ratio
     state = jaxkv.compress_prompt(
-        model, prompts, make_policy(), cache=jaxkv.CacheConfig(page_size=PAGE_SIZE)
+        model,
+        prompts,
+        make_policy(),
+        cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
+        prefill_chunk=32,  # several chunks: statistics gathered over chunks must combine exactly
     )
     expected = [
         reference(fwd, budget, **kwargs)

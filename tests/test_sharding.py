@@ -62,6 +62,7 @@ POLICIES = {
     "pyramidkv": dict(budget=0.3, window=8),
     "tova": dict(budget=0.3),
     "knorm": dict(budget=0.3),
+    "expected_attention": dict(budget=0.3, future_positions=16),
     "h2o": dict(budget=0.3, evict_every=4),
     "observed_attention": dict(budget=0.3),
     "adakv": dict(budget=0.3, inner=policies.get("snapkv", window=8)),

@@ -15,7 +15,7 @@ from jaxkv.cache import KVState
 from jaxkv.cache.geometry import pool_pages_bucket
 from jaxkv.cache.int8 import start_int8
 from jaxkv.cache.repack import grow
-from jaxkv.forward import combine_moments, forward_cached
+from jaxkv.forward import combine_covariances, combine_moments, forward_cached
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.generation.request import Request, device_shares
 from jaxkv.models.decoder import Model
@@ -45,11 +45,15 @@ class _PrefillCarry:
       window: [L, B, N, w, H] observed queries (None unless the policy observes any).
       moments: the attention input's (count f32 [B, 1], mean, m2 f32 [L, B, D]) over the
         prompt tokens seen so far, combined chunk by chunk (None unless the policy asks).
+      query_moments: the pre-RoPE queries' (count f32 [B, 1, 1], mean f32 [L, B, N, H], m2
+        [L, B, N, H, H]) over the prompt tokens seen so far from the policy's
+        `query_moments_from` position on (None unless the policy asks).
     """
 
     last_hidden: jax.Array
     window: jax.Array | None
     moments: tuple[jax.Array, jax.Array, jax.Array] | None
+    query_moments: tuple[jax.Array, jax.Array, jax.Array] | None
 
 
 def _empty_carry(model: Model, batch: int, policy: Policy) -> _PrefillCarry:
@@ -59,11 +63,25 @@ def _empty_carry(model: Model, batch: int, policy: Policy) -> _PrefillCarry:
     zeros = jnp.zeros((cfg.num_layers, batch, cfg.hidden_size), jnp.float32)
     compression = policy.prompt_compression
     input_stats = compression is not None and compression.needs_input_stats
+    query_moments = None
+    if _query_moments_from(policy) is not None:
+        heads = (cfg.num_layers, batch, cfg.num_heads, cfg.head_dim)
+        query_moments = (
+            jnp.zeros((batch, 1, 1)),
+            jnp.zeros(heads, jnp.float32),
+            jnp.zeros((*heads, cfg.head_dim), jnp.float32),
+        )
     return _PrefillCarry(
         last_hidden=jnp.zeros((batch, cfg.hidden_size), model.dtype),
         window=jnp.zeros(shape, model.dtype) if w else None,
         moments=(jnp.zeros((batch, 1)), zeros, zeros) if input_stats else None,
+        query_moments=query_moments,
     )
+
+
+def _query_moments_from(policy: Policy) -> int | None:
+    compression = policy.prompt_compression
+    return None if compression is None else compression.query_moments_from
 
 
 # Tokens of the longest forward pass a prefill chunk is run in: a policy whose method
@@ -103,6 +121,7 @@ def _prefill_span(
     `after_prefill_chunk` (if the policy has one). Returns (kv, carry)."""
     w = observation_window(policy)
     piece = forward_piece(chunk)
+    moments_from = _query_moments_from(policy)
 
     def forward(start, state):
         """One forward piece of `piece` tokens from position `start`."""
@@ -119,12 +138,13 @@ def _prefill_span(
             backend=backend,
             collect_queries=w > 0,
             collect_input_stats=carry.moments is not None,
+            collect_query_moments_from=moments_from,
             policy_params=policy_params,
         )
         is_last = token_index == lengths[:, None] - 1
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
         last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, carry.last_hidden)
-        window, moments = carry.window, carry.moments
+        window, moments, query_moments = carry.window, carry.moments, carry.query_moments
         if w:
             window = _record_window_queries(window, collected["queries"], positions, lengths)
         if moments is not None:
@@ -132,7 +152,17 @@ def _prefill_span(
             moments = combine_moments(
                 *moments, count, collected["input_mean"], collected["input_m2"]
             )
-        return kv, _PrefillCarry(last_hidden=last_hidden, window=window, moments=moments)
+        if query_moments is not None:
+            counted = jnp.sum(positions >= moments_from, axis=1).astype(jnp.float32)
+            query_moments = combine_covariances(
+                *query_moments,
+                counted[:, None, None],
+                collected["query_mean"],
+                collected["query_m2"],
+            )
+        return kv, _PrefillCarry(
+            last_hidden=last_hidden, window=window, moments=moments, query_moments=query_moments
+        )
 
     def step(index, state):
         start = index * chunk
@@ -176,6 +206,10 @@ def _observations(tokens, lengths, budget_tokens, carry: _PrefillCarry, key, com
     if carry.moments is not None:
         count, mean, m2 = carry.moments
         var = m2 / jnp.maximum(count - 1, 1)  # unbiased
+    query_mean = query_covariance = None
+    if carry.query_moments is not None:
+        count, query_mean, m2 = carry.query_moments
+        query_covariance = m2 / jnp.maximum(count, 1)[..., None]  # population, as kvpress
     return PrefillObservations(
         prompt_lengths=lengths,
         budget_tokens=budget_tokens,
@@ -184,6 +218,8 @@ def _observations(tokens, lengths, budget_tokens, carry: _PrefillCarry, key, com
         input_var=var,
         key=key,
         prompt_tokens=tokens if compression.needs_prompt_tokens else None,
+        query_mean=query_mean,
+        query_covariance=query_covariance,
     )
 
 

@@ -24,6 +24,7 @@ from jaxkv.policies.confkv import (
     is_confident,
 )
 from jaxkv.policies.eviction import DecodeEvictionPolicy, EvictionPolicy, LayerView
+from jaxkv.policies.expected_attention import ExpectedAttention
 from jaxkv.policies.fastkvzip import FastKVzip
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
@@ -65,6 +66,7 @@ __all__ = [
     "DecodeEvictionPolicy",
     "DuoAttention",
     "EvictionPolicy",
+    "ExpectedAttention",
     "FastKVzip",
     "FullCache",
     "GVote",

@@ -331,10 +331,11 @@ class SummedAttention:
 
 class CompressesPrompt:
     """Mixin: the policy is its own prompt compression, recording by default neither queries,
-    input moments nor the prompt's ids."""
+    input or query moments nor the prompt's ids."""
 
     needs_input_stats: ClassVar[bool] = False
     needs_prompt_tokens: ClassVar[bool] = False
+    query_moments_from: ClassVar[int | None] = None
 
     @property
     def prompt_compression(self) -> parts.PromptCompression:

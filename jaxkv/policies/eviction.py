@@ -35,7 +35,11 @@ class LayerView:
       query_positions: int32 [B, w] their positions, -1 for empty slots.
       prompt_lengths: int32 [B].
       input_mean, input_var: f32 [B, D] attention-input statistics (None unless requested).
+      query_mean, query_covariance: f32 [B, N, H], [B, N, H, H] pre-RoPE query statistics
+        (None unless requested: `PrefillObservations`).
+      values: [B, K, S, H] values in cache order (None unless `map_layers` is asked for them).
       params: the layer's parameters; layer: int32 [] its index; key: PRNG key for the layer.
+      config: the model's ModelConfig (RoPE for ExpectedAttention's future positions).
     """
 
     keys: jax.Array
@@ -46,9 +50,13 @@ class LayerView:
     prompt_lengths: jax.Array
     input_mean: jax.Array | None
     input_var: jax.Array | None
+    query_mean: jax.Array | None
+    query_covariance: jax.Array | None
+    values: jax.Array | None
     params: Any
     layer: jax.Array
     key: jax.Array
+    config: Any = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def held(self) -> jax.Array:
@@ -65,12 +73,13 @@ class LayerView:
         return attention_ops.attention_probabilities(self.queries, self.keys, visible, sm_scale)
 
 
-def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn):
-    """Stacks `layer_fn(LayerView)` over the layers, one layer's view in memory at a time."""
+def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn, *, values: bool = False):
+    """Stacks `layer_fn(LayerView)` over the layers, one layer's view in memory at a time
+    (with `values`, the view holds the layer's values too)."""
     query_positions = obs.query_positions() if obs.queries is not None else None
 
     def one_layer(xs):
-        page_table, lengths, queries, mean, var, params, layer = xs
+        page_table, lengths, queries, mean, var, query_mean, query_covariance, params, layer = xs
         layer_kv = dataclasses.replace(kv, page_table=page_table[None], lengths=lengths[None])
         view = LayerView(
             keys=attention_ops.gather_pages(kv.pool.k_pages, page_table),
@@ -81,9 +90,13 @@ def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn):
             prompt_lengths=obs.prompt_lengths,
             input_mean=mean,
             input_var=var,
+            query_mean=query_mean,
+            query_covariance=query_covariance,
+            values=attention_ops.gather_pages(kv.pool.v_pages, page_table) if values else None,
             params=params,
             layer=layer,
             key=jax.random.fold_in(obs.key, layer),
+            config=model.config,
         )
         return layer_fn(view)
 
@@ -93,6 +106,8 @@ def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn):
         obs.queries,
         obs.input_mean,
         obs.input_var,
+        obs.query_mean,
+        obs.query_covariance,
         model.params["layers"],
         jnp.arange(kv.num_layers),
     )
