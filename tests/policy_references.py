@@ -144,10 +144,11 @@ def streaming_llm(fwd: Forward, budget: int, sinks: int = 4):
     return [(np.broadcast_to(keep, (fwd.num_kv_heads, t)), None) for _ in fwd.attentions]
 
 
-def adakv_snapkv(fwd: Forward, budget: int, window: int, safeguard: float = 0.2):
+def adakv(layer_scores, budget: int, safeguard: float = 0.2):
+    """AdaKV over per-layer scores [K, T]: each head's best budget x safeguard, then the layer's
+    best K x budget across its heads."""
     out = []
-    for attn in fwd.attentions:
-        scores = snapkv_scores(attn, fwd.num_kv_heads, window, 5)
+    for scores in layer_scores:
         forced = top_per_head(scores, int(np.floor(budget * safeguard)))
         ranked = np.where(forced, np.inf, scores)
         k, t = scores.shape
@@ -155,6 +156,15 @@ def adakv_snapkv(fwd: Forward, budget: int, window: int, safeguard: float = 0.2)
         keep[np.argsort(-ranked.reshape(-1), kind="stable")[: k * budget]] = True
         out.append((keep.reshape(k, t), scores))
     return out
+
+
+def adakv_snapkv(fwd: Forward, budget: int, window: int, safeguard: float = 0.2):
+    return adakv([snapkv_scores(a, fwd.num_kv_heads, window, 5) for a in fwd.attentions], budget)
+
+
+def adakv_expected_attention(fwd: Forward, budget: int, future_positions: int):
+    scored = expected_attention(fwd, budget, future_positions=future_positions)
+    return adakv([scores for _, scores in scored], budget)
 
 
 def sage_split(budget: int, group: int) -> tuple[int, int, int]:

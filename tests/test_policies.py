@@ -81,6 +81,11 @@ CASES = {
         {"window": 8},
     ),
     "sage_kv": (lambda: policies.SageKV(budget=0.4), ref.sage_kv, {}),
+    "adakv_expected_attention": (
+        lambda: policies.AdaKV(inner=policies.ExpectedAttention(future_positions=64), budget=0.3),
+        ref.adakv_expected_attention,
+        {"future_positions": 64},
+    ),
     "expected_attention": (
         lambda: policies.ExpectedAttention(budget=0.3, future_positions=64),
         ref.expected_attention,

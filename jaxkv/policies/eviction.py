@@ -184,9 +184,14 @@ class EvictionPolicy(CompressesPrompt, Policy):
         """f32 [B, K, S] importance of each cached token (higher is kept)."""
         raise NotImplementedError
 
+    @property
+    def reads_values(self) -> bool:
+        """Whether `layer_scores` reads the layer's values (`LayerView.values`)."""
+        return False
+
     def scores(self, kv: KVState, obs: PrefillObservations, model) -> jax.Array:
         """f32 [L, B, K, S]: `layer_scores` of every layer."""
-        return map_layers(kv, obs, model, self.layer_scores)
+        return map_layers(kv, obs, model, self.layer_scores, values=self.reads_values)
 
     # --- selection -----------------------------------------------------------------------
 

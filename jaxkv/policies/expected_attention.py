@@ -7,7 +7,7 @@ covariance S); RoPE's rotation averaged over the next `future_positions` positio
 them to where future queries will be (R mu, R S R^T). For a Gaussian query q, E[exp(q.k / sqrt(d))]
 = exp(mu'.k / sqrt(d) + k^T S' k / (2 d)), so each key's score is that exponent, softmaxed over
 the head's keys past the sinks, averaged over the KV head's query heads and multiplied by the
-value's norm (plus `epsilon`). The sinks are always kept.
+value's norm (plus `epsilon`). The sinks score +inf: always kept, alone or inside AdaKV.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxkv.models import layers
 from jaxkv.policies import base
-from jaxkv.policies.eviction import EvictionPolicy, LayerView, group_mean, map_layers
+from jaxkv.policies.eviction import EvictionPolicy, LayerView, group_mean
 
 
 @base.register
@@ -53,8 +53,9 @@ class ExpectedAttention(EvictionPolicy):
     def query_moments_from(self) -> int:
         return self.sinks
 
-    def scores(self, kv, obs, model) -> jax.Array:
-        return map_layers(kv, obs, model, self.layer_scores, values=self.use_value_norm)
+    @property
+    def reads_values(self) -> bool:
+        return self.use_value_norm
 
     def layer_scores(self, view: LayerView) -> jax.Array:
         keys = view.keys.astype(jnp.float32)  # [B, K, S, H]
@@ -83,7 +84,8 @@ class ExpectedAttention(EvictionPolicy):
         if self.use_value_norm:
             norms = jnp.linalg.norm(view.values.astype(jnp.float32), axis=-1)
             scores = (scores + self.epsilon) * norms
-        return scores
+        sinks = view.held & (view.positions < self.sinks)  # ranked first, as kvpress's max + 1,
+        return jnp.where(sinks, jnp.inf, scores)  # so that a wrapper (AdaKV) keeps them too
 
 
 def average_rotation(cfg, prompt_lengths: jax.Array, future_positions: int) -> jax.Array:

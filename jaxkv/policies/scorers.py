@@ -229,6 +229,14 @@ class AdaKV(EvictionPolicy):
     def attention_scoring(self):
         return self.inner.attention_scoring
 
+    @property
+    def query_moments_from(self) -> int | None:
+        return self.inner.query_moments_from
+
+    @property
+    def reads_values(self) -> bool:
+        return self.inner.reads_values
+
     def layer_scores(self, view: LayerView) -> jax.Array:
         return self.inner.layer_scores(view)
 
