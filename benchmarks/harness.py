@@ -162,8 +162,8 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
 def read_bandwidth(num_bytes: int, repeats: int) -> float:
     """Bytes per second read by column sums of an f32 array of `num_bytes` (READ_ROW wide): the
     memory-read roofline of a decode step, which reads weights and KV and writes little. An
-    elementwise copy is no substitute on a CPU: it writes a fresh buffer each call, and the
-    first touch of its pages costs more than the reads (a third of the read rate on 2 cores)."""
+    elementwise copy, which also writes a fresh output buffer each call, moves far less per
+    second on a CPU."""
     x = jnp.ones((num_bytes // (4 * READ_ROW), READ_ROW), jnp.float32)
     column_sums = jax.jit(lambda x: jnp.sum(x, axis=0))
     return x.size * 4 / seconds_per_call(column_sums, x, repeats=repeats)
