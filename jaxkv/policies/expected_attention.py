@@ -59,7 +59,7 @@ class ExpectedAttention(EvictionPolicy):
 
     def layer_scores(self, view: LayerView) -> jax.Array:
         keys = view.keys.astype(jnp.float32)  # [B, K, S, H]
-        b, num_kv, _, head_dim = keys.shape
+        _, num_kv, _, head_dim = keys.shape
         group = view.query_mean.shape[1] // num_kv
         rotation = average_rotation(view.config, view.prompt_lengths, self.future_positions)
         mean = jnp.einsum("bij,bnj->bni", rotation, view.query_mean, precision="highest")
