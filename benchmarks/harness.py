@@ -136,7 +136,7 @@ def run_child(module: str, argv: Sequence[str], env: dict | None = None) -> Chil
 # ------------------------------------------------------------------------------ device probe
 
 
-READ_ROW = 1024  # floats per row of the read-bandwidth array: 4 KiB of output in all
+READ_ROW = 1024  # floats per row of the read-bandwidth array (4 KiB read per output float)
 
 
 def seconds_per_call(fn, *args, repeats: int, calls: int = 10) -> float:
@@ -160,13 +160,14 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
 
 
 def read_bandwidth(num_bytes: int, repeats: int) -> float:
-    """Bytes per second read by column sums of an f32 array of `num_bytes` (READ_ROW wide): the
-    memory-read roofline of a decode step, which reads weights and KV and writes little. An
-    elementwise copy, which also writes a fresh output buffer each call, moves far less per
-    second on a CPU."""
-    x = jnp.ones((num_bytes // (4 * READ_ROW), READ_ROW), jnp.float32)
-    column_sums = jax.jit(lambda x: jnp.sum(x, axis=0))
-    return x.size * 4 / seconds_per_call(column_sums, x, repeats=repeats)
+    """Bytes per second read by row sums of an f32 array of `num_bytes` (READ_ROW wide): the
+    memory-read roofline of a decode step, which reads weights and KV and writes little. On a
+    CPU column sums of the same array run slower, and an elementwise copy, which also writes a
+    fresh output buffer each call, far slower. The rate depends on the size: an array the
+    last-level cache holds reads faster than one streamed from memory."""
+    x = jnp.ones((max(1, num_bytes // (4 * READ_ROW)), READ_ROW), jnp.float32)
+    row_sums = jax.jit(lambda x: jnp.sum(x, axis=1))
+    return x.size * 4 / seconds_per_call(row_sums, x, repeats=repeats)
 
 
 # ------------------------------------------------------------------------------ sweeps

@@ -15,10 +15,13 @@ its peak memory is its own:
   peak        `peak_bytes_in_use` of the device where the backend reports it (GPU), else null,
               and the process's peak host RSS (`ru_maxrss`), labelled as host memory;
   roofline    (weight bytes + KV bytes read per decode step) / read bandwidth, the bandwidth
-              from `--bandwidth-gbs` or measured in the same run (jitted column sums of a large
-              array, bytes read per second: `harness.read_bandwidth`; an elementwise copy's
-              bytes moved per second is recorded beside it); reported as the fraction reached
-              and, per policy, the decode speed-up over the full cache next to the roofline's.
+              from `--bandwidth-gbs` or measured (jitted row sums, bytes read per second:
+              `harness.read_bandwidth`): on a CPU in each row's process over as many bytes as
+              its decode step reads (a step whose weights and KV the last-level cache holds
+              reads faster than one streamed from memory), elsewhere once per run
+              (`--read-mib`); an elementwise copy's rate is recorded beside it. Reported as the
+              fraction reached and, per policy, the decode speed-up over the full cache next to
+              the roofline's.
 Rows that cannot fit (weights + KV + attention temporaries against the device memory, or the
 allocator's out-of-memory error) say so with the largest size that fits; a policy that cannot
 work at a context reports jaxkv's ValueError in its row. Writes `<out>.json`, `<out>.md`,
@@ -125,10 +128,12 @@ def probe(args) -> dict:
         info |= {"bandwidth_gbs": args.bandwidth_gbs, "bandwidth_source": "--bandwidth-gbs"}
     else:
         read_bytes = (args.read_mib or (1024 if device.platform == "gpu" else 256)) * MIB
+        cpu_rows = device.platform == "cpu"
         info |= {
             "bandwidth_gbs": harness.read_bandwidth(read_bytes, args.repeats) / 1e9,
-            "bandwidth_source": f"measured: jitted column sums of {read_bytes // MIB} MiB of "
-            "f32, bytes read / median time",
+            "bandwidth_source": f"measured: jitted row sums of {read_bytes // MIB} MiB of "
+            "f32, bytes read / median time"
+            + ("; each row's roofline: the same over its decode step's bytes" if cpu_rows else ""),
             "copy_bandwidth_gbs": harness.copy_bandwidth(read_bytes // 4, args.repeats) / 1e9,
         }
     return info
@@ -205,7 +210,7 @@ def run_row(args, cfg, context: int, batch: int, spec: str) -> dict:
     request_s = min(starts) - min(prefill) - start * decode_ms / 1e3
     kv_read, kv_read_method = _kv_read_per_step(policy, long, np.full(batch, context, np.int32))
     stats = jax.devices()[0].memory_stats()
-    return {
+    return _step_read_bandwidth(args, cfg, kv_read) | {
         "first_call_s": first_call_s,
         "decode_first_call_s": decode_first_call_s,
         "prefill_s": float(min(prefill)),
@@ -225,6 +230,18 @@ def run_row(args, cfg, context: int, batch: int, spec: str) -> dict:
         **_pool_bytes(long.state),
         "device_peak_bytes": None if not stats else stats.get("peak_bytes_in_use"),
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def _step_read_bandwidth(args, cfg, kv_read: float) -> dict:
+    """On a CPU without `--bandwidth-gbs`: the read rate over as many bytes as a decode step
+    reads (weights + KV), this row's roofline bandwidth."""
+    if args.bandwidth_gbs is not None or jax.devices()[0].platform != "cpu":
+        return {}
+    step_bytes = int(weight_bytes(cfg, ITEMSIZE[args.dtype])["read_per_step"] + kv_read)
+    return {
+        "read_bandwidth_gbs": harness.read_bandwidth(step_bytes, args.repeats) / 1e9,
+        "read_bandwidth_bytes": step_bytes,
     }
 
 

@@ -18,7 +18,8 @@ def derive(rows: list[dict], cfg, args, bandwidth_gbs: float) -> None:
             continue
         step_bytes = read_weights + row["kv_bytes_read_per_step"]
         row["weight_bytes_read_per_step"] = read_weights
-        row["roofline_ms_per_step"] = 1e3 * step_bytes / (bandwidth_gbs * 1e9)
+        bandwidth = row.get("read_bandwidth_gbs", bandwidth_gbs)  # the row's own, on a CPU
+        row["roofline_ms_per_step"] = 1e3 * step_bytes / (bandwidth * 1e9)
         if row["decode_ms_per_step"] > 0:
             row["fraction_of_roofline"] = row["roofline_ms_per_step"] / row["decode_ms_per_step"]
         base = full.get((row["context"], row["batch"]))
@@ -53,6 +54,7 @@ COLUMNS = (
     ("pool MiB", "pool_bytes_allocated", "mib"),
     ("device peak MiB", "device_peak_bytes", "mib"),
     ("host RSS peak MiB", "host_peak_rss_bytes", "mib"),
+    ("read GB/s", "read_bandwidth_gbs", "{:.1f}"),
     ("roofline ms", "roofline_ms_per_step", "{:.3f}"),
     ("of roofline", "fraction_of_roofline", "{:.2f}"),
     ("speed-up", "decode_speedup_vs_full", "{:.2f}"),

@@ -66,3 +66,22 @@ def test_subprocess_row(tmp_path):
     (row,) = system.main(argv)["rows"]
     assert "error" not in row, row.get("error")
     assert row["kv_ratio_final"] == 1.0 and row["host_peak_rss_bytes"] > 0
+
+def test_cpu_rows_measure_the_read_rate_over_their_own_step_bytes(tmp_path, monkeypatch):
+    """Without --bandwidth-gbs a CPU row's roofline is its step's bytes over the read rate
+    measured over that many bytes (a smaller step may sit in the last-level cache)."""
+    probed = []
+
+    def rate_by_size(num_bytes, repeats):
+        probed.append(num_bytes)
+        return 1e9 * (20.0 if num_bytes > 1 << 20 else 40.0)
+
+    monkeypatch.setattr(system.harness, "read_bandwidth", rate_by_size)
+    argv = [arg for arg in TINY if arg not in ("--bandwidth-gbs", "10")]
+    argv += ["--contexts", "256", "--in-process", "--out", str(tmp_path / "tiny")]
+    report = system.main([*argv, "--policies", "full", "streaming_llm:0.25"])
+    assert report["environment"]["bandwidth_source"].startswith("measured: jitted row sums")
+    for row in report["rows"]:
+        step = row["weight_bytes_read_per_step"] + row["kv_bytes_read_per_step"]
+        assert row["read_bandwidth_bytes"] == int(step) and row["read_bandwidth_bytes"] in probed
+        assert row["roofline_ms_per_step"] == 1e3 * step / (row["read_bandwidth_gbs"] * 1e9)
