@@ -67,6 +67,7 @@ def test_subprocess_row(tmp_path):
     assert "error" not in row, row.get("error")
     assert row["kv_ratio_final"] == 1.0 and row["host_peak_rss_bytes"] > 0
 
+
 def test_cpu_rows_measure_the_read_rate_over_their_own_step_bytes(tmp_path, monkeypatch):
     """Without --bandwidth-gbs a CPU row's roofline is its step's bytes over the read rate
     measured over that many bytes (a smaller step may sit in the last-level cache)."""
