@@ -123,6 +123,7 @@ def probe(args) -> dict:
         "memory_limit_bytes": limit,
         "memory_limit_source": source,
         "load_average_at_start": os.getloadavg(),
+        "cpu_caches": cpu_caches(),
     }
     if args.bandwidth_gbs is not None:
         info |= {"bandwidth_gbs": args.bandwidth_gbs, "bandwidth_source": "--bandwidth-gbs"}
@@ -231,6 +232,18 @@ def run_row(args, cfg, context: int, batch: int, spec: str) -> dict:
         "device_peak_bytes": None if not stats else stats.get("peak_bytes_in_use"),
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+def cpu_caches(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> dict[str, str]:
+    """The first CPU's caches as Linux lists them ({"L3 Unified": "307200K", ...}; empty
+    elsewhere): whether a step's bytes fit the last level decides its read rate."""
+    caches = {}
+    for index in sorted(sysfs.glob("index*")):
+        level, kind, size = (
+            (index / name).read_text().strip() for name in ("level", "type", "size")
+        )
+        caches[f"L{level} {kind}"] = size
+    return caches
 
 
 def _step_read_bandwidth(args, cfg, kv_read: float) -> dict:

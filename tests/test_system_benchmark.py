@@ -82,7 +82,20 @@ def test_cpu_rows_measure_the_read_rate_over_their_own_step_bytes(tmp_path, monk
     argv += ["--contexts", "256", "--in-process", "--out", str(tmp_path / "tiny")]
     report = system.main([*argv, "--policies", "full", "streaming_llm:0.25"])
     assert report["environment"]["bandwidth_source"].startswith("measured: jitted row sums")
+    assert report["environment"]["cpu_caches"] == system.cpu_caches()
     for row in report["rows"]:
         step = row["weight_bytes_read_per_step"] + row["kv_bytes_read_per_step"]
         assert row["read_bandwidth_bytes"] == int(step) and row["read_bandwidth_bytes"] in probed
         assert row["roofline_ms_per_step"] == 1e3 * step / (row["read_bandwidth_gbs"] * 1e9)
+
+
+def test_cpu_caches_read_linux_sysfs(tmp_path):
+    for name, (level, kind, size) in {
+        "index0": (1, "Data", "48K"),
+        "index3": (3, "Unified", "300M"),
+    }.items():
+        (tmp_path / name).mkdir()
+        for field, value in (("level", level), ("type", kind), ("size", size)):
+            (tmp_path / name / field).write_text(f"{value}\n")
+    assert system.cpu_caches(tmp_path) == {"L1 Data": "48K", "L3 Unified": "300M"}
+    assert system.cpu_caches(tmp_path / "absent") == {}
