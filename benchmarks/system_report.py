@@ -47,6 +47,7 @@ COLUMNS = (
     ("request work of prefill", "request_work_of_prefill", "{:.3f}"),
     ("decode ms/step", "decode_ms_per_step", "{:.2f}"),
     ("+- ms", "decode_spread_ms_per_step", "{:.2f}"),
+    ("decode ms by process", "decode_ms_per_step_processes", "list"),
     ("decode x", "decode_ratio", "{:.2f}"),
     ("KV MiB prefill", "kv_bytes_after_prefill", "mib"),
     ("KV MiB end", "kv_bytes_final", "mib"),
@@ -66,6 +67,8 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     value = row.get(key)
     if value is None:
         return "-"
+    if fmt == "list":
+        return " / ".join(f"{item:.1f}" for item in value)
     return f"{value / MIB:.1f}" if fmt == "mib" else fmt.format(value)
 
 

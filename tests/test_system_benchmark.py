@@ -3,6 +3,8 @@ cannot fit with the largest size that does."""
 
 import json
 
+import pytest
+
 from jaxkv.benchmarks import system
 
 TINY = ["--cpu", "--model", "tiny-random", "--batches", "1", "--decode-tokens", "2"]
@@ -99,3 +101,57 @@ def test_cpu_caches_read_linux_sysfs(tmp_path):
             (tmp_path / name / field).write_text(f"{value}\n")
     assert system.cpu_caches(tmp_path) == {"L1 Data": "48K", "L3 Unified": "300M"}
     assert system.cpu_caches(tmp_path / "absent") == {}
+
+
+def test_processes_keep_the_fastest_decode_and_the_strictest_roofline(tmp_path, monkeypatch):
+    """--processes N runs every row N times round-robin and keeps the fastest decode, its
+    roofline at the highest read rate probed."""
+    calls = []
+
+    def fake_row(argv, row, limit, cfg, args):
+        calls.append(row["policy"])
+        decode = {"full": [40.0, 30.0, 35.0], "streaming_llm:0.25": [9.0, 12.0, 10.0]}
+        rate = [30.0, 20.0, 40.0][calls.count(row["policy"]) - 1]
+        return {
+            "decode_ms_per_step": decode[row["policy"]][calls.count(row["policy"]) - 1],
+            "read_bandwidth_gbs": rate,
+            "prefill_s": 1.0,
+            "kv_bytes_read_per_step": 1e8,
+            **{key: 1 for key in ("kv_bytes_after_prefill", "kv_bytes_final")},
+            "pool_bytes_allocated": 1,
+        }
+
+    monkeypatch.setattr(system, "row_in_subprocess", fake_row)
+    monkeypatch.setattr(system, "_environment", lambda args, argv: _FAKE_ENV)
+    argv = [*TINY, "--contexts", "64", "--processes", "3", "--out", str(tmp_path / "p")]
+    report = system.main([*argv, "--policies", "full", "streaming_llm:0.25"])
+    assert calls == ["full", "streaming_llm:0.25"] * 3
+    rows = _rows(report)
+    assert rows["full"]["decode_ms_per_step"] == 30.0
+    assert rows["full"]["decode_ms_per_step_processes"] == [40.0, 30.0, 35.0]
+    assert rows["streaming_llm:0.25"]["decode_ms_per_step"] == 9.0
+    for row in rows.values():
+        assert row["read_bandwidth_gbs"] == 40.0
+        step = row["weight_bytes_read_per_step"] + 1e8
+        assert row["roofline_ms_per_step"] == 1e3 * step / 40e9
+    assert rows["streaming_llm:0.25"]["decode_speedup_vs_full"] == 30.0 / 9.0
+    assert "3 processes" in report["decode_method"]
+    assert "40.0 / 30.0 / 35.0" in (tmp_path / "p.md").read_text()
+
+
+def test_an_error_in_any_process_is_the_rows():
+    good = {"decode_ms_per_step": 1.0}
+    assert system.fastest_process([good, {"error": "boom"}]) == {"error": "boom"}
+    with pytest.raises(SystemExit, match="--processes"):
+        system.parse_args([*TINY, "--processes", "2", "--in-process"])
+
+
+_FAKE_ENV = {
+    "memory_limit_bytes": 1 << 40,
+    "bandwidth_gbs": 10.0,
+    "platform": "cpu",
+    "device": "cpu",
+    "host": "test",
+    "jax": "test",
+    "bandwidth_source": "fake",
+}
