@@ -7,13 +7,16 @@ measured four ways over the same bytes of K and V in one process, interleaved:
   read_wide   the same bytes as rows of `harness.READ_ROW` floats: `harness.read_bandwidth`,
               the system benchmark's roofline probe;
   dense       attention over contiguous [B, K, T, H] K and V (the textbook formula in jnp);
-  paged       `jaxkv.attention.paged_attention` (backend "xla") over the same tokens in pages
-              of one pool for all layers, the page ids shuffled as a chunked prefill leaves them.
+  paged_*     `jaxkv.attention.paged_attention` (backend "xla") over the same tokens in pages
+              of one pool for all layers, the page ids laid out three ways: `ordered` (each
+              head's pages consecutive, as `repack` leaves them), `prefill` (runs of
+              --prefill-chunk tokens, in the order a chunked prefill allocates them: chunk by
+              chunk, layer by layer, head by head) and `shuffled` (every page anywhere).
 Each is `harness.seconds_per_call` (median over --repeats of 10 calls); the rounds interleave
 the four so that drift hits all alike. Reports ms per step, GB/s of K and V, and the ratios
 that say what bounds a step's attention: paged / dense (the cost of reading through a page
-table) and read / dense (how far the attention is from reading its bytes). The paged and
-dense outputs are compared before timing (they must agree to 1e-4).
+table, by layout) and read / dense (how far the attention is from reading its bytes). Every
+paged output is compared with the dense one before timing (they must agree to 1e-4).
 
     jaxkv bench attention_read --contexts 1024 4096 --batch 4 \\
         --out results/system/cpu-kv/attention-read
@@ -32,7 +35,8 @@ import numpy as np
 from jaxkv.attention import paged_attention
 from jaxkv.benchmarks import harness
 
-WAYS = ("read", "read_wide", "dense", "paged")
+LAYOUTS = ("ordered", "prefill", "shuffled")
+WAYS = ("read", "read_wide", "dense", *(f"paged_{layout}" for layout in LAYOUTS))
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float) -> jax.Array:
@@ -43,15 +47,28 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float) -
     return jnp.einsum("bkgt,bkth->bkgh", probs, v)
 
 
-def shuffled_page_table(layers: int, batch: int, heads: int, pages: int, seed: int) -> np.ndarray:
-    """int32 [L, B, K, pages]: a random permutation of the pool's L * B * K * pages page ids."""
-    ids = np.random.default_rng(seed).permutation(layers * batch * heads * pages)
-    return ids.reshape(layers, batch, heads, pages).astype(np.int32)
+def page_table(layout: str, shape: tuple[int, int, int, int], run: int, seed: int) -> np.ndarray:
+    """int32 [L, B, K, pages] over a pool of L * B * K * pages pages, laid out as `layout`
+    (module docstring); `run`: pages a prefill chunk allocates a head at once."""
+    layers, batch, heads, pages = shape
+    if layout == "ordered":
+        return np.arange(np.prod(shape), dtype=np.int32).reshape(shape)
+    if layout == "shuffled":
+        ids = np.random.default_rng(seed).permutation(np.prod(shape))
+        return ids.reshape(shape).astype(np.int32)
+    chunks = -(-pages // run)
+    order = np.arange(chunks * layers * batch * heads * run).reshape(
+        chunks, layers, batch, heads, run
+    )
+    table = order.transpose(1, 2, 3, 0, 4).reshape(layers, batch, heads, chunks * run)
+    table = table[..., :pages]
+    ranks = np.argsort(np.argsort(table.reshape(-1)))  # dense ids 0..P-1, allocation order kept
+    return ranks.reshape(shape).astype(np.int32)
 
 
 def step_inputs(args, context: int) -> dict:
-    """Random K and V of every layer, dense [L][B, K, T, H] and paged (pool [P, p, H] and
-    tables [L, B, K, T / p]), and one query per head [L][B, K, G, H]."""
+    """Random K and V of every layer, dense [L][B, K, T, H] and paged in each layout (pools
+    [P, p, H] and tables [L][B, K, T / p]), and one query per head [L][B, K, G, H]."""
     layers, b, kv_heads, h, p = (
         args.layers,
         args.batch,
@@ -65,20 +82,18 @@ def step_inputs(args, context: int) -> dict:
     k = jax.random.normal(key_k, shape, jnp.float32)
     v = jax.random.normal(key_v, shape, jnp.float32)
     q = jax.random.normal(key_q, (layers, b, kv_heads, args.group, h), jnp.float32)
-    table = shuffled_page_table(layers, b, kv_heads, pages, seed=context)
-    k_pool = (
-        jnp.zeros((table.size, p, h), jnp.float32).at[table.reshape(-1)].set(k.reshape(-1, p, h))
-    )
-    v_pool = (
-        jnp.zeros((table.size, p, h), jnp.float32).at[table.reshape(-1)].set(v.reshape(-1, p, h))
-    )
+    inputs = {"q": list(q), "k": list(k), "v": list(v)}
+    run = max(1, args.prefill_chunk // p)
+    for layout in LAYOUTS:
+        table = page_table(layout, (layers, b, kv_heads, pages), run, seed=context)
+        ids = table.reshape(-1)
+        inputs[layout] = {
+            "k_pool": jnp.zeros((ids.size, p, h), jnp.float32).at[ids].set(k.reshape(-1, p, h)),
+            "v_pool": jnp.zeros((ids.size, p, h), jnp.float32).at[ids].set(v.reshape(-1, p, h)),
+            "tables": list(jnp.asarray(table)),
+        }
     return {
-        "q": list(q),
-        "k": list(k),
-        "v": list(v),
-        "k_pool": k_pool,
-        "v_pool": v_pool,
-        "tables": list(jnp.asarray(table)),
+        **inputs,
         "lengths": jnp.full((b, kv_heads), context, jnp.int32),
     }
 
@@ -109,7 +124,10 @@ def programs(args) -> dict:
             outs.append(out.reshape(b, kv_heads, group, h))
         return outs
 
-    return {"read": jax.jit(read), "dense": jax.jit(dense), "paged": jax.jit(paged)}
+    paged = jax.jit(paged)
+    return {"read": jax.jit(read), "dense": jax.jit(dense)} | {
+        f"paged_{layout}": paged for layout in LAYOUTS
+    }
 
 
 def _arguments(way: str, inputs: dict) -> tuple:
@@ -117,17 +135,21 @@ def _arguments(way: str, inputs: dict) -> tuple:
         return inputs["k"], inputs["v"]
     if way == "dense":
         return inputs["q"], inputs["k"], inputs["v"]
-    names = ("q", "k_pool", "v_pool", "tables", "lengths")
-    return tuple(inputs[name] for name in names)
+    layout = inputs[way.removeprefix("paged_")]
+    return inputs["q"], layout["k_pool"], layout["v_pool"], layout["tables"], inputs["lengths"]
 
 
 def check_agreement(fns: dict, inputs: dict) -> float:
-    """The largest |paged - dense| over every layer's output; raises above 1e-4."""
+    """The largest |paged - dense| over every layout's and layer's output; raises above 1e-4."""
     dense = fns["dense"](*_arguments("dense", inputs))
-    paged = fns["paged"](*_arguments("paged", inputs))
-    error = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(dense, paged, strict=True))
-    if error > 1e-4:
-        raise AssertionError(f"paged attention differs from dense by {error:.2e}")
+    error = 0.0
+    for layout in LAYOUTS:
+        paged = fns[f"paged_{layout}"](*_arguments(f"paged_{layout}", inputs))
+        error = max(
+            error, *(float(jnp.max(jnp.abs(a - b))) for a, b in zip(dense, paged, strict=True))
+        )
+        if error > 1e-4:
+            raise AssertionError(f"paged attention ({layout}) differs from dense by {error:.2e}")
     return error
 
 
@@ -159,7 +181,8 @@ def measure(args, context: int) -> dict:
     for way in WAYS:
         row[f"{way}_ms"] = 1e3 * best[way]
         row[f"{way}_gbs"] = kv_bytes / best[way] / 1e9
-    row["paged_over_dense"] = best["paged"] / best["dense"]
+    for layout in LAYOUTS:
+        row[f"paged_{layout}_over_dense"] = best[f"paged_{layout}"] / best["dense"]
     row["read_over_dense"] = best["read"] / best["dense"]
     row["read_wide_over_dense"] = best["read_wide"] / best["dense"]
     return row
@@ -172,12 +195,11 @@ COLUMNS = (
     ("read ms", "read_ms", "{:.2f}"),
     ("read_wide ms", "read_wide_ms", "{:.2f}"),
     ("dense ms", "dense_ms", "{:.2f}"),
-    ("paged ms", "paged_ms", "{:.2f}"),
+    *((f"paged {layout} ms", f"paged_{layout}_ms", "{:.2f}") for layout in LAYOUTS),
     ("read GB/s", "read_gbs", "{:.1f}"),
     ("read_wide GB/s", "read_wide_gbs", "{:.1f}"),
     ("dense GB/s", "dense_gbs", "{:.1f}"),
-    ("paged GB/s", "paged_gbs", "{:.1f}"),
-    ("paged / dense", "paged_over_dense", "{:.2f}"),
+    *((f"{layout} / dense", f"paged_{layout}_over_dense", "{:.2f}") for layout in LAYOUTS),
     ("read / dense", "read_over_dense", "{:.2f}"),
     ("read_wide / dense", "read_wide_over_dense", "{:.2f}"),
 )
@@ -219,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--group", type=int, default=1, help="query heads per KV head")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=512, help="tokens a prefill chunk allocates a head"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="medians of 10 calls, per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the fastest)")
     parser.add_argument("--out", default="attention-read", help="output prefix: .json, .md")
@@ -227,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    for name in ("batch", "layers", "kv_heads", "group", "head_dim", "repeats", "rounds"):
+    names = ("batch", "layers", "kv_heads", "group", "head_dim", "prefill_chunk", "repeats")
+    for name in (*names, "rounds"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.page_size < 1 or args.page_size & (args.page_size - 1):
@@ -246,8 +272,10 @@ METHOD = (
     "(`harness.seconds_per_call`); GB/s = bytes of K and V / time. read: row sums of K and V "
     "([tokens, head_dim] rows); read_wide: `harness.read_bandwidth` over the same bytes (rows "
     "of 1024 floats, the system benchmark's roofline probe); dense: softmax attention of one "
-    "query per head over contiguous K and V; paged: `paged_attention` on 'xla' over a shuffled "
-    "page table of one pool for all layers (outputs checked against dense to 1e-4)."
+    "query per head over contiguous K and V; paged_*: `paged_attention` on 'xla' over one pool "
+    "for all layers, each head's pages consecutive (ordered), in runs of --prefill-chunk "
+    "tokens as a chunked prefill allocates them (prefill), or anywhere (shuffled); outputs "
+    "checked against dense to 1e-4."
 )
 
 
@@ -260,7 +288,15 @@ def main(argv: list[str] | None = None) -> dict:
         **harness.provenance("jaxkv bench attention_read", argv),
         "shape": {
             name: getattr(args, name)
-            for name in ("layers", "kv_heads", "group", "head_dim", "page_size", "batch")
+            for name in (
+                "layers",
+                "kv_heads",
+                "group",
+                "head_dim",
+                "page_size",
+                "prefill_chunk",
+                "batch",
+            )
         },
         "method": METHOD,
         "rows": rows,

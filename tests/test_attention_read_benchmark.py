@@ -27,7 +27,9 @@ def test_report_rows_rates_and_ratios(tmp_path):
             assert row[f"{way}_gbs"] == pytest.approx(
                 row["kv_bytes"] / min(row["seconds"][way]) / 1e9
             )
-        assert row["paged_over_dense"] == pytest.approx(row["paged_ms"] / row["dense_ms"])
+        for layout in attention_read.LAYOUTS:
+            ratio = row[f"paged_{layout}_ms"] / row["dense_ms"]
+            assert row[f"paged_{layout}_over_dense"] == pytest.approx(ratio)
     assert "| 128 | 2 |" in out.with_suffix(".md").read_text()
 
 
@@ -44,23 +46,37 @@ def test_dense_attention_is_softmax_attention():
         np.testing.assert_allclose(out[b, head, g], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_pool_holds_each_token_where_the_table_says():
+@pytest.mark.parametrize("layout", attention_read.LAYOUTS)
+def test_pool_holds_each_token_where_the_table_says(layout):
     args = attention_read.parse_args([*TINY, "--contexts", "32"])
     inputs = attention_read.step_inputs(args, 32)
-    table = np.asarray(inputs["tables"][1])  # layer 1: [B, K, pages]
-    page = table[1, 0, 2]
-    np.testing.assert_array_equal(inputs["k_pool"][page], inputs["k"][1][1, 0, 16:24])
-    assert sorted(np.concatenate([np.ravel(t) for t in inputs["tables"]])) == list(
-        range(2 * 2 * 2 * 4)
-    )
+    tables = inputs[layout]["tables"]
+    page = np.asarray(tables[1])[1, 0, 2]  # layer 1, sequence 1, head 0, page 2
+    np.testing.assert_array_equal(inputs[layout]["k_pool"][page], inputs["k"][1][1, 0, 16:24])
+    np.testing.assert_array_equal(inputs[layout]["v_pool"][page], inputs["v"][1][1, 0, 16:24])
+    ids = sorted(np.concatenate([np.ravel(table) for table in tables]))
+    assert ids == list(range(2 * 2 * 2 * 4))
+
+
+def test_layouts():
+    shape = (2, 1, 2, 5)  # layers, batch, heads, pages
+    ordered = attention_read.page_table("ordered", shape, run=2, seed=0)
+    np.testing.assert_array_equal(ordered[1, 0, 1], [15, 16, 17, 18, 19])
+    prefill = attention_read.page_table("prefill", shape, run=2, seed=0)
+    # Chunk by chunk (2 pages a head), layer by layer, head by head; the last chunk has 1 page.
+    np.testing.assert_array_equal(prefill[0, 0, 0], [0, 1, 8, 9, 16])
+    np.testing.assert_array_equal(prefill[1, 0, 1], [6, 7, 14, 15, 19])
+    shuffled = attention_read.page_table("shuffled", shape, run=2, seed=0)
+    assert sorted(shuffled.reshape(-1)) == list(range(20))
+    assert not np.array_equal(shuffled, ordered)
 
 
 def test_a_wrong_paged_result_is_caught():
     args = attention_read.parse_args([*TINY, "--contexts", "32"])
     inputs = attention_read.step_inputs(args, 32)
     fns = attention_read.programs(args)
-    inputs["v_pool"] = inputs["v_pool"].at[0].add(1.0)
-    with pytest.raises(AssertionError, match="differs from dense"):
+    inputs["prefill"]["v_pool"] = inputs["prefill"]["v_pool"].at[0].add(1.0)
+    with pytest.raises(AssertionError, match="paged attention .prefill. differs from dense"):
         attention_read.check_agreement(fns, inputs)
 
 
