@@ -69,13 +69,8 @@ def page_table(layout: str, shape: tuple[int, int, int, int], run: int, seed: in
 def step_inputs(args, context: int) -> dict:
     """Random K and V of every layer, dense [L][B, K, T, H] and paged in each layout (pools
     [P, p, H] and tables [L][B, K, T / p]), and one query per head [L][B, K, G, H]."""
-    layers, b, kv_heads, h, p = (
-        args.layers,
-        args.batch,
-        args.kv_heads,
-        args.head_dim,
-        args.page_size,
-    )
+    layers, b, kv_heads, h = args.layers, args.batch, args.kv_heads, args.head_dim
+    p = args.page_size
     pages = context // p
     key_k, key_v, key_q = jax.random.split(jax.random.PRNGKey(0), 3)
     shape = (layers, b, kv_heads, context, h)
@@ -83,6 +78,7 @@ def step_inputs(args, context: int) -> dict:
     v = jax.random.normal(key_v, shape, jnp.float32)
     q = jax.random.normal(key_q, (layers, b, kv_heads, args.group, h), jnp.float32)
     inputs = {"q": list(q), "k": list(k), "v": list(v)}
+    inputs["lengths"] = jnp.full((b, kv_heads), context, jnp.int32)
     run = max(1, args.prefill_chunk // p)
     for layout in LAYOUTS:
         table = page_table(layout, (layers, b, kv_heads, pages), run, seed=context)
@@ -92,10 +88,7 @@ def step_inputs(args, context: int) -> dict:
             "v_pool": jnp.zeros((ids.size, p, h), jnp.float32).at[ids].set(v.reshape(-1, p, h)),
             "tables": list(jnp.asarray(table)),
         }
-    return {
-        **inputs,
-        "lengths": jnp.full((b, kv_heads), context, jnp.int32),
-    }
+    return inputs
 
 
 def programs(args) -> dict:
