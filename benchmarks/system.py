@@ -26,7 +26,7 @@ With `--processes N` every row runs in N processes, round-robin over the grid (d
 rows alike), and keeps the process with the fastest decode, its roofline at the highest read
 rate any of them probed (the strictest bar); every process's decode time and read rate stay in
 the row. On a shared 2-core machine one process's minimum over repeats moved by up to 1.8x
-between processes of the same row (`docs/design-notes.md`).
+between processes of the same row (`results/system/cpu-kv/system-4k.md`).
 Rows that cannot fit (weights + KV + attention temporaries against the device memory, or the
 allocator's out-of-memory error) say so with the largest size that fits; a policy that cannot
 work at a context reports jaxkv's ValueError in its row. Writes `<out>.json`, `<out>.md`,
