@@ -14,10 +14,12 @@ reports:
   evict     the policy's decode-time eviction (the decode eviction's `on_decode`), run every
             `decode_interval` steps: its bytes and flops apart, and per step amortised.
 
-Bytes accessed are XLA's cost analysis (HloCostAnalysis), an upper bound on traffic, not a
-measurement of it: it charges a gather its whole operand (gathering 8 pages of a 3.3 GB pool
-counts 3.3 GB; a dynamic slice of the same pages counts 0.8 MB), and the XLA path reads pages
-by gathers, block by block. Memory is XLA's buffer assignment, which is what a run allocates.
+Bytes accessed are XLA's cost analysis (HloCostAnalysis), neither traffic nor a bound on it:
+it counts a loop's body once whatever its trip count (the layer scan: one layer's weights, not
+all of them) and charges a gather its whole operand (gathering 8 pages of a 3.3 GB pool counts
+3.3 GB; a dynamic slice of the same pages counts 0.8 MB), and the XLA path reads pages by
+gathers, block by block. `--memory-only` skips those programs. Memory is XLA's buffer
+assignment, which is what a run allocates.
 On the CPU, XLA computes bf16 dots in f32 and hoists the weights' conversion out of the layer
 loop (a f32 copy of every layer's weights among the temporaries, which GPU and TPU compilers do
 not make): plan CPU runs in the dtype they will run in, f32 by default here.
@@ -223,20 +225,17 @@ def _prefill_cost(r: _AbstractRequest) -> ProgramCost:
     )
 
 
-def _decode_costs(
-    r: _AbstractRequest, policy, decode_kv: KVState, max_new_tokens: int
-) -> dict[str, ProgramCost | None]:
-    """The decode loop, one decode step, and the eviction apart (None if it never evicts)."""
-    cfg, batch = r.model.config, len(r.lengths)
-    budget_ratio = abstract(jnp.asarray(policy.budget_ratio(batch)))
-    decode = program_cost(
+def _decode_cost(r: _AbstractRequest, policy, decode_kv: KVState, max_new_tokens: int):
+    """The decode loop's program."""
+    batch = len(r.lengths)
+    return program_cost(
         decode_loop.jitted.lower(
             model=r.model,
             kv=decode_kv,
-            last_hidden=jax.ShapeDtypeStruct((batch, cfg.hidden_size), r.model.dtype),
+            last_hidden=jax.ShapeDtypeStruct((batch, r.model.config.hidden_size), r.model.dtype),
             lengths=r.rows,
             budget_tokens=r.budget,
-            budget_ratio=budget_ratio,
+            budget_ratio=_budget_ratio(policy, batch),
             max_new_tokens=jax.ShapeDtypeStruct((), jnp.int32),
             key=r.key,
             stop_tokens=jax.ShapeDtypeStruct((1,), jnp.int32),
@@ -248,10 +247,19 @@ def _decode_costs(
             backend=Backend.XLA,
         )
     )
+
+
+def _budget_ratio(policy, batch: int) -> jax.ShapeDtypeStruct:
+    return abstract(jnp.asarray(policy.budget_ratio(batch)))
+
+
+def _read_costs(r: _AbstractRequest, policy, decode_kv: KVState) -> dict[str, ProgramCost | None]:
+    """One decode step's reading, and the eviction apart (None if it never evicts)."""
+    cfg, batch = r.model.config, len(r.lengths)
     context_arrays = StepContext(
         prompt_lengths=r.rows,
         budget_tokens=r.budget,
-        budget_ratio=budget_ratio,
+        budget_ratio=_budget_ratio(policy, batch),
         key=r.key,
         step=jax.ShapeDtypeStruct((), jnp.int32),
         policy_params=r.params,
@@ -274,7 +282,7 @@ def _decode_costs(
         evict = program_cost(
             jax.jit(on_decode, donate_argnums=0).lower(decode_kv, context_arrays, r.rows, logits)
         )
-    return {"decode": decode, "step": step, "evict": evict}
+    return {"step": step, "evict": evict}
 
 
 def plan_request(
@@ -286,8 +294,11 @@ def plan_request(
     max_new_tokens: int,
     page_size: int,
     dtype,
+    reads: bool = True,
 ) -> dict:
-    """The plan of one request (module docstring); sizes in bytes."""
+    """The plan of one request (module docstring); sizes in bytes. `reads=False` plans memory
+    alone: the step and eviction programs (XLA's bytes accessed) are not compiled, and their
+    fields are None."""
     r = _abstract_request(
         cfg,
         context=context,
@@ -318,16 +329,20 @@ def plan_request(
                 kv=r.kv, num_pages=num_pages, max_pages=max_pages, int8_geometry=None
             )
         )
-    programs = {"prefill": prefill, "repack": repack}
-    programs |= _decode_costs(r, policy, decode_kv, max_new_tokens)
-    decode, step, evict = programs["decode"], programs["step"], programs["evict"]
+    decode = _decode_cost(r, policy, decode_kv, max_new_tokens)
+    programs = {"prefill": prefill, "repack": repack, "decode": decode, "step": None, "evict": None}
+    if reads:
+        programs |= _read_costs(r, policy, decode_kv)
     weights = tree_bytes(r.model.params)
     prefill_kv, held_kv = _kv_bytes(r.geometry), _kv_bytes(decode_geometry)
     peaks = [prefill.peak, decode.peak]
     if repack is not None:
         peaks.append(weights + repack.peak)
+    step, evict = programs["step"], programs["evict"]
     interval = r.static.decode_eviction.decode_interval if evict is not None else None
-    step_bytes = step.bytes_accessed + (evict.bytes_accessed / interval if evict else 0.0)
+    step_bytes = None
+    if reads:
+        step_bytes = step.bytes_accessed + (evict.bytes_accessed / interval if evict else 0.0)
     return {
         "policy": policy.name,
         "context": context,
@@ -340,7 +355,9 @@ def plan_request(
         "peak_bytes": max(peaks),
         "peak_over_weights_and_kv": max(peaks) / (weights + max(prefill_kv, held_kv)),
         "step_bytes_accessed": step_bytes,
-        "step_bytes_over_weights_and_kv": step_bytes / (weights + held_kv),
+        "step_bytes_over_weights_and_kv": (
+            None if step_bytes is None else step_bytes / (weights + held_kv)
+        ),
         "evict_interval": interval,
         "programs": {
             name: None if cost is None else {**dataclasses.asdict(cost), "peak": cost.peak}
@@ -351,6 +368,12 @@ def plan_request(
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
+
+
+def _reads(row: dict) -> str:
+    if row["step_bytes_accessed"] is None:
+        return "- | -"  # planned with --memory-only
+    return f"{row['step_bytes_accessed'] / 1e9:.1f} | {row['step_bytes_over_weights_and_kv']:.2f}"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -365,7 +388,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['policy']} | {r['context']} x {r['batch']} | {_gib(r['weights_bytes'])} "
             f"| {_gib(r['prefill_kv_bytes'])} | {_gib(r['decode_kv_bytes'])} "
             f"| {_gib(r['peak_bytes'])} | {r['peak_over_weights_and_kv']:.3f} "
-            f"| {r['step_bytes_accessed'] / 1e9:.1f} | {r['step_bytes_over_weights_and_kv']:.2f} "
+            f"| {_reads(r)} "
             f"| {r['held_rule']} |"
         )
     return "\n".join(lines) + "\n"
@@ -382,6 +405,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=sorted(configs.SUPPORTED_DTYPES))
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="plan memory alone: skips the step and eviction programs (bytes accessed)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="writes plan.json and plan.md")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -418,6 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
                 max_new_tokens=args.max_new_tokens,
                 page_size=args.page_size,
                 dtype=dtype,
+                reads=not args.memory_only,
             )
             rows.append(row)
             print(markdown_table([row]).splitlines()[-1], flush=True)

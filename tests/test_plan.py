@@ -64,7 +64,30 @@ def test_planned_pools_are_what_a_run_allocates(spec):
     assert prefill_program["aliased"] >= pages
 
 
+def test_memory_only_plans_the_same_memory_without_the_read_programs():
+    cfg = tiny_config(num_layers=3, num_kv_heads=2, max_position_embeddings=1024)
+    policy = policies.from_spec("h2o:64")
+    kwargs = dict(context=300, batch=2, policy=policy, max_new_tokens=9, page_size=16)
+    both = plan.plan_request(cfg, **kwargs, dtype=jnp.float32)
+    memory = plan.plan_request(cfg, **kwargs, dtype=jnp.float32, reads=False)
+    programs = ("prefill", "repack", "decode")
+    for name in programs:
+        assert _memory(memory["programs"][name]) == _memory(both["programs"][name])
+    assert memory["peak_bytes"] == both["peak_bytes"]
+    assert both["evict_interval"] == policy.decode_eviction.decode_interval
+    assert both["step_bytes_accessed"] >= both["programs"]["step"]["bytes_accessed"] > 0
+    assert memory["programs"]["step"] is memory["programs"]["evict"] is None
+    assert memory["step_bytes_accessed"] is memory["evict_interval"] is None
+    assert "| - | - |" in plan.markdown_table([memory])
+
+
+def _memory(program: dict | None):
+    fields = ("arguments", "outputs", "aliased", "temporaries")
+    return None if program is None else [program[f] for f in fields]
+
+
 def _llama_8b_row(spec: str, context: int) -> dict:
+    """Memory alone (the step and eviction programs are not what these tests check)."""
     return plan.plan_request(
         LLAMA_8B,
         context=context,
@@ -73,6 +96,7 @@ def _llama_8b_row(spec: str, context: int) -> dict:
         max_new_tokens=256,
         page_size=64,
         dtype=jnp.float32,
+        reads=False,
     )
 
 
