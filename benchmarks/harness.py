@@ -6,8 +6,9 @@ source commit and machine), writes the JSON and markdown next to each other (`sa
 number in the README and `docs/` traces back to a command and a file, and runs rows that need a
 fresh process (their own memory peak, device count or XLA flags) through `run_child` and
 `print_row`. Shared by several benchmarks: the timing and bandwidth probe (`seconds_per_call`,
-`copy_bandwidth`), a sweep cell's policy (`build_policy`) and the Wilson interval of a share of
-correct answers (`wilson_interval`).
+`copy_bandwidth`), a sweep cell's policy (`build_policy`), the Wilson interval of a share of
+correct answers (`wilson_interval`) and the interval of one policy's correct answers over
+another's on the same episodes (`paired_ratio_interval`).
 """
 
 from __future__ import annotations
@@ -189,3 +190,29 @@ def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float
         z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
     )
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired_ratio_interval(
+    correct: Sequence[bool],
+    baseline_correct: Sequence[bool],
+    resamples: int = 20_000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """The 95% percentile-bootstrap interval of sum(correct) / sum(baseline_correct) over the
+    same episodes (both [E], episode e's outcome at index e): episodes are resampled together,
+    so what the two share does not count as noise. Resamples in which the baseline answers
+    nothing are left out; (nan, nan) if it answers no episode at all."""
+    correct, baseline = (np.asarray(a, dtype=bool) for a in (correct, baseline_correct))
+    if correct.shape != baseline.shape or correct.ndim != 1:
+        raise ValueError(
+            f"correct {correct.shape} and baseline_correct {baseline.shape}: one outcome per "
+            "episode, the same episodes"
+        )
+    if not baseline.any():
+        return math.nan, math.nan
+    picks = np.random.default_rng(seed).integers(0, len(correct), (resamples, len(correct)))
+    found, found_by_baseline = correct[picks].sum(axis=1), baseline[picks].sum(axis=1)
+    defined = found_by_baseline > 0
+    ratios = found[defined] / found_by_baseline[defined]
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)

@@ -13,8 +13,9 @@ Two settings:
             then the question is read over the compressed cache and the answer decoded with the
             full-cache rule (kvpress's setting: the cache must serve a question it never saw).
 Scores: exact match of the 7 digits, and the share of correct leading digits (eviction often
-keeps part of a number); 95% Wilson intervals on exact match. KV bytes are what the cache holds
-after compression, per sequence.
+keeps part of a number); 95% Wilson intervals on exact match; each episode's exact match
+(`episode_exact`), so that a policy is compared with the full cache episode by episode
+(`quality-paired.md`). KV bytes are what the cache holds after compression, per sequence.
 
     jaxkv bench real_quality --policies full snapkv --budgets 0.3 --lengths 2048 \
         --samples 16 --out results/real-quality
@@ -83,6 +84,7 @@ def run_cell(
         "leading_digits": float(np.mean([r[1] for r in results])),
         "kv_bytes_per_sequence": kv_bytes,
         "samples": len(episodes),
+        "episode_exact": [bool(r[0]) for r in results],
     }
 
 

@@ -3,7 +3,10 @@ line per (policy, budget, context, setting) with exact match, its 95% Wilson int
 leading digits per task, and a panel per (task, setting, context) of exact match against the
 share of the full cache's bytes held; and for the policies run at several budgets, one line per
 (policy, context, setting) with their exact match at each budget; and the cells two reports
-share (jaxkv's against kvpress's) side by side, in episodes."""
+share (jaxkv's against kvpress's) side by side, in episodes; and, where rows record each
+episode's outcome, every policy against the full cache on the same episodes: the full cache's
+answers it keeps, the answers it gains, and its accuracy over the full cache's with a paired
+bootstrap interval."""
 
 from __future__ import annotations
 
@@ -138,6 +141,44 @@ def agreement_table(rows: list[dict], reference_rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_table(rows: list[dict]) -> str:
+    """One line per cell whose row and the full cache's row (same length, task, setting and
+    episodes) record each episode's exact match: the episodes both answer, those only the
+    policy answers, and exact(policy) / exact(full) with its 95% paired bootstrap interval."""
+    full = {
+        (r["length"], r["task"], r["setting"]): r
+        for r in rows
+        if r["policy"] == "full" and "episode_exact" in r
+    }
+    lines = [
+        "| policy | budget | context | task | setting | KV of full | exact | full exact | "
+        "full's answers kept | answers full missed | exact / full's [95% CI] |",
+        "|" + " --- |" * 11,
+    ]
+    compared = [
+        (r, full[(r["length"], r["task"], r["setting"])])
+        for r in rows
+        if r["policy"] != "full"
+        and "episode_exact" in r
+        and (r["length"], r["task"], r["setting"]) in full
+        and full[(r["length"], r["task"], r["setting"])]["samples"] == r["samples"]
+    ]
+    compared.sort(key=lambda pair: (*cell_key(pair[0])[2:], pair[0]["policy"]))
+    for row, baseline in compared:
+        ours, theirs = (np.asarray(r["episode_exact"], dtype=bool) for r in (row, baseline))
+        low, high = harness.paired_ratio_interval(ours, theirs)
+        ratio = ours.sum() / theirs.sum() if theirs.any() else float("nan")
+        budget_text = "auto" if row["budget"] is None else f"{row['budget']:g}"
+        share = row["kv_bytes_per_sequence"] / baseline["kv_bytes_per_sequence"]
+        lines.append(
+            f"| {row['policy']} | {budget_text} | {row['length']} | {row['task']} | "
+            f"{row['setting']} | {100 * share:.0f}% | {ours.sum()}/{len(ours)} | "
+            f"{theirs.sum()}/{len(theirs)} | {(ours & theirs).sum()}/{theirs.sum()} | "
+            f"{(ours & ~theirs).sum()} | {ratio:.2f} [{low:.2f}, {high:.2f}] |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Exact match against the share of the full cache's bytes: a row of panels per context
     length, a panel per task x setting (empty where that length has no such cell)."""
@@ -188,12 +229,14 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def write(rows: list[dict], directory: Path) -> str:
-    """quality.md, quality-budgets.md and quality.png of `rows` in `directory`; returns the
-    first table."""
+    """quality.md, quality-budgets.md (several budgets), quality-paired.md (rows with each
+    episode's outcome) and quality.png of `rows` in `directory`; returns the first table."""
     table = markdown_table(rows)
     (directory / "quality.md").write_text(table)
     if len({r["budget"] for r in rows if r["budget"] is not None}) > 1:
         (directory / "quality-budgets.md").write_text(budget_table(rows))
+    if any("episode_exact" in r for r in rows):
+        (directory / "quality-paired.md").write_text(paired_table(rows))
     plot(rows, directory / "quality.png")
     return table
 

@@ -58,8 +58,10 @@ def test_full_cache_answers_the_same_in_both_settings(model_and_tokenizer):
     full = policies.get("full")
     aware = real_quality.run_cell(model, tokenizer, full, episodes, "aware")
     agnostic = real_quality.run_cell(model, tokenizer, full, episodes, "agnostic")
-    for key in ("exact", "leading_digits", "samples"):
+    for key in ("exact", "leading_digits", "samples", "episode_exact"):
         assert aware[key] == agnostic[key]
+    assert len(aware["episode_exact"]) == 3
+    assert sum(aware["episode_exact"]) / 3 == aware["exact"]
     snap = real_quality.run_cell(
         model, tokenizer, policies.get("snapkv", budget=0.25), episodes, "agnostic"
     )
@@ -115,6 +117,55 @@ def test_render_writes_the_table_of_a_saved_report(tmp_path):
     assert not (tmp_path / "kvpress" / "quality-budgets.md").exists()
     with pytest.raises(ValueError, match="--render"):
         real_quality.main(["--against", str(report)])
+
+
+def test_paired_ratio_interval_resamples_episodes_together():
+    full = np.zeros(400, dtype=bool)
+    full[:300] = True
+    assert harness.paired_ratio_interval(full, full) == (1.0, 1.0)
+    subset = full.copy()
+    subset[270:300] = False  # 270 of the full cache's 300 answers: 0.9
+    low, high = harness.paired_ratio_interval(subset, full)
+    # The delta method by hand: d = x - 0.9 y is 0.1 on 270 episodes, -0.9 on 30, 0 on 100;
+    # var(d) = (270 * 0.01 + 30 * 0.81) / 400 = 0.0675; se = sqrt(0.0675 / 400) / 0.75 = 0.01732.
+    assert low == pytest.approx(0.9 - 1.96 * 0.01732, abs=0.006)
+    assert high == pytest.approx(0.9 + 1.96 * 0.01732, abs=0.006)
+    superset = full.copy()
+    superset[300:310] = True
+    assert harness.paired_ratio_interval(superset, full)[0] >= 1.0
+    assert np.isnan(harness.paired_ratio_interval(full, np.zeros(400, dtype=bool))).all()
+    with pytest.raises(ValueError, match="one outcome per episode"):
+        harness.paired_ratio_interval(full, full[:10])
+
+
+def test_paired_table_compares_each_policy_with_the_full_cache_episode_by_episode(tmp_path):
+    cell = dict(length=2048, task="multikey", setting="agnostic", samples=4, leading_digits=0.5)
+    outcomes = {"full": [1, 1, 1, 0], "kvzip": [1, 0, 1, 1], "snapkv": [0, 0, 0, 0]}
+    rows = [
+        dict(
+            cell,
+            policy=policy,
+            budget=None if policy == "full" else 0.3,
+            exact=sum(found) / 4,
+            exact_interval=harness.wilson_interval(sum(found), 4),
+            kv_bytes_per_sequence=100.0 if policy == "full" else 30.0,
+            episode_exact=[bool(f) for f in found],
+        )
+        for policy, found in outcomes.items()
+    ]
+    rows.append(dict(rows[1], policy="tova", samples=3, episode_exact=[True] * 3))  # other episodes
+    rows.append({k: v for k, v in rows[1].items() if k != "episode_exact"} | {"policy": "h2o"})
+    report = tmp_path / "quality.json"
+    report.write_text(json.dumps({"rows": rows}))
+    real_quality.main(["--render", str(report)])
+    lines = (tmp_path / "quality-paired.md").read_text().splitlines()
+    kvzip_low, kvzip_high = harness.paired_ratio_interval(outcomes["kvzip"], outcomes["full"])
+    assert lines[2:] == [
+        "| kvzip | 0.3 | 2048 | multikey | agnostic | 30% | 3/4 | 3/4 | 2/3 | 1 | "
+        f"1.00 [{kvzip_low:.2f}, {kvzip_high:.2f}] |",
+        "| snapkv | 0.3 | 2048 | multikey | agnostic | 30% | 0/4 | 3/4 | 0/3 | 0 | "
+        "0.00 [0.00, 0.00] |",
+    ]
 
 
 def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, tmp_path):
