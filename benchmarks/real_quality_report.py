@@ -155,13 +155,14 @@ def paired_table(rows: list[dict]) -> str:
         "full's answers kept | answers full missed | exact / full's [95% CI] |",
         "|" + " --- |" * 11,
     ]
+    baselines = [full.get((r["length"], r["task"], r["setting"])) for r in rows]
     compared = [
-        (r, full[(r["length"], r["task"], r["setting"])])
-        for r in rows
+        (r, baseline)
+        for r, baseline in zip(rows, baselines, strict=True)
         if r["policy"] != "full"
         and "episode_exact" in r
-        and (r["length"], r["task"], r["setting"]) in full
-        and full[(r["length"], r["task"], r["setting"])]["samples"] == r["samples"]
+        and baseline is not None
+        and baseline["samples"] == r["samples"]
     ]
     compared.sort(key=lambda pair: (*cell_key(pair[0])[2:], pair[0]["policy"]))
     for row, baseline in compared:
