@@ -131,7 +131,8 @@ def test_two_processes_feeding_halves_match_one_process_on_the_whole_batch(tmp_p
     port = _free_port()
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS} "
+        "--xla_backend_optimization_level=0",  # as the suite's (conftest.py)
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }

@@ -100,8 +100,14 @@ def _llama_8b_row(spec: str, context: int) -> dict:
     )
 
 
-@pytest.mark.parametrize("context", [32768, 130816])
-@pytest.mark.parametrize("spec", WITHIN_BOUND)
+# Every policy at 128K, where the KV outweighs the weights; at 32K, one of each kind of budget
+# (none, a share of the prompt, fixed token counts). Each case compiles 8B-shaped programs.
+LLAMA_8B_CASES = [(spec, 130816) for spec in WITHIN_BOUND] + [
+    (spec, 32768) for spec in ("full", "h2o:0.25", "confkv")
+]
+
+
+@pytest.mark.parametrize(("spec", "context"), LLAMA_8B_CASES)
 def test_llama_8b_request_peak_is_weights_and_kv_plus_15_percent(spec, context):
     row = _llama_8b_row(spec, context)
     weights, most_kv = row["weights_bytes"], max(row["prefill_kv_bytes"], row["decode_kv_bytes"])
