@@ -38,7 +38,8 @@ CHILD_CWD = Path(jaxkv.__file__).resolve().parents[1]
 
 
 def source_commit() -> str | None:
-    """The git commit of the checkout this runs from (None outside one)."""
+    """The git commit of the checkout this runs from; outside one (a copy of the tree sent to a
+    GPU machine), `JAXKV_SOURCE_COMMIT` where the sender set it, else None."""
     try:
         found = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -48,7 +49,7 @@ def source_commit() -> str | None:
             check=True,
         )
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return os.environ.get("JAXKV_SOURCE_COMMIT")
     return found.stdout.strip()
 
 
