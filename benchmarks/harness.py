@@ -38,8 +38,10 @@ CHILD_CWD = Path(jaxkv.__file__).resolve().parents[1]
 
 
 def source_commit() -> str | None:
-    """The git commit of the checkout this runs from; outside one (a copy of the tree sent to a
-    GPU machine), `JAXKV_SOURCE_COMMIT` where the sender set it, else None."""
+    """`JAXKV_SOURCE_COMMIT` where the sender of a copied tree set it (a GPU machine's copy can
+    hold a stale .git), else the git commit of the checkout this runs from, else None."""
+    if os.environ.get("JAXKV_SOURCE_COMMIT"):
+        return os.environ["JAXKV_SOURCE_COMMIT"]
     try:
         found = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -49,7 +51,7 @@ def source_commit() -> str | None:
             check=True,
         )
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("JAXKV_SOURCE_COMMIT")
+        return None
     return found.stdout.strip()
 
 

@@ -451,6 +451,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     results = [[] for _ in grid]
     runs = [(index, row) for _ in range(args.processes) for index, row in enumerate(grid)]
+    out = Path(args.out)
     for index, row in tqdm(runs, desc="system benchmark", unit="row"):
         c, b = row["context"], row["batch"]
         estimate = memory_estimate(cfg, itemsize, c, b, args)["total"]
@@ -461,9 +462,23 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             result = row_in_subprocess(argv, row, limit, cfg, args)
         results[index].append(result)
-    rows = [{**row, **fastest_process(found)} for row, found in zip(grid, results, strict=True)]
+        # The rows finished so far are saved as they come, so that a run cut short keeps them.
+        report = build_report(args, argv, cfg, env, grid, results)
+        harness.save(out.parent, out.stem, report, markdown(report))
+    plot(report, str(out.with_suffix(".png")))
+    print(markdown(report))
+    return report
+
+
+def build_report(args, argv, cfg, env: dict, grid: list[dict], results: list[list]) -> dict:
+    """The report of the grid's rows whose every process has finished."""
+    rows = [
+        {**row, **fastest_process(found)}
+        for row, found in zip(grid, results, strict=True)
+        if len(found) == args.processes
+    ]
     derive(rows, cfg, args, env["bandwidth_gbs"])
-    report = {
+    return {
         "benchmark": "system",
         **harness.provenance("jaxkv bench system", argv),
         "environment": env,
@@ -472,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict:
             "name": args.model,
             "config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()},
             "dtype": args.dtype,
-            "weight_bytes": weight_bytes(cfg, itemsize)["total"],
+            "weight_bytes": weight_bytes(cfg, ITEMSIZE[args.dtype])["total"],
             "weights": "random (init_model, seed 0)",
         },
         "settings": {k: v for k, v in vars(args).items() if k not in ("one", "probe")},
@@ -488,13 +503,8 @@ def main(argv: list[str] | None = None) -> dict:
             )
         ),
         "rows": rows,
+        "rows_planned": len(grid),
     }
-    out = Path(args.out)
-    text = markdown(report)
-    harness.save(out.parent, out.stem, report, text)
-    plot(report, str(out.with_suffix(".png")))
-    print(text)
-    return report
 
 
 if __name__ == "__main__":

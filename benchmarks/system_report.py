@@ -87,6 +87,12 @@ def markdown(report: dict) -> str:
         lines += ["**CPU numbers** (no accelerator): times and peaks say little about a GPU.", ""]
     if report.get("note"):
         lines += [report["note"], ""]
+    planned = report.get("rows_planned", len(report["rows"]))
+    if len(report["rows"]) < planned:
+        lines += [
+            f"**{len(report['rows'])} of {planned} rows**: the run stopped before the rest.",
+            "",
+        ]
     lines += [
         "| " + " | ".join(name for name, _, _ in COLUMNS) + " |",
         "|" + " --- |" * len(COLUMNS),

@@ -98,7 +98,7 @@ def _cached_partials(q, pool: PagePool, page_table, held, layer, *, policy, read
     if read_budget is not None:
         page_mask = policy.selection.select_pages(q, pool, page_table, held, read_budget)
     scoring = policy.attention_scoring is not None
-    return_probs = scoring and attention_ops.probs_come_with_attention(step["backend"], q.shape[2])
+    return_probs = scoring and attention_ops.probs_come_with_attention(q.shape[2])
     partials = [
         attention_ops.paged_attention(
             q,

@@ -139,6 +139,32 @@ def test_processes_keep_the_fastest_decode_and_the_strictest_roofline(tmp_path, 
     assert "40.0 / 30.0 / 35.0" in (tmp_path / "p.md").read_text()
 
 
+def test_a_run_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    """Each finished row is saved at once: a run killed mid-grid (a device session's time box)
+    leaves the rows before it, and the markdown says how many were planned."""
+
+    def fake_row(argv, row, limit, cfg, args):
+        if row["policy"] != "full":
+            raise KeyboardInterrupt  # what a time box's signal does mid-row
+        return {
+            "decode_ms_per_step": 30.0,
+            "prefill_s": 1.0,
+            "kv_bytes_read_per_step": 1e8,
+            **{key: 1 for key in ("kv_bytes_after_prefill", "kv_bytes_final")},
+            "pool_bytes_allocated": 1,
+        }
+
+    monkeypatch.setattr(system, "row_in_subprocess", fake_row)
+    monkeypatch.setattr(system, "_environment", lambda args, argv: _FAKE_ENV)
+    argv = [*TINY, "--contexts", "64", "--out", str(tmp_path / "cut")]
+    with pytest.raises(KeyboardInterrupt):
+        system.main([*argv, "--policies", "full", "streaming_llm:0.25"])
+    saved = json.loads((tmp_path / "cut.json").read_text())
+    assert [row["policy"] for row in saved["rows"]] == ["full"]
+    assert saved["rows_planned"] == 2 and saved["rows"][0]["decode_ms_per_step"] == 30.0
+    assert "**1 of 2 rows**" in (tmp_path / "cut.md").read_text()
+
+
 def test_an_error_in_any_process_is_the_rows():
     good = {"decode_ms_per_step": 1.0}
     assert system.fastest_process([good, {"error": "boom"}]) == {"error": "boom"}

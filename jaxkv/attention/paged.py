@@ -229,12 +229,13 @@ def _xla_paged_attention(
     return out, lse, probs.reshape(b, n, c, -1)[..., : entries * page_size]
 
 
-def probs_come_with_attention(backend: str, num_queries: int) -> bool:
-    """Whether a chunk's attention mass over the cached pages is best taken from
-    `paged_attention`'s per-slot probabilities: on the kernels (they come with the attention)
-    and for a single query. A chunk's on "xla" would be [B, N, C, M * p] at once, so its mass
-    is recomputed block by block after the attention (`paged_attention_mass`)."""
-    return uses_kernels(backend) or num_queries == 1
+def probs_come_with_attention(num_queries: int) -> bool:
+    """Whether a step's attention mass over the cached pages is taken from `paged_attention`'s
+    per-slot probabilities: only for a single query (decode), on every backend. A chunk's would
+    be f32 [B, N, C, M * p] at once (16 GiB for 8 x 32K-token prompts, 32 query heads, 512-token
+    chunks; H2O's peak on an H100 was 14.7 GiB above SnapKV's there, results/system/h100), so
+    its mass is recomputed block by block after the attention (`paged_attention_mass`)."""
+    return num_queries == 1
 
 
 def paged_attention_mass(

@@ -36,3 +36,10 @@ def test_kernel_benchmark_quick(tmp_path):
     work = [row["work_fraction"] for row in wgkv]
     assert band < work[0] < work[-1] < 1  # band plus more admitted columns, never all
     assert all(row["kernel_ms"] > 0 and row["speedup_vs_dense_kernel"] > 0 for row in wgkv)
+    markdown = out.with_suffix(".md").read_text()
+    lines = markdown.splitlines()
+    table_rows = [line for line in lines if line.startswith("| ") and "---" not in line]
+    assert len(table_rows) == 3 + len(report["decode"]) + len(prefill) + len(wgkv)  # 3 headers
+    out.with_suffix(".md").unlink()
+    kernels.main(["--render", str(out)])
+    assert out.with_suffix(".md").read_text() == markdown
