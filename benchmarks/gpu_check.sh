@@ -2,14 +2,14 @@
 # The GPU checks of a short device session (issue 27 item 5), run from the repository root on a
 # machine with an NVIDIA GPU and jax[cuda]; steps are named on the command line:
 #   OUT=/tmp/gpu JAXKV_SOURCE_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_check.sh \
-#       tests system-32k system-128k kernels
+#       tests system-32k system-128k kernels plan
 # Each step has its own time box (seconds) so that a cut-short step leaves the others' results;
 # `bench system` and `bench kernels` save their rows as they finish. Logs and results land in
 # $OUT, the results folders packed as results.tar.gz (a device call returns at most 8 files).
 # Measured on one H100 (jax 0.11.2, 2026-11-27): pytest -m gpu ran 18 of its 21 tests in 120 s;
 # a system row at 4 layers of the 8B shape took 36-47 s; the kernel sweep below under 100 s. So a
 # 15-minute device budget fits two back-to-back calls (the machine stays warm for 30 s):
-# `tests system-32k` (~440 s), then `system-128k kernels` (~320 s).
+# `tests system-32k` (~440 s), then `system-128k plan` (~370 s; the `kernels` sweep is committed).
 # The system table runs 4 of the 8B shape's 32 layers (per-layer work is the 8B model's) and
 # 128 decode steps for the slope (16 steps were within a 2-s generate call's jitter).
 set -u
@@ -37,6 +37,12 @@ system_table() {  # box context batch name
     --repeats 2 --decode-tokens 128 --decode-start 8 --out "$OUT/system/$4" >"$OUT/$4.log" 2>&1
 }
 
+plan() {  # XLA's buffer assignment of the kernels' programs on this GPU, 8 x 32K at 8B shapes
+  timeout 150 python3 -m jaxkv.benchmarks.plan --model llama-3.1-8b --contexts 32768 --batch 8 \
+    --policies full snapkv:0.25 h2o:0.25 --memory-only --dtype bfloat16 --backend pallas \
+    --out "$OUT/plan" >"$OUT/plan.log" 2>&1
+}
+
 kernels() {
   timeout 100 python3 -m jaxkv.benchmarks.kernels --repeats 3 \
     --decode-tokens 16384 65536 --batches 1 8 --prefill-tokens 16384 65536 \
@@ -49,12 +55,13 @@ for step in "$@"; do
     system-32k) system_table 200 32768 8 system-32k-x8 ;;
     system-128k) system_table 220 131072 1 system-128k-x1 ;;
     kernels) kernels ;;
-    *) echo "unknown step $step (tests, system-32k, system-128k, kernels)" >&2; exit 2 ;;
+    plan) plan ;;
+    *) echo "unknown step $step (tests, system-32k, system-128k, kernels, plan)" >&2; exit 2 ;;
   esac
   echo "$step exit $?" >>"$OUT/env.log"
 done
 
-folders=$(cd "$OUT" && ls -d system kernels 2>/dev/null)
+folders=$(cd "$OUT" && ls -d system kernels plan 2>/dev/null)
 if [ -n "$folders" ]; then
   tar -czf "$OUT/results.tar.gz" -C "$OUT" $folders && (cd "$OUT" && rm -rf $folders)
 fi

@@ -2,8 +2,9 @@
 
 For a model's shapes (`jaxkv.models.configs.MODEL_SHAPES`, e.g. llama-3.1-8b, or a preset), a
 context, a batch and each policy, the programs `generate` runs are lowered from abstract shapes
-(`jax.ShapeDtypeStruct`: nothing is allocated) and compiled for this machine's backend, and XLA
-reports:
+(`jax.ShapeDtypeStruct`: nothing is allocated) and compiled for this machine's backend (the
+attention on `--backend`: "xla" by default; "pallas" on an NVIDIA GPU plans the kernels'
+programs as that device's compiler assigns their buffers), and XLA reports:
 
   prefill   chunked prefill + the policy's compression (`prefill_and_compress`);
   repack    the compressed state into its decode geometry (`repack_program`), where it differs
@@ -48,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import policies
-from jaxkv.attention import Backend
+from jaxkv.attention import Backend, resolve_backend
 from jaxkv.benchmarks import harness
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig
@@ -169,10 +170,11 @@ class _AbstractRequest:
     static: object  # the policy as jit sees it
     key: jax.ShapeDtypeStruct
     rows: jax.ShapeDtypeStruct  # int32 [B]
+    backend: Backend  # the attention backend the programs are lowered for
 
 
 def _abstract_request(
-    cfg: configs.ModelConfig, *, context, batch, policy, max_new_tokens, page_size, dtype
+    cfg: configs.ModelConfig, *, context, batch, policy, max_new_tokens, page_size, dtype, backend
 ) -> _AbstractRequest:
     lengths = np.full(batch, context, np.int32)
     chunk = default_prefill_chunk(policy, lengths)
@@ -202,6 +204,7 @@ def _abstract_request(
         static=policy.static(),
         key=jax.ShapeDtypeStruct((2,), jnp.uint32),
         rows=jax.ShapeDtypeStruct((batch,), jnp.int32),
+        backend=backend,
     )
 
 
@@ -220,7 +223,7 @@ def _prefill_cost(r: _AbstractRequest) -> ProgramCost:
             chunk=r.prompts.chunk,
             policy=r.static,
             int8_window=None,
-            backend=Backend.XLA,
+            backend=r.backend,
         )
     )
 
@@ -244,7 +247,7 @@ def _decode_cost(r: _AbstractRequest, policy, decode_kv: KVState, max_new_tokens
             policy=r.static,
             sampler=Sampler(),
             pad_id=0,
-            backend=Backend.XLA,
+            backend=r.backend,
         )
     )
 
@@ -264,7 +267,7 @@ def _read_costs(r: _AbstractRequest, policy, decode_kv: KVState) -> dict[str, Pr
         step=jax.ShapeDtypeStruct((), jnp.int32),
         policy_params=r.params,
         policy=r.static,
-        backend=Backend.XLA,
+        backend=r.backend,
     )
     step = program_cost(
         jax.jit(read_tokens, donate_argnums=1).lower(
@@ -295,6 +298,7 @@ def plan_request(
     page_size: int,
     dtype,
     reads: bool = True,
+    backend: Backend = Backend.XLA,
 ) -> dict:
     """The plan of one request (module docstring); sizes in bytes. `reads=False` plans memory
     alone: the step and eviction programs (XLA's bytes accessed) are not compiled, and their
@@ -307,6 +311,7 @@ def plan_request(
         max_new_tokens=max_new_tokens,
         page_size=page_size,
         dtype=dtype,
+        backend=backend,
     )
     prefill = _prefill_cost(r)
     held, held_rule = planned_lengths(policy, cfg, context, batch, r.budget_tokens)
@@ -410,9 +415,19 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="plan memory alone: skips the step and eviction programs (bytes accessed)",
     )
+    parser.add_argument(
+        "--backend",
+        default="xla",
+        choices=[backend.value for backend in Backend],
+        help="the attention backend the programs are lowered for (pallas: on an NVIDIA GPU)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="writes plan.json and plan.md")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    try:
+        backend = resolve_backend(args.backend)
+    except ValueError as error:
+        raise SystemExit(f"--backend {args.backend}: {error}") from None
     cfg = configs.model_shape(args.model)
     dtype = configs.dtype_from_name(args.dtype)
     for context in args.contexts:
@@ -447,6 +462,7 @@ def main(argv: list[str] | None = None) -> dict:
                 page_size=args.page_size,
                 dtype=dtype,
                 reads=not args.memory_only,
+                backend=backend,
             )
             rows.append(row)
             print(markdown_table([row]).splitlines()[-1], flush=True)
@@ -454,6 +470,7 @@ def main(argv: list[str] | None = None) -> dict:
         **harness.provenance("jaxkv bench plan", argv),
         "model": args.model,
         "backend": jax.default_backend(),
+        "attention_backend": backend.value,
         "rows": rows,
     }
     table = markdown_table(rows)

@@ -8,6 +8,7 @@ import pytest
 
 import jaxkv
 from jaxkv import policies
+from jaxkv.attention import Backend
 from jaxkv.benchmarks import plan
 from jaxkv.models import configs, init_model
 from tests.tiny_models import tiny_config
@@ -79,6 +80,21 @@ def test_memory_only_plans_the_same_memory_without_the_read_programs():
     assert memory["programs"]["step"] is memory["programs"]["evict"] is None
     assert memory["step_bytes_accessed"] is memory["evict_interval"] is None
     assert "| - | - |" in plan.markdown_table([memory])
+
+
+def test_the_attention_backend_is_planned_as_asked():
+    """`backend` reaches every program: the kernels' (interpreted here) lower to other buffers
+    than the XLA path's, for the same cache."""
+    cfg = tiny_config(num_layers=2, num_kv_heads=2, max_position_embeddings=1024)
+    kwargs = dict(context=200, batch=2, policy=policies.from_spec("h2o:64"), max_new_tokens=5)
+    xla = plan.plan_request(cfg, **kwargs, page_size=16, dtype=jnp.float32, reads=False)
+    kernels = plan.plan_request(
+        cfg, **kwargs, page_size=16, dtype=jnp.float32, reads=False, backend=Backend.INTERPRET
+    )
+    assert kernels["decode_kv_bytes"] == xla["decode_kv_bytes"]
+    assert kernels["prefill_kv_bytes"] == xla["prefill_kv_bytes"]
+    for name in ("prefill", "decode"):
+        assert _memory(kernels["programs"][name]) != _memory(xla["programs"][name])
 
 
 def _memory(program: dict | None):
@@ -161,3 +177,6 @@ def test_bad_plan_requests_are_named():
         plan.main(["--contexts", "1024", "--policies", "wgkv"])
     with pytest.raises(SystemExit, match="--policies snapkv: policy 'snapkv' needs budget="):
         plan.main(["--contexts", "1024", "--policies", "snapkv"])
+    if jax.default_backend() != "gpu":
+        with pytest.raises(SystemExit, match="--backend pallas: "):
+            plan.main(["--contexts", "1024", "--policies", "full", "--backend", "pallas"])
