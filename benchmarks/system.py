@@ -203,18 +203,22 @@ def run_row(args, cfg, context: int, batch: int, spec: str) -> dict:
 
     start = args.decode_start
     first_call_s, short = _timed(lambda: call(1))
+    kv_after_prefill = int(short.memory_bytes[0])
+    del short  # an output holds its KV state: kept, it would count in the next calls' peak
     _timed(lambda: call(1 + start))
     decode_first_call_s, long = _timed(lambda: call(1 + start + d))
+    if len(long.memory_bytes) != 1 + start + d:
+        raise ValueError(f"generation stopped after {len(long.memory_bytes)} steps")
+    kv_read, kv_read_method = _kv_read_per_step(policy, long, np.full(batch, context, np.int32))
+    kv_final, pool_bytes = int(long.memory_bytes[-1]), _pool_bytes(long.state)
+    del long
     prefill, starts, longs = [], [], []
     for _ in range(args.repeats):  # interleaved, so that drift hits all alike
         prefill.append(_timed(lambda: call(1))[0])
         starts.append(_timed(lambda: call(1 + start))[0])
         longs.append(_timed(lambda: call(1 + start + d))[0])
-    if len(long.memory_bytes) != 1 + start + d:
-        raise ValueError(f"generation stopped after {len(long.memory_bytes)} steps")
     decode_ms = 1e3 * (min(longs) - min(starts)) / d
     request_s = min(starts) - min(prefill) - start * decode_ms / 1e3
-    kv_read, kv_read_method = _kv_read_per_step(policy, long, np.full(batch, context, np.int32))
     stats = jax.devices()[0].memory_stats()
     return _step_read_bandwidth(args, cfg, kv_read) | {
         "first_call_s": first_call_s,
@@ -229,11 +233,11 @@ def run_row(args, cfg, context: int, batch: int, spec: str) -> dict:
         "request_work_s": float(request_s),
         "request_work_of_prefill": float(request_s / min(prefill)),
         "decode_tokens_per_s": float(batch * 1e3 / decode_ms) if decode_ms > 0 else None,
-        "kv_bytes_after_prefill": int(short.memory_bytes[0]),
-        "kv_bytes_final": int(long.memory_bytes[-1]),
+        "kv_bytes_after_prefill": kv_after_prefill,
+        "kv_bytes_final": kv_final,
         "kv_bytes_read_per_step": kv_read,
         "kv_bytes_read_method": kv_read_method,
-        **_pool_bytes(long.state),
+        **pool_bytes,
         "device_peak_bytes": None if not stats else stats.get("peak_bytes_in_use"),
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }

@@ -1,7 +1,9 @@
 """The end-to-end system benchmark runs, reports against the full cache, and refuses sizes that
 cannot fit with the largest size that does."""
 
+import gc
 import json
+import weakref
 
 import pytest
 
@@ -50,6 +52,25 @@ def test_in_process_rows_fields_and_ratios(tmp_path):
     # A policy that cannot work at this context reports jaxkv's error; the run goes on.
     assert "window" in rows["fastkvzip:0.01:window=64"]["error"]
     assert "fastkvzip" in out.with_suffix(".md").read_text()
+
+
+def test_no_earlier_output_is_alive_while_a_call_is_timed(tmp_path, monkeypatch):
+    """An output holds its KV state: the device peak of a row is one request's only if no
+    earlier output outlives its reading (on an H100 two held outputs added two full pools)."""
+    real_generate, outputs, alive_at_calls = system.jaxkv.generate, [], []
+
+    def counting_generate(*args, **kwargs):
+        gc.collect()
+        alive_at_calls.append(sum(ref() is not None for ref in outputs))
+        out = real_generate(*args, **kwargs)
+        outputs.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(system.jaxkv, "generate", counting_generate)
+    argv = [*TINY, "--contexts", "64", "--in-process", "--out", str(tmp_path / "t")]
+    report = system.main([*argv, "--policies", "full"])
+    assert report["rows"][0]["kv_bytes_final"] > report["rows"][0]["kv_bytes_after_prefill"] > 0
+    assert len(alive_at_calls) == 3 + 3 and set(alive_at_calls) == {0}  # 3 compiling, 3 timed
 
 
 def test_context_that_cannot_fit_names_the_largest_that_does(tmp_path):
