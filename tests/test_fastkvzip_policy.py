@@ -19,6 +19,7 @@ from jaxkv.generation import prefill
 from tests import hf_models
 from tests import policy_references as ref
 from tests.test_fastkvzip_gate import numpy_scores
+from tests.test_prefill_pieces import retrace_prefill
 
 LENGTHS = (150, 97)
 RATIO = 0.3
@@ -71,7 +72,7 @@ def test_one_chunk_keeps_the_global_top_with_the_window_forced(
     hf, model, params, prompts = setup
     policy = policies.get("fastkvzip", ratio=RATIO)
     monkeypatch.setattr(prefill, "MAX_FORWARD_TOKENS", max_forward_tokens)
-    jax.clear_caches()  # the bound is read while tracing
+    retrace_prefill()
     state = jaxkv.compress_prompt(
         model,
         prompts,
@@ -80,7 +81,7 @@ def test_one_chunk_keeps_the_global_top_with_the_window_forced(
         cache=jaxkv.CacheConfig(page_size=PAGE_SIZE),
         prefill_chunk=160,
     )
-    jax.clear_caches()
+    retrace_prefill()
     for row, prompt in enumerate(prompts):
         t = len(prompt)
         expected, scores = reference_keep(
