@@ -11,7 +11,7 @@
 # 15-minute device budget fits two back-to-back calls (the machine stays warm for 30 s):
 # `tests system-32k` (~440 s), then `system-128k plan` (~370 s; the `kernels` sweep is committed).
 # The system table runs 4 of the 8B shape's 32 layers (per-layer work is the 8B model's) and
-# 128 decode steps for the slope (16 steps were within a 2-s generate call's jitter).
+# 256 decode steps for the slope (16 steps were within a 2-s generate call's jitter).
 set -u
 OUT=${OUT:?set OUT to the output folder}
 LAYERS=${LAYERS:-4}
@@ -34,7 +34,7 @@ system_table() {  # box context batch name
   timeout "$1" python3 -m jaxkv.benchmarks.system --model llama3-8b-shape \
     --layers "$LAYERS" --contexts "$2" --batches "$3" \
     --policies full snapkv:0.25 streaming_llm:0.25 h2o:0.25 --backend pallas \
-    --repeats 2 --decode-tokens 128 --decode-start 8 --out "$OUT/system/$4" >"$OUT/$4.log" 2>&1
+    --repeats 2 --decode-tokens 256 --decode-start 8 --out "$OUT/system/$4" >"$OUT/$4.log" 2>&1
 }
 
 plan() {  # XLA's buffer assignment of the kernels' programs on this GPU, 8 x 32K at 8B shapes
