@@ -2,14 +2,15 @@
 # The GPU checks of a short device session (issue 27 item 5), run from the repository root on a
 # machine with an NVIDIA GPU and jax[cuda]; steps are named on the command line:
 #   OUT=/tmp/gpu JAXKV_SOURCE_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_check.sh \
-#       tests system-32k system-128k kernels plan
+#       tests system-32k system-128k kernels plan tuning
 # Each step has its own time box (seconds) so that a cut-short step leaves the others' results;
 # `bench system` and `bench kernels` save their rows as they finish. Logs and results land in
 # $OUT, the results folders packed as results.tar.gz (a device call returns at most 8 files).
 # Measured on one H100 (jax 0.11.2, 2026-11-27): pytest -m gpu ran 18 of its 21 tests in 120 s;
 # a system row at 4 layers of the 8B shape took 36-47 s; the kernel sweep below under 100 s. So a
 # 15-minute device budget fits two back-to-back calls (the machine stays warm for 30 s):
-# `tests system-32k` (~440 s), then `system-128k plan` (~370 s; the `kernels` sweep is committed).
+# `tests system-32k` (~440 s), then `system-128k plan` (~370 s; the `kernels` sweep is committed;
+# `tuning`, untimed here, in a session of its own).
 # The system table runs 4 of the 8B shape's 32 layers (per-layer work is the 8B model's) and
 # 256 decode steps for the slope (16 steps were within a 2-s generate call's jitter).
 set -u
@@ -43,6 +44,11 @@ plan() {  # XLA's buffer assignment of the kernels' programs on this GPU, 8 x 32
     --out "$OUT/plan" >"$OUT/plan.log" 2>&1
 }
 
+tuning() {  # launch-parameter sweep; its rows print as JSON lines (the log keeps a cut run's)
+  timeout 240 python3 -m jaxkv.benchmarks.kernel_tuning --repeats 3 --out "$OUT/tuning/tuning.json" \
+    >"$OUT/tuning.log" 2>&1
+}
+
 kernels() {
   timeout 100 python3 -m jaxkv.benchmarks.kernels --repeats 3 \
     --decode-tokens 16384 65536 --batches 1 8 --prefill-tokens 16384 65536 \
@@ -56,12 +62,13 @@ for step in "$@"; do
     system-128k) system_table 220 131072 1 system-128k-x1 ;;
     kernels) kernels ;;
     plan) plan ;;
-    *) echo "unknown step $step (tests, system-32k, system-128k, kernels, plan)" >&2; exit 2 ;;
+    tuning) tuning ;;
+    *) echo "unknown step $step (tests system-32k system-128k kernels plan tuning)" >&2; exit 2 ;;
   esac
   echo "$step exit $?" >>"$OUT/env.log"
 done
 
-folders=$(cd "$OUT" && ls -d system kernels plan 2>/dev/null)
+folders=$(cd "$OUT" && ls -d system kernels plan tuning 2>/dev/null)
 if [ -n "$folders" ]; then
   tar -czf "$OUT/results.tar.gz" -C "$OUT" $folders && (cd "$OUT" && rm -rf $folders)
 fi
