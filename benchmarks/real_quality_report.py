@@ -141,20 +141,14 @@ def agreement_table(rows: list[dict], reference_rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def paired_table(rows: list[dict]) -> str:
-    """One line per cell whose row and the full cache's row (same length, task, setting and
-    episodes) record each episode's exact match: the episodes both answer, those only the
-    policy answers, and exact(policy) / exact(full) with its 95% paired bootstrap interval."""
+def paired_cells(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """(row, the full cache's row) of every policy cell that both record each episode's exact
+    match on the same episodes (same length, task, setting and samples), in table order."""
     full = {
         (r["length"], r["task"], r["setting"]): r
         for r in rows
         if r["policy"] == "full" and "episode_exact" in r
     }
-    lines = [
-        "| policy | budget | context | task | setting | KV of full | exact | full exact | "
-        "full's answers kept | answers full missed | exact / full's [95% CI] |",
-        "|" + " --- |" * 11,
-    ]
     baselines = [full.get((r["length"], r["task"], r["setting"])) for r in rows]
     compared = [
         (r, baseline)
@@ -164,7 +158,18 @@ def paired_table(rows: list[dict]) -> str:
         and baseline is not None
         and baseline["samples"] == r["samples"]
     ]
-    compared.sort(key=lambda pair: (*cell_key(pair[0])[2:], pair[0]["policy"]))
+    return sorted(compared, key=lambda pair: (*cell_key(pair[0])[2:], pair[0]["policy"]))
+
+
+def paired_table(compared: list[tuple[dict, dict]]) -> str:
+    """One line per (row, full cache's row) of `paired_cells`: the episodes both answer, those
+    only the policy answers, and exact(policy) / exact(full) with its 95% paired bootstrap
+    interval."""
+    lines = [
+        "| policy | budget | context | task | setting | KV of full | exact | full exact | "
+        "full's answers kept | answers full missed | exact / full's [95% CI] |",
+        "|" + " --- |" * 11,
+    ]
     for row, baseline in compared:
         ours, theirs = (np.asarray(r["episode_exact"], dtype=bool) for r in (row, baseline))
         low, high = harness.paired_ratio_interval(ours, theirs)
@@ -230,14 +235,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def write(rows: list[dict], directory: Path) -> str:
-    """quality.md, quality-budgets.md (several budgets), quality-paired.md (rows with each
-    episode's outcome) and quality.png of `rows` in `directory`; returns the first table."""
+    """quality.md, quality-budgets.md (several budgets), quality-paired.md (cells compared with
+    the full cache episode by episode) and quality.png of `rows` in `directory`; returns the first table."""
     table = markdown_table(rows)
     (directory / "quality.md").write_text(table)
     if len({r["budget"] for r in rows if r["budget"] is not None}) > 1:
         (directory / "quality-budgets.md").write_text(budget_table(rows))
-    if any("episode_exact" in r for r in rows):
-        (directory / "quality-paired.md").write_text(paired_table(rows))
+    compared = paired_cells(rows)
+    if compared:
+        (directory / "quality-paired.md").write_text(paired_table(compared))
     plot(rows, directory / "quality.png")
     return table
 

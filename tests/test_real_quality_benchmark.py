@@ -166,6 +166,13 @@ def test_paired_table_compares_each_policy_with_the_full_cache_episode_by_episod
         "| snapkv | 0.3 | 2048 | multikey | agnostic | 30% | 0/4 | 3/4 | 0/3 | 0 | "
         "0.00 [0.00, 0.00] |",
     ]
+    # Without a full cache recording its episodes nothing pairs: no table of headers alone.
+    unpaired = tmp_path / "unpaired"
+    unpaired.mkdir()
+    (unpaired / "quality.json").write_text(json.dumps({"rows": rows[1:]}))
+    real_quality.main(["--render", str(unpaired / "quality.json")])
+    assert (unpaired / "quality.md").exists()
+    assert not (unpaired / "quality-paired.md").exists()
 
 
 def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, tmp_path):
