@@ -236,7 +236,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def write(rows: list[dict], directory: Path) -> str:
     """quality.md, quality-budgets.md (several budgets), quality-paired.md (cells compared with
-    the full cache episode by episode) and quality.png of `rows` in `directory`; returns the first table."""
+    the full cache episode by episode) and quality.png of `rows` in `directory`; returns the
+    first table."""
     table = markdown_table(rows)
     (directory / "quality.md").write_text(table)
     if len({r["budget"] for r in rows if r["budget"] is not None}) > 1:
