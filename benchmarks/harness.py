@@ -177,10 +177,14 @@ def read_bandwidth(num_bytes: int, repeats: int) -> float:
 # ------------------------------------------------------------------------------ sweeps
 
 
-def build_policy(name: str, budget: float | None):
+def build_policy(name: str, budget: float | None, **options):
     """Policy `name` at a budget ratio (None: its defaults; `policies.get` maps the budget to
-    KVzip's `ratio=`)."""
-    return policies.get(name) if budget is None else policies.get(name, budget=budget)
+    KVzip's `ratio=`), with other fields set by `options`."""
+    return (
+        policies.get(name, **options)
+        if budget is None
+        else policies.get(name, budget=budget, **options)
+    )
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:

@@ -19,6 +19,9 @@ keeps part of a number); 95% Wilson intervals on exact match; each episode's exa
 
     jaxkv bench real_quality --policies full snapkv --budgets 0.3 --lengths 2048 \
         --samples 16 --out results/real-quality
+
+A policy entry may set fields other than the budget, `wgkv:tau=0.3` (its row `wgkv[DIR]:tau=0.3`
+with `--params wgkv=DIR`): a learned gate's threshold moves it along its accuracy-vs-bytes curve.
 """
 
 from __future__ import annotations
@@ -88,20 +91,40 @@ def run_cell(
     }
 
 
-def _cells(names, budgets, params: dict[str, list[Path]]):
-    """(policy name, budget or None, parameters path or None) of every run."""
-    for name in names:
+def parse_policy_entry(entry: str) -> tuple[str, tuple[str, ...], dict]:
+    """`NAME[:KEY=VALUE...]` of `--policies`: the name, its KEY=VALUE parts as given, and the
+    policy's keyword arguments from them (a budget comes from `--budgets`, never from here)."""
+    name, *pairs = entry.split(":")
+    if name not in policies.registered():
+        raise ValueError(f"--policies {entry}: registered policies are {policies.registered()}")
+    for pair in pairs:
+        key = pair.partition("=")[0].strip()
+        if "=" not in pair or key in ("budget", "ratio"):
+            raise ValueError(
+                f"--policies {entry}: after the name give KEY=VALUE options (e.g. wgkv:tau=0.3); "
+                "budgets come from --budgets"
+            )
+    kwargs = spec.policy_kwargs(name, pairs, None, pair_option=f"--policies {entry}, option")
+    return name, tuple(pairs), kwargs
+
+
+def _cells(entries, budgets, params: dict[str, list[Path]]):
+    """(policy entry, budget or None, parameters path or None) of every run."""
+    for entry in entries:
+        name = entry.split(":")[0]
         sources = params.get(name) or [None]
         budget_values = budgets if spec.takes_budget(name) else [None]
-        yield from ((name, b, source) for source in sources for b in budget_values)
+        yield from ((entry, b, source) for source in sources for b in budget_values)
 
 
-def policy_label(name: str, source: Path | None) -> str:
-    """A row's policy: the name, and the parameters' directory for a learned one."""
-    if source is None:
-        return name
-    directory = source.parent if source.is_file() else source
-    return f"{name}[{directory.name}]"
+def policy_label(entry: str, source: Path | None) -> str:
+    """A row's policy: the name, the parameters' directory for a learned one, then the
+    entry's options, e.g. `wgkv[lambda-0.08]:tau=0.3`."""
+    name, _, options = entry.partition(":")
+    if source is not None:
+        directory = source.parent if source.is_file() else source
+        name = f"{name}[{directory.name}]"
+    return f"{name}:{options}" if options else name
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -111,7 +134,15 @@ def main(argv: list[str] | None = None) -> dict:
         default="smollm2-135m-instruct",
         help="a fetched model's name, a .gguf file or a checkpoint directory",
     )
-    parser.add_argument("--policies", nargs="+", default=["full", "streaming_llm", "snapkv"])
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["full", "streaming_llm", "snapkv"],
+        metavar="NAME[:KEY=VALUE...]",
+        help="registered policies, each with options that set its fields (wgkv:tau=0.3, "
+        "local_attention:window=128); a row's policy is the entry, learned parameters' "
+        "directory after the name",
+    )
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.3, 0.5])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
@@ -144,14 +175,13 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError("--against compares a report given with --render: give --render PATH")
     if args.render is not None:
         return real_quality_report.render(args.render, args.against)
-    known = policies.registered()
     params = spec.parse_params(args.params)
-    for name in args.policies:
-        if name not in known:
-            raise ValueError(f"--policies {name}: registered policies are {known}")
+    options = {entry: parse_policy_entry(entry)[2] for entry in args.policies}
+    for entry in args.policies:
+        name = entry.split(":")[0]
         if policies.policy_class(name).needs_params and name not in params:
             raise ValueError(
-                f"--policies {name}: give its trained parameters, --params {name}=PATH"
+                f"--policies {entry}: give its trained parameters, --params {name}=PATH"
             )
     for budget in args.budgets:
         if not 0 < budget <= 1:
@@ -171,24 +201,25 @@ def main(argv: list[str] | None = None) -> dict:
         for length in args.lengths
     }
     cells = [
-        (name, budget, source, length, task, setting)
-        for name, budget, source in _cells(args.policies, args.budgets, params)
+        (entry, budget, source, length, task, setting)
+        for entry, budget, source in _cells(args.policies, args.budgets, params)
         for length in args.lengths
         for task in args.tasks
         for setting in args.settings
-        if (policy_label(name, source), budget, length, task, setting) not in done
+        if (policy_label(entry, source), budget, length, task, setting) not in done
     ]
     loaded = {}
-    for name, budget, source, length, task, setting in tqdm(
+    for entry, budget, source, length, task, setting in tqdm(
         cells, desc="real quality", unit="cell"
     ):
-        policy = harness.build_policy(name, budget).for_tokenizer(tokenizer)
+        name = entry.split(":")[0]
+        policy = harness.build_policy(name, budget, **options[entry]).for_tokenizer(tokenizer)
         if source is not None and source not in loaded:
             loaded[source] = policy.load_params(source, model.config)
         result = run_cell(
             model, tokenizer, policy, episodes[(task, length)], setting, loaded.get(source)
         )
-        label = policy_label(name, source)
+        label = policy_label(entry, source)
         row = {
             "policy": label,
             "budget": budget,

@@ -203,6 +203,33 @@ def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, t
     assert resumed == json.loads(json.dumps(rows))
 
 
+def test_policy_entries_set_fields_and_name_their_rows(tmp_path):
+    """--policies NAME:KEY=VALUE sets the policy's field (a narrower local window holds fewer
+    bytes), the row is named by the entry; a budget, an unknown field or a bad value is refused
+    before any model work."""
+    gguf = tmp_path / "tiny.gguf"
+    gguf_files.write_gguf(gguf, gguf_files.random_model("qwen2-bias"), "qwen2", "F16", "qwen2")
+    common = ["--model", str(gguf), "--lengths", "512", "--samples", "2", "--tasks", "needle"]
+    common += ["--settings", "agnostic", "--out", str(tmp_path)]
+    for entry, message in [
+        ("snapkv:0.3", r"--policies snapkv:0.3: after the name give KEY=VALUE"),
+        ("snapkv:budget=0.3", r"budgets come from --budgets"),
+        ("wgkv:taux=0.3", r"--policies wgkv:taux=0.3, option 'taux=0.3': .* fields of .*tau"),
+        ("local_attention:window=many", r"window=many: expected int"),
+        ("nope:tau=1", r"--policies nope:tau=1: registered policies are"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            real_quality.main([*common, "--policies", entry])
+    entries = ["local_attention", "local_attention:window=64"]
+    rows = real_quality.main([*common, "--policies", *entries])["rows"]
+    held = {r["policy"]: r["kv_bytes_per_sequence"] for r in rows}
+    assert set(held) == set(entries)
+    assert held["local_attention:window=64"] < held["local_attention"]
+    assert real_quality.policy_label("wgkv:tau=0.3", tmp_path / "lambda-x") == (
+        "wgkv[lambda-x]:tau=0.3"
+    )
+
+
 def test_kvpress_reference_saves_a_tokenizer_that_loads_unchanged(tmp_path):
     """KVzipPress loads the tokenizer from a directory: it must encode as the GGUF's does."""
     import transformers
