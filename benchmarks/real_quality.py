@@ -91,9 +91,9 @@ def run_cell(
     }
 
 
-def parse_policy_entry(entry: str) -> tuple[str, tuple[str, ...], dict]:
-    """`NAME[:KEY=VALUE...]` of `--policies`: the name, its KEY=VALUE parts as given, and the
-    policy's keyword arguments from them (a budget comes from `--budgets`, never from here)."""
+def parse_policy_entry(entry: str) -> tuple[str, dict]:
+    """`NAME[:KEY=VALUE...]` of `--policies`: the name and the policy's keyword arguments from
+    the KEY=VALUE parts (a budget comes from `--budgets`, never from here)."""
     name, *pairs = entry.split(":")
     if name not in policies.registered():
         raise ValueError(f"--policies {entry}: registered policies are {policies.registered()}")
@@ -105,7 +105,7 @@ def parse_policy_entry(entry: str) -> tuple[str, tuple[str, ...], dict]:
                 "budgets come from --budgets"
             )
     kwargs = spec.policy_kwargs(name, pairs, None, pair_option=f"--policies {entry}, option")
-    return name, tuple(pairs), kwargs
+    return name, kwargs
 
 
 def _cells(entries, budgets, params: dict[str, list[Path]]):
@@ -176,9 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.render is not None:
         return real_quality_report.render(args.render, args.against)
     params = spec.parse_params(args.params)
-    options = {entry: parse_policy_entry(entry)[2] for entry in args.policies}
-    for entry in args.policies:
-        name = entry.split(":")[0]
+    parsed = {entry: parse_policy_entry(entry) for entry in args.policies}
+    for entry, (name, _) in parsed.items():
         if policies.policy_class(name).needs_params and name not in params:
             raise ValueError(
                 f"--policies {entry}: give its trained parameters, --params {name}=PATH"
@@ -212,8 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
     for entry, budget, source, length, task, setting in tqdm(
         cells, desc="real quality", unit="cell"
     ):
-        name = entry.split(":")[0]
-        policy = harness.build_policy(name, budget, **options[entry]).for_tokenizer(tokenizer)
+        name, options = parsed[entry]
+        policy = harness.build_policy(name, budget, **options).for_tokenizer(tokenizer)
         if source is not None and source not in loaded:
             loaded[source] = policy.load_params(source, model.config)
         result = run_cell(
