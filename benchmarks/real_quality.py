@@ -108,10 +108,10 @@ def parse_policy_entry(entry: str) -> tuple[str, dict]:
     return name, kwargs
 
 
-def _cells(entries, budgets, params: dict[str, list[Path]]):
-    """(policy entry, budget or None, parameters path or None) of every run."""
-    for entry in entries:
-        name = entry.split(":")[0]
+def _cells(parsed: dict[str, tuple[str, dict]], budgets, params: dict[str, list[Path]]):
+    """(policy entry, budget or None, parameters path or None) of every run; `parsed` maps each
+    entry to `parse_policy_entry`'s (name, options)."""
+    for entry, (name, _) in parsed.items():
         sources = params.get(name) or [None]
         budget_values = budgets if spec.takes_budget(name) else [None]
         yield from ((entry, b, source) for source in sources for b in budget_values)
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     cells = [
         (entry, budget, source, length, task, setting)
-        for entry, budget, source in _cells(args.policies, args.budgets, params)
+        for entry, budget, source in _cells(parsed, args.budgets, params)
         for length in args.lengths
         for task in args.tasks
         for setting in args.settings
