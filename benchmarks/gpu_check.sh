@@ -7,10 +7,12 @@
 # `bench system` and `bench kernels` save their rows as they finish. Logs and results land in
 # $OUT, all but env.log and pytest-gpu.log packed as results.tar.gz.
 # Measured on one H100 (jax 0.11.2, 2026-11-27): pytest -m gpu ran 18 of its 21 tests in 120 s;
-# a system row at 4 layers of the 8B shape took 36-47 s; the kernel sweep below under 100 s. So a
-# 15-minute device budget fits two back-to-back calls (the machine stays warm for 30 s):
-# `tests system-32k` (~440 s), then `system-128k plan` (~370 s; the `kernels` sweep is committed;
-# `tuning`, untimed here, in a session of its own).
+# a system row at 4 layers of the 8B shape took 36-47 s; the kernel sweep under 100 s. On one H200
+# (jax 0.11.2, 2026-11-27, results/*/h200): the 3 other GPU tests in 60 s, a system row ~50 s (so
+# 220 s held 3 of 4 rows: the boxes below hold 4 and a compile), the plan step ~25 s, the kernel
+# sweep 52 s; a machine started in ~35 s. A 15-minute device budget fits two back-to-back calls
+# (the machine stays warm for 30 s): `plan system-32k` (~320 s), then `system-128k tests`
+# (~470 s); `kernels` and `tuning` in a session of their own.
 # The system table runs 4 of the 8B shape's 32 layers (per-layer work is the 8B model's) and
 # 256 decode steps for the slope (16 steps were within a 2-s generate call's jitter).
 set -u
@@ -58,8 +60,8 @@ kernels() {
 for step in "$@"; do
   case "$step" in
     tests) tests ;;
-    system-32k) system_table 200 32768 8 system-32k-x8 ;;
-    system-128k) system_table 220 131072 1 system-128k-x1 ;;
+    system-32k) system_table 280 32768 8 system-32k-x8 ;;
+    system-128k) system_table 280 131072 1 system-128k-x1 ;;
     kernels) kernels ;;
     plan) plan ;;
     tuning) tuning ;;

@@ -1,6 +1,7 @@
 """The shared eviction mechanism: real memory savings, intact kept tokens, decode-time eviction."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 import jaxkv
 from jaxkv import attention, policies
 from jaxkv.cache.eviction import compact
+from jaxkv.cache.writes import accumulate_cached_mass
 from jaxkv.forward import forward_cached
 from jaxkv.generation import prefill as prefill_module
 from jaxkv.models import init_model
@@ -320,3 +322,41 @@ def test_repack_preserves_every_held_token(full_state):
     )
     too_small = repack(full_state, num_pages=10, max_pages=max_pages)
     assert bool(too_small.pool.overflow)
+
+
+def _scatters_into(text: str, rows: int) -> list[tuple[str, str]]:
+    """(updates' producing op, function) of each scatter in lowered StableHLO `text` whose
+    operand has `rows` leading rows (a flattened per-token pool field)."""
+    found = []
+    for function in text.split("func.func")[1:]:
+        producers = dict(re.findall(r"(%[\w#]+) = \"?([\w.]+)", function))
+        for updates, operand_type in re.findall(
+            r"\"stablehlo.scatter\"\(%[\w#]+, %[\w#]+, (%[\w#]+)\).*?\}\) : \(tensor<(\d+)",
+            function,
+            flags=re.S,
+        ):
+            if int(operand_type) == rows:
+                found.append(producers[updates])
+    return found
+
+
+def test_moves_within_the_pool_scatter_materialised_tokens(full_state):
+    # XLA's GPU compiler fuses a gather into the scatter that consumes it; a scatter fusion
+    # that also reads the buffer it writes cannot write in place and copies the whole pool
+    # (SnapKV's and H2O's prefill on an H200: a second 36.6 GiB pool, results/plan/h200).
+    # Every scatter into a pool field must take its updates from an optimization barrier.
+    pool = full_state.pool
+    rows = pool.num_pages * pool.page_size
+    keep = jnp.arange(full_state.max_tokens_per_head) % 3 == 0
+    keep = jnp.broadcast_to(keep, full_state.lengths.shape + keep.shape)
+    moves = _scatters_into(jax.jit(compact).lower(full_state, keep).as_text(), rows)
+    assert len(moves) == 4  # keys, values, positions, scores
+    assert set(moves) == {"stablehlo.optimization_barrier"}
+
+    def accumulate(pool, page_table, lengths, mass):
+        return accumulate_cached_mass(pool, page_table, lengths, mass, lambda old, new: old + new)
+
+    mass = jnp.ones(full_state.page_table.shape[1:-1] + (full_state.max_tokens_per_head,))
+    args = (pool, full_state.page_table[0], full_state.lengths[0], mass)
+    updates = _scatters_into(jax.jit(accumulate).lower(*args).as_text(), rows)
+    assert updates == ["stablehlo.optimization_barrier"]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache.allocator import release
-from jaxkv.cache.slots import pages_holding, split_slots
+from jaxkv.cache.slots import pages_holding, set_from_itself, split_slots
 from jaxkv.cache.state import KVState, PagePool
 
 
@@ -106,8 +106,7 @@ def _move_tokens(pool: PagePool, source: jax.Array, destination: jax.Array) -> P
         if pages is None:
             return None
         flat = pages.reshape(-1, *pages.shape[2:])
-        # The gather reads the old pool before the scatter writes the new one.
-        return flat.at[destination].set(flat[source], mode="drop").reshape(pages.shape)
+        return set_from_itself(flat, destination, flat[source]).reshape(pages.shape)
 
     return pool.map_token_data(move)
 

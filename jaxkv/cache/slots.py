@@ -19,6 +19,16 @@ def pages_holding(tokens: int | None, page_size: int, max_pages: int) -> int:
     return min(max(-(-tokens // page_size), 1), max_pages)
 
 
+def set_from_itself(array: jax.Array, destination: jax.Array, updates: jax.Array) -> jax.Array:
+    """`array.at[destination].set(updates, mode="drop")` for `updates` read from `array` itself
+    (tokens moved within a pool, scores updated from their old values), in place on every
+    backend. The updates are materialised first (an optimization barrier): XLA's GPU compiler
+    fuses a gather into the scatter that consumes it, and a scatter fusion that reads the buffer
+    it writes through another path cannot write it in place, so it copies the whole array (a
+    second KV pool in SnapKV's and H2O's prefill, results/plan/h200)."""
+    return array.at[destination].set(jax.lax.optimization_barrier(updates), mode="drop")
+
+
 def slot_view(per_token: jax.Array, table: jax.Array, lengths: jax.Array, empty) -> jax.Array:
     """A page-aligned field [P, p] seen through page tables [..., M]: [..., M * p], `empty`
     past each head's length [...]."""

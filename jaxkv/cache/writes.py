@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache.allocator import allocate
+from jaxkv.cache.slots import set_from_itself
 from jaxkv.cache.state import PagePool
 
 
@@ -146,5 +147,5 @@ def accumulate_cached_mass(
     old = pool.token_scores.reshape(-1)
     held_old = old[jnp.minimum(flat, old.shape[0] - 1)].reshape(mass.shape)
     new = update(held_old, mass)
-    scores = old.at[flat].set(new.reshape(-1), mode="drop")  # each held slot is one head's
+    scores = set_from_itself(old, flat, new.reshape(-1))  # each held slot is one head's
     return dataclasses.replace(pool, token_scores=scores.reshape(pool.token_scores.shape))
