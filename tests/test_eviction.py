@@ -324,8 +324,8 @@ def test_repack_preserves_every_held_token(full_state):
     assert bool(too_small.pool.overflow)
 
 
-def _scatters_into(text: str, rows: int) -> list[tuple[str, str]]:
-    """(updates' producing op, function) of each scatter in lowered StableHLO `text` whose
+def _scatters_into(text: str, rows: int) -> list[str]:
+    """The op that produces the updates of each scatter in lowered StableHLO `text` whose
     operand has `rows` leading rows (a flattened per-token pool field)."""
     found = []
     for function in text.split("func.func")[1:]:
