@@ -1,18 +1,21 @@
 """Gate training for a model with its own tokenizer (a tiny GGUF file): rows in the model's ids,
-`jaxkv train wgkv|fastkvzip --model FILE.gguf` end to end, and the policies load what they save."""
+`jaxkv train wgkv|fastkvzip|duo_attention --model FILE.gguf` end to end, and the policies load
+what they save."""
 
 from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxkv import policies
+from jaxkv.model_sources import load_model
 from jaxkv.models import gguf_tokenizer, load_gguf, render_chat
 from jaxkv.policies.kvzip import context_prefix_ids
 from jaxkv.train import corpus as corpus_lib
-from jaxkv.train import fastkvzip, wgkv
+from jaxkv.train import duo_attention, fastkvzip, wgkv
 from tests import gguf_files
 
 
@@ -87,3 +90,38 @@ def test_train_fastkvzip_on_a_gguf_model_and_load_the_gates(gguf_path, tmp_path)
 def test_policies_without_parameters_refuse_a_path(gguf_path):
     with pytest.raises(ValueError, match=r"policy 'snapkv' takes no policy_params"):
         policies.get("snapkv", budget=0.5).load_params(gguf_path, load_gguf(gguf_path).config)
+
+
+def test_duo_attention_heads_are_the_top_share_of_the_mean_long_range_mass(gguf_path, tmp_path):
+    out = tmp_path / "duo"
+    window = ["--sinks", "2", "--window", "16"]
+    argv = ["--model", str(gguf_path), "--out", str(out), "--share", "0.5", "--contexts", "3"]
+    summary = duo_attention.main([*argv, "--length", "96", "--context-batch", "2", *window])
+    model, tokenizer = load_model(str(gguf_path), dtype="float32")
+    rows = fastkvzip.contexts("train", 3, 96, fastkvzip.TRAIN_SEED, tokenizer)
+    # One context a pass, averaged: the stage batches two and then one.
+    per_context = [
+        np.asarray(policies.long_range_attention_mass(model, jnp.asarray([r]), sinks=2, window=16))
+        for r in rows
+    ]
+    expected = np.mean(per_context, axis=0)
+    np.testing.assert_allclose(summary["scores"], expected, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(per_context[0], per_context[1])  # the contexts differ
+    heads = policies.get("duo_attention").load_params(out / "heads.npy", model.config)
+    np.testing.assert_array_equal(heads, policies.retrieval_heads(expected, 0.5))
+    layers, kv_heads = model.config.num_layers, model.config.num_kv_heads
+    assert heads.sum() == summary["retrieval_heads"] == round(0.5 * layers * kv_heads)
+    assert json.loads((out / "run.json").read_text())["command"] == summary["command"]
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--share", "1.0"], r"--share 1.0: the share of retrieval heads, in \(0, 1\)"),
+        (["--contexts", "0"], r"--contexts 0 must be >= 1"),
+        (["--length", "100"], r"--length 100 must exceed --sinks \+ --window = 260"),
+    ],
+)
+def test_duo_attention_calibration_refuses_bad_options(tmp_path, option, message):
+    with pytest.raises(ValueError, match=message):
+        duo_attention.main(["--out", str(tmp_path), *option])
