@@ -92,18 +92,33 @@ def test_policies_without_parameters_refuse_a_path(gguf_path):
         policies.get("snapkv", budget=0.5).load_params(gguf_path, load_gguf(gguf_path).config)
 
 
-def test_duo_attention_heads_are_the_top_share_of_the_mean_long_range_mass(gguf_path, tmp_path):
+def test_copy_pairs_point_each_repeated_token_at_the_token_after_its_first_occurrence():
+    tokens, half = duo_attention.repeated_halves([[9, 1, 2, 3, 4, 5], [9, 6, 7, 8, 0, 5]], 1)
+    np.testing.assert_array_equal(tokens, [[9, 1, 2, 1, 2], [9, 6, 7, 6, 7]])
+    keys, queries = duo_attention.copy_pairs(1, half)
+    assert half == 2 and queries.tolist() == [False, False, False, True, False]
+    assert np.argwhere(keys).tolist() == [[3, 2]]  # the repeated 1 (6) looks at the first 2 (7)
+
+
+@pytest.mark.parametrize("score", ["copy", "mass"])
+def test_duo_attention_heads_are_the_top_share_of_the_mean_score(gguf_path, tmp_path, score):
     out = tmp_path / "duo"
     window = ["--sinks", "2", "--window", "16"]
-    argv = ["--model", str(gguf_path), "--out", str(out), "--share", "0.5", "--contexts", "3"]
-    summary = duo_attention.main([*argv, "--length", "96", "--context-batch", "2", *window])
+    argv = ["--model", str(gguf_path), "--out", str(out), "--score", score, "--share", "0.5"]
+    sizes = ["--contexts", "3", "--length", "96", "--context-batch", "2"]
+    summary = duo_attention.main([*argv, *sizes, *window])
     model, tokenizer = load_model(str(gguf_path), dtype="float32")
     rows = fastkvzip.contexts("train", 3, 96, fastkvzip.TRAIN_SEED, tokenizer)
-    # One context a pass, averaged: the stage batches two and then one.
-    per_context = [
-        np.asarray(policies.long_range_attention_mass(model, jnp.asarray([r]), sinks=2, window=16))
-        for r in rows
-    ]
+    prefix = len(context_prefix_ids(tokenizer))
+
+    def one_context(row):  # the stage batches two contexts and then one
+        if score == "mass":
+            return policies.long_range_attention_mass(model, jnp.asarray([row]), sinks=2, window=16)
+        tokens, half = duo_attention.repeated_halves([row], prefix)
+        keys, queries = duo_attention.copy_pairs(prefix, half)
+        return policies.attention_mass(model, jnp.asarray(tokens), keys, queries)
+
+    per_context = [np.asarray(one_context(row)) for row in rows]
     expected = np.mean(per_context, axis=0)
     np.testing.assert_allclose(summary["scores"], expected, rtol=1e-5, atol=1e-7)
     assert not np.allclose(per_context[0], per_context[1])  # the contexts differ
@@ -111,7 +126,8 @@ def test_duo_attention_heads_are_the_top_share_of_the_mean_long_range_mass(gguf_
     np.testing.assert_array_equal(heads, policies.retrieval_heads(expected, 0.5))
     layers, kv_heads = model.config.num_layers, model.config.num_kv_heads
     assert heads.sum() == summary["retrieval_heads"] == round(0.5 * layers * kv_heads)
-    assert json.loads((out / "run.json").read_text())["command"] == summary["command"]
+    run = json.loads((out / "run.json").read_text())
+    assert run["command"] == summary["command"] and run["score"] == score
 
 
 @pytest.mark.parametrize(

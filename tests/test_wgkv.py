@@ -462,6 +462,45 @@ def test_static_admission_baselines_equal_their_dense_masks(kind):
     np.testing.assert_array_equal(final.lengths, expected)
 
 
+def _layer0_probabilities(model, tokens) -> np.ndarray:
+    """float64 [B, N, T, T]: layer 0's causal attention probabilities, by hand in numpy."""
+    cfg = model.config
+    b, t = tokens.shape
+    lp = jax.tree.map(lambda a: a[0], model.params["layers"])
+    cos, sin = rope_cos_sin(cfg, jnp.broadcast_to(jnp.arange(t), (b, t)))
+    h = attention_input(lp, cfg, embed(model.params, tokens))
+    q = np.asarray(project_queries(lp, cfg, h, cos, sin), np.float64)
+    k = np.asarray(apply_rope(project_unrotated_keys_values(lp, cfg, h)[0], cos, sin), np.float64)
+    causal = np.arange(t)[None, :] <= np.arange(t)[:, None]
+    probs = np.zeros((b, cfg.num_heads, t, t))
+    for row, head in np.ndindex(b, cfg.num_heads):
+        logits = q[row, head] @ k[row, head // cfg.group_size].T / np.sqrt(cfg.head_dim)
+        logits = np.where(causal, logits, -np.inf)
+        probs[row, head] = np.exp(logits - logits.max(-1, keepdims=True))
+        probs[row, head] /= probs[row, head].sum(-1, keepdims=True)
+    return probs
+
+
+def _per_kv_head(model, per_query_head) -> np.ndarray:
+    """[K]: [B, N] averaged over the batch and each KV head's query heads."""
+    cfg = model.config
+    return per_query_head.reshape(-1, cfg.num_kv_heads, cfg.group_size).mean(axis=(0, 2))
+
+
+def test_attention_mass_on_chosen_keys_and_queries():
+    model = tiny_model("llama")
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 20)), jnp.int32)
+    rng = np.random.default_rng(5)
+    keys, queries = rng.random((20, 20)) < 0.3, rng.random(20) < 0.5
+    scores = np.asarray(policies.attention_mass(model, tokens, keys, queries))
+    probs = _layer0_probabilities(model, tokens)
+    expected = np.sum(probs * keys, axis=-1)[:, :, queries].mean(axis=-1)  # [B, N]
+    np.testing.assert_allclose(scores[0], _per_kv_head(model, expected), rtol=1e-5, atol=1e-7)
+    every_key = np.ones((20, 20), bool)  # only the causal ones count: a query's whole mass
+    whole = policies.attention_mass(model, tokens, every_key, queries)
+    np.testing.assert_allclose(whole, 1.0, rtol=1e-5)
+
+
 def test_duo_calibration_score_and_head_choice():
     model = tiny_model("llama")
     cfg = model.config
@@ -471,22 +510,10 @@ def test_duo_calibration_score_and_head_choice():
         policies.long_range_attention_mass(model, tokens, sinks=sinks, window=window)
     )
     assert scores.shape == (cfg.num_layers, cfg.num_kv_heads)
-    # Layer 0 by hand: causal softmax of its queries over its keys, mass past sinks and band.
-    lp = jax.tree.map(lambda a: a[0], model.params["layers"])
-    cos, sin = rope_cos_sin(cfg, jnp.broadcast_to(jnp.arange(24), (2, 24)))
-    h = attention_input(lp, cfg, embed(model.params, tokens))
-    q = np.asarray(project_queries(lp, cfg, h, cos, sin), np.float64)
-    k = np.asarray(apply_rope(project_unrotated_keys_values(lp, cfg, h)[0], cos, sin), np.float64)
     i, j = np.arange(24)[:, None], np.arange(24)[None, :]
     far = (j <= i) & (j >= sinks) & (i - j >= window)
-    expected = np.zeros((2, cfg.num_heads))
-    for b, head in np.ndindex(expected.shape):
-        logits = q[b, head] @ k[b, head // cfg.group_size].T / np.sqrt(cfg.head_dim)
-        logits = np.where(j <= i, logits, -np.inf)
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        expected[b, head] = np.sum(probs * far, axis=-1)[sinks + window :].mean()
-    per_kv_head = expected.reshape(2, cfg.num_kv_heads, cfg.group_size).mean(axis=(0, 2))
+    expected = np.sum(_layer0_probabilities(model, tokens) * far, axis=-1)[..., sinks + window :]
+    per_kv_head = _per_kv_head(model, expected.mean(axis=-1))
     np.testing.assert_allclose(scores[0], per_kv_head, rtol=1e-5, atol=1e-7)
     assert np.all((scores > 0) & (scores < 1))
     chosen = policies.retrieval_heads(scores, 0.5)

@@ -2,17 +2,24 @@
 
 DuoAttention ("DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming
 Heads", arXiv:2410.10819) keeps the whole cache in its retrieval heads and only sinks plus a
-recent window in the others. Here a head's calibration score is the attention mass its queries
-give to keys outside sinks + window under full causal attention
-(`policies.long_range_attention_mass`), averaged over contexts of the corpus's train split in the
-model's ids (opened as `jaxkv train fastkvzip`'s are); the `--share` of all (layer, KV head)
-pairs with the highest score become retrieval heads (`policies.retrieval_heads`). Nothing is
-trained: one forward pass a context. Writes heads.npy (bool [L, K], what `--params
-duo_attention=PATH` and `DuoAttention.load_params` read) and run.json (the command, every
-head's score, seconds).
+recent window in the others; the paper finds those heads by optimisation on synthetic passkey
+retrieval. Here nothing is trained: each (layer, KV head) gets a calibration score from full
+causal attention over contexts of the corpus's train split in the model's ids (opened as
+`jaxkv train fastkvzip`'s are), and the `--share` of all pairs with the highest score become
+retrieval heads (`policies.retrieval_heads`). Two scores (`--score`):
+
+  copy  each context's text is cut to half its length and repeated; a query in the repeat puts
+        the score on the key that follows its own token's first occurrence, the next token it
+        would copy (far outside the window): the copy-paste behaviour of retrieval heads
+        ("Retrieval Head Mechanistically Explains Long-Context Factuality", arXiv:2404.15574).
+  mass  the attention mass a query gives to keys outside sinks + window
+        (`policies.long_range_attention_mass`, what `duo_attention` picks on a prompt).
+
+Writes heads.npy (bool [L, K], what `--params duo_attention=PATH` and
+`DuoAttention.load_params` read) and run.json (the command, every head's score, seconds).
 
     jaxkv train duo_attention --model smollm2-135m-instruct --share 0.2 \
-        --out assets/duo-heads/smollm2-135m-instruct/share-0.2
+        --out assets/duo-heads/smollm2-135m-instruct/copy-0.2
 """
 
 from __future__ import annotations
@@ -28,23 +35,53 @@ import numpy as np
 
 from jaxkv import bundled, policies
 from jaxkv.model_sources import load_model, model_file_sha256
+from jaxkv.policies.kvzip import context_prefix_ids
 from jaxkv.train.fastkvzip import TRAIN_SEED, contexts
 
+SCORES = ("copy", "mass")
 
-def calibration_scores(model, token_rows: list[list[int]], *, sinks: int, window: int, batch: int):
-    """f32 [L, K]: `long_range_attention_mass` averaged over the rows, `batch` rows a pass (all
-    rows of one length)."""
-    passes = [
-        np.asarray(
-            policies.long_range_attention_mass(
-                model, jnp.asarray(token_rows[i : i + batch], jnp.int32), sinks=sinks, window=window
-            ),
-            np.float64,
-        )
-        * len(token_rows[i : i + batch])
-        for i in range(0, len(token_rows), batch)
-    ]
-    return (np.sum(passes, axis=0) / len(token_rows)).astype(np.float32)
+
+def repeated_halves(rows: list[list[int]], prefix: int) -> tuple[np.ndarray, int]:
+    """int32 [B, prefix + 2n] rows whose text (after `prefix` tokens) is its first n tokens twice,
+    n = half the text; and n, the distance from a repeated token back to its first occurrence."""
+    half = (len(rows[0]) - prefix) // 2
+    repeated = [r[: prefix + half] + r[prefix : prefix + half] for r in rows]
+    return np.asarray(repeated, np.int32), half
+
+
+def copy_pairs(prefix: int, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keys bool [T, T], queries bool [T]) of `repeated_halves`' rows, T = prefix + 2 half: each
+    query in the repeat (but its last) and the key after its token's first occurrence."""
+    t = prefix + 2 * half
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    queries = (np.arange(t) >= prefix + half) & (np.arange(t) < t - 1)
+    return (j == i - half + 1) & queries[:, None], queries
+
+
+def calibration_scores(
+    model, rows: list[list[int]], *, score: str, prefix: int, sinks: int, window: int, batch: int
+) -> np.ndarray:
+    """f32 [L, K]: the `score` (see the module) averaged over the rows, `batch` rows a pass (all
+    rows of one length, their first `prefix` tokens what precedes the text)."""
+    if score == "copy":
+        tokens, half = repeated_halves(rows, prefix)
+        keys, queries = copy_pairs(prefix, half)
+
+        def one_pass(batch_tokens):
+            return policies.attention_mass(model, batch_tokens, keys, queries)
+    else:
+        tokens = np.asarray(rows, np.int32)
+
+        def one_pass(batch_tokens):
+            return policies.long_range_attention_mass(
+                model, batch_tokens, sinks=sinks, window=window
+            )
+
+    total = np.zeros((model.config.num_layers, model.config.num_kv_heads))
+    for start in range(0, len(tokens), batch):
+        rows_now = tokens[start : start + batch]
+        total += np.asarray(one_pass(jnp.asarray(rows_now)), np.float64) * len(rows_now)
+    return (total / len(tokens)).astype(np.float32)
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
@@ -71,6 +108,7 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--out", type=Path, required=True, help="directory for heads.npy + run.json"
     )
+    parser.add_argument("--score", choices=SCORES, default="copy", help="see above")
     parser.add_argument("--share", type=float, default=0.25, help="retrieval heads, in (0, 1)")
     parser.add_argument("--contexts", type=int, default=16, help="calibration contexts")
     parser.add_argument("--length", type=int, default=2048, help="tokens per context")
@@ -85,13 +123,20 @@ def main(argv=None) -> dict:
     rows = contexts("train", args.contexts, args.length, TRAIN_SEED, tokenizer)
     began = time.perf_counter()
     scores = calibration_scores(
-        model, rows, sinks=args.sinks, window=args.window, batch=args.context_batch
+        model,
+        rows,
+        score=args.score,
+        prefix=len(context_prefix_ids(tokenizer)),
+        sinks=args.sinks,
+        window=args.window,
+        batch=args.context_batch,
     )
     heads = policies.retrieval_heads(scores, args.share)
     summary = {
         "command": "jaxkv train duo_attention " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": args.model,
         "model_file_sha256": model_file_sha256(args.model),
+        "score": args.score,
         "share": args.share,
         "contexts": args.contexts,
         "length": args.length,

@@ -48,6 +48,7 @@ from jaxkv.policies.wgkv import (
     DuoAttention,
     LocalAttention,
     RingAdmission,
+    attention_mass,
     long_range_attention_mass,
     retrieval_heads,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "SnapKV",
     "StreamingLLM",
     "SummedAttention",
+    "attention_mass",
     "compose",
     "confidence",
     "confidence_features",

@@ -13,7 +13,6 @@ paper's vertical-slash pattern, chunk by chunk, and decode the same path with on
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 from typing import ClassVar
 
@@ -269,34 +268,46 @@ def retrieval_heads(scores, fraction: float) -> np.ndarray:
     return chosen.reshape(scores.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("sinks", "window"))
 def long_range_attention_mass(model, tokens, *, sinks: int, window: int) -> jax.Array:
     """DuoAttention calibration score f32 [L, K]: under full causal attention, the mean attention
     mass a query gives to keys a streaming head would not see (past the sinks and outside the
     band i - j < window), over queries at i >= sinks + window, averaged over the KV head's query
-    heads. Heads that look far back score high; they are the retrieval heads.
+    heads. Heads that look far back score high.
 
     tokens int32 [B, T] with T > sinks + window (no padding).
+    """
+    t = tokens.shape[1]
+    if t <= sinks + window:
+        raise ValueError(f"calibration tokens T={t} must exceed sinks + window = {sinks + window}")
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    far = (j <= i) & (j >= sinks) & (i - j >= window)
+    return attention_mass(model, tokens, far, np.arange(t) >= sinks + window)
+
+
+@jax.jit
+def attention_mass(model, tokens, keys, queries) -> jax.Array:
+    """f32 [L, K]: under full causal attention, the attention mass each query puts on its `keys`,
+    averaged over the `queries`, the batch and the KV head's query heads.
+
+    tokens int32 [B, T] (no padding); keys bool [T, T] (query i, key j; only causal pairs count);
+    queries bool [T], at least one True.
     """
     from jaxkv.models.decoder import attention_inputs, attention_output_and_mlp, embed, scan_layers
     from jaxkv.models.layers import rope_cos_sin
 
     cfg, params = model.config, model.params
     t = tokens.shape[1]
-    if t <= sinks + window:
-        raise ValueError(f"calibration tokens T={t} must exceed sinks + window = {sinks + window}")
     positions = jnp.broadcast_to(jnp.arange(t), tokens.shape)
     cos, sin = rope_cos_sin(cfg, positions)
-    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-    causal = j <= i
-    far = causal & (j >= sinks) & (i - j >= window)
-    queries = (jnp.arange(t) >= sinks + window).astype(jnp.float32)
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    counted = causal & keys
+    weights = queries.astype(jnp.float32)
 
     def layer(x, lp, _):
         q, k, v = attention_inputs(lp, cfg, x, cos, sin)
         probs = attention_ops.attention_probabilities(q, k, causal, cfg.head_dim**-0.5)
-        mass = jnp.sum(jnp.where(far, probs, 0.0), axis=-1)  # [B, N, T]
-        mass = jnp.sum(mass * queries, axis=-1) / jnp.sum(queries)  # [B, N]
+        mass = jnp.sum(jnp.where(counted, probs, 0.0), axis=-1)  # [B, N, T]
+        mass = jnp.sum(mass * weights, axis=-1) / jnp.sum(weights)  # [B, N]
         per_kv_head = mass.reshape(mass.shape[0], cfg.num_kv_heads, -1).mean(axis=(0, 2))
         attn = jnp.einsum("bnts,bnsh->bnth", probs, jnp.repeat(v, cfg.group_size, axis=1))
         return attention_output_and_mlp(lp, cfg, x, attn), per_kv_head
