@@ -141,3 +141,10 @@ def test_duo_attention_heads_are_the_top_share_of_the_mean_score(gguf_path, tmp_
 def test_duo_attention_calibration_refuses_bad_options(tmp_path, option, message):
     with pytest.raises(ValueError, match=message):
         duo_attention.main(["--out", str(tmp_path), *option])
+
+
+def test_duo_attention_copy_score_needs_the_repeat_beyond_the_window(gguf_path, tmp_path):
+    argv = ["--model", str(gguf_path), "--out", str(tmp_path), "--length", "96"]
+    with pytest.raises(ValueError, match=r"--length 96: the copy score .* --window 60"):
+        duo_attention.main([*argv, "--sinks", "2", "--window", "60"])
+    assert not (tmp_path / "heads.npy").exists()

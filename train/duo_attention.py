@@ -120,13 +120,19 @@ def main(argv=None) -> dict:
     _check_arguments(args)
 
     model, tokenizer = load_model(args.model, dtype="float32")
+    prefix = len(context_prefix_ids(tokenizer))
+    if args.score == "copy" and (args.length - prefix) // 2 <= args.window:
+        raise ValueError(
+            f"--length {args.length}: the copy score repeats half of the {args.length - prefix} "
+            f"tokens after the prompt's opening, a distance that must exceed --window {args.window}"
+        )
     rows = contexts("train", args.contexts, args.length, TRAIN_SEED, tokenizer)
     began = time.perf_counter()
     scores = calibration_scores(
         model,
         rows,
         score=args.score,
-        prefix=len(context_prefix_ids(tokenizer)),
+        prefix=prefix,
         sinks=args.sinks,
         window=args.window,
         batch=args.context_batch,
