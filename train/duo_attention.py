@@ -108,12 +108,14 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--out", type=Path, required=True, help="directory for heads.npy + run.json"
     )
+    defaults = policies.DuoAttention()
     parser.add_argument("--score", choices=SCORES, default="copy", help="see above")
-    parser.add_argument("--share", type=float, default=0.25, help="retrieval heads, in (0, 1)")
+    parser.add_argument(
+        "--share", type=float, default=defaults.share, help="retrieval heads, in (0, 1)"
+    )
     parser.add_argument("--contexts", type=int, default=16, help="calibration contexts")
     parser.add_argument("--length", type=int, default=2048, help="tokens per context")
     parser.add_argument("--context-batch", type=int, default=2)
-    defaults = policies.DuoAttention()
     parser.add_argument("--sinks", type=int, default=defaults.sinks, help="as the policy's")
     parser.add_argument("--window", type=int, default=defaults.window, help="as the policy's")
     args = parser.parse_args(argv)
