@@ -78,14 +78,21 @@ def test_contexts_are_general_text_by_default():
     assert not any(bytes(context[1:]) in train_bytes for context in episodes)
 
 
+def test_docstring_contexts_are_stretches_of_the_docstring_text():
+    docs = corpus_lib.load_corpus("train", text="docstrings").data.tobytes()
+    for context in training.contexts("train", 3, 700, 1, BYTES, text="docstrings"):
+        assert context[0] == BYTES.bos_id and bytes(context[1:]) in docs
+
+
 def test_contexts_refuse_a_fraction_outside_0_1():
     with pytest.raises(ValueError, match=r"episode_fraction=1.5 must lie in \[0, 1\]"):
         training.contexts("train", 1, 64, 1, BYTES, episode_fraction=1.5)
 
 
 def test_targets_carry_their_provenance_and_training_needs_it(tmp_path, monkeypatch):
-    """`build_targets` writes how it built the file; the training summary copies that, and a
-    targets file without it is refused by name."""
+    """`build_targets` writes how it built the file; the training summary copies that; a run
+    takes the build options from it, refuses given ones that differ, and refuses a targets file
+    without it by name."""
 
     def fake_inputs_and_targets(model, batch, chunk, *, repeat_ids, continue_ids):
         assert (repeat_ids, continue_ids) == (REPEAT_IDS, CONTINUE_IDS)
@@ -109,14 +116,31 @@ def test_targets_carry_their_provenance_and_training_needs_it(tmp_path, monkeypa
     provenance = json.loads(str(np.load(path)["provenance"]))
     assert provenance["episode_fraction"] == 0.25
     assert (provenance["train_contexts"], provenance["validation_contexts"]) == (2, 1)
-    assert provenance["length"] == 512
+    assert provenance["length"] == 512 and provenance["text"] == "source"
 
     model = init_model(CONFIG, seed=0, scale=0.3)
     monkeypatch.setattr(training, "load_model", lambda *args, **kwargs: (model, BYTES))
-    argv = ["--targets", str(path), "--steps", "2", "--warmup", "1", "--batch-tokens", "16"]
+    built = ["--contexts", "2", "--validation-contexts", "1", "--length", "512"]
+    argv = ["--targets", str(path), *built, "--episode-fraction", "0.25", "--steps", "2"]
+    argv += ["--warmup", "1", "--batch-tokens", "16"]
     summary = training.main(argv)
     assert summary["targets"] == provenance
     assert summary["command"] == "jaxkv train fastkvzip " + " ".join(argv)
+
+    train = ["--steps", "2", "--warmup", "1", "--batch-tokens", "16"]
+    assert training.main(["--targets", str(path), *train])["targets"] == provenance
+    with pytest.raises(
+        ValueError,
+        match=r"built with other options: --length=1024 \(built with 512\), "
+        r"--text=docstrings \(built with source\); leave them out",
+    ):
+        training.main(["--targets", str(path), "--length", "1024", "--text", "docstrings"])
+    before_text = tmp_path / "before-text.npz"
+    arrays = dict(np.load(path))
+    without_text = {key: value for key, value in provenance.items() if key != "text"}
+    arrays["provenance"] = np.array(json.dumps(without_text))
+    np.savez(before_text, **arrays)
+    assert training.main(["--targets", str(before_text), "--text", "source", *train])
 
     old = tmp_path / "old.npz"
     np.savez(old, **{k: v for k, v in np.load(path).items() if k != "provenance"})

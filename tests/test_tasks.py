@@ -28,6 +28,32 @@ def test_empty_corpus_and_bad_split_are_clear_errors(tmp_path):
         corpus_lib.corpus_files("dev")
 
 
+def test_docstring_text_is_each_long_docstring_of_a_split_in_file_order(tmp_path):
+    """`text="docstrings"` keeps the module, class and function docstrings of at least
+    MIN_DOCSTRING_CHARS, dedented, joined by blank lines; code and short docstrings are left out."""
+    long_doc = "Words about the module. " * 10
+    names = [f"m{i}.py" for i in range(40) if corpus_lib.split_of(f"m{i}.py") == "train"][:2]
+    (tmp_path / names[0]).write_text(
+        f'"""{long_doc}"""\n\ndef f():\n    """Short."""\n    return 1\n\n\n'
+        f'class C:\n    """{long_doc}\n\n    Second paragraph, indented."""\n'
+    )
+    (tmp_path / names[1]).write_text("x = 1  # no docstring at all\n")
+    text = corpus_lib.load_corpus("train", root=tmp_path, text="docstrings").data.tobytes()
+    paragraph = f"{long_doc}\n\nSecond paragraph, indented."
+    assert text == f"{long_doc}\n\n{paragraph}".encode()
+    source = corpus_lib.load_corpus("train", root=tmp_path).data.tobytes()
+    assert b"return 1" in source and b"x = 1" in source
+    with pytest.raises(ValueError, match="text='markdown': allowed are"):
+        corpus_lib.load_corpus("train", root=tmp_path, text="markdown")
+
+
+def test_stdlib_docstrings_are_mostly_prose():
+    """The real split: hundreds of KB of English (letters and spaces), far more than code."""
+    text = corpus_lib.load_corpus("heldout", text="docstrings").data.tobytes().decode()
+    assert len(text) > 50_000
+    assert sum(c.isalpha() or c.isspace() for c in text) > 0.85 * len(text)
+
+
 @pytest.mark.parametrize("kind", tasks.KINDS)
 @pytest.mark.parametrize("length", [600, 2000])
 def test_episode_has_its_exact_length_and_facts(heldout, kind, length):

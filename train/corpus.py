@@ -3,11 +3,14 @@
 Files are selected deterministically (sorted relative paths under the stdlib directory, tests,
 site-packages and IDLE left out) and split by a hash of the relative path, so the same file is
 always in the same split on any machine. The text differs slightly between Python versions; the
-split does not.
+split does not. A split's text is either the files as they are (`source`) or only their English
+prose (`docstrings`: the module, class and function docstrings of at least
+`MIN_DOCSTRING_CHARS`, in file order), for models whose gates should learn what matters in prose.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import sysconfig
@@ -23,6 +26,8 @@ from jaxkv.models.tokenizer import (
 )
 
 SPLITS = ("train", "heldout")
+TEXTS = ("source", "docstrings")
+MIN_DOCSTRING_CHARS = 200
 HELDOUT_PERCENT = 10
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 
@@ -82,9 +87,27 @@ class Corpus:
         return np.asarray(ids[:count], np.int32)
 
 
-def load_corpus(split: str, root: Path | None = None) -> Corpus:
+def docstrings(source: bytes, path: Path) -> list[bytes]:
+    """The docstrings of at least MIN_DOCSTRING_CHARS of one module (its own, its classes' and
+    functions'), in the order `ast.walk` visits them, cleaned of their indentation."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=str(path))):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=True)
+            if doc and len(doc) >= MIN_DOCSTRING_CHARS:
+                found.append(doc.encode())
+    return found
+
+
+def load_corpus(split: str, root: Path | None = None, text: str = "source") -> Corpus:
+    """One split's `text` (TEXTS), files (or docstrings) joined by blank lines."""
+    if text not in TEXTS:
+        raise ValueError(f"text={text!r}: allowed are {TEXTS}")
     files = corpus_files(split, root)
-    chunks = [path.read_bytes() for path in files]
+    if text == "source":
+        chunks = [path.read_bytes() for path in files]
+    else:
+        chunks = [doc for path in files for doc in docstrings(path.read_bytes(), path)]
     if not chunks or not any(chunks):
         raise ValueError(
             f"no {split} text under {stdlib_root() if root is None else root}: the corpus needs "

@@ -6,11 +6,13 @@ Reconstruction", arXiv:2505.23416 (docs/fastkvzip.md).
 
 1. Targets (`--targets PATH`, built when PATH does not exist): contexts of `--length` tokens
    in the model's own ids (plain text of the corpus's train split after `<bos>`, or after a
-   chat model's user-turn header; `--episode-fraction` of them retrieval episodes with training
-   seeds, byte-level models only, none by default: the paper trains on general text) are
-   prefilled; KVzip's reconstruction (`jaxkv.policies.kvzip`, its repeat prompt in the model's
-   chat format) gives every KV pair its target; each token's attention input per layer is
-   stored with it. Validation contexts come from the held-out split. Saved as one .npz.
+   chat model's user-turn header: the files' source, or with `--text docstrings` only their
+   English docstrings; `--episode-fraction` of them retrieval episodes with training seeds,
+   byte-level models only, none by default: the paper trains on general text) are prefilled;
+   KVzip's reconstruction (`jaxkv.policies.kvzip`, its repeat prompt in the model's chat
+   format) gives every KV pair its target; each token's attention input per layer is stored
+   with it. Validation contexts come from the held-out split. Saved as one .npz with the
+   options that built it: a later run takes them from it and refuses others.
 2. Training: the gate is a per-token function of the attention input, so a batch is a random
    set of tokens; every layer's gate trains on its own BCE (the loss is their sum: the layers'
    parameters and gradients are disjoint). SGD with momentum 0.9 at the paper's lr 0.2, a
@@ -85,10 +87,12 @@ def contexts(
     seed: int,
     tokenizer: Tokenizer,
     episode_fraction: float = 0.0,
+    text: str = "source",
 ) -> list[list[int]]:
     """`count` contexts of `length` tokens in `tokenizer`'s ids: what precedes a context
-    (`kvzip.context_prefix_ids`: the bos, or a chat model's user turn) and corpus text; with
-    probability `episode_fraction` a retrieval episode instead (byte-level models only)."""
+    (`kvzip.context_prefix_ids`: the bos, or a chat model's user turn) and corpus `text`
+    (`corpus.TEXTS`); with probability `episode_fraction` a retrieval episode instead
+    (byte-level models only)."""
     if not 0 <= episode_fraction <= 1:
         raise ValueError(f"episode_fraction={episode_fraction} must lie in [0, 1]")
     if episode_fraction > 0 and not is_byte_tokenizer(tokenizer):
@@ -97,7 +101,7 @@ def contexts(
             "reference model's); build other models' targets from text (episode_fraction=0)"
         )
     prefix = list(context_prefix_ids(tokenizer))
-    corpus = corpus_lib.load_corpus(split)
+    corpus = corpus_lib.load_corpus(split, text=text)
     rng = np.random.default_rng([seed, length])
     out = []
     for _ in range(count):
@@ -150,6 +154,7 @@ def build_targets(
     length,
     batch,
     episode_fraction=0.0,
+    text="source",
     chunk=DEFAULT_REPLAY_CHUNK,
     log=print,
 ) -> None:
@@ -161,7 +166,7 @@ def build_targets(
         ("train", count, TRAIN_SEED, "train"),
         ("heldout", validation, VALIDATION_SEED, "validation"),
     ):
-        all_contexts = contexts(split, n, length, seed, tokenizer, episode_fraction)
+        all_contexts = contexts(split, n, length, seed, tokenizer, episode_fraction, text)
         hs, ts = [], []
         for start in range(0, n, batch):
             began = time.perf_counter()
@@ -177,12 +182,53 @@ def build_targets(
         "validation_contexts": validation,
         "length": length,
         "episode_fraction": episode_fraction,
+        "text": text,
         "seeds": {"train": TRAIN_SEED, "validation": VALIDATION_SEED},
         "replay_chunk": chunk,
     }
     arrays["provenance"] = np.array(json.dumps(provenance))
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, **arrays)
+
+
+# Options that build the targets: (provenance key, default when the file is built).
+BUILD_OPTIONS = {
+    "contexts": ("train_contexts", 48),
+    "validation_contexts": ("validation_contexts", 8),
+    "length": ("length", 2048),
+    "episode_fraction": ("episode_fraction", 0.0),
+    "text": ("text", "source"),
+}
+
+
+def read_provenance(path: Path) -> dict:
+    """The JSON `provenance` entry of a targets file; a ValueError when it has none."""
+    with np.load(path) as data:
+        if "provenance" not in data:
+            raise ValueError(
+                f"--targets {path}: no provenance entry (built by an older version); delete "
+                "it to rebuild"
+            )
+        return json.loads(str(data["provenance"]))
+
+
+def resolve_build_options(args: argparse.Namespace, provenance: dict | None, path: Path) -> None:
+    """Fills the build options not given (None) with what the targets at `path` were built with
+    (`provenance`; files from before `--text` hold the source text), or with BUILD_OPTIONS'
+    defaults when there is no file yet; a ValueError naming each given option that differs."""
+    differ = []
+    for name, (key, default) in BUILD_OPTIONS.items():
+        built = default if provenance is None else provenance.get(key, default)
+        given = getattr(args, name)
+        if given is None:
+            setattr(args, name, built)
+        elif provenance is not None and given != built:
+            differ.append(f"--{name.replace('_', '-')}={given} (built with {built})")
+    if differ:
+        raise ValueError(
+            f"--targets {path} was built with other options: {', '.join(differ)}; leave them "
+            "out, or pass another --targets path to build new ones"
+        )
 
 
 def bce(scores: jax.Array, targets: jax.Array) -> jax.Array:
@@ -228,12 +274,16 @@ def main(argv=None) -> dict:
         help="a checkpoint directory, a .gguf file or a fetched model's name (jaxkv fetch)",
     )
     parser.add_argument("--targets", required=True, help=".npz of inputs/targets (built if absent)")
-    parser.add_argument("--contexts", type=int, default=48, help="training contexts")
-    parser.add_argument("--validation-contexts", type=int, default=8)
-    parser.add_argument("--length", type=int, default=2048, help="tokens per context")
+    built = " (default %s, or what existing --targets were built with)"
+    parser.add_argument("--contexts", type=int, help="training contexts" + built % 48)
+    parser.add_argument("--validation-contexts", type=int, help="held-out contexts" + built % 8)
+    parser.add_argument("--length", type=int, help="tokens per context" + built % 2048)
     parser.add_argument("--context-batch", type=int, default=4)
     parser.add_argument(
-        "--episode-fraction", type=float, default=0.0, help="share of contexts that are episodes"
+        "--episode-fraction", type=float, help="share of contexts that are episodes" + built % 0
+    )
+    parser.add_argument(
+        "--text", choices=corpus_lib.TEXTS, help="the corpus's text" + built % "source"
     )
     parser.add_argument("--targets-only", action="store_true", help="build targets and stop")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
@@ -249,9 +299,11 @@ def main(argv=None) -> dict:
     # Rows are tokens (the gate is per token): a seq axis splits them like the batch axes.
     mesh = mesh_lib.cli_mesh(args.mesh, args.batch_tokens, "--batch-tokens", sequence_dim=0)
 
-    model, tokenizer = load_model(args.model, dtype="float32")
     targets_path = Path(args.targets)
-    if not targets_path.exists():
+    exists = targets_path.exists()
+    resolve_build_options(args, read_provenance(targets_path) if exists else None, targets_path)
+    model, tokenizer = load_model(args.model, dtype="float32")
+    if not exists:
         build_targets(
             model,
             tokenizer,
@@ -261,16 +313,12 @@ def main(argv=None) -> dict:
             length=args.length,
             batch=args.context_batch,
             episode_fraction=args.episode_fraction,
+            text=args.text,
         )
     if args.targets_only:
         return {}
     data = np.load(targets_path)
-    if "provenance" not in data:
-        raise ValueError(
-            f"--targets {targets_path}: no provenance entry (built by an older version); delete "
-            "it to rebuild"
-        )
-    provenance = json.loads(str(data["provenance"]))
+    provenance = read_provenance(targets_path)
     train_h, train_t = data["train_h"], data["train_targets"]
     # Replicated over the mesh, so that validation runs beside the (global) parameters.
     val = jax.device_put(
