@@ -67,8 +67,9 @@ def test_fastkvzip_contexts_open_like_the_chat_prompt_kvzip_replays(gguf_path, t
 def test_train_wgkv_on_a_gguf_model_and_load_the_gates(gguf_path, tmp_path):
     out = tmp_path / "wgkv"
     argv = ["--model", str(gguf_path), "--out", str(out), "--steps", "2", "--seq-len", "128"]
-    summary = wgkv.main([*argv, "--band", "32", "--eval-rows", "1"])
+    summary = wgkv.main([*argv, "--band", "32", "--eval-rows", "1", "--text", "docstrings"])
     assert summary["steps_done"] == 2 and summary["model"] == str(gguf_path)
+    assert summary["text"] == "docstrings"
     assert json.loads((out / "run.json").read_text())["command"] == summary["command"]
     model = load_gguf(gguf_path)
     gates = policies.get("wgkv").load_params(out, model.config)
@@ -100,15 +101,16 @@ def test_copy_pairs_point_each_repeated_token_at_the_token_after_its_first_occur
     assert np.argwhere(keys).tolist() == [[3, 2]]  # the repeated 1 (6) looks at the first 2 (7)
 
 
-@pytest.mark.parametrize("score", ["copy", "mass"])
-def test_duo_attention_heads_are_the_top_share_of_the_mean_score(gguf_path, tmp_path, score):
+@pytest.mark.parametrize(("score", "text"), [("copy", "source"), ("mass", "docstrings")])
+def test_duo_attention_heads_are_the_top_share_of_the_mean_score(gguf_path, tmp_path, score, text):
     out = tmp_path / "duo"
     window = ["--sinks", "2", "--window", "16"]
     argv = ["--model", str(gguf_path), "--out", str(out), "--score", score, "--share", "0.5"]
-    sizes = ["--contexts", "3", "--length", "96", "--context-batch", "2"]
+    sizes = ["--contexts", "3", "--length", "96", "--context-batch", "2", "--text", text]
     summary = duo_attention.main([*argv, *sizes, *window])
+    assert summary["text"] == text
     model, tokenizer = load_model(str(gguf_path), dtype="float32")
-    rows = fastkvzip.contexts("train", 3, 96, fastkvzip.TRAIN_SEED, tokenizer)
+    rows = fastkvzip.contexts("train", 3, 96, fastkvzip.TRAIN_SEED, tokenizer, text=text)
     prefix = len(context_prefix_ids(tokenizer))
 
     def one_context(row):  # the stage batches two contexts and then one

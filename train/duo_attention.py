@@ -5,8 +5,9 @@ Heads", arXiv:2410.10819) keeps the whole cache in its retrieval heads and only 
 recent window in the others; the paper finds those heads by optimisation on synthetic passkey
 retrieval. Here nothing is trained: each (layer, KV head) gets a calibration score from full
 causal attention over contexts of the corpus's train split in the model's ids (opened as
-`jaxkv train fastkvzip`'s are), and the `--share` of all pairs with the highest score become
-retrieval heads (`policies.retrieval_heads`). Two scores (`--score`):
+`jaxkv train fastkvzip`'s are; `--text docstrings`: only the English docstrings), and the
+`--share` of all pairs with the highest score become retrieval heads
+(`policies.retrieval_heads`). Two scores (`--score`):
 
   copy  each context's text is cut to half its length and repeated; a query in the repeat puts
         the score on the key that follows its own token's first occurrence, the next token it
@@ -36,6 +37,7 @@ import numpy as np
 from jaxkv import bundled, policies
 from jaxkv.model_sources import load_model, model_file_sha256
 from jaxkv.policies.kvzip import context_prefix_ids
+from jaxkv.train import corpus as corpus_lib
 from jaxkv.train.fastkvzip import TRAIN_SEED, contexts
 
 SCORES = ("copy", "mass")
@@ -116,6 +118,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--contexts", type=int, default=16, help="calibration contexts")
     parser.add_argument("--length", type=int, default=2048, help="tokens per context")
     parser.add_argument("--context-batch", type=int, default=2)
+    parser.add_argument(
+        "--text", choices=corpus_lib.TEXTS, default="source", help="the corpus's text (contexts)"
+    )
     parser.add_argument("--sinks", type=int, default=defaults.sinks, help="as the policy's")
     parser.add_argument("--window", type=int, default=defaults.window, help="as the policy's")
     args = parser.parse_args(argv)
@@ -128,7 +133,7 @@ def main(argv=None) -> dict:
             f"--length {args.length}: the copy score repeats half of the {args.length - prefix} "
             f"tokens after the prompt's opening, a distance that must exceed --window {args.window}"
         )
-    rows = contexts("train", args.contexts, args.length, TRAIN_SEED, tokenizer)
+    rows = contexts("train", args.contexts, args.length, TRAIN_SEED, tokenizer, text=args.text)
     began = time.perf_counter()
     scores = calibration_scores(
         model,
@@ -148,6 +153,7 @@ def main(argv=None) -> dict:
         "share": args.share,
         "contexts": args.contexts,
         "length": args.length,
+        "text": args.text,
         "sinks": args.sinks,
         "window": args.window,
         "seed": TRAIN_SEED,

@@ -378,6 +378,9 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--episode-fraction", type=float, default=0.0, help="share of rows that are episodes"
     )
+    parser.add_argument(
+        "--text", choices=corpus_lib.TEXTS, default="source", help="the corpus's text (rows)"
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--expand", type=float, default=None, help="hidden = expand * head_dim")
@@ -409,7 +412,7 @@ def main(argv=None) -> dict:
         model.config,
         spec,
         config,
-        corpus_lib.load_corpus("train"),
+        corpus_lib.load_corpus("train", text=args.text),
         tokenizer,
         seed=args.seed,
         expand=args.expand,
@@ -425,6 +428,7 @@ def main(argv=None) -> dict:
         "model": str(args.model),
         "model_file_sha256": model_file_sha256(args.model),
         "seed": args.seed,
+        "text": args.text,
         "spec": dataclasses.asdict(spec),
         "steps_done": int(state.step),
         "steps": args.steps,
@@ -440,7 +444,7 @@ def main(argv=None) -> dict:
             model.config,
             gates,
             spec,
-            corpus_lib.load_corpus("heldout"),
+            corpus_lib.load_corpus("heldout", text=args.text),
             tokenizer,
             seed=args.seed,
             rows=args.eval_rows,
