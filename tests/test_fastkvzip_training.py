@@ -90,14 +90,15 @@ def test_contexts_refuse_a_fraction_outside_0_1():
 
 
 def test_targets_carry_their_provenance_and_training_needs_it(tmp_path, monkeypatch):
-    """`build_targets` writes how it built the file; the training summary copies that; a run
-    takes the build options from it, refuses given ones that differ, and refuses a targets file
-    without it by name."""
+    """`build_targets` writes each context's rows in order (batches of 2, the last one short)
+    and how it built the file; the training summary copies that; a run takes the build options
+    from it, refuses given ones that differ, and refuses a targets file without it by name."""
 
     def fake_inputs_and_targets(model, batch, chunk, *, repeat_ids, continue_ids):
         assert (repeat_ids, continue_ids) == (REPEAT_IDS, CONTINUE_IDS)
-        n = len(batch) * len(batch[0])
-        return np.zeros((n, 2, 32), np.float16), np.full((n, 2, 2), 0.5, np.float32)
+        token = np.repeat([context[1] for context in batch], len(batch[0]))  # [B * T]
+        h = np.broadcast_to(token[:, None, None], (len(token), 2, 32)).astype(np.float16)
+        return h, np.full((len(token), 2, 2), 0.5, np.float32)
 
     monkeypatch.setattr(training, "inputs_and_targets", fake_inputs_and_targets)
     path = tmp_path / "targets.npz"
@@ -105,7 +106,7 @@ def test_targets_carry_their_provenance_and_training_needs_it(tmp_path, monkeypa
         None,
         BYTES,
         path,
-        count=2,
+        count=3,
         validation=1,
         length=512,
         batch=2,
@@ -113,14 +114,18 @@ def test_targets_carry_their_provenance_and_training_needs_it(tmp_path, monkeypa
         chunk=32,
         log=lambda *_: None,
     )
-    provenance = json.loads(str(np.load(path)["provenance"]))
+    data = np.load(path)
+    provenance = json.loads(str(data["provenance"]))
     assert provenance["episode_fraction"] == 0.25
-    assert (provenance["train_contexts"], provenance["validation_contexts"]) == (2, 1)
+    assert (provenance["train_contexts"], provenance["validation_contexts"]) == (3, 1)
+    firsts = [context[1] for context in training.contexts("train", 3, 512, 1, BYTES, 0.25)]
+    np.testing.assert_array_equal(data["train_h"][:, 1, 7], np.repeat(firsts, 512))
+    assert data["validation_h"].shape == (512, 2, 32)
     assert provenance["length"] == 512 and provenance["text"] == "source"
 
     model = init_model(CONFIG, seed=0, scale=0.3)
     monkeypatch.setattr(training, "load_model", lambda *args, **kwargs: (model, BYTES))
-    built = ["--contexts", "2", "--validation-contexts", "1", "--length", "512"]
+    built = ["--contexts", "3", "--validation-contexts", "1", "--length", "512"]
     argv = ["--targets", str(path), *built, "--episode-fraction", "0.25", "--steps", "2"]
     argv += ["--warmup", "1", "--batch-tokens", "16"]
     summary = training.main(argv)

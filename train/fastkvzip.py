@@ -159,7 +159,8 @@ def build_targets(
     log=print,
 ) -> None:
     """Writes train and validation inputs/targets to `path` (.npz, with a JSON `provenance`
-    entry saying how they were built, which training summaries copy)."""
+    entry saying how they were built, which training summaries copy). Each array is filled in
+    place, so the peak memory is the file's size (h: 2 * L * D bytes a token)."""
     arrays = {}
     prompts = repeat_prompt_ids(tokenizer)
     for split, n, seed, name in (
@@ -167,16 +168,15 @@ def build_targets(
         ("heldout", validation, VALIDATION_SEED, "validation"),
     ):
         all_contexts = contexts(split, n, length, seed, tokenizer, episode_fraction, text)
-        hs, ts = [], []
         for start in range(0, n, batch):
             began = time.perf_counter()
             h, t = inputs_and_targets(model, all_contexts[start : start + batch], chunk, **prompts)
-            hs.append(h)
-            ts.append(t)
+            for key, rows in ((f"{name}_h", h), (f"{name}_targets", t)):
+                if key not in arrays:
+                    arrays[key] = np.empty((n * length, *rows.shape[1:]), rows.dtype)
+                arrays[key][start * length : start * length + len(rows)] = rows
             seconds = time.perf_counter() - began
             log(f"{name}: contexts {start + len(h) // length}/{n} ({seconds:.1f} s)")
-        arrays[f"{name}_h"] = np.concatenate(hs)
-        arrays[f"{name}_targets"] = np.concatenate(ts)
     provenance = {
         "train_contexts": count,
         "validation_contexts": validation,
