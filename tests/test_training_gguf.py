@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import policies
+from jaxkv import policies, prose
 from jaxkv.model_sources import load_model
 from jaxkv.models import gguf_tokenizer, load_gguf, render_chat
+from jaxkv.models.tokenizer import max_token_bytes
 from jaxkv.policies.kvzip import context_prefix_ids
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import duo_attention, fastkvzip, wgkv
@@ -43,6 +44,20 @@ def test_wgkv_rows_are_the_prefix_and_corpus_text_in_the_models_ids(gguf_path, t
         assert row[: len(prefix)].tolist() == prefix
         assert tokenizer.decode(row[len(prefix) :]) in train_text
     assert len({tuple(row) for row in batch["tokens"]}) == 3
+
+
+def test_token_ids_of_a_corpus_shorter_than_the_sure_bound_come_from_a_quarter_of_it(gguf_path):
+    """count * max_token_bytes would not fit in the corpus: a quarter of it is encoded, and a
+    count that quarter cannot hold is refused rather than cut short."""
+    tokenizer = gguf_tokenizer(gguf_path)
+    text = prose.prose(20_000, seed=3)
+    corpus = corpus_lib.Corpus(np.frombuffer(text.encode(), np.uint8), "heldout")
+    count = len(corpus.data) // 8
+    assert (count + 1) * max_token_bytes(tokenizer) > len(corpus.data)
+    ids = corpus.token_ids(np.random.default_rng(0), tokenizer, count)
+    assert ids.shape == (count,) and tokenizer.decode(ids.tolist()) in text
+    with pytest.raises(ValueError, match=r"bytes of heldout text gave \d+ < \d+ ids"):
+        corpus.token_ids(np.random.default_rng(0), tokenizer, len(corpus.data) // 3)
 
 
 def test_byte_level_episodes_are_refused_for_another_tokenizer(gguf_path):

@@ -78,9 +78,12 @@ class Corpus:
     def token_ids(self, rng: np.random.Generator, tokenizer: Tokenizer, count: int) -> np.ndarray:
         """int32 [count] ids of text from a random line start, in `tokenizer`'s vocabulary: the
         byte-level tokenizer's are `text`'s bytes; for another, enough bytes that `count` tokens
-        surely fit (`max_token_bytes`) are encoded and the first `count` kept."""
+        surely fit (`max_token_bytes`) are encoded and the first `count` kept, or from a corpus
+        shorter than that a quarter of it (a ValueError if those bytes hold too few tokens)."""
         byte_level = is_byte_tokenizer(tokenizer)
         needed = count if byte_level else (count + 1) * max_token_bytes(tokenizer)
+        if not byte_level and needed > len(self.data):
+            needed = len(self.data) // 4
         ids = token_ids_of_bytes(tokenizer, self.text(rng, needed))
         if len(ids) < count:
             raise ValueError(f"{needed} bytes of {self.split} text gave {len(ids)} < {count} ids")
