@@ -84,6 +84,13 @@ def test_docstring_contexts_are_stretches_of_the_docstring_text():
         assert context[0] == BYTES.bos_id and bytes(context[1:]) in docs
 
 
+@pytest.mark.parametrize("option", ["--gate-dim", "--sinks"])
+def test_gate_sizes_below_one_are_refused_before_loading_a_model(option, tmp_path):
+    with pytest.raises(ValueError, match=f"{option}=0 must be >= 1"):
+        training.main(["--targets", str(tmp_path / "absent.npz"), option, "0"])
+    assert not (tmp_path / "absent.npz").exists()
+
+
 def test_contexts_refuse_a_fraction_outside_0_1():
     with pytest.raises(ValueError, match=r"episode_fraction=1.5 must lie in \[0, 1\]"):
         training.contexts("train", 1, 64, 1, BYTES, episode_fraction=1.5)

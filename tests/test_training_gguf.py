@@ -96,11 +96,13 @@ def test_train_fastkvzip_on_a_gguf_model_and_load_the_gates(gguf_path, tmp_path)
     argv = ["--model", str(gguf_path), "--targets", str(targets), "--out", str(out)]
     sizes = ["--contexts", "2", "--validation-contexts", "1", "--length", "512"]
     train = ["--steps", "2", "--warmup", "1", "--batch-tokens", "16"]
-    summary = fastkvzip.main([*argv, *sizes, *train])
+    summary = fastkvzip.main([*argv, *sizes, *train, "--gate-dim", "8", "--sinks", "4"])
     assert summary["train_tokens"] == 2 * 512 and summary["model"] == str(gguf_path)
+    assert (summary["gate_dim"], summary["num_sinks"]) == (8, 4)
     model = load_gguf(gguf_path)
     gates = policies.get("fastkvzip").load_params(out, model.config)
     policies.get("fastkvzip").check_params(gates, model.config)
+    assert gates["sinks"].shape[-2:] == (4, 8)
 
 
 def test_policies_without_parameters_refuse_a_path(gguf_path):

@@ -286,6 +286,10 @@ def main(argv=None) -> dict:
         "--text", choices=corpus_lib.TEXTS, help="the corpus's text" + built % "source"
     )
     parser.add_argument("--targets-only", action="store_true", help="build targets and stop")
+    parser.add_argument(
+        "--gate-dim", type=int, default=gate.GATE_DIM, help="D', the gate's projection size"
+    )
+    parser.add_argument("--sinks", type=int, default=gate.NUM_SINKS, help="S, learned sink keys")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-tokens", type=int, default=4096)
@@ -296,6 +300,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--work-dir", default=None, help="orbax checkpoints (resumed)")
     mesh_lib.add_mesh_argument(parser)
     args = parser.parse_args(argv)
+    for option, value in (("--gate-dim", args.gate_dim), ("--sinks", args.sinks)):
+        if value < 1:
+            raise ValueError(f"{option}={value} must be >= 1")
     # Rows are tokens (the gate is per token): a seq axis splits them like the batch axes.
     mesh = mesh_lib.cli_mesh(args.mesh, args.batch_tokens, "--batch-tokens", sequence_dim=0)
 
@@ -348,7 +355,9 @@ def main(argv=None) -> dict:
         log_every=max(args.steps // 40, 1),
     )
     optimizer = sgd_optimizer(args.steps, lr, args.warmup) if args.optimizer == "sgd" else None
-    params = gate.init_params(model.config, jax.random.PRNGKey(args.seed))
+    params = gate.init_params(
+        model.config, jax.random.PRNGKey(args.seed), args.gate_dim, args.sinks
+    )
     out = Path(args.out) if args.out else None
     if out and jax.process_index() == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -376,6 +385,8 @@ def main(argv=None) -> dict:
         "model": args.model,
         "model_file_sha256": model_file_sha256(args.model),
         "targets": provenance,
+        "gate_dim": args.gate_dim,
+        "num_sinks": args.sinks,
         "optimizer": args.optimizer,
         "learning_rate": lr,
         "steps": args.steps,
