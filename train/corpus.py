@@ -10,6 +10,7 @@ prose (`docstrings`: the module, class and function docstrings of at least
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import hashlib
@@ -100,6 +101,18 @@ def docstrings(source: bytes, path: Path) -> list[bytes]:
             if doc and len(doc) >= MIN_DOCSTRING_CHARS:
                 found.append(doc.encode())
     return found
+
+
+def add_text_argument(
+    parser: argparse.ArgumentParser, default: str | None = "source", note: str = ""
+) -> None:
+    """`--text`, one of TEXTS, for the trainers that read this corpus."""
+    parser.add_argument(
+        "--text",
+        choices=TEXTS,
+        default=default,
+        help="the corpus's text: the files' source or their docstrings" + note,
+    )
 
 
 def load_corpus(split: str, root: Path | None = None, text: str = "source") -> Corpus:

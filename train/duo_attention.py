@@ -118,9 +118,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--contexts", type=int, default=16, help="calibration contexts")
     parser.add_argument("--length", type=int, default=2048, help="tokens per context")
     parser.add_argument("--context-batch", type=int, default=2)
-    parser.add_argument(
-        "--text", choices=corpus_lib.TEXTS, default="source", help="the corpus's text (contexts)"
-    )
+    corpus_lib.add_text_argument(parser)
     parser.add_argument("--sinks", type=int, default=defaults.sinks, help="as the policy's")
     parser.add_argument("--window", type=int, default=defaults.window, help="as the policy's")
     args = parser.parse_args(argv)

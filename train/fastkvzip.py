@@ -157,10 +157,11 @@ def build_targets(
     text="source",
     chunk=DEFAULT_REPLAY_CHUNK,
     log=print,
-) -> None:
+) -> dict:
     """Writes train and validation inputs/targets to `path` (.npz, with a JSON `provenance`
-    entry saying how they were built, which training summaries copy). Each array is filled in
-    place, so the peak memory is the file's size (h: 2 * L * D bytes a token)."""
+    entry saying how they were built, which training summaries copy) and returns `provenance`.
+    Each array is filled in place, so the peak memory is the file's size (h: 2 * L * D bytes a
+    token)."""
     arrays = {}
     prompts = repeat_prompt_ids(tokenizer)
     for split, n, seed, name in (
@@ -189,6 +190,7 @@ def build_targets(
     arrays["provenance"] = np.array(json.dumps(provenance))
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, **arrays)
+    return provenance
 
 
 # Options that build the targets: (provenance key, default when the file is built).
@@ -274,17 +276,22 @@ def main(argv=None) -> dict:
         help="a checkpoint directory, a .gguf file or a fetched model's name (jaxkv fetch)",
     )
     parser.add_argument("--targets", required=True, help=".npz of inputs/targets (built if absent)")
-    built = " (default %s, or what existing --targets were built with)"
-    parser.add_argument("--contexts", type=int, help="training contexts" + built % 48)
-    parser.add_argument("--validation-contexts", type=int, help="held-out contexts" + built % 8)
-    parser.add_argument("--length", type=int, help="tokens per context" + built % 2048)
+
+    def built(name: str) -> str:
+        return f" (default {BUILD_OPTIONS[name][1]}, or what existing --targets were built with)"
+
+    parser.add_argument("--contexts", type=int, help="training contexts" + built("contexts"))
+    parser.add_argument(
+        "--validation-contexts", type=int, help="held-out contexts" + built("validation_contexts")
+    )
+    parser.add_argument("--length", type=int, help="tokens per context" + built("length"))
     parser.add_argument("--context-batch", type=int, default=4)
     parser.add_argument(
-        "--episode-fraction", type=float, help="share of contexts that are episodes" + built % 0
+        "--episode-fraction",
+        type=float,
+        help="share of contexts that are episodes" + built("episode_fraction"),
     )
-    parser.add_argument(
-        "--text", choices=corpus_lib.TEXTS, help="the corpus's text" + built % "source"
-    )
+    corpus_lib.add_text_argument(parser, default=None, note=built("text"))
     parser.add_argument("--targets-only", action="store_true", help="build targets and stop")
     parser.add_argument(
         "--gate-dim", type=int, default=gate.GATE_DIM, help="D', the gate's projection size"
@@ -307,11 +314,11 @@ def main(argv=None) -> dict:
     mesh = mesh_lib.cli_mesh(args.mesh, args.batch_tokens, "--batch-tokens", sequence_dim=0)
 
     targets_path = Path(args.targets)
-    exists = targets_path.exists()
-    resolve_build_options(args, read_provenance(targets_path) if exists else None, targets_path)
+    provenance = read_provenance(targets_path) if targets_path.exists() else None
+    resolve_build_options(args, provenance, targets_path)
     model, tokenizer = load_model(args.model, dtype="float32")
-    if not exists:
-        build_targets(
+    if provenance is None:
+        provenance = build_targets(
             model,
             tokenizer,
             targets_path,
@@ -325,7 +332,6 @@ def main(argv=None) -> dict:
     if args.targets_only:
         return {}
     data = np.load(targets_path)
-    provenance = read_provenance(targets_path)
     train_h, train_t = data["train_h"], data["train_targets"]
     # Replicated over the mesh, so that validation runs beside the (global) parameters.
     val = jax.device_put(

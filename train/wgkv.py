@@ -378,9 +378,7 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--episode-fraction", type=float, default=0.0, help="share of rows that are episodes"
     )
-    parser.add_argument(
-        "--text", choices=corpus_lib.TEXTS, default="source", help="the corpus's text (rows)"
-    )
+    corpus_lib.add_text_argument(parser)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--expand", type=float, default=None, help="hidden = expand * head_dim")
