@@ -52,10 +52,9 @@ from jaxkv.model_sources import load_model, model_file_sha256
 from jaxkv.policies import spec
 
 
-def run_cell(
-    model, tokenizer, policy, episodes: list[TextEpisode], setting: str, policy_params=None
-) -> dict:
-    """Answers of one (policy, setting) over the episodes, batched: scores and bytes held."""
+def _answers(model, policy, episodes: list[TextEpisode], setting: str, policy_params):
+    """The answer tokens [B, ANSWER_TOKENS] of one batch of episodes and the KV bytes the
+    batch's cache holds after compression."""
     stop = list(model.config.eos_token_ids)
     if setting == "aware":
         prompts = [list(e.context_ids + e.question_ids) for e in episodes]
@@ -67,25 +66,41 @@ def run_cell(
             stop_tokens=stop,
             policy_params=policy_params,
         )
-        generated = np.asarray(out.tokens)
-        kv_bytes = float(out.memory_bytes[0]) / len(episodes)
-    else:
-        contexts = [list(e.context_ids) for e in episodes]
-        extra = max(len(e.question_ids) for e in episodes) + ANSWER_TOKENS
-        kv = compress_prompt(
-            model, contexts, policy, reserve_tokens=extra, policy_params=policy_params
+        return np.asarray(out.tokens), float(out.memory_bytes[0])
+    contexts = [list(e.context_ids) for e in episodes]
+    extra = max(len(e.question_ids) for e in episodes) + ANSWER_TOKENS
+    kv = compress_prompt(model, contexts, policy, reserve_tokens=extra, policy_params=policy_params)
+    starts = np.array([len(c) for c in contexts])
+    questions = [list(e.question_ids) for e in episodes]
+    return greedy_continuation(model, kv, questions, starts, ANSWER_TOKENS), kv.memory_bytes()
+
+
+def run_cell(
+    model,
+    tokenizer,
+    policy,
+    episodes: list[TextEpisode],
+    setting: str,
+    policy_params=None,
+    batch_size: int | None = None,
+) -> dict:
+    """Answers of one (policy, setting) over the episodes, `batch_size` at a time (None: all in
+    one batch): scores and bytes held."""
+    batch_size = batch_size or len(episodes)
+    generated, kv_bytes = [], 0.0
+    for start in range(0, len(episodes), batch_size):
+        tokens, held = _answers(
+            model, policy, episodes[start : start + batch_size], setting, policy_params
         )
-        kv_bytes = kv.memory_bytes() / len(episodes)
-        starts = np.array([len(c) for c in contexts])
-        questions = [list(e.question_ids) for e in episodes]
-        generated = greedy_continuation(model, kv, questions, starts, ANSWER_TOKENS)
+        generated.extend(tokens)
+        kv_bytes += held
     results = [score(tokenizer, row, e.answer) for row, e in zip(generated, episodes, strict=True)]
     exact = sum(r[0] for r in results)
     return {
         "exact": exact / len(episodes),
         "exact_interval": harness.wilson_interval(exact, len(episodes)),
         "leading_digits": float(np.mean([r[1] for r in results])),
-        "kv_bytes_per_sequence": kv_bytes,
+        "kv_bytes_per_sequence": kv_bytes / len(episodes),
         "samples": len(episodes),
         "episode_exact": [bool(r[0]) for r in results],
     }
@@ -149,6 +164,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument(
+        "--batch",
+        type=int,
+        help="episodes per batch (default: a cell's episodes in one batch); fewer hold less "
+        "memory, each episode's answer is its own",
+    )
+    parser.add_argument(
         "--params",
         nargs="+",
         default=[],
@@ -187,6 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(f"--budgets {budget}: a ratio of the prompt in (0, 1]")
     if args.samples < 1:
         raise ValueError(f"--samples {args.samples} must be >= 1")
+    if args.batch is not None and args.batch < 1:
+        raise ValueError(f"--batch {args.batch} must be >= 1 (or left out: one batch a cell)")
     model, tokenizer = load_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     report_path = args.out / "quality.json"
@@ -216,7 +239,13 @@ def main(argv: list[str] | None = None) -> dict:
         if source is not None and source not in loaded:
             loaded[source] = policy.load_params(source, model.config)
         result = run_cell(
-            model, tokenizer, policy, episodes[(task, length)], setting, loaded.get(source)
+            model,
+            tokenizer,
+            policy,
+            episodes[(task, length)],
+            setting,
+            loaded.get(source),
+            batch_size=args.batch,
         )
         label = policy_label(entry, source)
         row = {

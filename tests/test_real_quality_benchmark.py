@@ -69,6 +69,28 @@ def test_full_cache_answers_the_same_in_both_settings(model_and_tokenizer):
     assert np.isfinite(snap["leading_digits"])
 
 
+@pytest.mark.parametrize("setting", needles.SETTINGS)
+def test_batches_of_episodes_answer_as_one_batch(model_and_tokenizer, setting, monkeypatch):
+    """--batch: a cell run two episodes at a time (the last batch short) gives each episode the
+    answer tokens of the cell run in one batch, in order, and holds the same bytes per sequence."""
+    model, tokenizer = model_and_tokenizer
+    answers = []  # the random model never says the number: score its tokens themselves
+
+    def record(tokenizer, row, answer):
+        answers.append(tuple(int(t) for t in row))
+        return int(row[0]) % 2 == 0, float(np.mean(row)) / model.config.vocab_size
+
+    monkeypatch.setattr(real_quality, "score", record)
+    episodes = [needles.build_episode(tokenizer, "multikey", 512, i) for i in range(3)]
+    snap = policies.get("snapkv", budget=0.25)
+    whole = real_quality.run_cell(model, tokenizer, snap, episodes, setting)
+    batched = real_quality.run_cell(model, tokenizer, snap, episodes, setting, batch_size=2)
+    assert answers[3:] == answers[:3] and len(set(answers)) > 1
+    for key in ("exact", "leading_digits", "samples", "episode_exact"):
+        assert batched[key] == whole[key]
+    assert batched["kv_bytes_per_sequence"] == pytest.approx(whole["kv_bytes_per_sequence"])
+
+
 def test_render_writes_the_table_of_a_saved_report(tmp_path):
     cell = dict(length=2048, samples=16, leading_digits=0.5, exact_interval=[0.1, 0.6])
     cell.update(task="needle", setting="aware")
@@ -192,6 +214,8 @@ def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, t
     common = ["--model", str(gguf), "--lengths", "512", "--samples", "2", "--out", str(tmp_path)]
     with pytest.raises(ValueError, match=r"--policies wgkv: give its trained parameters"):
         real_quality.main([*common, "--policies", "wgkv"])
+    with pytest.raises(ValueError, match=r"--batch 0 must be >= 1"):
+        real_quality.main([*common, "--policies", "full", "--batch", "0"])
     with pytest.raises(ValueError, match=r"--params snapkv=.*takes no parameters"):
         real_quality.main([*common, "--policies", "snapkv", "--params", f"snapkv={gates_dir}"])
     argv = [*common, "--policies", "wgkv", "--params", f"wgkv={gates_dir}", "--tasks", "needle"]
