@@ -417,18 +417,23 @@ def main(argv=None) -> dict:
     return summary
 
 
-def top_overlap(params, h, targets, ratio: float = 0.3) -> list[float]:
-    """Per layer: the share of the `ratio` best tokens x heads by target that the gate also
+def top_share(predicted: np.ndarray, targets: np.ndarray, ratio: float = 0.3) -> float:
+    """The share of the `ratio` best entries of `targets` that `predicted` (same shape) also
     ranks in its best `ratio` (what eviction at that ratio depends on; chance is `ratio`)."""
+    predicted, targets = np.asarray(predicted).ravel(), np.asarray(targets).ravel()
+    k = int(ratio * targets.size)
+    best_target = set(np.argsort(-targets, kind="stable")[:k].tolist())
+    best_predicted = set(np.argsort(-predicted, kind="stable")[:k].tolist())
+    return len(best_target & best_predicted) / k
+
+
+def top_overlap(params, h, targets, ratio: float = 0.3) -> list[float]:
+    """Per layer: `top_share` of the gate's scores of tokens x heads; h [N, L, D],
+    targets [N, L, K]."""
     overlaps = []
     for layer in range(targets.shape[1]):
         scores = gate.gate_scores(gate.layer_slice(params, layer), jnp.asarray(h[None, :, layer]))
-        predicted = np.asarray(scores[0]).T.ravel()  # [N * K]
-        target = np.asarray(targets[:, layer]).ravel()
-        k = int(ratio * target.size)
-        best_target = set(np.argsort(-target, kind="stable")[:k].tolist())
-        best_gate = set(np.argsort(-predicted, kind="stable")[:k].tolist())
-        overlaps.append(len(best_target & best_gate) / k)
+        overlaps.append(top_share(np.asarray(scores[0]).T, targets[:, layer], ratio))
     return overlaps
 
 
