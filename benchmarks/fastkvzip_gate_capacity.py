@@ -33,7 +33,7 @@ import optax
 
 from jaxkv.benchmarks import harness
 from jaxkv.gates import fastkvzip as gate
-from jaxkv.train.fastkvzip import bce, top_share
+from jaxkv.train.fastkvzip import baseline_bce, bce, top_share
 
 PROBE_BIAS = -3.0  # sigmoid(-3) = 0.047: near the targets' mean at the start
 
@@ -90,6 +90,10 @@ def train_probe(
     return params
 
 
+def parameter_count(tree) -> int:
+    return sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree))
+
+
 def _scored(name: str, parameters: int, scores: jax.Array, targets: np.ndarray, bounds) -> dict:
     constant, entropy = bounds
     loss = float(jnp.mean(bce(scores, jnp.asarray(targets))))
@@ -102,17 +106,14 @@ def _scored(name: str, parameters: int, scores: jax.Array, targets: np.ndarray, 
     }
 
 
-def layer_report(layer: int, data, gates: dict, args) -> list[dict]:
-    """Every predictor's row for one layer (data: the targets file's arrays)."""
+def layer_report(layer: int, data, gates: dict, constant_bce: float, args) -> list[dict]:
+    """Every predictor's row for one layer (data: the targets file's arrays; `constant_bce`:
+    the layer's `baseline_bce`)."""
     train_h, train_targets = data["train_h"][:, layer], data["train_targets"][:, layer]
     val_h, val_targets = data["validation_h"][:, layer], data["validation_targets"][:, layer]
-    constant = train_targets.mean()
-    bounds = (
-        float(jnp.mean(bce(jnp.full(val_targets.shape, constant), jnp.asarray(val_targets)))),
-        entropy_bce(val_targets),
-    )
+    bounds = (constant_bce, entropy_bce(val_targets))
     layer_gates = gate.layer_slice(gates, layer)
-    gate_size = sum(int(np.size(v)) for v in layer_gates.values())
+    gate_size = parameter_count(layer_gates)
     gate_rows = gate.gate_scores(layer_gates, jnp.asarray(val_h)[None])[0].T  # [N, K]
     rows = [_scored("sink-attention gates", gate_size, gate_rows, val_targets, bounds)]
     for width in args.hidden:
@@ -126,8 +127,9 @@ def layer_report(layer: int, data, gates: dict, args) -> list[dict]:
             lr=args.learning_rate,
             seed=args.seed + layer,
         )
-        size = sum(int(np.size(v)) for v in probe.values())
-        row = _scored(f"mlp-{width}", size, probe_scores(probe, val_h), val_targets, bounds)
+        row = _scored(
+            f"mlp-{width}", parameter_count(probe), probe_scores(probe, val_h), val_targets, bounds
+        )
         rows.append({**row, "seconds": time.perf_counter() - began})
     return [
         {"layer": layer, "constant_bce": bounds[0], "entropy_bce": bounds[1], **row} for row in rows
@@ -178,11 +180,12 @@ def main(argv: list[str] | None = None) -> dict:
             f"--layers {args.layers}: the targets hold layers 0..{layers - 1} and the gates "
             f"{gates['wq'].shape[0]} layers"
         )
-    arrays = {name: data[name] for name in ("train_h", "train_targets")}
-    arrays |= {name: data[name] for name in ("validation_h", "validation_targets")}
+    names = ("train_h", "train_targets", "validation_h", "validation_targets")
+    arrays = {name: data[name] for name in names}
+    constants = baseline_bce(arrays["train_targets"], arrays["validation_targets"])
     rows = []
     for layer in args.layers:
-        rows += layer_report(layer, arrays, gates, args)
+        rows += layer_report(layer, arrays, gates, constants[layer], args)
         print(markdown(rows[-1 - len(args.hidden) :]), flush=True)
     report = {
         **harness.provenance("python -m jaxkv.benchmarks.fastkvzip_gate_capacity", argv),
