@@ -55,7 +55,7 @@ from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig
 from jaxkv.cache.repack import device_decode_geometry, keeps_prefill_pool
 from jaxkv.generation import StepContext
-from jaxkv.generation.decode import (
+from jaxkv.generation.loop import (
     decode_context,
     decode_loop,
     read_tokens,

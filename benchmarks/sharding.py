@@ -75,7 +75,7 @@ CPU_SMALL = {
 
 def _decode_program() -> str:
     """The decode loop's sharded program as XLA names it (after its function)."""
-    from jaxkv.generation.decode import decode_loop
+    from jaxkv.generation.loop import decode_loop
 
     return f"sharded_{decode_loop.fn.__name__}"
 

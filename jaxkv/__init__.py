@@ -2,17 +2,28 @@
 
 from jaxkv import policies
 from jaxkv.cache import CacheConfig, KVState, PoolExhaustedError, Storage
-from jaxkv.generation import GenerateOutput, compress_prompt, generate
+from jaxkv.generation import AskOutput, GenerateOutput, Session, ask, compress_prompt, generate
+from jaxkv.generation.saved import load_session, save_session
+from jaxkv.generation.session import decode, extend, fork, prefill
 from jaxkv.sampling import Sampler
 
 __all__ = [
+    "AskOutput",
     "CacheConfig",
     "GenerateOutput",
     "KVState",
     "PoolExhaustedError",
     "Sampler",
+    "Session",
     "Storage",
+    "ask",
     "compress_prompt",
+    "decode",
+    "extend",
+    "fork",
     "generate",
+    "load_session",
     "policies",
+    "prefill",
+    "save_session",
 ]

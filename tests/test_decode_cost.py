@@ -11,7 +11,7 @@ import pytest
 import jaxkv
 from jaxkv import generation, policies
 from jaxkv.cache import geometry
-from jaxkv.generation import decode as decode_module
+from jaxkv.generation import loop as decode_module
 from jaxkv.generation import prefill as prefill_module
 from jaxkv.generation import request as request_module
 from jaxkv.models import init_model

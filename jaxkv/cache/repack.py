@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,7 +26,7 @@ from jaxkv.cache.state import KVState, PagePool
 from jaxkv.sharding import to_host
 
 
-def _table_of_width(table, max_pages: int):
+def table_of_width(table, max_pages: int):
     """Page tables [..., W] trimmed or padded (with -1) to [..., max_pages]: a head's pages are
     the first entries of its table."""
     width = table.shape[-1]
@@ -35,20 +36,45 @@ def _table_of_width(table, max_pages: int):
     return jnp.pad(table, pad, constant_values=-1)
 
 
+def _first_references(table, pool_pages: int) -> jax.Array:
+    """bool, table's shape: whether each entry is the first (in table order) to name its page
+    (ids in [0, pool_pages)). Every held entry is, except where rows share pages
+    (`jaxkv.cache.sharing`)."""
+    flat = table.reshape(-1)
+    held = flat >= 0
+    entry = jnp.arange(flat.size, dtype=jnp.int32)
+    first_entry = (
+        jnp.full((pool_pages,), flat.size, jnp.int32)
+        .at[jnp.where(held, flat, pool_pages)]
+        .min(entry, mode="drop")
+    )
+    return (held & (first_entry[jnp.maximum(flat, 0)] == entry)).reshape(table.shape)
+
+
 def _repack_pool(pool: PagePool, table, lengths, num_pages: int, max_pages: int):
-    """(pool of `num_pages` pages, tables [..., max_pages]) holding the same tokens."""
+    """(pool of `num_pages` pages, tables [..., max_pages]) holding the same tokens; a page
+    that several rows share (`jaxkv.cache.sharing`) is copied once and stays shared."""
     p = pool.page_size
     held = table >= 0
-    fits = (jnp.sum(held) <= num_pages) & jnp.all(lengths <= max_pages * p)
-    new_id = (jnp.cumsum(held.reshape(-1)) - 1).reshape(table.shape)
-    new_table = _table_of_width(jnp.where(held, new_id, -1), max_pages)
-    destination = jnp.where(held, new_id, num_pages).reshape(-1)
+    first = _first_references(table, pool.num_pages)
+    pages_held = jnp.sum(first)
+    fits = (pages_held <= num_pages) & jnp.all(lengths <= max_pages * p)
+    first_id = (jnp.cumsum(first.reshape(-1)) - 1).reshape(table.shape)
+    # Each old page's new id, read back by every entry that names it.
+    renumber = (
+        jnp.zeros((pool.num_pages,), jnp.int32)
+        .at[jnp.where(first, table, pool.num_pages)]
+        .set(first_id, mode="drop")
+    )
+    new_id = renumber[jnp.maximum(table, 0)]
+    new_table = table_of_width(jnp.where(held, new_id, -1), max_pages)
+    destination = jnp.where(first, first_id, num_pages).reshape(-1)
     source = jnp.zeros((num_pages,), jnp.int32).at[destination].set(table.reshape(-1), mode="drop")
 
     def move(pages):
         return None if pages is None else pages[source]
 
-    in_use = jnp.minimum(jnp.sum(held), num_pages).astype(jnp.int32)
+    in_use = jnp.minimum(pages_held, num_pages).astype(jnp.int32)
     allocator = PageAllocator.create(num_pages)
     allocator = dataclasses.replace(allocator, num_free=num_pages - in_use)
     pool = dataclasses.replace(
@@ -104,7 +130,7 @@ def retable(kv: KVState, *, max_pages: int) -> KVState:
     too_long = kv.full_precision_lengths() > max_pages * kv.pool.page_size
     overflow = kv.pool.overflow | jnp.any(too_long, axis=(-3, -2, -1))
     pool = dataclasses.replace(kv.pool, overflow=overflow)
-    return dataclasses.replace(kv, pool=pool, page_table=_table_of_width(kv.page_table, max_pages))
+    return dataclasses.replace(kv, pool=pool, page_table=table_of_width(kv.page_table, max_pages))
 
 
 def grow(kv: KVState, num_pages: int) -> KVState:
@@ -137,10 +163,13 @@ def grow(kv: KVState, num_pages: int) -> KVState:
     return dataclasses.replace(kv, pool=pool)
 
 
-def _bucketed_geometry(grown: np.ndarray, p: int, bound_pages: int | None = None):
+def _bucketed_geometry(
+    grown: np.ndarray, p: int, bound_pages: int | None = None, duplicate_entries: int = 0
+):
     """(pool pages, table width) for heads growing to `grown` tokens, the pool at most
-    `bound_pages` when the policy bounds what it holds."""
-    pages = int((-(-grown // p)).sum())
+    `bound_pages` when the policy bounds what it holds; `duplicate_entries` of the tables' entries
+    name a page another entry names (rows sharing pages, `jaxkv.cache.sharing`)."""
+    pages = int((-(-grown // p)).sum()) - duplicate_entries
     if bound_pages is not None:
         pages = min(pages, bound_pages)
     width = max(int(-(-grown.max() // p)), 1)
@@ -148,7 +177,10 @@ def _bucketed_geometry(grown: np.ndarray, p: int, bound_pages: int | None = None
 
 
 def decode_geometry(
-    kv: KVState, max_new_tokens: int, tokens_bound: np.ndarray | None = None
+    kv: KVState,
+    max_new_tokens: int,
+    tokens_bound: np.ndarray | None = None,
+    duplicate_entries: int = 0,
 ) -> tuple[int, int]:
     """(num_pages, max_pages) that hold `kv` plus up to `max_new_tokens - 1` more tokens per head
     (host side; bucketed, `jaxkv.cache.geometry`). With int8 storage: of the model-dtype pages,
@@ -158,7 +190,8 @@ def decode_geometry(
     average during decode (its decode eviction's `decode_tokens_bound`); the pool then holds
     that many per head (plus a partial page each), or what the state holds now if that is more.
     A mesh's per-device states stacked [S, ...] (`jaxkv.sharding`) get the geometry of the
-    fullest device; tokens_bound is then [S, B/d], each device's rows.
+    fullest device; tokens_bound is then [S, B/d], each device's rows. duplicate_entries: table
+    entries that name a page another row's entry names too (held once; one device).
     """
     lengths = _per_device(to_host(kv.full_precision_lengths()))
     bounds = [None] * len(lengths)
@@ -166,7 +199,9 @@ def decode_geometry(
         bounds = np.reshape(tokens_bound, (len(lengths), -1))
     window = None if kv.pool.int8 is None else kv.pool.int8.window
     return _largest(
-        device_decode_geometry(held, bound, max_new_tokens, kv.pool.page_size, window)
+        device_decode_geometry(
+            held, bound, max_new_tokens, kv.pool.page_size, window, duplicate_entries
+        )
         for held, bound in zip(lengths, bounds, strict=True)
     )
 
@@ -181,7 +216,9 @@ def _largest(geometries) -> tuple[int, int]:
     return max(pages), max(widths)
 
 
-def device_decode_geometry(lengths, tokens_bound, max_new_tokens, p, int8_window=None):
+def device_decode_geometry(
+    lengths, tokens_bound, max_new_tokens, p, int8_window=None, duplicate_entries: int = 0
+):
     """(num_pages, max_pages) of one device's state holding lengths int [L, B, K] (host)."""
     grown = lengths + max(max_new_tokens - 1, 0)
     if int8_window is not None:
@@ -192,7 +229,7 @@ def device_decode_geometry(lengths, tokens_bound, max_new_tokens, p, int8_window
         per_head = -(-np.asarray(tokens_bound, np.int64) // p) + 1
         held = int((-(-lengths // p)).sum())
         bound_pages = max(int(per_head.sum()) * heads_per_sequence, held + lengths.size)
-    return _bucketed_geometry(grown, p, bound_pages)
+    return _bucketed_geometry(grown, p, bound_pages, duplicate_entries)
 
 
 def int8_decode_geometry(kv: KVState, max_new_tokens: int) -> tuple[int, int]:

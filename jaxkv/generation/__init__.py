@@ -2,17 +2,24 @@
 
 request   checks and pads the prompts, sizes the prefill pool, places the model on the mesh;
 prefill   chunked prefill with the policy's observations, then its compression;
-decode    the public `decode_step` and the decode loop (after the repack into its geometry);
-api       `generate` and `compress_prompt`;
+loop      the public `decode_step` and the decode loop (after the repack into its geometry);
+session   `Session`: `prefill`, `extend`, `fork` and `decode` over a prefilled context (import
+          them from `jaxkv`: here `prefill` names the module);
+api       `generate`, `compress_prompt` and `ask`, built on sessions;
 mesh      programs whose arguments are placed on a device mesh by name.
 """
 
-from jaxkv.generation.api import GenerateOutput, compress_prompt, generate
-from jaxkv.generation.decode import GenState, StepContext, decode_step, step_keys
+from jaxkv.generation.api import AskOutput, ask, compress_prompt, generate
+from jaxkv.generation.loop import GenState, StepContext, decode_step, step_keys
 from jaxkv.generation.request import DEFAULT_PREFILL_CHUNK, PromptIds
+from jaxkv.generation.session import GenerateOutput, Session, extend_with_logits
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
+    "AskOutput",
+    "Session",
+    "ask",
+    "extend_with_logits",
     "GenState",
     "GenerateOutput",
     "PromptIds",

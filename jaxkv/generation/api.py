@@ -1,4 +1,5 @@
-"""`generate` and `compress_prompt`: a request set up, prefilled and compressed, decoded."""
+"""`generate` (`decode(prefill(...))`), `compress_prompt` (`prefill(...).kv`) and `ask` (one
+compressed context, many questions, one copy of the context)."""
 
 from __future__ import annotations
 
@@ -9,47 +10,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import sharding
 from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig, check_count
-from jaxkv.cache.geometry import decode_steps_bucket
-from jaxkv.generation.decode import GenState, decode_loop, to_decode_geometry
-from jaxkv.generation.prefill import run_prefill
-from jaxkv.generation.request import PromptIds, checked_key, checked_stop_tokens, set_up
+from jaxkv.cache.sharing import row_pages
+from jaxkv.generation.request import PromptIds, checked_stop_tokens
+from jaxkv.generation.session import (
+    GenerateOutput,
+    Session,
+    _decode,
+    prefill,
+    prefill_session,
+    sampling_key,
+)
 from jaxkv.models.decoder import Model
 from jaxkv.policies import Policy
 from jaxkv.policies.base import PolicyParams
 from jaxkv.sampling import Sampler
-from jaxkv.sharding import InferenceMesh
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateOutput:
-    """Result of `generate` (host arrays).
-
-    Attributes:
-      tokens: int32 [B, max_new_tokens]; positions after a sequence's stop token hold pad_id.
-      num_tokens: int32 [B] tokens generated per sequence (the stop token included).
-      pages_in_use: int32 [steps] pages held after prefill and after each decode step (of the
-        model-dtype pool).
-      int8_pages_in_use: int32 [steps] the same of the int8 tier (0 without int8 storage).
-      memory_bytes: int64 [steps] the bytes all those pages hold (and the int8 channel scales,
-        and the local ring of ring policies).
-      policy_trace: f32 [steps, B] what the policy recorded of the logits each token was
-        sampled from (its decode eviction's `step_record`; Conf-KV: its confidence, with its
-        weights); None for policies that record nothing.
-      state: the final KV state; on a mesh, every device's state stacked on a leading axis
-        [S] (`jaxkv.sharding`: shard s holds data shard s // model, model shard s % model).
-    """
-
-    tokens: np.ndarray
-    num_tokens: np.ndarray
-    pages_in_use: np.ndarray
-    int8_pages_in_use: np.ndarray
-    memory_bytes: np.ndarray
-    policy_trace: np.ndarray | None
-    state: KVState
 
 
 def generate(
@@ -101,14 +78,10 @@ def generate(
     """
     backend = resolve_backend(backend)
     max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
-    sampler = Sampler() if sampler is None else sampler
-    if key is None:
-        if not sampler.greedy:
-            raise ValueError("a PRNG key is required when sampling (temperature > 0)")
-        key = jax.random.PRNGKey(0)
-    key = checked_key(key)
-    stop_tokens = checked_stop_tokens(model, stop_tokens)
-    request = set_up(
+    sampler, key = sampling_key(sampler, key)
+    checked_stop_tokens(model, stop_tokens)
+    policy_key, key = jax.random.split(key)
+    session = prefill_session(
         model,
         prompt_ids,
         policy,
@@ -116,67 +89,19 @@ def generate(
         positions_after_prompt=max_new_tokens,
         cache=cache,
         prefill_chunk=prefill_chunk,
+        key=policy_key,
+        backend=backend,
         policy_params=policy_params,
         mesh=mesh,
     )
-    policy, placement = request.policy, request.placement
-    model, policy_params = request.model, request.policy_params
-    policy_key, key = jax.random.split(key)
-    kv, last_hidden = run_prefill(model, request, policy_key, policy_params, backend)
-    kv = to_decode_geometry(kv, policy, request, max_new_tokens)
-    lengths = request.prompts.lengths
-    state = decode_loop(
-        placement,
-        model=model,
-        kv=kv,
-        last_hidden=last_hidden,
-        lengths=lengths,
-        budget_tokens=request.budget_tokens,
-        budget_ratio=policy.budget_ratio(len(lengths)),
-        max_new_tokens=np.int32(max_new_tokens),
-        key=key,
-        stop_tokens=jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
-        policy_params=policy_params,
-        steps_bucket=decode_steps_bucket(max_new_tokens),
-        policy=policy.static(),
+    return _decode(
+        session,
+        max_new_tokens,
         sampler=sampler,
+        key=key,
+        stop_tokens=stop_tokens,
         pad_id=pad_id,
-        backend=backend,
-    )
-    return _output(state, max_new_tokens, stop_tokens, placement)
-
-
-def _output(
-    state: GenState, max_new_tokens: int, stop_tokens, placement: InferenceMesh | None
-) -> GenerateOutput:
-    """The host-side result of the decode loop (a mesh's rows joined, its pages summed)."""
-    state.kv.check()
-    if placement is None:
-        per_row, summed = np.asarray, np.asarray
-    else:
-        per_row, summed = placement.join_rows, placement.sum_shards
-    steps = int(np.max(sharding.to_host(state.step)))
-    tokens = per_row(state.tokens)[:, :max_new_tokens]
-    is_stop = np.isin(tokens, np.asarray(stop_tokens, np.int32))
-    num_tokens = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, steps)
-    pages = summed(state.pages_in_use)[:steps]
-    int8_pages = summed(state.int8_pages_in_use)[:steps]
-    memory_bytes = pages.astype(np.int64) * state.kv.pool.page_bytes + state.kv.ring_bytes
-    if state.kv.pool.int8 is not None:
-        tier = state.kv.pool.int8
-        memory_bytes += int8_pages.astype(np.int64) * tier.pool.page_bytes
-        memory_bytes += tier.channel_scale_bytes
-    policy_trace = None
-    if state.policy_trace is not None:
-        policy_trace = per_row(jnp.swapaxes(state.policy_trace, -1, -2)).T[:steps]
-    return GenerateOutput(
-        tokens=tokens,
-        num_tokens=num_tokens.astype(np.int32),
-        pages_in_use=pages,
-        int8_pages_in_use=int8_pages,
-        memory_bytes=memory_bytes,
-        policy_trace=policy_trace,
-        state=state.kv,
+        consume=True,
     )
 
 
@@ -201,19 +126,120 @@ def compress_prompt(
     `cache`, `policy_params`, `prefill_chunk`, `backend`, `mesh`: as for `generate` (on a mesh the
     result is every device's state, stacked [S, ...]).
     """
-    backend = resolve_backend(backend)
-    reserve_tokens = check_count("reserve_tokens", reserve_tokens, 0)
-    request = set_up(
+    session = prefill(
         model,
         prompt_ids,
         policy,
-        reserve_tokens=reserve_tokens,
-        positions_after_prompt=reserve_tokens,
         cache=cache,
         prefill_chunk=prefill_chunk,
+        key=key,
+        backend=backend,
+        reserve_tokens=reserve_tokens,
         policy_params=policy_params,
         mesh=mesh,
     )
-    key = jax.random.PRNGKey(0) if key is None else key
-    kv, _ = run_prefill(request.model, request, key, request.policy_params, backend)
-    return kv
+    return session.kv
+
+
+@dataclasses.dataclass(frozen=True)
+class AskOutput:
+    """Answers to several questions over one compressed context (`ask`; host values).
+
+    Attributes:
+      answers: the rows' `GenerateOutput` (row i answers question i).
+      shared_bytes: bytes of the context's pages all rows share, held once.
+      row_bytes: int64 [N] bytes each row holds alone: its copy of the context's partial last
+        pages, its question and its answer (and its local ring, for ring policies).
+      total_bytes: bytes held after decoding: shared_bytes + row_bytes.sum().
+      separate_bytes: bytes N copies of the context would hold, one per question:
+        N x shared_bytes + row_bytes.sum().
+    """
+
+    answers: GenerateOutput
+    shared_bytes: int
+    row_bytes: np.ndarray
+    total_bytes: int
+    separate_bytes: int
+
+
+def _same_model(a: Model, b: Model) -> bool:
+    """Whether two models are the same configuration with the same parameter arrays."""
+    if a.config != b.config:
+        return False
+    leaves_a, leaves_b = jax.tree.leaves(a.params), jax.tree.leaves(b.params)
+    return len(leaves_a) == len(leaves_b) and all(
+        x is y or (x.shape == y.shape and bool(jnp.array_equal(x, y)))
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
+
+
+def ask(
+    model: Model,
+    context: PromptIds | Session,
+    questions: Sequence[Sequence[int]],
+    policy: Policy | str | None = None,
+    *,
+    max_new_tokens: int,
+    sampler: Sampler | None = None,
+    key: jax.Array | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    pad_id: int = 0,
+    cache: CacheConfig | None = None,
+    prefill_chunk: int | None = None,
+    backend: str | Backend = "xla",
+    policy_params: PolicyParams | None = None,
+) -> AskOutput:
+    """Answers each question over one compressed copy of `context`: the context is prefilled
+    and compressed once (or given as a one-row `Session`), forked into one row per question
+    (`Session.fork`: the rows share its pages) and decoded together. Each answer equals the
+    question asked alone over the same compressed context (`decode(session.extend(q))`).
+
+    context: one prompt's token ids, or a `Session` prefilled with `model` (then `policy`,
+    `cache`, `policy_params` and `backend` are the session's). Other arguments as `generate`.
+    """
+    if not isinstance(questions, Sequence) or isinstance(questions, str) or not questions:
+        raise ValueError("questions must be a non-empty list of token-id lists")
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
+    sampler, key = sampling_key(sampler, key)
+    checked_stop_tokens(model, stop_tokens)
+    policy_key, key = jax.random.split(key)
+    if isinstance(context, Session):
+        if not _same_model(context.model, model):
+            raise ValueError(
+                "context is a session prefilled with another model (its config or parameters "
+                "differ): prefill the context with this model"
+            )
+        session = context
+    else:
+        session = prefill(
+            model,
+            context,
+            policy,
+            cache=cache,
+            prefill_chunk=prefill_chunk,
+            key=policy_key,
+            backend=backend,
+            policy_params=policy_params,
+        )
+    rows = session.fork(questions, reserve_tokens=max_new_tokens - 1, prefill_chunk=prefill_chunk)
+    answers = _decode(
+        rows,
+        max_new_tokens,
+        sampler=sampler,
+        key=key,
+        stop_tokens=stop_tokens,
+        pad_id=pad_id,
+        consume=True,
+    )
+    pages = row_pages(answers.state)
+    page_bytes = answers.state.pool.page_bytes
+    ring_per_row = answers.state.ring_bytes // len(questions)
+    row_bytes = pages.own.astype(np.int64) * page_bytes + ring_per_row
+    shared_bytes = pages.shared * page_bytes
+    return AskOutput(
+        answers=answers,
+        shared_bytes=shared_bytes,
+        row_bytes=row_bytes,
+        total_bytes=shared_bytes + int(row_bytes.sum()),
+        separate_bytes=len(questions) * shared_bytes + int(row_bytes.sum()),
+    )

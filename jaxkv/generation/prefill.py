@@ -48,12 +48,15 @@ class _PrefillCarry:
       query_moments: the pre-RoPE queries' (count f32 [B, 1, 1], mean f32 [L, B, N, H], m2
         [L, B, N, H, H]) over the prompt tokens seen so far from the policy's
         `query_moments_from` position on (None unless the policy asks).
+      hidden: [B, T_pad, D] every token's final-normed hidden state (None unless a caller of
+        `read_tokens` asks for the tokens' logits).
     """
 
     last_hidden: jax.Array
     window: jax.Array | None
     moments: tuple[jax.Array, jax.Array, jax.Array] | None
     query_moments: tuple[jax.Array, jax.Array, jax.Array] | None
+    hidden: jax.Array | None = None
 
 
 def _empty_carry(model: Model, batch: int, policy: Policy) -> _PrefillCarry:
@@ -110,25 +113,30 @@ def _prefill_span(
     kv: KVState,
     carry: _PrefillCarry,
     policy_params,
+    offsets=None,
     *,
     chunk: int,
     policy: Policy,
     backend: Backend,
+    evict_chunks: bool = True,
 ):
     """Prefills chunks [first_chunk, end_chunk) (traced) of tokens [B, T_pad]; the padded tail
     past the last prompt token is never run, so a prompt-length bucket costs no compute. Each
     chunk's forward runs in `forward_piece(chunk)`-token pieces, then the chunk eviction's
-    `after_prefill_chunk` (if the policy has one). Returns (kv, carry)."""
-    w = observation_window(policy)
+    `after_prefill_chunk` (if the policy has one and `evict_chunks`). Token t of row b sits at
+    position `offsets[b] + t` (offsets int32 [B]: 0 for a prompt, the tokens already read when
+    a session is extended). What the carry holds decides what is observed. Returns (kv, carry)."""
+    w = 0 if carry.window is None else carry.window.shape[3]
     piece = forward_piece(chunk)
-    moments_from = _query_moments_from(policy)
+    moments_from = None if carry.query_moments is None else _query_moments_from(policy)
+    offsets = jnp.zeros_like(lengths) if offsets is None else offsets
 
     def forward(start, state):
-        """One forward piece of `piece` tokens from position `start`."""
+        """One forward piece of `piece` tokens from token `start`."""
         kv, carry = state
         piece_tokens = jax.lax.dynamic_slice_in_dim(tokens, start, piece, axis=1)
         token_index = start + jnp.arange(piece)
-        positions = jnp.where(token_index < lengths[:, None], token_index, -1)
+        positions = jnp.where(token_index < lengths[:, None], offsets[:, None] + token_index, -1)
         hidden, kv, collected = forward_cached(
             model,
             piece_tokens,
@@ -141,6 +149,10 @@ def _prefill_span(
             collect_query_moments_from=moments_from,
             policy_params=policy_params,
         )
+        if carry.hidden is not None:
+            carry = carry.replace(
+                hidden=jax.lax.dynamic_update_slice_in_dim(carry.hidden, hidden, start, axis=1)
+            )
         is_last = token_index == lengths[:, None] - 1
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
         last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, carry.last_hidden)
@@ -160,7 +172,7 @@ def _prefill_span(
                 collected["query_mean"],
                 collected["query_m2"],
             )
-        return kv, _PrefillCarry(
+        return kv, carry.replace(
             last_hidden=last_hidden, window=window, moments=moments, query_moments=query_moments
         )
 
@@ -172,7 +184,7 @@ def _prefill_span(
             kv, carry = jax.lax.fori_loop(
                 0, chunk // piece, lambda i, state: forward(start + i * piece, state), state
             )
-        if policy.chunk_eviction is not None:
+        if evict_chunks and policy.chunk_eviction is not None:
             kv = policy.chunk_eviction.after_prefill_chunk(
                 kv,
                 seen=jnp.minimum(start + chunk, lengths),
@@ -286,11 +298,12 @@ def prefill_and_compress(
 
 # The growing path (a policy with an admission part): a chunk per call, the pool checked between.
 prefill_span = program(
-    static=("chunk", "policy", "backend"),
+    static=("chunk", "policy", "backend", "evict_chunks"),
     donate=("kv", "carry"),
     first_chunk=SAME,
     end_chunk=SAME,
     carry=SHARD,
+    offsets=ROWS,
     **_SPAN_PLACEMENTS,
 )(_prefill_span)
 compress = program(
@@ -337,9 +350,11 @@ def _prefill_growing(model, request: Request, key, policy_params, backend: Backe
             kv=kv,
             carry=carry,
             policy_params=policy_params,
+            offsets=np.zeros_like(prompts.lengths),
             chunk=prompts.chunk,
             policy=policy,
             backend=backend,
+            evict_chunks=True,
         )
     return compress(
         mesh,
@@ -353,6 +368,57 @@ def _prefill_growing(model, request: Request, key, policy_params, backend: Backe
         policy=policy,
         int8_window=request.cache.int8_window,
     )
+
+
+@program(
+    static=("chunk", "policy", "backend", "keep_hidden"),
+    num_chunks=SAME,
+    offsets=ROWS,
+    last_hidden=SHARD,
+    **_SPAN_PLACEMENTS,
+)
+def read_tokens(
+    model,
+    tokens,
+    lengths,
+    offsets,
+    num_chunks,
+    budget_tokens,
+    kv,
+    last_hidden,
+    policy_params,
+    *,
+    chunk,
+    policy,
+    backend,
+    keep_hidden,
+):
+    """Reads more tokens over a prefilled state as prefill reads a prompt (in chunks, through
+    the policy's admission and scoring), observing nothing, compressing nothing and running no
+    chunk eviction: row b's tokens[b, :lengths[b]] go to positions offsets[b] onwards. Does not
+    donate `kv` (a session stays valid). Returns (kv, last_hidden [B, D], the hidden states
+    [B, T_pad, D] of every token when `keep_hidden`, else None)."""
+    hidden = None
+    if keep_hidden:
+        hidden = jnp.zeros((*tokens.shape, last_hidden.shape[-1]), last_hidden.dtype)
+    carry = _PrefillCarry(last_hidden, window=None, moments=None, query_moments=None, hidden=hidden)
+    kv, carry = _prefill_span(
+        model,
+        tokens,
+        lengths,
+        0,
+        num_chunks,
+        budget_tokens,
+        kv,
+        carry,
+        policy_params,
+        offsets,
+        chunk=chunk,
+        policy=policy,
+        backend=backend,
+        evict_chunks=False,
+    )
+    return kv, carry.last_hidden, carry.hidden
 
 
 def run_prefill(

@@ -48,7 +48,7 @@ class Prompts:
     num_chunks: int  # chunks that hold a prompt token (the rest of T_pad is never run)
 
 
-def _prompt_lists(prompts) -> list[list[int]]:
+def prompt_lists(prompts) -> list[list[int]]:
     """One prompt (token ids) or a batch (lists, or an int array [T] / [B, T]) as lists."""
     if isinstance(prompts, str) or (
         isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], str)
@@ -102,7 +102,7 @@ def _token_row(index: int, row) -> list:
     return ids
 
 
-def _pad_prompts(prompts: list[list[int]], lengths: np.ndarray, prefill_chunk: int) -> Prompts:
+def pad_prompts(prompts: list[list[int]], lengths: np.ndarray, prefill_chunk: int) -> Prompts:
     """Right-pads validated prompts. The chunk is a power of two (>= 16) when the prompts are
     shorter than `prefill_chunk`; the padded length is the chunk times a power of two."""
     prefill_chunk = check_count("prefill_chunk", prefill_chunk, 1)
@@ -115,7 +115,7 @@ def _pad_prompts(prompts: list[list[int]], lengths: np.ndarray, prefill_chunk: i
     return Prompts(tokens=tokens, lengths=lengths, chunk=chunk, num_chunks=num_chunks)
 
 
-def _prompt_lengths(model: Model, prompts: list[list[int]]) -> np.ndarray:
+def prompt_lengths(model: Model, prompts: list[list[int]]) -> np.ndarray:
     lengths = np.array([len(p) for p in prompts], np.int32)
     if np.any(lengths == 0):
         raise ValueError(
@@ -260,11 +260,11 @@ def set_up(
     if cache.int8_window is not None and policy.selection is not None:
         raise ValueError(f"policy {policy.name!r} selects pages, which int8 storage does not do")
     policy.check_params(policy_params, model.config)
-    prompt_lists = _prompt_lists(prompt_ids)
-    lengths = _prompt_lengths(model, prompt_lists)
+    rows = prompt_lists(prompt_ids)
+    lengths = prompt_lengths(model, rows)
     if prefill_chunk is None:
         prefill_chunk = default_prefill_chunk(policy, lengths)
-    prompts = _pad_prompts(prompt_lists, lengths, prefill_chunk)
+    prompts = pad_prompts(rows, lengths, prefill_chunk)
     if placement is not None:
         placement.check(model.config, len(lengths))
     budget_tokens = policy.budget_tokens(prompts.lengths)

@@ -10,6 +10,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv import collectives
 from jaxkv.attention import Backend
@@ -23,12 +24,12 @@ from jaxkv.cache import (
 )
 from jaxkv.forward import forward_cached
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
-from jaxkv.generation.request import Request
 from jaxkv.models.decoder import Model, logits_from_hidden
 from jaxkv.parts import DecodeContext
 from jaxkv.policies import Policy
 from jaxkv.policies.base import after_decode_step
 from jaxkv.sampling import Sampler
+from jaxkv.sharding import InferenceMesh
 
 
 @flax.struct.dataclass
@@ -198,27 +199,35 @@ repack_program = program(static=("num_pages", "max_pages", "int8_geometry"), kv=
 
 
 def to_decode_geometry(
-    kv: KVState, policy: Policy, request: Request, max_new_tokens: int
+    kv: KVState,
+    policy: Policy,
+    *,
+    budget_tokens: np.ndarray,
+    lengths: np.ndarray,
+    placement: InferenceMesh | None,
+    num_pages: int | None,
+    max_new_tokens: int,
+    duplicate_entries: int = 0,
 ) -> KVState:
-    """The compressed state in a pool sized for what it holds and will hold during decode
-    (bounded by the policy's budget where it evicts); the same state when that is its size, and
-    in its own pool when a repack would save at most half of it (`keeps_prefill_pool`)."""
+    """The state in a pool sized for what it holds and will hold during `max_new_tokens` steps
+    (bounded by the policy's budget where it evicts; at most `num_pages`, the request's pool);
+    the same state when that is its size, and in its own pool when a repack would save at most
+    half of it (`keeps_prefill_pool`). lengths: int [B] tokens read per row; duplicate_entries:
+    page-table entries naming pages other rows name too (`jaxkv.cache.sharing`)."""
     bound = None
     if policy.decode_eviction is not None:
-        bound = policy.decode_eviction.decode_tokens_bound(
-            request.budget_tokens, request.prompts.lengths, max_new_tokens
-        )
-    if bound is not None and request.placement is not None:
+        bound = policy.decode_eviction.decode_tokens_bound(budget_tokens, lengths, max_new_tokens)
+    if bound is not None and placement is not None:
         # The bound is an average over heads; a budget shared across heads may all go to
         # this device's heads.
-        share = request.placement.model if policy.decides_across_heads else 1
-        bound = request.placement.rows_per_device(bound) * share
-    decode_pages, max_pages = decode_geometry(kv, max_new_tokens, bound)
+        share = placement.model if policy.decides_across_heads else 1
+        bound = placement.rows_per_device(bound) * share
+    decode_pages, max_pages = decode_geometry(kv, max_new_tokens, bound, duplicate_entries)
     int8_geometry = None
     if kv.pool.int8 is not None:
         int8_geometry = int8_decode_geometry(kv, max_new_tokens)
-    if request.cache.num_pages is not None:
-        decode_pages = min(decode_pages, request.cache.num_pages)
+    if num_pages is not None:
+        decode_pages = min(decode_pages, num_pages)
     if int8_geometry is None and (decode_pages, max_pages) == (
         kv.pool.num_pages,
         kv.page_table.shape[-1],
@@ -227,7 +236,7 @@ def to_decode_geometry(
     if keeps_prefill_pool(kv.pool.num_pages, decode_pages, int8=int8_geometry is not None):
         return retable(kv, max_pages=max_pages)
     return repack_program(
-        request.placement,
+        placement,
         kv=kv,
         num_pages=decode_pages,
         max_pages=max_pages,
@@ -235,21 +244,7 @@ def to_decode_geometry(
     )
 
 
-@program(
-    static=("steps_bucket", "policy", "sampler", "pad_id", "backend"),
-    donate=("kv",),
-    model=MODEL,
-    kv=SHARD,
-    last_hidden=SHARD,
-    lengths=ROWS,
-    budget_tokens=ROWS,
-    budget_ratio=ROWS,
-    max_new_tokens=SAME,
-    key=SAME,
-    stop_tokens=SAME,
-    policy_params=POLICY_PARAMS,
-)
-def decode_loop(
+def _decode_loop(
     model,
     kv,
     last_hidden,
@@ -268,8 +263,9 @@ def decode_loop(
     backend,
 ) -> GenState:
     """Decodes in a `lax.while_loop` until `max_new_tokens` (traced; the per-step arrays have
-    `steps_bucket` entries), all sequences stopped, or the pool overflowed. Donates `kv`: the
-    loop updates the pool in place."""
+    `steps_bucket` entries), all sequences stopped, or the pool overflowed. `decode_loop`
+    donates `kv` (the loop updates the pool in place); `decode_loop_keeping_kv` leaves it valid
+    (a session decoded again), at the cost of a copy."""
     logits = logits_from_hidden(model.params, model.config, last_hidden)
     b = lengths.shape[0]
     records = _step_record(policy, logits) is not None
@@ -308,3 +304,20 @@ def decode_loop(
     )
     state = jax.lax.while_loop(keep_going, step, state)
     return state.replace(context=state.context.replace(policy_params=None))  # not an output
+
+
+_DECODE_PLACEMENTS = dict(
+    model=MODEL,
+    kv=SHARD,
+    last_hidden=SHARD,
+    lengths=ROWS,
+    budget_tokens=ROWS,
+    budget_ratio=ROWS,
+    max_new_tokens=SAME,
+    key=SAME,
+    stop_tokens=SAME,
+    policy_params=POLICY_PARAMS,
+)
+_DECODE_STATIC = ("steps_bucket", "policy", "sampler", "pad_id", "backend")
+decode_loop = program(static=_DECODE_STATIC, donate=("kv",), **_DECODE_PLACEMENTS)(_decode_loop)
+decode_loop_keeping_kv = program(static=_DECODE_STATIC, **_DECODE_PLACEMENTS)(_decode_loop)

@@ -1,0 +1,161 @@
+"""Sessions saved to a directory and loaded by another process: a compressed document reused.
+
+    save_session(session, "doc.session")
+    session = load_session("doc.session", model, "kvzip:0.3")
+
+The directory holds the session's arrays (an orbax checkpoint: the KV state, lengths, last
+hidden states, budgets, the policy's parameters) and `session.json`: what they were made with.
+Loading checks the model (its configuration and a digest of its parameters) and the policy
+against that record and refuses a mismatch by name: a session only means something with the
+model and policy that wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxkv.attention import Backend
+from jaxkv.cache import KVState
+from jaxkv.cache.config import CacheConfig
+from jaxkv.generation.session import Session
+from jaxkv.models.decoder import Model
+from jaxkv.policies import Policy, from_spec
+
+FORMAT = 1
+RECORD = "session.json"
+ARRAYS = "arrays"
+
+
+def model_digest(model: Model) -> str:
+    """sha256 over the model's configuration and every parameter's dtype, shape and bytes."""
+    digest = hashlib.sha256(repr(model.config).encode())
+    for path, leaf in jax.tree_util.tree_leaves_with_path(model.params):
+        array = np.asarray(leaf)
+        digest.update(f"{jax.tree_util.keystr(path)}:{array.dtype}:{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def _arrays(session: Session) -> dict:
+    return {
+        "kv": flax.serialization.to_state_dict(session.kv),
+        "last_hidden": np.asarray(session.last_hidden),
+        "lengths": np.asarray(session.lengths),
+        "budget_tokens": np.asarray(session.budget_tokens),
+        "budget_ratio": np.asarray(session.budget_ratio),
+        "policy_params": flax.serialization.to_state_dict(session.policy_params),
+    }
+
+
+def save_session(session: Session, path: str | Path) -> Path:
+    """Writes the session to the directory `path` (which must not exist yet); returns it."""
+    path = Path(path).absolute()
+    if path.exists():
+        raise ValueError(f"path={str(path)!r} exists: give a new directory")
+    if session.placement is not None:
+        raise ValueError("saving a session on a mesh is not supported: prefill on one device")
+    if session.kv.pool.int8 is not None:
+        raise ValueError("saving a session with int8 storage is not supported")
+    session.kv.check()
+    path.mkdir(parents=True)
+    ocp.PyTreeCheckpointer().save(path / ARRAYS, _arrays(session))
+    record = {
+        "format": FORMAT,
+        "model": model_digest(session.model),
+        "model_config": repr(session.model.config),
+        "policy": repr(session.policy),
+        "cache": _cache_record(session.cache),
+        "backend": session.backend.value,
+        "shared": session.shared,
+        "key_bounds": session.kv.pool.key_min is not None,
+        "local_window": 0 if session.kv.ring is None else session.kv.ring.window,
+    }
+    (path / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def _cache_record(cache: CacheConfig) -> dict:
+    """The `CacheConfig`'s fields as JSON values (`CacheConfig(**record)` rebuilds it)."""
+    return {
+        "page_size": cache.page_size,
+        "num_pages": cache.num_pages,
+        "kv_dtype": None if cache.kv_dtype is None else cache.kv_dtype.name,
+        "storage": cache.storage.value,
+        "full_precision_window": cache.full_precision_window,
+    }
+
+
+def _record(path: Path) -> dict:
+    file = path / RECORD
+    if not file.is_file():
+        raise ValueError(f"{str(path)!r} holds no saved session (no {RECORD})")
+    record = json.loads(file.read_text())
+    if record.get("format") != FORMAT:
+        raise ValueError(
+            f"{str(file)!r} is format {record.get('format')}; this jaxkv reads format {FORMAT}"
+        )
+    return record
+
+
+def _empty_state(arrays: dict, record: dict) -> KVState:
+    """A KV state of the saved structure (filled by `from_state_dict`)."""
+    pool, table = arrays["kv"]["pool"], arrays["kv"]["page_table"]
+    num_pages, page_size, head_dim = pool["k_pages"].shape
+    num_layers, batch, num_kv_heads, max_pages = table.shape
+    return KVState.create(
+        num_layers=num_layers,
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_tokens=max_pages * page_size,
+        page_size=page_size,
+        num_pages=num_pages,
+        dtype=pool["k_pages"].dtype,
+        key_bounds=record["key_bounds"],
+        local_window=record["local_window"],
+    )
+
+
+def load_session(path: str | Path, model: Model, policy: Policy | str) -> Session:
+    """The session saved at `path`, for `model` and `policy` (or its spec): both must be the
+    ones it was saved with (ValueError naming which differs)."""
+    path = Path(path).absolute()
+    record = _record(path)
+    policy = from_spec(policy) if isinstance(policy, str) else policy
+    if repr(model.config) != record["model_config"] or model_digest(model) != record["model"]:
+        raise ValueError(
+            f"the session at {str(path)!r} was saved with another model (config "
+            f"{record['model_config']}); load it with that model"
+        )
+    if repr(policy) != record["policy"]:
+        raise ValueError(
+            f"the session at {str(path)!r} was saved with policy {record['policy']}, not {policy!r}"
+        )
+    arrays = ocp.PyTreeCheckpointer().restore(path / ARRAYS)
+    kv = flax.serialization.from_state_dict(_empty_state(arrays, record), arrays["kv"])
+    params = arrays.get("policy_params")
+    if params is not None and policy.needs_params:
+        template = policy.init_params(model.config, jax.random.PRNGKey(0))
+        params = flax.serialization.from_state_dict(template, params)
+    params = jax.tree.map(jnp.asarray, params)
+    return Session(
+        model=model,
+        kv=jax.tree.map(jnp.asarray, kv),
+        last_hidden=jnp.asarray(arrays["last_hidden"]),
+        lengths=np.asarray(arrays["lengths"], np.int32),
+        budget_tokens=np.asarray(arrays["budget_tokens"], np.int32),
+        budget_ratio=np.asarray(arrays["budget_ratio"], np.float32),
+        policy_params=params,
+        policy=policy,
+        cache=CacheConfig(**record["cache"]),
+        backend=Backend(record["backend"]),
+        shared=record["shared"],
+    )

@@ -1,0 +1,245 @@
+"""Sessions: prefill once, extend, fork into rows that share the context's pages, decode (and
+decode again); `ask` answers as each question asked alone over the same compressed context."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import CacheConfig, Sampler, bundled, policies, prose
+from jaxkv.cache.sharing import row_pages
+from jaxkv.models import load_hf_checkpoint
+from jaxkv.models.configs import Family
+from tests.tiny_models import tiny_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_hf_checkpoint(bundled.REFERENCE_MODEL)
+
+
+def text_ids(text: str) -> list[int]:
+    """The bundled byte-level model's ids of `text`."""
+    return list(text.encode())
+
+
+CONTEXT = text_ids(" ".join(prose.paragraphs()[:3])[:700])
+QUESTIONS = [text_ids(q) for q in ("\nIn short, ", "\nThe answer is that the ", "\nSo ")]
+ANSWER_TOKENS = 10
+
+
+def loaded(policy: policies.Policy, model):
+    """(policy, its bundled parameters for the reference model, or None)."""
+    path = policy.bundled_params_path()
+    return policy, None if path is None else policy.load_params(path, model.config)
+
+
+# Every policy that compresses the prompt and evicts nothing within ANSWER_TOKENS decode steps,
+# and the full cache; those that evict on every step are refused on shared pages (below).
+SHARING_POLICIES = [
+    "full",
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+    "tova",
+    "knorm",
+    "observed_attention",
+    "expected_attention",
+    "kvzip",
+    "gvote",
+    "sage_kv",
+    "fastkvzip",
+    "wgkv",
+]
+
+
+def build(name: str, model):
+    kwargs = {} if name in ("full", "gvote", "wgkv") else {"budget": 0.3}
+    return loaded(policies.get(name, **kwargs), model)
+
+
+@pytest.mark.parametrize("name", SHARING_POLICIES)
+def test_ask_answers_as_each_question_alone_over_one_shared_context(model, name):
+    policy, params = build(name, model)
+    session = jaxkv.prefill(model, CONTEXT, policy, policy_params=params)
+    alone = [jaxkv.decode(session.extend(q), ANSWER_TOKENS) for q in QUESTIONS]
+    out = jaxkv.ask(model, session, QUESTIONS, max_new_tokens=ANSWER_TOKENS)
+    for i, single in enumerate(alone):
+        np.testing.assert_array_equal(out.answers.tokens[i], single.tokens[0], err_msg=f"row {i}")
+    # One copy of the context: the rows' tables name the same full pages.
+    pages = row_pages(out.answers.state)
+    p = session.kv.pool.page_size
+    context_full_pages = int(np.sum(np.asarray(session.kv.lengths) // p))
+    assert pages.shared == context_full_pages > 0
+    assert out.total_bytes == int(out.answers.memory_bytes[-1])
+    assert out.separate_bytes == out.total_bytes + (len(QUESTIONS) - 1) * out.shared_bytes
+    # Each row holds its own pages only for its tails, question and answer.
+    heads = model.config.num_layers * model.config.num_kv_heads
+    longest = max(map(len, QUESTIONS)) + ANSWER_TOKENS
+    assert np.all(pages.own <= heads * (-(-(longest + p - 1) // p)))
+
+
+def test_a_session_decodes_twice_and_stays_valid(model):
+    session = jaxkv.prefill(model, CONTEXT, "snapkv:0.3").extend(QUESTIONS[1])
+    greedy = jaxkv.decode(session, ANSWER_TOKENS)
+    again = jaxkv.decode(session, ANSWER_TOKENS)
+    np.testing.assert_array_equal(greedy.tokens, again.tokens)
+    sampled = jaxkv.decode(
+        session, ANSWER_TOKENS, sampler=Sampler(temperature=5.0), key=jax.random.PRNGKey(3)
+    )
+    assert not np.array_equal(sampled.tokens, greedy.tokens)
+    np.testing.assert_array_equal(jaxkv.decode(session, ANSWER_TOKENS).tokens, greedy.tokens)
+    assert (
+        session.memory_bytes()
+        == jaxkv.prefill(model, CONTEXT, "snapkv:0.3").extend(QUESTIONS[1]).memory_bytes()
+    )
+
+
+def test_generate_is_decode_of_prefill(model):
+    prompt = CONTEXT + QUESTIONS[0]
+    out = jaxkv.generate(model, [prompt], max_new_tokens=ANSWER_TOKENS, policy="kvzip:0.3")
+    key = jax.random.split(jax.random.PRNGKey(0))[0]  # generate's prefill key
+    session = jaxkv.prefill(model, [prompt], "kvzip:0.3", key=key)
+    np.testing.assert_array_equal(
+        out.tokens, jaxkv.decode(session, ANSWER_TOKENS, key=jax.random.PRNGKey(0)).tokens
+    )
+    assert np.array_equal(
+        np.asarray(jaxkv.compress_prompt(model, [prompt], "kvzip:0.3", key=key).lengths),
+        np.asarray(session.kv.lengths),
+    )
+
+
+@pytest.mark.parametrize("name", ["full", "local_attention"])
+def test_extending_a_prompt_reads_it_as_prefilling_it_whole(model, name):
+    """Without prompt compression, reading a prompt in two parts (the second ragged over two
+    rows, in small chunks) holds the same tokens and decodes the same answer."""
+    policy = policies.get(name) if name == "full" else policies.get(name, window=32, sinks=4)
+    heads, tails = CONTEXT[:300], [CONTEXT[300:], CONTEXT[300:520]]
+    whole = jaxkv.prefill(model, [heads + tail for tail in tails], policy)
+    parts = jaxkv.prefill(model, [heads, heads], policy).extend(tails, prefill_chunk=64)
+    np.testing.assert_array_equal(parts.lengths, whole.lengths)
+    slots = min(parts.kv.max_tokens_per_head, whole.kv.max_tokens_per_head)
+    for kv in (parts.kv, whole.kv):
+        assert np.all(np.asarray(kv.positions())[..., slots:] == -1)
+    np.testing.assert_array_equal(
+        parts.kv.positions()[..., :slots], whole.kv.positions()[..., :slots]
+    )
+    np.testing.assert_array_equal(
+        jaxkv.decode(parts, ANSWER_TOKENS).tokens, jaxkv.decode(whole, ANSWER_TOKENS).tokens
+    )
+
+
+def test_extend_with_logits_scores_each_token_as_a_longer_prefill():
+    model = load_hf_checkpoint(bundled.REFERENCE_MODEL, dtype="float32")
+    session = jaxkv.prefill(model, CONTEXT[:200], "full")
+    _, logits = jaxkv.generation.extend_with_logits(session, CONTEXT[200:260])
+    reference = jaxkv.prefill(model, CONTEXT[:230], "full")
+    expected = jaxkv.models.decoder.logits_from_hidden(
+        model.params, model.config, reference.last_hidden
+    )
+    np.testing.assert_allclose(logits[0, 29], expected[0], atol=2e-4, rtol=2e-4)
+
+
+def test_forked_rows_never_write_the_shared_pages(model):
+    session = jaxkv.prefill(model, CONTEXT, "snapkv:0.3")
+    rows = session.fork(QUESTIONS, reserve_tokens=ANSWER_TOKENS)
+    shared = row_pages(rows.kv).shared
+    table = np.asarray(rows.kv.page_table)
+    shared_ids = np.unique(table[:, 0][np.isin(table[:, 0], table[:, 1]) & (table[:, 0] >= 0)])
+    assert len(shared_ids) == shared > 0
+    before = np.asarray(rows.kv.pool.k_pages)[shared_ids]
+    out = jaxkv.decode(rows, ANSWER_TOKENS)
+    if out.state.pool.num_pages == rows.kv.pool.num_pages:  # decoded in the fork's own pool
+        np.testing.assert_array_equal(np.asarray(out.state.pool.k_pages)[shared_ids], before)
+    after = jaxkv.decode(rows, ANSWER_TOKENS)
+    np.testing.assert_array_equal(after.tokens, out.tokens)
+    np.testing.assert_array_equal(np.asarray(rows.kv.pool.k_pages)[shared_ids], before)
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "confkv"])
+def test_decode_eviction_on_shared_pages_is_refused_and_the_session_stays_usable(model, name):
+    policy = policies.get(name) if name == "confkv" else policies.get(name, budget=0.3)
+    rows = jaxkv.prefill(model, CONTEXT, policy).fork(QUESTIONS[:2])
+    interval = policy.decode_eviction.decode_interval
+    with pytest.raises(ValueError, match=f"policy '{name}' evicts during decode.*share"):
+        jaxkv.decode(rows, interval + 1)
+    assert jaxkv.decode(rows, interval).tokens.shape == (2, interval)
+
+
+def test_bad_questions_and_sessions_are_refused_before_compiling(model):
+    session = jaxkv.prefill(model, CONTEXT[:200], "snapkv:0.5")
+    with pytest.raises(ValueError, match="non-empty list"):
+        jaxkv.ask(model, session, [], max_new_tokens=4)
+    with pytest.raises(ValueError, match="question 1 is empty"):
+        session.fork([[1, 2], []])
+    with pytest.raises(ValueError, match="one context: this session has 2 rows"):
+        jaxkv.prefill(model, [CONTEXT[:32], CONTEXT[:40]]).fork([[1]])
+    too_long = [1] * model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="max_position_embeddings=8192"):
+        session.fork([too_long])
+    with pytest.raises(ValueError, match="exceed the model's max_position_embeddings"):
+        jaxkv.decode(session, model.config.max_position_embeddings)
+    with pytest.raises(ValueError, match=r"outside the token ids \[0, 259\)"):
+        session.extend([300])
+    with pytest.raises(ValueError, match="int8 storage"):
+        jaxkv.prefill(model, CONTEXT[:64], cache=CacheConfig(storage="int8")).fork([[1]])
+    other = jaxkv.models.init_model(tiny_config(Family.LLAMA, vocab_size=259), seed=0)
+    with pytest.raises(ValueError, match="another model"):
+        jaxkv.ask(other, session, [[1]], max_new_tokens=2)
+    # Nothing was lost: the session still answers.
+    assert jaxkv.ask(model, session, [[32]], max_new_tokens=2).answers.tokens.shape == (1, 2)
+
+
+def test_a_session_on_a_mesh_decodes_as_on_one_device(model):
+    mesh = jaxkv.sharding.make_inference_mesh(data=2, model=2)
+    prompts = [CONTEXT[:300], CONTEXT[:260]]
+    one = jaxkv.prefill(model, prompts, "snapkv:0.5").extend(QUESTIONS[:2])
+    many = jaxkv.prefill(model, prompts, "snapkv:0.5", mesh=mesh).extend(QUESTIONS[:2])
+    np.testing.assert_array_equal(
+        jaxkv.decode(many, ANSWER_TOKENS).tokens, jaxkv.decode(one, ANSWER_TOKENS).tokens
+    )
+
+
+def test_a_saved_session_loads_in_another_process_and_answers_the_same(model, tmp_path):
+    import subprocess
+    import sys
+
+    policy, params = build("wgkv", model)
+    session = jaxkv.prefill(model, CONTEXT, policy, policy_params=params)
+    jaxkv.save_session(session, tmp_path / "doc")
+    expected = jaxkv.decode(session.extend(QUESTIONS[0]), ANSWER_TOKENS).tokens
+    script = (
+        "import numpy as np, jaxkv\n"
+        "from jaxkv import bundled, policies\n"
+        "from jaxkv.models import load_hf_checkpoint\n"
+        "model = load_hf_checkpoint(bundled.REFERENCE_MODEL)\n"
+        f"session = jaxkv.load_session({str(tmp_path / 'doc')!r}, model, policies.get('wgkv'))\n"
+        f"out = jaxkv.decode(session.extend({QUESTIONS[0]!r}), {ANSWER_TOKENS})\n"
+        "print(out.tokens[0].tolist())\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert run.stdout.strip().splitlines()[-1] == str(expected[0].tolist())
+
+
+def test_a_saved_session_refuses_another_model_or_policy(model, tmp_path):
+    session = jaxkv.prefill(model, CONTEXT[:200], "snapkv:0.5")
+    path = jaxkv.save_session(session, tmp_path / "doc")
+    with pytest.raises(ValueError, match="exists"):
+        jaxkv.save_session(session, path)
+    with pytest.raises(ValueError, match="saved with policy SnapKV"):
+        jaxkv.load_session(path, model, "snapkv:0.4")
+    other = dataclasses_replace_first_weight(model)
+    with pytest.raises(ValueError, match="saved with another model"):
+        jaxkv.load_session(path, other, "snapkv:0.5")
+    loaded = jaxkv.load_session(path, model, "snapkv:0.5")
+    np.testing.assert_array_equal(jaxkv.decode(loaded, 4).tokens, jaxkv.decode(session, 4).tokens)
+    assert loaded.memory_bytes() == session.memory_bytes()
+
+
+def dataclasses_replace_first_weight(model):
+    """The model with one parameter changed by one ulp-sized step (same config, other params)."""
+    params = jax.tree.map(lambda x: x, model.params)
+    params["embed"] = params["embed"].at[0, 0].add(1)
+    return model.replace(params=params)
