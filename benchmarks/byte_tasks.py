@@ -6,9 +6,9 @@ Episodes come from `jaxkv.tasks` on the held-out corpus split, seeds disjoint fr
   multiquestion  the context alone is compressed once, then several multikey questions are asked
       of that same cache (copies of it), so the cache must serve questions it never saw;
   bpb  bits per byte of a held-out continuation read over the compressed context.
-Multiquestion and bpb continue from `compress_prompt`'s state with full-cache decoding
-(`continuation`; the policy's decode-time hooks do not run there). Memory is what the cache
-actually holds after prefill and compression (`memory_bytes`), per sequence.
+Multiquestion and bpb continue from the compressed context's `jaxkv.Session` (`extend`, then
+`decode` or the continuation's logits), the policy's rules applied as in `generate`. Memory is
+what the cache actually holds after prefill and compression (`memory_bytes`), per sequence.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv import policies, tasks
-from jaxkv.benchmarks.continuation import greedy_continuation, read_chunk, right_aligned
-from jaxkv.generation import compress_prompt
+from jaxkv import tasks
+from jaxkv.generation import extend_with_logits
 from jaxkv.models import Model
 
 BOS, EOS, PAD = 256, 257, 258  # the byte-level tokenizer's
@@ -87,7 +86,7 @@ def _compressed_context(
 ):
     prompts = [[BOS, *context] for context in contexts]
     longest = max(map(len, prompts)) + extra_tokens
-    kv = compress_prompt(
+    session = jaxkv.prefill(
         model,
         prompts,
         policy,
@@ -97,9 +96,7 @@ def _compressed_context(
         reserve_tokens=extra_tokens,
         policy_params=policy_params,
     )
-    starts = np.array([len(prompt) for prompt in prompts])
-    kv_bytes = kv.memory_bytes() / len(prompts)
-    return kv, starts, kv_bytes
+    return session, session.memory_bytes() / len(prompts)
 
 
 def run_multiquestion(model, policy, corpus, length: int, samples: int, policy_params=None) -> dict:
@@ -125,11 +122,11 @@ def run_multiquestion(model, policy, corpus, length: int, samples: int, policy_p
         answers.append([value.rstrip(b".") + b".\n" for _, value in names])
     steps = max(len(a) for row in answers for a in row)
     extra = max(len(q) for row in questions for q in row) + steps
-    kv, starts, kv_bytes = _compressed_context(model, policy, contexts, extra, policy_params)
+    session, kv_bytes = _compressed_context(model, policy, contexts, extra, policy_params)
     correct = []
     for index in range(QUESTIONS):
         rows = [list(row[index]) for row in questions]
-        generated = greedy_continuation(model, kv, rows, starts, steps)
+        generated = jaxkv.decode(session.extend(rows), steps, stop_tokens=(), pad_id=PAD).tokens
         for i, row in enumerate(answers):
             correct.append(bytes(int(t) for t in generated[i, : len(row[index])]) == row[index])
     return {"accuracy": float(np.mean(correct)), "kv_bytes_per_sequence": kv_bytes}
@@ -141,14 +138,13 @@ def run_bpb(model, policy, corpus, length: int, samples: int, policy_params=None
     texts = [corpus.text(rng, length - 1 + CONTINUATION_BYTES) for _ in range(samples)]
     contexts = [text[: length - 1] for text in texts]
     continuations = [list(text[length - 1 :]) for text in texts]
-    kv, starts, kv_bytes = _compressed_context(
+    session, kv_bytes = _compressed_context(
         model, policy, contexts, CONTINUATION_BYTES, policy_params
     )
-    full = policies.FullCache().static()
-    tokens, positions = right_aligned(continuations, starts)
-    logits, _ = read_chunk(model, kv, tokens[:, :-1], positions[:, :-1], full)
+    _, logits = extend_with_logits(session, [row[:-1] for row in continuations])
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
+    targets = jnp.asarray([row[1:] for row in continuations])
+    nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     return {
         "bits_per_byte": float(jnp.mean(nll)) / math.log(2),
         "kv_bytes_per_sequence": kv_bytes,

@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 
-from jaxkv.models import Tokenizer, render_chat
+from jaxkv.models import Tokenizer, chat_halves
 from jaxkv.prose import prose
 
 TASKS = ("needle", "multikey")
@@ -25,7 +25,6 @@ MULTIKEY_KEYS = 6
 DIGITS = 7
 ANSWER_TOKENS = 10  # " " + 7 digits + "." + end of turn
 EVAL_SEED = 20_000
-_MARK = "\u2063CONTEXT\u2063"
 # Keys are first names, no two alike: compound names that share a word (icy-otter, icy-meadow)
 # are confused by the model with the full cache already, which would hide what policies lose.
 _NAMES = (
@@ -44,13 +43,6 @@ class TextEpisode:
     question_ids: tuple[int, ...]
     answer: str
     depths: tuple[float, ...]
-
-
-def _chat_halves(tokenizer: Tokenizer) -> tuple[str, str]:
-    """The chat text before and after a user message's content (generation prompt included)."""
-    text = render_chat(tokenizer, [{"role": "user", "content": _MARK}])
-    before, after = text.split(_MARK)
-    return before, after
 
 
 def _sentences(seed: int) -> list[str]:
@@ -78,7 +70,7 @@ def build_episode(tokenizer: Tokenizer, task: str, length: int, index: int) -> T
         depths = [float((index * 0.618034) % 1.0)]
     else:
         depths = sorted(float(d) for d in rng.uniform(0, 1, keys))
-    before, after = _chat_halves(tokenizer)
+    before, after = chat_halves(tokenizer)
     question = (
         f"\n\nWhat is the special magic number for {names[asked]} mentioned in the text above?"
         f"{after}The special magic number for {names[asked]} is"

@@ -38,7 +38,6 @@ from tqdm import tqdm
 import jaxkv
 from jaxkv import policies
 from jaxkv.benchmarks import harness, real_quality_report
-from jaxkv.benchmarks.continuation import greedy_continuation
 from jaxkv.benchmarks.needles import (
     ANSWER_TOKENS,
     SETTINGS,
@@ -47,7 +46,6 @@ from jaxkv.benchmarks.needles import (
     build_episode,
     score,
 )
-from jaxkv.generation import compress_prompt
 from jaxkv.model_sources import load_model, model_file_sha256
 from jaxkv.policies import spec
 
@@ -69,10 +67,13 @@ def _answers(model, policy, episodes: list[TextEpisode], setting: str, policy_pa
         return np.asarray(out.tokens), float(out.memory_bytes[0])
     contexts = [list(e.context_ids) for e in episodes]
     extra = max(len(e.question_ids) for e in episodes) + ANSWER_TOKENS
-    kv = compress_prompt(model, contexts, policy, reserve_tokens=extra, policy_params=policy_params)
-    starts = np.array([len(c) for c in contexts])
+    session = jaxkv.prefill(
+        model, contexts, policy, reserve_tokens=extra, policy_params=policy_params
+    )
+    held = session.memory_bytes()
     questions = [list(e.question_ids) for e in episodes]
-    return greedy_continuation(model, kv, questions, starts, ANSWER_TOKENS), kv.memory_bytes()
+    out = jaxkv.decode(session.extend(questions), ANSWER_TOKENS, stop_tokens=stop)
+    return np.asarray(out.tokens), held
 
 
 def run_cell(

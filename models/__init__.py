@@ -1,6 +1,6 @@
 """Functional Llama / Qwen decoders, their configs, checkpoints and tokenizers."""
 
-from jaxkv.models.chat import encode_chat, render_chat
+from jaxkv.models.chat import chat_halves, encode_chat, render_chat
 from jaxkv.models.configs import (
     Family,
     ModelConfig,
@@ -22,6 +22,7 @@ __all__ = [
     "RopeScaling",
     "Tokenizer",
     "byte_tokenizer",
+    "chat_halves",
     "encode_chat",
     "forward",
     "gguf_tokenizer",

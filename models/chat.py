@@ -67,3 +67,16 @@ def render_chat(tokenizer: Tokenizer, messages, add_generation_prompt: bool = Tr
 def encode_chat(tokenizer: Tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of the rendered conversation (the template writes any BOS itself)."""
     return tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt), add_bos=False)
+
+
+_CONTENT_MARK = "\u2063CONTENT\u2063"
+
+
+def chat_halves(tokenizer: Tokenizer, system: str | None = None) -> tuple[str, str]:
+    """The chat text before and after one user message's content (the generation prompt
+    included; after an optional system message): a long context that several questions share
+    is `before + context`, each question `question + after`."""
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    text = render_chat(tokenizer, [*messages, {"role": "user", "content": _CONTENT_MARK}])
+    before, after = text.split(_CONTENT_MARK)
+    return before, after

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from jaxkv.benchmarks import byte_tasks, continuation, quality, teacher_forced
+from jaxkv.benchmarks import byte_tasks, quality, teacher_forced
 from jaxkv.models import byte_tokenizer
 
 
@@ -96,9 +96,9 @@ def test_bad_params_are_named(pair, message):
 
 
 def test_the_byte_tasks_ids_are_the_byte_tokenizer_s():
-    """The byte-level benchmarks' BOS/EOS/PAD (byte_tasks, teacher_forced, the continuation's
-    padding) are the reference model's tokenizer's."""
+    """The byte-level benchmarks' BOS/EOS/PAD (byte_tasks, teacher_forced) are the reference
+    model's tokenizer's."""
     tokenizer = byte_tokenizer()
     ids = (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
     assert (byte_tasks.BOS, byte_tasks.EOS, byte_tasks.PAD) == ids
-    assert teacher_forced.BOS == tokenizer.bos_id and continuation.PAD == tokenizer.pad_id
+    assert teacher_forced.BOS == tokenizer.bos_id

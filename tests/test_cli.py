@@ -3,6 +3,7 @@
 import json
 import sys
 import types
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -267,3 +268,43 @@ def test_bench_runs_the_system_benchmark(monkeypatch):
     monkeypatch.setitem(sys.modules, "jaxkv.benchmarks.system", module)
     assert cli.main(["bench", "system", "--quick"]) == 0
     assert calls == [["--quick"]]
+
+
+def test_ask_answers_each_question_over_one_shared_copy_of_the_context(tmp_path, capsys):
+    context = tmp_path / "context.txt"
+    context.write_text(
+        "def lookup(table, key):\n"
+        "    # The special magic number for amber-otter is 4821937.\n"
+        "    # The special magic number for blue-heron is 7712093.\n"
+        "    return table[key]\n"
+    )
+    questions = [
+        f"# What is the special magic number for {name}? The special magic number for {name} is"
+        for name in ("amber-otter", "blue-heron")
+    ]
+    argv = ["ask", "--context", str(context), "--policy", "snapkv:0.5", "--max-new-tokens", "9"]
+    assert cli.main([*argv, *(a for q in questions for a in ("--question", q))]) == 0
+    out = capsys.readouterr().out
+    assert f"Q1: {questions[0]}\nA1: " in out and f"Q2: {questions[1]}\nA2: " in out
+    report = json.loads(out[out.index("{") :])
+    assert report["questions"] == 2
+    assert report["kv_bytes_total"] == report["kv_bytes_shared_context"] + sum(
+        report["kv_bytes_per_row"]
+    )
+    assert report["kv_bytes_total"] < report["kv_bytes_one_copy_per_question"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--question", "q"], "the context is empty"),
+        ([], "give at least one --question"),
+        (["--question", "q", "--policy", "snapkv:0.5", "--budget", "0.3"], "is a spec"),
+    ],
+)
+def test_bad_ask_arguments_are_a_clean_error(tmp_path, capsys, argv, match):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    context = empty if match == "the context is empty" else Path(__file__)
+    assert cli.main(["ask", "--context", str(context), *argv]) == 2
+    assert match in capsys.readouterr().err
