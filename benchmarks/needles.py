@@ -59,6 +59,46 @@ def _haystack_text(sentences: list[str], needles: list[str]) -> str:
     return re.sub(r" *\n\n *", "\n\n", text).strip()
 
 
+def _question(tokenizer: Tokenizer, name: str, after: str) -> tuple[int, ...]:
+    """The ids after the context: the question for `name`, end of turn, assistant header and
+    the answer prefix."""
+    question = (
+        f"\n\nWhat is the special magic number for {name} mentioned in the text above?"
+        f"{after}The special magic number for {name} is"
+    )
+    return tuple(tokenizer.encode(question, add_bos=False))
+
+
+def _context_ids(
+    tokenizer: Tokenizer, prefix_ids: list[int], needles, depths, seed: int, length: int
+) -> list[int]:
+    """The chat prefix, then prose with each needle at its depth: at most `length` tokens."""
+    room = length - len(prefix_ids) - 16 * len(needles)
+    haystack, used = [], 0
+    for sentence in _sentences(seed=seed):
+        cost = len(tokenizer.encode(" " + sentence, add_bos=False))
+        if used + cost > room:
+            break
+        haystack.append(sentence)
+        used += cost
+    for depth, needle in sorted(zip(depths, needles, strict=True), reverse=True):
+        haystack.insert(round(depth * len(haystack)), needle)
+    context_ids = prefix_ids + tokenizer.encode(_haystack_text(haystack, needles), add_bos=False)
+    while len(context_ids) > length:  # sentences tokenize apart differently
+        last_filler = max(i for i, s in enumerate(haystack) if s not in needles)
+        del haystack[last_filler]
+        context_ids = prefix_ids + tokenizer.encode(
+            _haystack_text(haystack, needles), add_bos=False
+        )
+    return context_ids
+
+
+def _needles(names, numbers) -> list[str]:
+    return [
+        f"The special magic number for {n} is {v}." for n, v in zip(names, numbers, strict=True)
+    ]
+
+
 def build_episode(tokenizer: Tokenizer, task: str, length: int, index: int) -> TextEpisode:
     """Episode `index` of `task` with a prompt of at most `length` tokens (deterministic)."""
     rng = np.random.default_rng([EVAL_SEED, TASKS.index(task), length, index])
@@ -71,33 +111,15 @@ def build_episode(tokenizer: Tokenizer, task: str, length: int, index: int) -> T
     else:
         depths = sorted(float(d) for d in rng.uniform(0, 1, keys))
     before, after = chat_halves(tokenizer)
-    question = (
-        f"\n\nWhat is the special magic number for {names[asked]} mentioned in the text above?"
-        f"{after}The special magic number for {names[asked]} is"
+    question_ids = _question(tokenizer, names[asked], after)
+    context_ids = _context_ids(
+        tokenizer,
+        tokenizer.encode(before),
+        _needles(names, numbers),
+        depths,
+        seed=int(rng.integers(1 << 30)),
+        length=length - len(question_ids),
     )
-    question_ids = tuple(tokenizer.encode(question, add_bos=False))
-    prefix_ids = tokenizer.encode(before)
-    room = length - len(prefix_ids) - len(question_ids) - 16 * keys
-    sentences = _sentences(seed=int(rng.integers(1 << 30)))
-    haystack, used = [], 0
-    for sentence in sentences:
-        cost = len(tokenizer.encode(" " + sentence, add_bos=False))
-        if used + cost > room:
-            break
-        haystack.append(sentence)
-        used += cost
-    needles = [
-        f"The special magic number for {n} is {v}." for n, v in zip(names, numbers, strict=True)
-    ]
-    for depth, needle in sorted(zip(depths, needles, strict=True), reverse=True):
-        haystack.insert(round(depth * len(haystack)), needle)
-    context_ids = prefix_ids + tokenizer.encode(_haystack_text(haystack, needles), add_bos=False)
-    while len(context_ids) + len(question_ids) > length:  # sentences tokenize apart differently
-        last_filler = max(i for i, s in enumerate(haystack) if s not in needles)
-        del haystack[last_filler]
-        context_ids = prefix_ids + tokenizer.encode(
-            _haystack_text(haystack, needles), add_bos=False
-        )
     order = sorted(range(keys), key=lambda k: depths[k])
     return TextEpisode(
         task=task,
@@ -105,6 +127,39 @@ def build_episode(tokenizer: Tokenizer, task: str, length: int, index: int) -> T
         question_ids=question_ids,
         answer=numbers[asked],
         depths=(depths[order.index(asked)] if task == "multikey" else depths[0],),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One context with `keys` needles and a question for each: context_ids (the chat prefix
+    and the haystack), questions (each one's ids, as `TextEpisode.question_ids`), answers."""
+
+    context_ids: tuple[int, ...]
+    questions: tuple[tuple[int, ...], ...]
+    answers: tuple[str, ...]
+
+
+def build_document(tokenizer: Tokenizer, length: int, keys: int, index: int = 0) -> Document:
+    """Document `index` of about `length` context tokens with `keys` needles spread evenly in
+    depth, every one asked (deterministic)."""
+    rng = np.random.default_rng([EVAL_SEED, len(TASKS), length, keys, index])
+    names = [str(name) for name in rng.choice(_NAMES, keys, replace=False)]
+    numbers = [str(rng.integers(10 ** (DIGITS - 1), 10**DIGITS)) for _ in names]
+    depths = [(k + 0.5) / keys for k in range(keys)]
+    before, after = chat_halves(tokenizer)
+    context_ids = _context_ids(
+        tokenizer,
+        tokenizer.encode(before),
+        _needles(names, numbers),
+        depths,
+        seed=int(rng.integers(1 << 30)),
+        length=length,
+    )
+    return Document(
+        context_ids=tuple(context_ids),
+        questions=tuple(_question(tokenizer, name, after) for name in names),
+        answers=tuple(numbers),
     )
 
 

@@ -1,0 +1,185 @@
+"""Compress once, ask many: `jaxkv.ask` (one compressed context, one row per question sharing its
+pages) against one `generate` per question, on a real model.
+
+    jaxkv bench reuse --model smollm2-135m-instruct --policy kvzip:0.3 --length 2048 \
+        --questions 8 --out results/reuse
+
+The document is prose with one 7-digit needle per question at evenly spread depths
+(`needles.build_document`), in the model's chat format; each question asks for one needle.
+Reported, all from one process:
+  bytes   what `ask` holds after decoding (the shared context once, each row its own pages)
+          against one compressed context plus the questions' and answers' tokens (the bound),
+          and against one copy of the compressed context per question;
+  time    wall time of `ask` against the questions' `generate` calls (question-aware: each
+          compresses its own context + question), each timed warm (after a call that compiles)
+          and cold (the first call, compiling);
+  answers each answer's exact match in both settings, and whether each `ask` answer equals the
+          question asked alone over the same compressed context (`decode(session.extend(q))`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import jaxkv
+from jaxkv import policies
+from jaxkv.benchmarks import harness
+from jaxkv.benchmarks.needles import ANSWER_TOKENS, build_document, score
+from jaxkv.model_sources import load_model
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def _separate(model, document, policy, stop, params) -> tuple[list[np.ndarray], float, float]:
+    """Each question's answer by its own `generate` call; (answers, warm seconds, cold seconds
+    of the first call)."""
+
+    def one(question):
+        out = jaxkv.generate(
+            model,
+            [list(document.context_ids + question)],
+            max_new_tokens=ANSWER_TOKENS,
+            policy=policy,
+            stop_tokens=stop,
+            policy_params=params,
+        )
+        return out.tokens[0]
+
+    _, cold = _timed(lambda: one(document.questions[0]))
+    answers, warm = _timed(lambda: [one(q) for q in document.questions])
+    return answers, warm, cold
+
+
+def _bound_bytes(session, document, out) -> int:
+    """One compressed context + the questions' and answers' tokens, at the pool's bytes per
+    token and head."""
+    kv = session.kv
+    per_token = kv.pool.page_bytes // kv.pool.page_size
+    heads = kv.num_layers * kv.page_table.shape[-2]
+    rows = sum(len(q) for q in document.questions) + int(out.answers.num_tokens.sum())
+    return session.memory_bytes() + rows * per_token * heads
+
+
+def run(model, tokenizer, policy, length: int, questions: int, params=None) -> dict:
+    document = build_document(tokenizer, length, questions)
+    stop = list(model.config.eos_token_ids)
+    questions_ids = [list(q) for q in document.questions]
+
+    def ask():
+        return jaxkv.ask(
+            model,
+            list(document.context_ids),
+            questions_ids,
+            policy,
+            max_new_tokens=ANSWER_TOKENS,
+            stop_tokens=stop,
+            policy_params=params,
+        )
+
+    _, ask_cold = _timed(ask)
+    out, ask_warm = _timed(ask)
+    separate, separate_warm, separate_cold = _separate(model, document, policy, stop, params)
+    session = jaxkv.prefill(model, list(document.context_ids), policy, policy_params=params)
+    alone = [
+        jaxkv.decode(session.extend(q), ANSWER_TOKENS, stop_tokens=stop).tokens[0]
+        for q in questions_ids
+    ]
+    shared_exact = [
+        score(tokenizer, row, a)[0]
+        for row, a in zip(out.answers.tokens, document.answers, strict=True)
+    ]
+    separate_exact = [
+        score(tokenizer, row, a)[0] for row, a in zip(separate, document.answers, strict=True)
+    ]
+    bound = _bound_bytes(session, document, out)
+    return {
+        "context_tokens": len(document.context_ids),
+        "questions": questions,
+        "question_tokens": [len(q) for q in questions_ids],
+        "kv_bytes_ask": out.total_bytes,
+        "kv_bytes_shared_context": out.shared_bytes,
+        "kv_bytes_per_row": [int(b) for b in out.row_bytes],
+        "kv_bytes_bound": bound,
+        "ask_over_bound": out.total_bytes / bound,
+        "kv_bytes_one_copy_per_question": out.separate_bytes,
+        "ask_over_one_copy_per_question": out.total_bytes / out.separate_bytes,
+        "seconds_ask_warm": ask_warm,
+        "seconds_generate_each_warm": separate_warm,
+        "ask_over_generate_each_warm": ask_warm / separate_warm,
+        "seconds_ask_cold": ask_cold,
+        "seconds_first_generate_cold": separate_cold,
+        "answers_ask": [tokenizer.decode(row) for row in out.answers.tokens],
+        "answers_generate_each": [tokenizer.decode(row) for row in separate],
+        "exact_ask": shared_exact,
+        "exact_generate_each": separate_exact,
+        "ask_equals_alone": [
+            bool(np.array_equal(a, b)) for a, b in zip(out.answers.tokens, alone, strict=True)
+        ],
+    }
+
+
+def markdown(report: dict) -> str:
+    rows = [
+        "| policy | context | questions | ask KV bytes / bound | ask / one copy per question "
+        "| ask / generate each (warm s) | exact: ask | exact: generate each "
+        "| ask = asked alone |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        rows.append(
+            f"| {row['policy']} | {row['context_tokens']} | {row['questions']} "
+            f"| {row['ask_over_bound']:.3f} | {row['ask_over_one_copy_per_question']:.3f} "
+            f"| {row['ask_over_generate_each_warm']:.3f} ({row['seconds_ask_warm']:.1f} / "
+            f"{row['seconds_generate_each_warm']:.1f}) "
+            f"| {sum(row['exact_ask'])}/{row['questions']} "
+            f"| {sum(row['exact_generate_each'])}/{row['questions']} "
+            f"| {sum(row['ask_equals_alone'])}/{row['questions']} |"
+        )
+    return (
+        f"# Compress once, ask many ({report['model']})\n\n"
+        f"`{report['provenance']['command']}` at {report['provenance']['commit']}, "
+        f"{report['provenance']['date']}, {report['provenance']['machine']['host']}, "
+        f"jax {report['provenance']['jax']}.\n\n" + "\n".join(rows) + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="jaxkv bench reuse", description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument(
+        "--policies", nargs="+", default=["kvzip:0.3"], help="policy specs, e.g. kvzip:0.3"
+    )
+    parser.add_argument("--length", type=int, default=2048, help="context tokens (at most)")
+    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path("results/reuse"))
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.model)
+    rows = []
+    for spec in args.policies:
+        policy = policies.from_spec(spec).for_tokenizer(tokenizer)
+        row = {"policy": spec, **run(model, tokenizer, policy, args.length, args.questions)}
+        harness.print_row(row)
+        rows.append(row)
+    report = {
+        "provenance": harness.provenance("jaxkv bench reuse", argv or sys.argv[1:]),
+        "model": args.model,
+        "answer_tokens": ANSWER_TOKENS,
+        "rows": rows,
+    }
+    out = args.out / Path(args.model).stem
+    harness.save(out, "reuse", report, markdown(report))
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
