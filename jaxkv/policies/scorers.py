@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv import collectives
 from jaxkv.cache import KVState
@@ -200,7 +201,10 @@ class AdaKV(EvictionPolicy):
 
     The layer keeps K x budget tokens chosen across its heads by score, each head keeping at least
     `safeguard` of its uniform share; heads that keep fewer tokens hold fewer pages.
-    `inner` is a scorer policy or its registered name (its budget is this policy's).
+    `inner` is a scorer policy or its registered name (its budget is this policy's). AdaKV wraps
+    the inner policy's prompt compression (its scores and protected sinks and window, AdaKV's
+    selection across heads) and keeps every other part of it as it is: its attention scoring
+    and its decode eviction (H2O's, StreamingLLM's window).
     """
 
     name: ClassVar[str] = "adakv"
@@ -213,9 +217,23 @@ class AdaKV(EvictionPolicy):
         inner = base.get(self.inner) if isinstance(self.inner, str) else self.inner
         if not isinstance(inner, EvictionPolicy) or isinstance(inner, AdaKV):
             raise ValueError(f"inner={self.inner!r} must be a scoring eviction policy")
-        object.__setattr__(self, "inner", dataclasses.replace(inner, budget=None))
+        object.__setattr__(self, "inner", dataclasses.replace(inner, budget=self.budget))
         if not 0.0 <= self.safeguard <= 1.0:
             raise ValueError(f"safeguard={self.safeguard} must be in [0, 1]")
+
+    # --- the inner policy's parts other than the prompt compression ----------------------
+
+    @property
+    def decode_eviction(self):
+        return self.inner.decode_eviction
+
+    def budget_ratio(self, batch: int) -> np.ndarray:
+        return self.inner.budget_ratio(batch)
+
+    def protected(self, positions: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
+        """The inner policy's protected sinks and newest positions, and AdaKV's own."""
+        own = super().protected(positions, prompt_lengths)
+        return own | self.inner.protected(positions, prompt_lengths)
 
     @property
     def observation_window(self) -> int:
