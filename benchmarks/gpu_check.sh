@@ -15,47 +15,166 @@
 # (~470 s); `kernels` and `tuning` in a session of their own.
 # The system table runs 4 of the 8B shape's 32 layers (per-layer work is the 8B model's) and
 # 256 decode steps for the slope (16 steps were within a 2-s generate call's jitter).
+#
+# `bash benchmarks/gpu_check.sh --dry-run [STEP...]` (all steps when none are named) needs no GPU
+# and spends no device time: it prints each step's command and time box, checks the step names,
+# parses every benchmark command's arguments with the benchmark's own parser (running nothing),
+# collects the GPU tests, and lowers every Pallas path for CUDA (tests/test_lowering.py). It
+# stops at the first failure, with a non-zero exit. OUT is optional there (a temporary folder).
 set -u
-OUT=${OUT:?set OUT to the output folder}
+DRY_RUN=0
+if [ "${1:-}" = "--dry-run" ]; then
+  DRY_RUN=1
+  shift
+fi
+STEPS="tests system-32k system-128k kernels plan tuning"
+if [ "$DRY_RUN" = 1 ] && [ $# -eq 0 ]; then
+  set -- $STEPS
+fi
+for step in "$@"; do  # every name is checked before any step runs
+  case " $STEPS " in
+    *" $step "*) ;;
+    *) echo "unknown step $step ($STEPS)" >&2; exit 2 ;;
+  esac
+done
+if [ "$DRY_RUN" = 1 ] && [ -z "${OUT:-}" ]; then
+  OUT=$(mktemp -d)
+  trap 'rm -rf "$OUT"' EXIT
+elif [ "$DRY_RUN" = 0 ]; then
+  OUT=${OUT:?set OUT to the output folder}
+fi
 LAYERS=${LAYERS:-4}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
+COMMANDS="$OUT/dry-run-commands.txt"  # with --dry-run: one shell-quoted command a line
+rm -f "$COMMANDS"
 
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
-} >>"$OUT/env.log" 2>&1
+run() {  # box log command...: the command in its time box, its output in $OUT/log
+  local box=$1 log=$2
+  shift 2
+  if [ "$DRY_RUN" = 1 ]; then
+    printf 'would run (time box %ss, log %s):' "$box" "$OUT/$log"
+    printf ' %q' "$@"
+    printf '\n'
+    printf '%q ' "$@" >>"$COMMANDS"
+    printf '\n' >>"$COMMANDS"
+    return 0
+  fi
+  timeout "$box" "$@" >"$OUT/$log" 2>&1
+}
 
 tests() {  # pytest -m gpu over the files that hold the GPU tests (addopts name nbmake, absent there)
-  timeout 240 python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -v -ra \
+  run 240 pytest-gpu.log python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -v -ra \
     --junitxml="$OUT/pytest-gpu.xml" \
     tests/pallas_kernels/test_block_sparse.py tests/pallas_kernels/test_paged_decode.py \
-    tests/test_attention_backends.py tests/test_wgkv.py >"$OUT/pytest-gpu.log" 2>&1
+    tests/test_attention_backends.py tests/test_wgkv.py
 }
 
 system_table() {  # box context batch name
-  timeout "$1" python3 -m jaxkv.benchmarks.system --model llama3-8b-shape \
+  run "$1" "$4.log" python3 -m jaxkv.benchmarks.system --model llama3-8b-shape \
     --layers "$LAYERS" --contexts "$2" --batches "$3" \
     --policies full snapkv:0.25 streaming_llm:0.25 h2o:0.25 --backend pallas \
-    --repeats 2 --decode-tokens 256 --decode-start 8 --out "$OUT/system/$4" >"$OUT/$4.log" 2>&1
+    --repeats 2 --decode-tokens 256 --decode-start 8 --out "$OUT/system/$4"
 }
 
 plan() {  # XLA's buffer assignment of the kernels' programs on this GPU, 8 x 32K at 8B shapes
-  timeout 150 python3 -m jaxkv.benchmarks.plan --model llama-3.1-8b --contexts 32768 --batch 8 \
-    --policies full snapkv:0.25 h2o:0.25 --memory-only --dtype bfloat16 --backend pallas \
-    --out "$OUT/plan" >"$OUT/plan.log" 2>&1
+  run 150 plan.log python3 -m jaxkv.benchmarks.plan --model llama-3.1-8b --contexts 32768 \
+    --batch 8 --policies full snapkv:0.25 h2o:0.25 --memory-only --dtype bfloat16 \
+    --backend pallas --out "$OUT/plan"
 }
 
 tuning() {  # launch-parameter sweep; its rows print as JSON lines (the log keeps a cut run's)
-  timeout 240 python3 -m jaxkv.benchmarks.kernel_tuning --repeats 3 --out "$OUT/tuning/tuning.json" \
-    >"$OUT/tuning.log" 2>&1
+  run 240 tuning.log python3 -m jaxkv.benchmarks.kernel_tuning --repeats 3 \
+    --out "$OUT/tuning/tuning.json"
 }
 
 kernels() {
-  timeout 100 python3 -m jaxkv.benchmarks.kernels --repeats 3 \
+  run 100 kernels.log python3 -m jaxkv.benchmarks.kernels --repeats 3 \
     --decode-tokens 16384 65536 --batches 1 8 --prefill-tokens 16384 65536 \
-    --out "$OUT/kernels/kernels.json" >"$OUT/kernels.log" 2>&1
+    --out "$OUT/kernels/kernels.json"
 }
+
+check_commands() {  # each queued command: a benchmark's arguments parsed, or pytest's collection
+  python3 - "$COMMANDS" <<'PY'
+import argparse
+import importlib
+import shlex
+import subprocess
+import sys
+
+
+class Parsed(Exception):
+    """Raised once a benchmark's parser accepted its arguments: nothing after it runs."""
+
+
+parse_args = argparse.ArgumentParser.parse_args
+
+
+def parse_then_stop(self, args=None, namespace=None):
+    raise Parsed(parse_args(self, args, namespace))
+
+
+def collect(argv):
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", *argv, "--collect-only", "-q"],
+        capture_output=True,
+        text=True,
+    )
+    lines = collected.stdout.strip().splitlines()
+    if collected.returncode:
+        print(collected.stdout, collected.stderr, sep="\n")
+        sys.exit(f"dry run: pytest could not collect the GPU tests ({collected.returncode})")
+    print(f"pytest: {lines[-1].strip('= ') if lines else 'collected'}")
+
+
+def check(module, argv):
+    main = getattr(importlib.import_module(module), "main", None)
+    if main is None:
+        sys.exit(f"dry run: {module} has no main")
+    try:
+        main(argv)
+    except Parsed as parsed:
+        args = parsed.args[0]
+    except SystemExit as error:
+        sys.exit(f"dry run: {module} refused its arguments ({error.code})")
+    else:
+        sys.exit(f"dry run: {module}.main returned without parsing its arguments")
+    from jaxkv import policies
+
+    for spec in getattr(args, "policies", None) or []:
+        try:
+            policies.from_spec(spec)
+        except ValueError as error:
+            sys.exit(f"dry run: {module} --policies {spec}: {error}")
+    print(f"arguments accepted: {module}")
+
+
+argparse.ArgumentParser.parse_args = parse_then_stop
+for line in open(sys.argv[1]):
+    command = shlex.split(line)
+    if command[:2] != ["python3", "-m"] or len(command) < 3:
+        sys.exit(f"dry run: not a python3 -m command: {line.strip()}")
+    if command[2] == "pytest":
+        collect(command[3:])
+    else:
+        check(command[2], command[3:])
+PY
+}
+
+dry_run_checks() {
+  echo "checking the arguments of $(wc -l <"$COMMANDS") commands"
+  check_commands || exit 1
+  echo "lowering every Pallas path for CUDA: python3 -m pytest tests/test_lowering.py"
+  python3 -m pytest -o addopts="" -p no:cacheprovider -q tests/test_lowering.py || exit 1
+  echo "dry run passed: $*"
+}
+
+if [ "$DRY_RUN" = 0 ]; then
+  {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+  } >>"$OUT/env.log" 2>&1
+fi
 
 for step in "$@"; do
   case "$step" in
@@ -65,10 +184,15 @@ for step in "$@"; do
     kernels) kernels ;;
     plan) plan ;;
     tuning) tuning ;;
-    *) echo "unknown step $step (tests system-32k system-128k kernels plan tuning)" >&2; exit 2 ;;
   esac
-  echo "$step exit $?" >>"$OUT/env.log"
+  status=$?
+  [ "$DRY_RUN" = 1 ] || echo "$step exit $status" >>"$OUT/env.log"
 done
+
+if [ "$DRY_RUN" = 1 ]; then
+  dry_run_checks "$@"
+  exit 0
+fi
 
 # At most 8 files come back from a device call: everything but env.log and the pytest log
 # travels as one archive.

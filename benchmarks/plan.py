@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import policies
-from jaxkv.attention import Backend, resolve_backend
+from jaxkv.attention import Backend, check_runs_here
 from jaxkv.benchmarks import harness
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
-        backend = resolve_backend(args.backend)
+        backend = check_runs_here(args.backend)
     except ValueError as error:
         raise SystemExit(f"--backend {args.backend}: {error}") from None
     cfg = configs.model_shape(args.model)

@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--contexts", type=int, nargs="+")
     parser.add_argument("--batches", type=int, nargs="+")
     parser.add_argument("--policies", nargs="+", help="name[:value][:key=value] (module doc)")
-    parser.add_argument("--backend", choices=("xla", "pallas", "interpret"), default="xla")
+    parser.add_argument("--backend", choices=("auto", "xla", "pallas", "interpret"), default="xla")
     parser.add_argument("--dtype", choices=sorted(ITEMSIZE))
     parser.add_argument("--decode-tokens", type=int, help="d: decode steps of the slope")
     parser.add_argument(

@@ -103,6 +103,13 @@ def stop_tokens(tokenizer, config) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def check_runs_here(backend: str) -> None:
+    """--backend pallas on a machine without a GPU: the error now, before loading the model."""
+    from jaxkv.attention import check_runs_here as check
+
+    check(backend)
+
+
 def _generate(args) -> int:
     import jax
 
@@ -111,6 +118,7 @@ def _generate(args) -> int:
     from jaxkv.models import encode_chat
 
     refuse_unused_options(args)
+    check_runs_here(args.backend)
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     policy = build_policy(args)
     window = args.full_precision_window
@@ -176,6 +184,7 @@ def _ask(args) -> int:
     if not args.question:
         raise ValueError("give at least one --question")
     refuse_unused_options(args)
+    check_runs_here(args.backend)
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     policy = build_policy(args)
     context = _read_context(args.context)
@@ -337,9 +346,10 @@ def _add_model_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> 
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     parser.add_argument(
         "--backend",
-        default="xla",
-        choices=("xla", "pallas", "interpret"),
-        help="attention: jnp (xla), the Pallas kernels on a GPU (pallas), or interpreted",
+        default="auto",
+        choices=("auto", "xla", "pallas", "interpret"),
+        help="attention: the Pallas kernels on a GPU, jnp elsewhere (auto), jnp (xla), the "
+        "Pallas kernels (pallas: NVIDIA GPUs), or interpreted",
     )
 
 

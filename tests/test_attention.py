@@ -140,9 +140,32 @@ def test_chunk_attention_masks_padding_and_future():
 
 
 def test_backend_names_are_validated():
-    with pytest.raises(ValueError, match="backend='cuda'.*'xla', 'pallas', 'interpret'"):
+    with pytest.raises(ValueError, match="backend='cuda'.*'xla', 'pallas', 'interpret', 'auto'"):
         attention.resolve_backend("cuda")
     assert attention.resolve_backend("interpret") is attention.Backend.INTERPRET
+    # "pallas" is checked where the platform is known (tests/test_lowering.py); "auto" by the
+    # default backend, never to the Pallas path on a CPU or a TPU.
+    assert attention.resolve_backend("pallas") is attention.Backend.PALLAS
+    on_gpu = jax.default_backend() == "gpu"
+    auto = attention.Backend.PALLAS if on_gpu else attention.Backend.XLA
+    assert attention.resolve_backend("auto") is attention.resolve_backend(attention.Backend.AUTO)
+    assert attention.resolve_backend("auto") is auto
+
+
+def test_pallas_without_a_gpu_is_an_error_naming_the_alternatives():
+    """Run eagerly or compiled on a CPU device, and before any tracing at a call site that runs
+    programs here (`check_runs_here`)."""
+    cpu = jax.devices("cpu")[0]
+    q = jax.device_put(jnp.zeros((1, 2, 16, 16)), cpu)
+    k = jax.device_put(jnp.zeros((1, 1, 16, 16)), cpu)
+    error = r"backend='pallas'.*NVIDIA GPU.*platform 'cpu'.*'interpret'.*'xla'"
+    with pytest.raises(ValueError, match=error):
+        attention.causal_attention(q, k, k, sm_scale=1.0, backend="pallas")
+    with jax.default_device(cpu), pytest.raises(ValueError, match=error):
+        jax.jit(attention.causal_attention, static_argnames=("sm_scale", "backend"))(
+            q, k, k, sm_scale=1.0, backend="pallas"
+        )
+    assert attention.check_runs_here("xla") is attention.Backend.XLA
     if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="backend='pallas'.*needs an NVIDIA GPU"):
-            attention.resolve_backend("pallas")
+        with pytest.raises(ValueError, match=error):
+            attention.check_runs_here("pallas")

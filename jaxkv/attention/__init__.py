@@ -3,7 +3,9 @@
 Backends are chosen explicitly; there is no silent fallback:
   "xla"        plain jnp (CPU, TPU, and the oracle the kernels are tested against);
   "pallas"     Pallas kernels lowered through Triton (NVIDIA GPUs);
-  "interpret"  the same Pallas kernels in the Pallas interpreter (CPU tests).
+  "interpret"  the same Pallas kernels in the Pallas interpreter (CPU tests);
+  "auto"       "pallas" on a GPU, "xla" elsewhere (`resolve_backend`).
+"pallas" is checked where the platform is known: when a program is lowered (`dispatch`).
 
 Shapes: B batch, N query heads, K KV heads, G = N // K, T/C query tokens, S key tokens, H head dim.
 Queries are [B, N, T, H] and keys/values [B, K, S, H]; query head n reads KV head n // G.
@@ -11,7 +13,8 @@ Partial results carry a logsumexp so that attention over disjoint key sets (cach
 current chunk) merges exactly (`merge_partials`).
 
 Modules:
-  dispatch        `Backend`, `resolve_backend` and the kernel tile choices;
+  dispatch        `Backend`, `resolve_backend`, `check_runs_here`, the lowering-time platform
+                  check of the Triton kernels and the kernel tile choices;
   dense           dense attention under a mask (`grouped_scores`, the one grouped-query score
                   product), whole-sequence causal / gated / block-sparse attention, a chunk's
                   attention to itself, the WG-KV ring's local attention, `merge_partials`;
@@ -35,7 +38,7 @@ from jaxkv.attention.dense import (
     masked_attention,
     merge_partials,
 )
-from jaxkv.attention.dispatch import Backend, resolve_backend
+from jaxkv.attention.dispatch import Backend, check_runs_here, resolve_backend
 from jaxkv.attention.paged import (
     dequantize,
     gather_pages,
@@ -54,6 +57,7 @@ __all__ = [
     "block_mask_from_lists",
     "block_sparse_attention",
     "causal_attention",
+    "check_runs_here",
     "chunk_attention",
     "chunk_attention_mass",
     "dequantize",

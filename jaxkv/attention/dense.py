@@ -13,7 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import pallas_kernels
-from jaxkv.attention.dispatch import interpret, prefill_block, resolve_backend, uses_kernels
+from jaxkv.attention.dispatch import (
+    interpret,
+    platform_checked,
+    prefill_block,
+    resolve_backend,
+    uses_kernels,
+)
 from jaxkv.models import layers
 
 
@@ -103,7 +109,7 @@ def kernel_causal(q, k, v, *, sm_scale: float, backend, gate_bias=None, band=Non
         b, k.shape[1], t, block_q=block, block_k=block
     )
     return pallas_kernels.block_sparse_attention(
-        q,
+        platform_checked(q, backend),
         k,
         v,
         kv_block_idx,
@@ -203,7 +209,7 @@ def block_sparse_attention(
     """
     if uses_kernels(backend):
         return pallas_kernels.block_sparse_attention(
-            q,
+            platform_checked(q, backend),
             k,
             v,
             kv_block_idx,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxkv import pallas_kernels
 from jaxkv.attention.dense import attention_from_scores, grouped_scores, merge_partials
-from jaxkv.attention.dispatch import CHUNK_ROWS, interpret, uses_kernels
+from jaxkv.attention.dispatch import CHUNK_ROWS, interpret, platform_checked, uses_kernels
 from jaxkv.collectives import varying_like
 
 # Tokens of one block of the XLA path: large enough that the loop's per-block overhead is small
@@ -304,7 +304,7 @@ def _kernel_paged_attention(
         block_h=CHUNK_ROWS if rows > CHUNK_ROWS else None
     )
     out, stats = pallas_kernels.paged_decode_attention(
-        q.reshape(b, n * c, h),
+        platform_checked(q.reshape(b, n * c, h), backend),
         k_pages,
         v_pages,
         page_table,

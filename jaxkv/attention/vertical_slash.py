@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxkv import pallas_kernels
 from jaxkv.attention.dense import local_attention, merge_partials
-from jaxkv.attention.dispatch import interpret, prefill_block, uses_kernels
+from jaxkv.attention.dispatch import interpret, platform_checked, prefill_block, uses_kernels
 from jaxkv.attention.paged import paged_attention
 from jaxkv.pallas_kernels.common import round_up
 
@@ -78,7 +78,7 @@ def _slash_attention(q, k, v, admitted, *, window: int, sm_scale: float, backend
         b, k.shape[1], c, window=window, block_q=block, block_k=block
     )
     out, lse = pallas_kernels.block_sparse_attention(
-        q,
+        platform_checked(q, backend),
         k,
         v,
         kv_block_idx,

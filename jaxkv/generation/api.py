@@ -41,7 +41,7 @@ def generate(
     pad_id: int = 0,
     cache: CacheConfig | None = None,
     prefill_chunk: int | None = None,
-    backend: str | Backend = "xla",
+    backend: str | Backend = "auto",
     policy_params: PolicyParams | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> GenerateOutput:
@@ -62,7 +62,8 @@ def generate(
         cache.num_pages), so the decode loop holds and reads only that. The prefill state is
         donated: its pool is freed before decoding starts.
       prefill_chunk: tokens per prefill chunk (default: the policy's choice, else 512).
-      backend: "xla", "pallas" or "interpret" (`jaxkv.attention.Backend`).
+      backend: "auto" (default: the Pallas kernels on a GPU, XLA on a CPU or TPU), "xla",
+        "pallas" or "interpret" (`jaxkv.attention.Backend`).
       policy_params: the policy's learned parameters (gates), leaves stacked [L, ...]; checked
         against the model by `policy.check_params`.
       mesh: a (data, model) device mesh (`jaxkv.sharding.make_inference_mesh`) to run on:
@@ -113,7 +114,7 @@ def compress_prompt(
     cache: CacheConfig | None = None,
     prefill_chunk: int | None = None,
     key: jax.Array | None = None,
-    backend: str | Backend = "xla",
+    backend: str | Backend = "auto",
     reserve_tokens: int = 0,
     policy_params: PolicyParams | None = None,
     mesh: jax.sharding.Mesh | None = None,
@@ -186,7 +187,7 @@ def ask(
     pad_id: int = 0,
     cache: CacheConfig | None = None,
     prefill_chunk: int | None = None,
-    backend: str | Backend = "xla",
+    backend: str | Backend = "auto",
     policy_params: PolicyParams | None = None,
 ) -> AskOutput:
     """Answers each question over one compressed copy of `context`: the context is prefilled

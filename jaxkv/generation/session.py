@@ -183,7 +183,7 @@ def prefill(
     cache: CacheConfig | None = None,
     prefill_chunk: int | None = None,
     key: jax.Array | None = None,
-    backend: str | Backend = "xla",
+    backend: str | Backend = "auto",
     reserve_tokens: int = 0,
     policy_params: PolicyParams | None = None,
     mesh: jax.sharding.Mesh | None = None,
