@@ -2,6 +2,7 @@
 
 from jaxkv import policies
 from jaxkv.cache import CacheConfig, KVState, PoolExhaustedError, Storage
+from jaxkv.engine import Engine, TokenEvent
 from jaxkv.generation import AskOutput, GenerateOutput, Session, ask, compress_prompt, generate
 from jaxkv.generation.saved import load_session, save_session
 from jaxkv.generation.session import decode, extend, fork, prefill
@@ -10,12 +11,14 @@ from jaxkv.sampling import Sampler
 __all__ = [
     "AskOutput",
     "CacheConfig",
+    "Engine",
     "GenerateOutput",
     "KVState",
     "PoolExhaustedError",
     "Sampler",
     "Session",
     "Storage",
+    "TokenEvent",
     "ask",
     "compress_prompt",
     "decode",

@@ -321,11 +321,14 @@ grow_pool = program(static=("num_pages",), kv=SHARD)(grow)
 empty_carry = program(static=("batch", "policy"), model=MODEL)(_empty_carry)
 
 
-def _prefill_growing(model, request: Request, key, policy_params, backend: Backend):
-    """Chunked prefill for a policy that admits an unknown share of the prompt: the pool starts
-    at the policy's guess and, before each chunk, grows (x2, bucketed) when fewer pages are
-    free than the chunk could need, so that it holds what is admitted plus about one chunk.
-    On a mesh every device's pool has the same size: the fullest device decides."""
+def prefill_chunks(model, request: Request, key, policy_params, backend: Backend):
+    """Chunked prefill one program call per chunk, as a generator: yields the number of chunks
+    done after each one (a caller can run other work in between: the engine's decode steps),
+    and returns (kv, last_hidden) after the compression. For a policy that admits an unknown
+    share of the prompt (`request.grows`) the pool starts at the policy's guess and, before each
+    chunk, grows (x2, bucketed) when fewer pages are free than the chunk could need, so that it
+    holds what is admitted plus about one chunk. On a mesh every device's pool has the same
+    size: the fullest device decides."""
     prompts, policy, mesh = request.prompts, request.policy.static(), request.placement
     kv = request.kv
     local_cfg, rows = device_shares(model, prompts.lengths, mesh)[0]
@@ -335,7 +338,7 @@ def _prefill_growing(model, request: Request, key, policy_params, backend: Backe
     for index in range(prompts.num_chunks):
         kv.check()
         free = int(np.min(sharding.to_host(kv.pool.allocator.num_free)))
-        if free < chunk_need:
+        if request.grows and free < chunk_need:
             in_use = kv.pool.num_pages - free
             wanted = max(2 * kv.pool.num_pages, in_use + chunk_need)
             kv = grow_pool(mesh, kv=kv, num_pages=pool_pages_bucket(wanted, kv.pool.page_size))
@@ -356,6 +359,7 @@ def _prefill_growing(model, request: Request, key, policy_params, backend: Backe
             backend=backend,
             evict_chunks=True,
         )
+        yield index + 1
     return compress(
         mesh,
         model=model,
@@ -368,6 +372,15 @@ def _prefill_growing(model, request: Request, key, policy_params, backend: Backe
         policy=policy,
         int8_window=request.cache.int8_window,
     )
+
+
+def run_to_end(steps):
+    """The return value of a generator such as `prefill_chunks`, run to its end."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 @program(
@@ -427,7 +440,7 @@ def run_prefill(
     """Prefill and compression of a set-up request: (kv, last_hidden [B, D])."""
     prompts = request.prompts
     if request.grows:
-        kv, last_hidden = _prefill_growing(model, request, key, policy_params, backend)
+        kv, last_hidden = run_to_end(prefill_chunks(model, request, key, policy_params, backend))
     else:
         kv, last_hidden = prefill_and_compress(
             request.placement,

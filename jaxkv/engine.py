@@ -1,0 +1,519 @@
+"""Continuous batching: requests that come and go share one page pool and a fixed set of slots.
+
+    engine = Engine(model, "snapkv:0.3", cache=CacheConfig(num_pages=2048), max_slots=8)
+    first = engine.submit(prompt_ids, max_new_tokens=64)
+    for event in engine.stream():           # TokenEvent(request_id, token, finished, reason)
+        ...
+
+Each `step` (1) runs one prefill chunk of the request being admitted (its own small state, so
+a long prompt never stalls the running requests for its whole prefill), and once its prefill is
+compressed moves it into a free slot if the pages its policy holds fit in the pool; (2) runs one
+decode step for every running slot (one jitted program of fixed shapes: slots and pool are
+sized once), preempting the newest request (its pages freed, its prompt and tokens so far
+prefilled again later) when the step's new pages would not fit; (3) returns the slots and pages
+of finished requests at once. A smaller cache per request therefore admits more requests.
+
+Greedy and sampled tokens equal `generate` on the same prompt, policy and key: a request keeps
+its own PRNG key, step count and budget, and the policy's decode eviction runs for a row on the
+steps it would in `generate`. A preempted request is prefilled again over its prompt and the
+tokens it had (exact for policies that do not compress the prompt).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.attention import Backend, resolve_backend
+from jaxkv.cache import CacheConfig, KVState
+from jaxkv.cache.config import check_count
+from jaxkv.cache.eviction import run_if
+from jaxkv.cache.geometry import table_pages_bucket
+from jaxkv.cache.rows import insert_row, release_rows
+from jaxkv.generation.loop import StepContext, read_tokens
+from jaxkv.generation.prefill import prefill_chunks
+from jaxkv.generation.request import (
+    checked_key,
+    checked_stop_tokens,
+    prompt_lengths,
+    prompt_lists,
+    set_up,
+)
+from jaxkv.models.decoder import Model, logits_from_hidden
+from jaxkv.parts import DecodeContext, local_window
+from jaxkv.policies import FullCache, Policy, from_spec
+from jaxkv.policies.base import PolicyParams
+from jaxkv.sampling import Sampler
+
+
+class QueueFullError(ValueError):
+    """`Engine.submit` found the waiting queue at its bound (`max_waiting`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """A token produced for a request (or its end without one: token -1).
+
+    reason: why the request finished, None while it runs: "stop" (a stop token), "length"
+      (max_new_tokens), "too_large" (its compressed prompt needs more pages than the pool has).
+    """
+
+    request_id: int
+    token: int
+    finished: bool
+    reason: str | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    """A request's host-side bookkeeping (mutable: the engine's own)."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampler: Sampler
+    key: jax.Array  # the decode key (`generate` splits the request key into prefill, decode)
+    prefill_key: jax.Array
+    stop: frozenset[int]
+    generated: list[int] = dataclasses.field(default_factory=list)
+    preemptions: int = 0
+    order: int = 0  # admission order, for choosing whom to preempt
+
+
+def _sampling_key(key: jax.Array, step: jax.Array) -> jax.Array:
+    """The key `generate` samples a row's token `step` with (its one row: row 0)."""
+    step_key = jnp.where(
+        step == 0, jax.random.fold_in(key, 0), jax.random.fold_in(jax.random.fold_in(key, step), 0)
+    )
+    return jax.random.fold_in(step_key, 0)
+
+
+def sample_rows(logits, keys, temperature, top_k, top_p) -> jax.Array:
+    """int32 [B] tokens from logits [B, V], each row with its own key and settings (the
+    `Sampler` rules: temperature 0 is greedy; top_k 0 and top_p > 1 keep every token)."""
+
+    def one(row_logits, key, temperature, top_k, top_p):
+        scaled = row_logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+        ranked = jnp.sort(scaled)[::-1]
+        kth = ranked[jnp.clip(top_k - 1, 0, ranked.shape[0] - 1)]
+        scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
+        ranked = jnp.sort(scaled)[::-1]
+        probs = jax.nn.softmax(ranked)
+        kept = (jnp.cumsum(probs) - probs) < top_p
+        threshold = jnp.min(jnp.where(kept, ranked, jnp.inf))
+        scaled = jnp.where((top_p <= 1.0) & (scaled < threshold), -jnp.inf, scaled)
+        drawn = jax.random.categorical(key, scaled[None], axis=-1)[0]
+        return jnp.where(temperature > 0, drawn, jnp.argmax(row_logits)).astype(jnp.int32)
+
+    return jax.vmap(one)(logits, keys, temperature, top_k, top_p)
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "backend"), donate_argnames=("kv",))
+def _decode_rows(
+    model,
+    kv,
+    tokens,
+    positions,
+    steps,
+    prompt_lengths,
+    budget_tokens,
+    budget_ratio,
+    keys,
+    temperature,
+    top_k,
+    top_p,
+    policy_params,
+    *,
+    policy,
+    backend,
+):
+    """One decode step of every slot (position -1: an idle slot, nothing written): the model,
+    the policy's decode eviction for the rows due (`steps` % its interval == 0, as in
+    `generate`), and each row's next token. Donates `kv`. Returns (kv, tokens int32 [B])."""
+    context = StepContext(
+        prompt_lengths=prompt_lengths,
+        budget_tokens=budget_tokens,
+        budget_ratio=budget_ratio,
+        key=keys[0],
+        step=jnp.zeros((), jnp.int32),
+        policy_params=policy_params,
+        policy=policy,
+        backend=backend,
+    )
+    kv, logits = read_tokens(model, kv, tokens, positions, context)
+    eviction = policy.decode_eviction
+    if eviction is not None:
+        due = (positions >= 0) & (steps % eviction.decode_interval == 0)
+        decode_context = DecodeContext(
+            prompt_lengths=prompt_lengths,
+            budget_tokens=budget_tokens,
+            budget_ratio=budget_ratio,
+            positions=jnp.where(due, positions, -1),  # rows not due are left as they are
+            logits=logits,
+            key=jax.random.fold_in(keys[0], 1),
+            step=jnp.zeros((), jnp.int32),
+            group_size=model.config.group_size,
+        )
+        kv = run_if(jnp.any(due), lambda kv: eviction.on_decode(kv, decode_context), kv)
+    sample_keys = jax.vmap(_sampling_key)(keys, steps)
+    return kv, sample_rows(logits, sample_keys, temperature, top_k, top_p)
+
+
+@jax.jit
+def _first_token(model, last_hidden, key, step, temperature, top_k, top_p):
+    """The token a prefilled request samples at `step` (0 for a new one), as `generate` does."""
+    logits = logits_from_hidden(model.params, model.config, last_hidden)
+    keys = _sampling_key(key, step)[None]
+    settings = (jnp.reshape(value, (1,)) for value in (temperature, top_k, top_p))
+    return sample_rows(logits, keys, *settings)[0]
+
+
+_insert = jax.jit(insert_row, donate_argnames=("kv",))
+_release = jax.jit(release_rows, donate_argnames=("kv",))
+
+
+def _sampler_arrays(sampler: Sampler) -> tuple[float, int, float]:
+    """(temperature, top_k (0: none), top_p (2.0: none)) of a sampler, as `sample_rows` reads."""
+    return (
+        sampler.temperature,
+        0 if sampler.top_k is None else sampler.top_k,
+        2.0 if sampler.top_p is None else sampler.top_p,
+    )
+
+
+class Engine:
+    """Continuous batching over one paged pool (module docstring).
+
+    Args:
+      model: the model.
+      policy: the cache policy every request uses (or its spec, "kvzip:0.3"); default full.
+      cache: the pool: `CacheConfig(num_pages=...)` (required: the engine's memory), its page size
+        and kv dtype; int8 storage is not supported here.
+      max_slots: requests decoded at once.
+      max_context: the longest prompt + generation a request may have (default: the model's
+        max_position_embeddings, at most 8192); sizes the page tables.
+      max_waiting: the bound of the waiting queue (`submit` raises QueueFullError past it).
+      policy_params, prefill_chunk, backend: as for `generate`.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        policy: Policy | str | None = None,
+        *,
+        cache: CacheConfig,
+        max_slots: int,
+        max_context: int | None = None,
+        max_waiting: int = 256,
+        policy_params: PolicyParams | None = None,
+        prefill_chunk: int | None = None,
+        backend: str | Backend = "auto",
+    ):
+        policy = FullCache() if policy is None else policy
+        self.policy = from_spec(policy) if isinstance(policy, str) else policy
+        if not isinstance(cache, CacheConfig) or cache.num_pages is None:
+            raise ValueError("cache must be a CacheConfig with num_pages set: the engine's pool")
+        if cache.int8_window is not None:
+            raise ValueError("the engine does not run int8 storage: give storage='model'")
+        self.policy.check_params(policy_params, model.config)
+        self.model, self.cache, self.policy_params = model, cache, policy_params
+        self.max_slots = check_count("max_slots", max_slots, 1)
+        limit = model.config.max_position_embeddings
+        self.max_context = check_count(
+            "max_context", min(limit, 8192) if max_context is None else max_context, 1
+        )
+        if self.max_context > limit:
+            raise ValueError(
+                f"max_context={self.max_context} exceeds the model's "
+                f"max_position_embeddings={limit}"
+            )
+        self.max_waiting = check_count("max_waiting", max_waiting, 1)
+        self.prefill_chunk = prefill_chunk
+        self.backend = resolve_backend(backend)
+        cfg, p = model.config, cache.page_size
+        width = table_pages_bucket(-(-self.max_context // p))
+        self.kv = KVState.create(
+            num_layers=cfg.num_layers,
+            batch=self.max_slots,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            max_tokens=width * p,
+            page_size=p,
+            num_pages=cache.num_pages,
+            dtype=cache.dtype_for(model.dtype),
+            key_bounds=self.policy.selection is not None,
+            local_window=local_window(self.policy),
+        )
+        self._slots: list[_Request | None] = [None] * self.max_slots
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._prefilling: tuple[_Request, Iterator, object] | None = None
+        self._prefilled: tuple[_Request, object, KVState, jax.Array] | None = None
+        self._next_id = 0
+        self._admitted = 0
+        self._budget_tokens: np.ndarray | None = None
+        self._budget_ratio = np.zeros((self.max_slots,), np.float32)
+        self._prompt_lengths = np.zeros((self.max_slots,), np.int32)
+        self.preemptions = 0
+
+    # --- requests ------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        sampler: Sampler | None = None,
+        key: jax.Array | None = None,
+        stop_tokens: Sequence[int] | None = None,
+    ) -> int:
+        """Queues one prompt (token ids); returns its request id. Checked here, before anything
+        runs: the ids, max_new_tokens >= 1, prompt + max_new_tokens <= max_context, the key
+        (required when sampling), the stop tokens; QueueFullError past `max_waiting`."""
+        rows = prompt_lists(prompt_ids)
+        if len(rows) != 1:
+            raise ValueError(f"prompt_ids holds {len(rows)} prompts: submit one at a time")
+        length = int(prompt_lengths(self.model, rows)[0])
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
+        if length + max_new_tokens > self.max_context:
+            raise ValueError(
+                f"prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                f"engine's max_context={self.max_context}"
+            )
+        self.policy.budget_tokens(np.array([length]))  # the policy's own checks, named
+        sampler = Sampler() if sampler is None else sampler
+        if key is None:
+            if not sampler.greedy:
+                raise ValueError("a PRNG key is required when sampling (temperature > 0)")
+            key = jax.random.PRNGKey(0)
+        stop = frozenset(checked_stop_tokens(self.model, stop_tokens))
+        if len(self._waiting) >= self.max_waiting:
+            raise QueueFullError(
+                f"the engine's queue holds max_waiting={self.max_waiting} requests: retry later"
+            )
+        prefill_key, decode_key = jax.random.split(checked_key(key))
+        request = _Request(
+            id=self._next_id,
+            prompt=rows[0],
+            max_new_tokens=max_new_tokens,
+            sampler=sampler,
+            key=decode_key,
+            prefill_key=prefill_key,
+            stop=stop,
+        )
+        self._next_id += 1
+        self._waiting.append(request)
+        return request.id
+
+    def cancel(self, request_id: int) -> bool:
+        """Ends a waiting or running request now, its pages returned; False if unknown."""
+        for request in list(self._waiting):
+            if request.id == request_id:
+                self._waiting.remove(request)
+                return True
+        for stage in (self._prefilling, self._prefilled):
+            if stage is not None and stage[0].id == request_id:
+                self._prefilling = self._prefilled = None
+                return True
+        for slot, request in enumerate(self._slots):
+            if request is not None and request.id == request_id:
+                self._free([slot])
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        busy = self._prefilling is not None or self._prefilled is not None
+        return busy or bool(self._waiting) or any(r is not None for r in self._slots)
+
+    def stats(self) -> dict:
+        """Requests running and waiting, pages in use and the pool's size (host values)."""
+        return {
+            "running": sum(r is not None for r in self._slots),
+            "waiting": len(self._waiting)
+            + (self._prefilling is not None)
+            + (self._prefilled is not None),
+            "pages_in_use": int(self.kv.pages_in_use()),
+            "num_pages": self.kv.pool.num_pages,
+            "preemptions": self.preemptions,
+        }
+
+    def stream(self) -> Iterator[TokenEvent]:
+        """Steps until every request has finished, yielding each token as it is produced."""
+        while self.has_work():
+            yield from self.step()
+
+    def run(self) -> dict[int, list[int]]:
+        """Steps until every request has finished; each request's tokens."""
+        tokens: dict[int, list[int]] = collections.defaultdict(list)
+        for event in self.stream():
+            if event.token >= 0:
+                tokens[event.request_id].append(event.token)
+        return dict(tokens)
+
+    # --- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """One prefill chunk of the request being admitted (and its admission once it fits),
+        then one decode step of every running request; the tokens produced."""
+        events: list[TokenEvent] = []
+        self._advance_prefill(events)
+        self._decode(events)
+        return events
+
+    def _free_slot(self) -> int | None:
+        return next((i for i, r in enumerate(self._slots) if r is None), None)
+
+    def _advance_prefill(self, events: list[TokenEvent]) -> None:
+        if self._prefilling is None and self._prefilled is None and self._waiting:
+            request = self._waiting.popleft()
+            setup = set_up(
+                self.model,
+                [request.prompt + request.generated],
+                self.policy,
+                reserve_tokens=0,
+                positions_after_prompt=request.max_new_tokens - len(request.generated),
+                cache=dataclasses.replace(self.cache, num_pages=None),
+                prefill_chunk=self.prefill_chunk,
+                policy_params=self.policy_params,
+            )
+            steps = prefill_chunks(
+                self.model, setup, request.prefill_key, self.policy_params, self.backend
+            )
+            self._prefilling = (request, steps, setup)
+        if self._prefilling is not None:
+            request, steps, setup = self._prefilling
+            try:
+                if next(steps) == setup.prompts.num_chunks:  # the last chunk: compress too
+                    next(steps)
+            except StopIteration as done:
+                self._prefilling = None
+                self._prefilled = (request, setup, *done.value)
+        if self._prefilled is not None:
+            self._admit(events)
+
+    def _admit(self, events: list[TokenEvent]) -> None:
+        """Moves the prefilled request into a free slot when its pages fit (plus one page per
+        head for its next token)."""
+        request, setup, row, last_hidden = self._prefilled
+        row.check()
+        slot = self._free_slot()
+        held = int(row.pages_in_use())
+        heads = row.num_layers * row.page_table.shape[-2]
+        free = int(self.kv.pool.allocator.num_free)
+        if held + heads > self.kv.pool.num_pages:
+            # It could never fit: it ends here, the engine goes on with the others.
+            self._prefilled = None
+            events.append(TokenEvent(request.id, -1, True, "too_large"))
+            return
+        if slot is None or held + heads > free:
+            return
+        if row.page_table.shape[-1] > self.kv.page_table.shape[-1]:
+            raise ValueError(f"request {request.id} is longer than max_context={self.max_context}")
+        self.kv = _insert(self.kv, row, np.int32(slot))
+        self.kv.check()
+        self._prefilled = None
+        self._slots[slot] = request
+        request.order = self._admitted
+        self._admitted += 1
+        budget = np.asarray(setup.budget_tokens)
+        if self._budget_tokens is None:
+            self._budget_tokens = np.zeros((self.max_slots, *budget.shape[1:]), budget.dtype)
+        self._budget_tokens[slot] = budget[0]
+        self._budget_ratio[slot] = setup.policy.budget_ratio(1)[0]
+        # What was prefilled: the prompt, and after a preemption the tokens generated so far.
+        self._prompt_lengths[slot] = len(request.prompt) + len(request.generated)
+        temperature, top_k, top_p = _sampler_arrays(request.sampler)
+        token = _first_token(
+            self.model,
+            last_hidden,
+            request.key,
+            len(request.generated),
+            temperature,
+            top_k,
+            top_p,
+        )
+        self._emit(slot, request, int(token), events)
+
+    def _emit(self, slot: int, request: _Request, token: int, events: list) -> bool:
+        request.generated.append(token)
+        reason = None
+        if token in request.stop:
+            reason = "stop"
+        elif len(request.generated) >= request.max_new_tokens:
+            reason = "length"
+        events.append(TokenEvent(request.id, token, reason is not None, reason))
+        if reason is not None:
+            self._free([slot])
+        return reason is not None
+
+    def _free(self, slots: list[int]) -> None:
+        rows = np.zeros((self.max_slots,), bool)
+        rows[slots] = True
+        self.kv = _release(self.kv, jnp.asarray(rows))
+        for slot in slots:
+            self._slots[slot] = None
+
+    def _pages_needed(self, running: list[int]) -> int:
+        """Pages the next decode step may allocate: one per head whose last page is full."""
+        lengths = np.asarray(self.kv.full_precision_lengths())[:, running]
+        return int(np.sum(lengths % self.kv.pool.page_size == 0))
+
+    def _preempt_until_it_fits(self, running: list[int]) -> list[int]:
+        while running and self._pages_needed(running) > int(self.kv.pool.allocator.num_free):
+            victim = max(running, key=lambda slot: self._slots[slot].order)
+            request = self._slots[victim]
+            self._free([victim])
+            request.preemptions += 1
+            self.preemptions += 1
+            self._waiting.appendleft(request)
+            running = [slot for slot in running if slot != victim]
+        return running
+
+    def _decode(self, events: list[TokenEvent]) -> None:
+        running = [i for i, r in enumerate(self._slots) if r is not None]
+        running = self._preempt_until_it_fits(running)
+        if not running:
+            return
+        b = self.max_slots
+        tokens = np.zeros((b,), np.int32)
+        positions = np.full((b,), -1, np.int32)
+        steps = np.zeros((b,), np.int32)
+        keys = np.zeros((b, 2), np.uint32)
+        temperature, top_k, top_p = (
+            np.zeros((b,), np.float32),
+            np.zeros((b,), np.int32),
+            np.full((b,), 2.0, np.float32),
+        )
+        for slot in running:
+            request = self._slots[slot]
+            tokens[slot] = request.generated[-1]
+            positions[slot] = len(request.prompt) + len(request.generated) - 1
+            steps[slot] = len(request.generated)
+            keys[slot] = np.asarray(request.key)
+            temperature[slot], top_k[slot], top_p[slot] = _sampler_arrays(request.sampler)
+        self.kv, new_tokens = _decode_rows(
+            self.model,
+            self.kv,
+            tokens,
+            positions,
+            steps,
+            self._prompt_lengths,
+            self._budget_tokens,
+            self._budget_ratio,
+            keys,
+            temperature,
+            top_k,
+            top_p,
+            self.policy_params,
+            policy=self.policy.static(),
+            backend=self.backend,
+        )
+        self.kv.check()
+        new_tokens = np.asarray(new_tokens)
+        for slot in running:
+            self._emit(slot, self._slots[slot], int(new_tokens[slot]), events)

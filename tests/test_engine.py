@@ -1,0 +1,140 @@
+"""The continuous-batching engine: requests that come and go over one pool give `generate`'s
+tokens, a smaller cache admits more of them, the pool never overflows (preemption instead), and
+a stream of requests compiles a bounded number of times."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import CacheConfig, Sampler, bundled, engine, prose
+from jaxkv.engine import Engine, QueueFullError
+from jaxkv.models import load_hf_checkpoint
+
+TEXT = " ".join(prose.paragraphs()[:8]).encode()
+PROMPTS = [list(TEXT[i * 70 : i * 70 + n]) for i, n in enumerate((300, 320, 480, 250, 400))]
+SAMPLED = dict(sampler=Sampler(temperature=1.0, top_p=0.9), key=jax.random.PRNGKey(5))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_hf_checkpoint(bundled.REFERENCE_MODEL)
+
+
+def reference(model, policy, prompt, tokens, **sampling):
+    out = jaxkv.generate(model, [prompt], max_new_tokens=tokens, policy=policy, **sampling)
+    return out.tokens[0, : out.num_tokens[0]].tolist()
+
+
+def run_staggered(eng: Engine, arrivals: dict[int, list]) -> tuple[dict, dict, int]:
+    """Submits arrivals[step] = [(prompt index, max_new_tokens, sampling)] at each step; runs
+    to the end. (tokens per request id, request id -> prompt index, peak running)."""
+    ids, tokens, step, peak = {}, {}, 0, 0
+    while eng.has_work() or step <= max(arrivals):
+        for index, count, sampling in arrivals.get(step, []):
+            ids[eng.submit(PROMPTS[index], max_new_tokens=count, **sampling)] = index
+        for event in eng.step():
+            tokens.setdefault(event.request_id, []).append(event.token)
+        stats = eng.stats()
+        assert stats["pages_in_use"] <= stats["num_pages"]
+        peak = max(peak, stats["running"])
+        step += 1
+    return tokens, ids, peak
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv:0.3", "h2o:0.3"])
+def test_staggered_requests_give_generate_s_tokens(model, policy):
+    arrivals = {
+        0: [(0, 14, {}), (1, 9, {})],
+        3: [(2, 12, {}), (3, 16, SAMPLED)],
+        7: [(4, 11, {})],
+    }
+    eng = Engine(model, policy, cache=CacheConfig(num_pages=1024), max_slots=3, max_context=1024)
+    tokens, ids, peak = run_staggered(eng, arrivals)
+    assert peak == 3
+    requests = [request for step in sorted(arrivals) for request in arrivals[step]]
+    for request_id, (index, count, sampling) in zip(sorted(ids), requests, strict=True):
+        expected = reference(model, policy, PROMPTS[index], count, **sampling)
+        assert tokens[request_id] == expected, f"prompt {index}"
+    assert eng.stats() == {
+        "running": 0,
+        "waiting": 0,
+        "pages_in_use": 0,
+        "num_pages": 1024,
+        "preemptions": 0,
+    }
+
+
+def test_a_smaller_cache_admits_more_requests_into_the_same_pool(model):
+    # 12 heads x ~25 pages: the pool holds two full-cache requests at once.
+    arrivals = {0: [(i % 5, 30, {}) for i in range(6)]}
+    peaks = {}
+    for policy in ("full", "snapkv:0.3"):
+        eng = Engine(model, policy, cache=CacheConfig(num_pages=640), max_slots=6, max_context=1024)
+        tokens, _, peaks[policy] = run_staggered(eng, arrivals)
+        assert sorted(map(len, tokens.values())) == [30] * 6
+    assert peaks["snapkv:0.3"] >= 2 * peaks["full"]
+
+
+def test_a_full_pool_preempts_and_every_request_still_completes_exactly(model):
+    """Requests admitted with room for their next page only; as they grow the pool runs dry, the
+    newest is preempted (its pages freed) and prefilled again later: full-cache tokens equal
+    `generate`'s all the same."""
+    short = [prompt[:40] for prompt in PROMPTS]
+    eng = Engine(model, "full", cache=CacheConfig(num_pages=300), max_slots=3, max_context=1024)
+    ids = {eng.submit(short[index], max_new_tokens=120): index for index in range(3)}
+    tokens = eng.run()
+    assert eng.preemptions > 0
+    for request, index in ids.items():
+        assert tokens[request] == reference(model, "full", short[index], 120)
+
+
+def test_cancelling_returns_the_pages_at_once(model):
+    eng = Engine(model, "full", cache=CacheConfig(num_pages=512), max_slots=2, max_context=1024)
+    first = eng.submit(PROMPTS[0], max_new_tokens=50)
+    while eng.stats()["running"] == 0:
+        eng.step()
+    assert eng.stats()["pages_in_use"] > 0
+    assert eng.cancel(first)
+    assert eng.stats()["pages_in_use"] == 0
+    assert not eng.cancel(first) and not eng.has_work()
+
+
+def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):
+    eng = Engine(
+        model, "snapkv:0.3", cache=CacheConfig(num_pages=1024), max_slots=3, max_context=1024
+    )
+    run_staggered(eng, {0: [(0, 4, {})]})  # compiled once
+    programs = (engine._decode_rows, engine._insert, engine._release, engine._first_token)
+    before = [program._cache_size() for program in programs]
+    rng = np.random.default_rng(0)
+    arrivals = {
+        step: [(int(rng.integers(5)), int(rng.integers(2, 9)), {})] for step in range(0, 24, 2)
+    }
+    run_staggered(eng, arrivals)
+    compiled = [program._cache_size() - b for program, b in zip(programs, before, strict=True)]
+    assert compiled[0] == 0 and compiled[2] == 0 and compiled[3] == 0
+    assert compiled[1] <= 3  # one per bucketed prefill geometry
+
+
+def test_bad_requests_are_refused_at_submit_and_the_engine_keeps_serving(model):
+    with pytest.raises(ValueError, match="num_pages set"):
+        Engine(model, cache=CacheConfig(), max_slots=2)
+    with pytest.raises(ValueError, match="max_context=9000 exceeds"):
+        Engine(model, cache=CacheConfig(num_pages=64), max_slots=2, max_context=9000)
+    eng = Engine(model, "snapkv:0.3", cache=CacheConfig(num_pages=96), max_slots=2, max_waiting=2)
+    with pytest.raises(ValueError, match="exceeds the engine's max_context=8192"):
+        eng.submit([1] * 8190, max_new_tokens=8)
+    with pytest.raises(ValueError, match="max_new_tokens=0 must be >= 1"):
+        eng.submit(PROMPTS[0], max_new_tokens=0)
+    with pytest.raises(ValueError, match="PRNG key is required"):
+        eng.submit(PROMPTS[0], max_new_tokens=2, sampler=Sampler(temperature=1.0))
+    with pytest.raises(ValueError, match="budget of 30 tokens is smaller"):
+        eng.submit(PROMPTS[0][:100], max_new_tokens=2)
+    too_large = eng.submit(PROMPTS[2], max_new_tokens=2)  # 480 tokens x 12 heads at 30%
+    fits = eng.submit(PROMPTS[0][:250], max_new_tokens=2)
+    with pytest.raises(QueueFullError, match="max_waiting=2"):
+        eng.submit(PROMPTS[0], max_new_tokens=2)
+    events = list(eng.stream())
+    assert [e.reason for e in events if e.request_id == too_large] == ["too_large"]
+    assert [e.finished for e in events if e.request_id == fits] == [False, True]
