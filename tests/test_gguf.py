@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import jaxkv
-from jaxkv import cli, downloads, policies
+from jaxkv import cli, downloads, model_sources, policies
 from jaxkv.models import (
     byte_tokenizer,
     encode_chat,
@@ -220,7 +220,7 @@ def test_cli_generates_from_a_gguf_file_with_the_chat_template(files, capsys):
     out = capsys.readouterr().out
     prompt_tokens = len(encode_chat(gguf_tokenizer(path), "hi"))
     assert f'"prompt_tokens": {prompt_tokens}' in out
-    assert cli.stop_tokens(gguf_tokenizer(path), load_gguf(path).config) == [2]
+    assert model_sources.stop_tokens(gguf_tokenizer(path), load_gguf(path).config) == [2]
 
 
 def test_known_model_names_say_how_to_fetch(tmp_path, monkeypatch, capsys):
