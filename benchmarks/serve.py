@@ -1,0 +1,186 @@
+"""Many requests, one pool: `jaxkv.Engine` under a Poisson trace, per policy, on one pool size.
+
+    jaxkv bench serve --model smollm2-135m-instruct --policies full snapkv:0.3 kvzip:0.3 \
+        --requests 16 --rate 0.5 --out results/serve
+
+The trace: prose prompts of `--min-prompt`..`--max-prompt` tokens (`jaxkv.prose`, the model's
+tokens) with `--min-new`..`--max-new` new tokens each (stop tokens off, so every request runs
+its length), arriving as a Poisson process of `--rate` requests per second of wall time; the
+same trace for every policy. The pool holds `--pool-requests` full-cache requests of the longest
+prompt and generation (the full cache's own limit), the engine `--max-slots` slots. Per policy:
+mean and peak requests running (sampled after every step), tokens per second over the whole
+run and over decode-only steps (the steady state: no prefill chunk in the step), time to first
+token and time per output token (p50, p99), preemptions, end-to-end requests per second, and
+where the time goes (prefill vs decode steps). Run on one machine in one process: ratios
+between policies are the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import jaxkv
+from jaxkv import policies
+from jaxkv.benchmarks import harness
+from jaxkv.model_sources import load_model
+from jaxkv.prose import prose
+
+
+def build_trace(tokenizer, args) -> list[dict]:
+    """[{arrival seconds, prompt ids, max_new_tokens}] (deterministic in --seed)."""
+    rng = np.random.default_rng(args.seed)
+    gaps = rng.exponential(1.0 / args.rate, args.requests)
+    trace, arrival = [], 0.0
+    for index, gap in enumerate(gaps):
+        arrival += float(gap) if index else 0.0
+        length = int(rng.integers(args.min_prompt, args.max_prompt + 1))
+        ids = tokenizer.encode(prose(length * 8, seed=args.seed + index))[:length]
+        trace.append(
+            {
+                "arrival": arrival,
+                "prompt": ids,
+                "max_new_tokens": int(rng.integers(args.min_new, args.max_new + 1)),
+            }
+        )
+    return trace
+
+
+def pool_pages(model, args, page_size: int) -> int:
+    """Pages that hold `--pool-requests` full-cache requests of the longest prompt + output."""
+    cfg = model.config
+    per_head = -(-(args.max_prompt + args.max_new) // page_size)
+    return args.pool_requests * cfg.num_layers * cfg.num_kv_heads * per_head
+
+
+def run_policy(model, policy, trace: list[dict], args, num_pages: int) -> dict:
+    engine = jaxkv.Engine(
+        model,
+        policy,
+        cache=jaxkv.CacheConfig(num_pages=num_pages),
+        max_slots=args.max_slots,
+        max_context=args.max_prompt + args.max_new,
+    )
+    # Compile the step programs first (one short request), so the trace times steady work.
+    engine.submit(trace[0]["prompt"], max_new_tokens=2, stop_tokens=())
+    engine.run()
+    start = time.perf_counter()
+    pending = list(enumerate(trace))
+    submitted, first, last, counts = {}, {}, {}, {}
+    running, decode_tokens, decode_seconds, prefill_seconds = [], 0, 0.0, 0.0
+    while pending or engine.has_work():
+        now = time.perf_counter() - start
+        while pending and pending[0][1]["arrival"] <= now:
+            index, request = pending.pop(0)
+            rid = engine.submit(
+                request["prompt"], max_new_tokens=request["max_new_tokens"], stop_tokens=()
+            )
+            submitted[rid] = start + request["arrival"]
+        if not engine.has_work():
+            time.sleep(max(0.0, pending[0][1]["arrival"] - now))
+            continue
+        prefilling = engine.stats()["waiting"] > 0
+        step_start = time.perf_counter()
+        events = engine.step()
+        step_end = time.perf_counter()
+        produced = 0
+        for event in events:
+            if event.token < 0:
+                continue
+            produced += 1
+            first.setdefault(event.request_id, step_end)
+            last[event.request_id] = step_end
+            counts[event.request_id] = counts.get(event.request_id, 0) + 1
+        if prefilling:
+            prefill_seconds += step_end - step_start
+        else:
+            decode_seconds += step_end - step_start
+            decode_tokens += produced
+        running.append(engine.stats()["running"])
+    elapsed = time.perf_counter() - start
+    ttft = [first[rid] - submitted[rid] for rid in submitted]
+    tpot = [(last[rid] - first[rid]) / max(counts[rid] - 1, 1) for rid in submitted]
+    return {
+        "num_pages": num_pages,
+        "requests": len(submitted),
+        "running_mean": float(np.mean(running)),
+        "running_peak": int(np.max(running)),
+        "tokens_per_second": sum(counts.values()) / elapsed,
+        "decode_tokens_per_second": decode_tokens / max(decode_seconds, 1e-9),
+        "ttft_p50": float(np.percentile(ttft, 50)),
+        "ttft_p99": float(np.percentile(ttft, 99)),
+        "tpot_p50": float(np.percentile(tpot, 50)),
+        "tpot_p99": float(np.percentile(tpot, 99)),
+        "preemptions": engine.preemptions,
+        "requests_per_second": len(submitted) / elapsed,
+        "seconds": elapsed,
+        "seconds_in_prefill_steps": prefill_seconds,
+        "seconds_in_decode_steps": decode_seconds,
+    }
+
+
+def markdown(report: dict) -> str:
+    head = (
+        "| policy | pages | running mean / peak | tok/s | decode tok/s | TTFT p50 / p99 s "
+        "| TPOT p50 / p99 s | preemptions | req/s | prefill / decode s |"
+    )
+    rows = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        rows.append(
+            f"| {row['policy']} | {row['num_pages']} "
+            f"| {row['running_mean']:.2f} / {row['running_peak']} "
+            f"| {row['tokens_per_second']:.2f} | {row['decode_tokens_per_second']:.2f} "
+            f"| {row['ttft_p50']:.1f} / {row['ttft_p99']:.1f} "
+            f"| {row['tpot_p50']:.2f} / {row['tpot_p99']:.2f} | {row['preemptions']} "
+            f"| {row['requests_per_second']:.3f} "
+            f"| {row['seconds_in_prefill_steps']:.0f} / {row['seconds_in_decode_steps']:.0f} |"
+        )
+    provenance = report["provenance"]
+    return (
+        f"# Serving a Poisson trace ({report['model']})\n\n`{provenance['command']}` at "
+        f"{provenance['commit']}, {provenance['date']}, {provenance['machine']['host']}, jax "
+        f"{provenance['jax']}.\n\n" + "\n".join(rows) + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="jaxkv bench serve", description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--policies", nargs="+", default=["full", "snapkv:0.3", "kvzip:0.3"])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--rate", type=float, default=0.5, help="arrivals per second")
+    parser.add_argument("--min-prompt", type=int, default=1024)
+    parser.add_argument("--max-prompt", type=int, default=2048)
+    parser.add_argument("--min-new", type=int, default=64)
+    parser.add_argument("--max-new", type=int, default=256)
+    parser.add_argument("--pool-requests", type=int, default=4)
+    parser.add_argument("--max-slots", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("results/serve"))
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.model)
+    trace = build_trace(tokenizer, args)
+    num_pages = pool_pages(model, args, jaxkv.CacheConfig().page_size)
+    rows = []
+    for spec in args.policies:
+        policy = policies.from_spec(spec).for_tokenizer(tokenizer)
+        row = {"policy": spec, **run_policy(model, policy, trace, args, num_pages)}
+        harness.print_row(row)
+        rows.append(row)
+    report = {
+        "provenance": harness.provenance("jaxkv bench serve", argv or sys.argv[1:]),
+        "model": args.model,
+        "trace": {key: value for key, value in vars(args).items() if key != "out"},
+        "rows": rows,
+    }
+    harness.save(args.out / Path(args.model).stem, "serve", report, markdown(report))
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
