@@ -78,6 +78,14 @@ def provenance(command: str, argv: Sequence[str]) -> dict:
     }
 
 
+def provenance_line(provenance: dict) -> str:
+    """One markdown line of a `provenance` block: command, commit, date, host, jax."""
+    return (
+        f"`{provenance['command']}` at {provenance['commit']}, {provenance['date']}, "
+        f"{provenance['machine']['host']}, jax {provenance['jax']}."
+    )
+
+
 def save(
     out: Path, stem: str, report: dict | list, markdown: str | None = None, indent: int | None = 2
 ) -> None:

@@ -144,11 +144,9 @@ def markdown(report: dict) -> str:
             f"| {sum(row['exact_generate_each'])}/{row['questions']} "
             f"| {sum(row['ask_equals_alone'])}/{row['questions']} |"
         )
+    title = f"# Compress once, ask many ({report['model']})"
     return (
-        f"# Compress once, ask many ({report['model']})\n\n"
-        f"`{report['provenance']['command']}` at {report['provenance']['commit']}, "
-        f"{report['provenance']['date']}, {report['provenance']['machine']['host']}, "
-        f"jax {report['provenance']['jax']}.\n\n" + "\n".join(rows) + "\n"
+        f"{title}\n\n{harness.provenance_line(report['provenance'])}\n\n" + "\n".join(rows) + "\n"
     )
 
 

@@ -139,11 +139,9 @@ def markdown(report: dict) -> str:
             f"| {row['requests_per_second']:.3f} "
             f"| {row['seconds_in_prefill_steps']:.0f} / {row['seconds_in_decode_steps']:.0f} |"
         )
-    provenance = report["provenance"]
+    title = f"# Serving a Poisson trace ({report['model']})"
     return (
-        f"# Serving a Poisson trace ({report['model']})\n\n`{provenance['command']}` at "
-        f"{provenance['commit']}, {provenance['date']}, {provenance['machine']['host']}, jax "
-        f"{provenance['jax']}.\n\n" + "\n".join(rows) + "\n"
+        f"{title}\n\n{harness.provenance_line(report['provenance'])}\n\n" + "\n".join(rows) + "\n"
     )
 
 

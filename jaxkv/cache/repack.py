@@ -71,20 +71,28 @@ def _repack_pool(pool: PagePool, table, lengths, num_pages: int, max_pages: int)
     destination = jnp.where(first, first_id, num_pages).reshape(-1)
     source = jnp.zeros((num_pages,), jnp.int32).at[destination].set(table.reshape(-1), mode="drop")
 
+    return gathered_pool(pool, source, pages_held, fits), new_table
+
+
+def gathered_pool(pool: PagePool, source, in_use, fits) -> PagePool:
+    """A pool whose page i holds `pool`'s page source[i] (int32 [P']: every page-aligned field
+    and the key bounds), its first `in_use` pages in use and the rest free; flagged `overflow`
+    unless `fits` (what was to be held fits in it)."""
+    num_pages = source.shape[0]
+
     def move(pages):
         return None if pages is None else pages[source]
 
-    in_use = jnp.minimum(pages_held, num_pages).astype(jnp.int32)
+    in_use = jnp.minimum(in_use, num_pages).astype(jnp.int32)
     allocator = PageAllocator.create(num_pages)
     allocator = dataclasses.replace(allocator, num_free=num_pages - in_use)
-    pool = dataclasses.replace(
+    return dataclasses.replace(
         pool.map_token_data(move),
         key_min=move(pool.key_min),
         key_max=move(pool.key_max),
         allocator=allocator,
         overflow=pool.overflow | ~fits,
     )
-    return pool, new_table
 
 
 def repack(

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache.allocator import PageAllocator
-from jaxkv.cache.repack import table_of_width
+from jaxkv.cache.repack import gathered_pool, table_of_width
 from jaxkv.cache.state import KVState
 from jaxkv.sharding import to_host
 
@@ -68,21 +67,8 @@ def fork_rows(kv: KVState, *, num_rows: int, num_pages: int, max_pages: int) -> 
         .set(jnp.broadcast_to(tail_page[..., 0], tail_id.shape).reshape(-1), mode="drop")
     )
 
-    def move(pages):
-        return None if pages is None else pages[source]
-
     fits = (in_use <= num_pages) & jnp.all(lengths <= max_pages * p)
-    allocator = PageAllocator.create(num_pages)
-    allocator = dataclasses.replace(
-        allocator, num_free=(num_pages - jnp.minimum(in_use, num_pages)).astype(jnp.int32)
-    )
-    new_pool = dataclasses.replace(
-        pool.map_token_data(move),
-        key_min=move(pool.key_min),
-        key_max=move(pool.key_max),
-        allocator=allocator,
-        overflow=pool.overflow | ~fits,
-    )
+    new_pool = gathered_pool(pool, source, in_use, fits)
     ring = kv.ring
     if ring is not None:
         ring = jax.tree.map(lambda leaf: jnp.repeat(leaf, num_rows, axis=1), ring)

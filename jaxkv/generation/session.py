@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxkv import sharding
 from jaxkv.attention import Backend, resolve_backend
-from jaxkv.cache import KVState, repack
+from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig, check_count
 from jaxkv.cache.geometry import decode_steps_bucket, pool_pages_bucket, table_pages_bucket
 from jaxkv.cache.sharing import duplicate_entries, fork_pages_needed, fork_rows
@@ -35,6 +35,7 @@ from jaxkv.generation.loop import (
     GenState,
     decode_loop,
     decode_loop_keeping_kv,
+    repack_program,
     to_decode_geometry,
 )
 from jaxkv.generation.mesh import SHARD, program
@@ -276,9 +277,6 @@ def _with_room(session: Session, more: np.ndarray) -> KVState:
     )
     kv.check()
     return kv
-
-
-repack_program = program(static=("num_pages", "max_pages", "int8_geometry"), kv=SHARD)(repack)
 
 
 def _check_plain_storage(session: Session, what: str) -> None:
