@@ -112,6 +112,8 @@ def _generate(args) -> int:
 
     refuse_unused_options(args)
     check_runs_here(args.backend)
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give some text (generate() refuses an empty prompt)")
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     policy = build_policy(args)
     window = args.full_precision_window

@@ -315,3 +315,24 @@ def test_generate_help_names_the_policies_without_a_budget(capsys):
     assert {"full", "wgkv", "confkv", "gvote"} <= set(no_budget)
     assert f"{', '.join(no_budget)} take no --budget" in text
     assert "fastkvzip, kvzip take ratios only" in text
+
+
+def test_an_empty_prompt_is_refused_by_the_cli_as_by_the_api(capsys):
+    assert cli.main(["generate", "--prompt", "", "--max-new-tokens", "2"]) == 2
+    assert "--prompt is empty" in capsys.readouterr().err
+
+
+def test_an_unknown_policy_is_the_same_error_everywhere_and_empty_field_lists_read_well():
+    with pytest.raises(ValueError, match="policy='nosuch': registered policies are adakv, "):
+        policies.get("nosuch")
+    with pytest.raises(ValueError, match="takes no budget .*; it has no fields$"):
+        policies.get("full", budget=0.3)
+    with pytest.raises(ValueError, match="has no field 'window': it has no fields$"):
+        policies.get("full", window=3)
+
+
+def test_a_budget_error_names_the_batch_row_not_a_prompt_number():
+    with pytest.raises(ValueError, match=r"\(batch row 1: a prompt of 100 tokens\)"):
+        policies.get("snapkv", budget=0.3).budget_tokens(np.array([400, 100]))
+    with pytest.raises(ValueError, match="batch row 1 has the shortest prompt: 40 tokens"):
+        policies.get("snapkv", budget=0.9).budget_tokens(np.array([400, 40]))

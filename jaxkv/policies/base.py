@@ -56,9 +56,10 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 
 def policy_class(name: str) -> type[Policy]:
-    """The class registered as `name` (a KeyError naming the registered ones otherwise)."""
+    """The class registered as `name` (a ValueError naming the registered ones otherwise, as
+    `generate(policy="nosuch")` raises)."""
     if name not in _REGISTRY:
-        raise KeyError(f"policy={name!r}: registered policies are {sorted(_REGISTRY)}")
+        raise ValueError(f"policy={name!r}: registered policies are {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
 
 
@@ -79,9 +80,8 @@ def get(name: str, **kwargs: Any) -> Policy:
             kwargs["ratio"] = _budget_as_ratio(name, fields, budget)
     unknown = [key for key in kwargs if key not in fields]
     if unknown:
-        raise ValueError(
-            f"policy {name!r} has no field {unknown[0]!r}: its fields are {', '.join(fields)}"
-        )
+        known = f"its fields are {', '.join(fields)}" if fields else "it has no fields"
+        raise ValueError(f"policy {name!r} has no field {unknown[0]!r}: {known}")
     return cls(**kwargs)
 
 
@@ -100,10 +100,8 @@ def _budget_as_ratio(name: str, fields: list[str], budget: Budget | float | int)
             f"policy {name!r} takes no single budget: it has two token budgets, tight= and "
             "loose= (picked per step by confidence)"
         )
-    raise ValueError(
-        f"policy {name!r} takes no budget (got budget={budget!r}); its fields are "
-        f"{', '.join(fields)}"
-    )
+    known = f"its fields are {', '.join(fields)}" if fields else "it has no fields"
+    raise ValueError(f"policy {name!r} takes no budget (got budget={budget!r}); {known}")
 
 
 def registered() -> list[str]:

@@ -156,8 +156,8 @@ class EvictionPolicy(CompressesPrompt, Policy):
         if self.observation_window >= shortest:
             raise ValueError(
                 f"policy {self.name!r}: window={self.observation_window} must be smaller than the "
-                f"prompt (shortest prompt: {shortest} tokens): give window={shortest - 1} or "
-                "less, or leave the shortest prompts out of this batch"
+                f"prompt (batch row {int(lengths.argmin())} has the shortest prompt: {shortest} "
+                f"tokens): give window={shortest - 1} or less, or leave that row out of this batch"
             )
         tokens = self.budget.tokens_for(lengths)
         protected = self.sinks + self.protected_recent
@@ -166,9 +166,10 @@ class EvictionPolicy(CompressesPrompt, Policy):
             row = int(np.argmax(too_small))
             raise ValueError(
                 f"policy {self.name!r}: budget of {int(tokens[row])} tokens is smaller "
-                f"than sinks + window = {self.sinks} + {self.protected_recent} (prompt {row}, "
-                f"{int(lengths[row])} tokens): give budget >= {protected} tokens (a ratio >= "
-                f"{protected / lengths[row]:.3g} for this prompt), or a smaller window/sinks"
+                f"than sinks + window = {self.sinks} + {self.protected_recent} (batch row {row}: "
+                f"a prompt of {int(lengths[row])} tokens): give budget >= {protected} tokens (a "
+                f"ratio >= {protected / lengths[row]:.3g} for this prompt), or a smaller "
+                "window/sinks"
             )
         return tokens
 
