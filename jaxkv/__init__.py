@@ -3,7 +3,15 @@
 from jaxkv import policies
 from jaxkv.cache import CacheConfig, KVState, PoolExhaustedError, Storage
 from jaxkv.engine import Engine, TokenEvent
-from jaxkv.generation import AskOutput, GenerateOutput, Session, ask, compress_prompt, generate
+from jaxkv.generation import (
+    AskOutput,
+    GenerateOutput,
+    Session,
+    ask,
+    compress_prompt,
+    generate,
+    generate_text,
+)
 from jaxkv.generation.saved import load_session, save_session
 from jaxkv.generation.session import decode, extend, fork, prefill
 from jaxkv.sampling import Sampler
@@ -25,6 +33,7 @@ __all__ = [
     "extend",
     "fork",
     "generate",
+    "generate_text",
     "load_session",
     "policies",
     "prefill",

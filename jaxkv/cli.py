@@ -112,8 +112,12 @@ def _generate(args) -> int:
 
     refuse_unused_options(args)
     check_runs_here(args.backend)
+    if args.prompt_file is not None:
+        args.prompt = _read_text(args.prompt_file, "--prompt-file")
     if not args.prompt:
         raise ValueError("--prompt is empty: give some text (generate() refuses an empty prompt)")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat message: give --chat too")
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     policy = build_policy(args)
     window = args.full_precision_window
@@ -124,9 +128,18 @@ def _generate(args) -> int:
     )
     model, tokenizer = load_model(args.model, args.dtype, args.seed)
     policy = policy.for_tokenizer(tokenizer)
-    prompt_ids = encode_chat(tokenizer, args.prompt) if args.chat else tokenizer.encode(args.prompt)
+    if args.chat:
+        system = [] if args.system is None else [{"role": "system", "content": args.system}]
+        prompt_ids = encode_chat(tokenizer, [*system, {"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
     params, params_source = policy_params(args, policy, model, prompt_ids)
     stop = stop_tokens(tokenizer, model.config)
+    shown = (
+        args.prompt if len(args.prompt) <= 300 else f"{args.prompt[:150]} ... {args.prompt[-100:]}"
+    )
+    print(f"prompt: {shown!r}")
+    streamed = _TextStream(tokenizer, stop) if args.stream else None
     out = jaxkv.generate(
         model,
         [prompt_ids],
@@ -139,8 +152,13 @@ def _generate(args) -> int:
         cache=cache,
         backend=args.backend,
         policy_params=params,
+        on_token=streamed,
     )
     n = int(out.num_tokens[0])
+    written = len(prompt_ids) + n - 1  # the last token sampled is never written
+    cfg, page_size = model.config, out.state.pool.page_size
+    full_bytes = cfg.num_layers * cfg.num_kv_heads * -(-written // page_size)
+    full_bytes *= out.state.pool.page_bytes
     report = {
         "model": args.model,
         "policy": args.policy,
@@ -154,18 +172,41 @@ def _generate(args) -> int:
         "pages_in_use_after_prefill": int(out.pages_in_use[0]),
         "pages_in_use_final": int(out.pages_in_use[-1]),
         "kv_bytes_final": int(out.memory_bytes[-1]),
+        "kv_share_of_full_cache": round(int(out.memory_bytes[-1]) / full_bytes, 4),
+        "prefill_seconds": round(out.prefill_seconds, 3),
+        "decode_seconds": round(out.decode_seconds, 3),
+        "decode_tokens_per_second": round(out.tokens_per_second, 2),
     }
-    print(f"prompt: {args.prompt!r}")
-    print(f"output: {tokenizer.decode(out.tokens[0, :n])!r}")
+    if streamed is None:
+        print(f"output: {tokenizer.decode(out.tokens[0, :n])!r}")
+    else:
+        print()
     print(json.dumps(report, indent=2))
     return 0
 
 
-def _read_context(path: str) -> str:
-    """The text of --context (a file, or - for standard input)."""
+class _TextStream:
+    """`on_token` of `jaxkv generate --stream`: prints row 0's new text as it is decoded."""
+
+    def __init__(self, tokenizer, stop: list[int]):
+        self.tokenizer, self.stop, self.ids, self.shown = tokenizer, set(stop), [], ""
+        print("output: ", end="", flush=True)
+
+    def __call__(self, step, tokens, done) -> None:
+        del step
+        if self.ids and self.ids[-1] in self.stop:
+            return
+        self.ids.append(int(tokens[0]))
+        text = self.tokenizer.decode([t for t in self.ids if t not in self.stop])
+        print(text[len(self.shown) :], end="", flush=True)
+        self.shown = text
+
+
+def _read_text(path: str, option: str) -> str:
+    """The text of a file option (a path, or - for standard input)."""
     text = sys.stdin.read() if path == "-" else Path(path).read_text()
     if not text.strip():
-        raise ValueError(f"--context {path}: the context is empty")
+        raise ValueError(f"{option} {path}: the text is empty")
     return text
 
 
@@ -182,7 +223,7 @@ def _ask(args) -> int:
     check_runs_here(args.backend)
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     policy = build_policy(args)
-    context = _read_context(args.context)
+    context = _read_text(args.context, "--context")
     model, tokenizer = load_model(args.model, args.dtype, args.seed)
     policy = policy.for_tokenizer(tokenizer)
     before, after = chat_halves(tokenizer, args.system) if args.chat else ("", "")
@@ -388,11 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text through the paged KV cache")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--prompt-file", default=None, help="the prompt from a file (- for stdin)")
     gen.add_argument(
         "--chat",
         action="store_true",
         help="send --prompt as a user message through the model's chat template",
     )
+    gen.add_argument("--system", default=None, help="with --chat: a system message")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
     _add_model_options(gen, max_new_tokens=32)
     gen.set_defaults(run=_generate)
     ask = commands.add_parser(

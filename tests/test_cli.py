@@ -297,7 +297,7 @@ def test_ask_answers_each_question_over_one_shared_copy_of_the_context(tmp_path,
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--question", "q"], "the context is empty"),
+        (["--question", "q"], "the text is empty"),
         ([], "give at least one --question"),
         (["--question", "q", "--policy", "snapkv:0.5", "--budget", "0.3"], "is a spec"),
     ],
@@ -305,6 +305,6 @@ def test_ask_answers_each_question_over_one_shared_copy_of_the_context(tmp_path,
 def test_bad_ask_arguments_are_a_clean_error(tmp_path, capsys, argv, match):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
-    context = empty if match == "the context is empty" else Path(__file__)
+    context = empty if match == "the text is empty" else Path(__file__)
     assert cli.main(["ask", "--context", str(context), *argv]) == 2
     assert match in capsys.readouterr().err

@@ -9,7 +9,7 @@ api       `generate`, `compress_prompt` and `ask`, built on sessions;
 mesh      programs whose arguments are placed on a device mesh by name.
 """
 
-from jaxkv.generation.api import AskOutput, ask, compress_prompt, generate
+from jaxkv.generation.api import AskOutput, ask, compress_prompt, generate, generate_text
 from jaxkv.generation.loop import GenState, StepContext, decode_step, step_keys
 from jaxkv.generation.request import DEFAULT_PREFILL_CHUNK, PromptIds
 from jaxkv.generation.session import GenerateOutput, Session, extend_with_logits
@@ -27,5 +27,6 @@ __all__ = [
     "compress_prompt",
     "decode_step",
     "generate",
+    "generate_text",
     "step_keys",
 ]

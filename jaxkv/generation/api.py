@@ -4,7 +4,8 @@ compressed context, many questions, one copy of the context)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,8 @@ from jaxkv.generation.session import (
     prefill_session,
     sampling_key,
 )
+from jaxkv.model_sources import stop_tokens
+from jaxkv.models import Tokenizer, encode_chat
 from jaxkv.models.decoder import Model
 from jaxkv.policies import Policy
 from jaxkv.policies.base import PolicyParams
@@ -44,6 +47,7 @@ def generate(
     backend: str | Backend = "auto",
     policy_params: PolicyParams | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    on_token: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
 ) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens for a batch of prompts of different lengths.
 
@@ -71,6 +75,8 @@ def generate(
         "model"; each device holds the pages of its own rows and heads, and `cache.num_pages` is per
         device. Tokens equal one device's, sampled ones too (each row draws with its own key).
         None: one device.
+      on_token: `on_token(step, tokens int32 [B], done bool [B])`, called in order as the
+        jitted decode loop samples each step's tokens (streaming; one device).
     Shapes that depend on the request (pool and table sizes, prompt padding, max_new_tokens)
     are bucketed (`jaxkv.cache.geometry`), so a stream of requests compiles a bounded number of
     times; budgets travel as arrays and never recompile.
@@ -82,6 +88,7 @@ def generate(
     sampler, key = sampling_key(sampler, key)
     checked_stop_tokens(model, stop_tokens)
     policy_key, key = jax.random.split(key)
+    start = time.perf_counter()
     session = prefill_session(
         model,
         prompt_ids,
@@ -95,7 +102,9 @@ def generate(
         policy_params=policy_params,
         mesh=mesh,
     )
-    return _decode(
+    jax.block_until_ready(session.last_hidden)
+    prefilled = time.perf_counter()
+    out = _decode(
         session,
         max_new_tokens,
         sampler=sampler,
@@ -103,7 +112,52 @@ def generate(
         stop_tokens=stop_tokens,
         pad_id=pad_id,
         consume=True,
+        on_token=on_token,
     )
+    return dataclasses.replace(out, prefill_seconds=prefilled - start)
+
+
+def generate_text(
+    model: Model,
+    tokenizer: Tokenizer,
+    prompts: str | Sequence[str] | Sequence[dict],
+    *,
+    max_new_tokens: int,
+    chat: bool = False,
+    system: str | None = None,
+    **options,
+) -> list[str]:
+    """Text in, text out: `generate` over `prompts` (one text, a list of texts, or with `chat`
+    one conversation's messages [{"role", "content"}] / each text as a user message, after an
+    optional `system` message, in the model's chat template) and each row's reply decoded up to
+    its stop token (default stop tokens: the tokenizer's end token and the model's eos ids).
+    `options`: any other argument of `generate`."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+        prompts = [prompts]
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("prompts must be non-empty text (or chat messages)")
+    if system is not None and not chat:
+        raise ValueError("system= is a chat message: give chat=True")
+    if chat:
+        head = [] if system is None else [{"role": "system", "content": system}]
+        rows = [
+            encode_chat(
+                tokenizer, head + (p if isinstance(p, list) else [{"role": "user", "content": p}])
+            )
+            for p in prompts
+        ]
+    elif any(not isinstance(p, str) for p in prompts):
+        raise ValueError("chat messages need chat=True")
+    else:
+        rows = [tokenizer.encode(p) for p in prompts]
+    options.setdefault("stop_tokens", stop_tokens(tokenizer, model.config))
+    options.setdefault("pad_id", tokenizer.pad_id)
+    out = generate(model, rows, max_new_tokens=max_new_tokens, **options)
+    stops = set(options["stop_tokens"])
+    return [
+        tokenizer.decode([t for t in row[: int(n)] if t not in stops])
+        for row, n in zip(out.tokens, out.num_tokens, strict=True)
+    ]
 
 
 def compress_prompt(

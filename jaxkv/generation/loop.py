@@ -4,8 +4,10 @@ compressed state moves into the decode geometry."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -125,6 +127,8 @@ class GenState:
       int8_pages_in_use: int32 [S] the same for the int8 tier (0 without one).
       policy_trace: f32 [S, B] the decode eviction's `step_record` of each step's logits
         (Conf-KV: its confidence); None for policies that record none.
+      listener: int32 [] the id of the host listener each step's tokens go to as they are
+        sampled (`token_listener`); None when nobody streams them.
     """
 
     kv: KVState
@@ -136,6 +140,7 @@ class GenState:
     pages_in_use: jax.Array
     int8_pages_in_use: jax.Array
     policy_trace: jax.Array | None
+    listener: jax.Array | None = None
 
     @property
     def step(self) -> jax.Array:
@@ -165,9 +170,36 @@ def _sample(sampler: Sampler, logits: jax.Array, key: jax.Array) -> jax.Array:
     )
 
 
+# Host listeners of streamed tokens, by id: the decode loop calls back with an id (an array,
+# so that streaming does not recompile per listener).
+_LISTENERS: dict[int, Callable] = {}
+
+
+@contextlib.contextmanager
+def token_listener(on_token: Callable | None):
+    """The id (int32 []) of `on_token(step, tokens int32 [B], done bool [B])` while the block
+    runs, called in order as the decode loop samples each step's tokens; None for None."""
+    if on_token is None:
+        yield None
+        return
+    listener = max(_LISTENERS, default=-1) + 1
+    _LISTENERS[listener] = on_token
+    try:
+        yield np.int32(listener)
+        jax.effects_barrier()  # every step delivered before the caller goes on
+    finally:
+        del _LISTENERS[listener]
+
+
+def _deliver(listener, step, tokens, done) -> None:
+    _LISTENERS[int(listener)](int(step), np.asarray(tokens), np.asarray(done))
+
+
 def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: int) -> GenState:
     token = jnp.where(state.done, pad_id, token)
     done = state.done | jnp.any(token[:, None] == stop_tokens[None, :], axis=-1)
+    if state.listener is not None:
+        jax.debug.callback(_deliver, state.listener, state.step, token, done, ordered=True)
     trace = state.policy_trace
     if trace is not None:
         trace = trace.at[state.step].set(_step_record(state.context.policy, logits))
@@ -255,6 +287,7 @@ def _decode_loop(
     key,
     stop_tokens,
     policy_params,
+    listener,
     *,
     steps_bucket,
     policy,
@@ -289,6 +322,7 @@ def _decode_loop(
         pages_in_use=jnp.zeros((steps_bucket,), jnp.int32),
         int8_pages_in_use=jnp.zeros((steps_bucket,), jnp.int32),
         policy_trace=jnp.zeros((steps_bucket, b), jnp.float32) if records else None,
+        listener=listener,
     )
     token = _sample(sampler, logits, jax.random.fold_in(key, 0))
     state = _record(state, kv, logits, token, stop_tokens, pad_id)
@@ -317,6 +351,7 @@ _DECODE_PLACEMENTS = dict(
     key=SAME,
     stop_tokens=SAME,
     policy_params=POLICY_PARAMS,
+    listener=SAME,
 )
 _DECODE_STATIC = ("steps_bucket", "policy", "sampler", "pad_id", "backend")
 decode_loop = program(static=_DECODE_STATIC, donate=("kv",), **_DECODE_PLACEMENTS)(_decode_loop)

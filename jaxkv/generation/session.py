@@ -18,7 +18,8 @@ session with a policy whose decode eviction would run is refused.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import flax.struct
 import jax
@@ -37,6 +38,7 @@ from jaxkv.generation.loop import (
     decode_loop_keeping_kv,
     repack_program,
     to_decode_geometry,
+    token_listener,
 )
 from jaxkv.generation.mesh import SHARD, program
 from jaxkv.generation.prefill import read_tokens, run_prefill
@@ -72,6 +74,9 @@ class GenerateOutput:
         weights); None for policies that record nothing.
       state: the final KV state; on a mesh, every device's state stacked on a leading axis
         [S] (`jaxkv.sharding`: shard s holds data shard s // model, model shard s % model).
+      decode_seconds: wall time of the decode (its compilation included on a first call).
+      prefill_seconds: wall time of the prefill and compression (`generate`; None for
+        `decode`, whose session was prefilled before).
     """
 
     tokens: np.ndarray
@@ -81,6 +86,13 @@ class GenerateOutput:
     memory_bytes: np.ndarray
     policy_trace: np.ndarray | None
     state: KVState
+    decode_seconds: float = 0.0
+    prefill_seconds: float | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens generated (all rows) per second of decode."""
+        return float(np.sum(self.num_tokens)) / max(self.decode_seconds, 1e-9)
 
 
 @flax.struct.dataclass
@@ -415,13 +427,16 @@ def decode(
     key: jax.Array | None = None,
     stop_tokens: Sequence[int] | None = None,
     pad_id: int = 0,
+    on_token: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
 ) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens per row after what the session has read, the
     policy's decode eviction applied as in `generate`. `session` stays valid: decoding it again
     (another sampler, key or length) starts from the same state.
 
     sampler: default greedy; a PRNG `key` is required when it is not greedy. stop_tokens: ids
-    that end a row (default: the model's eos ids).
+    that end a row (default: the model's eos ids). on_token: `on_token(step, tokens int32 [B],
+    done bool [B])`, called in order as each step's tokens are sampled (from inside the jitted
+    loop, through `jax.debug.callback`); one device only.
     """
     return _decode(
         session,
@@ -431,6 +446,7 @@ def decode(
         stop_tokens=stop_tokens,
         pad_id=pad_id,
         consume=False,
+        on_token=on_token,
     )
 
 
@@ -453,10 +469,14 @@ def _decode(
     stop_tokens,
     pad_id: int,
     consume: bool,
+    on_token=None,
 ) -> GenerateOutput:
     """`decode`; `consume`: the session's state may be donated to the loop (`generate`)."""
     if not isinstance(session, Session):
         raise ValueError(f"session={session!r}: give a jaxkv Session (jaxkv.prefill)")
+    if on_token is not None and session.placement is not None:
+        raise ValueError("on_token streams from one device: decode without a mesh")
+    start = time.perf_counter()
     max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
     sampler, key = sampling_key(sampler, key)
     stop_tokens = checked_stop_tokens(session.model, stop_tokens)
@@ -474,25 +494,28 @@ def _decode(
         duplicate_entries=duplicate_entries(session.kv) if session.shared else 0,
     )
     loop = decode_loop if consume else decode_loop_keeping_kv
-    state = loop(
-        placement,
-        model=session.model,
-        kv=kv,
-        last_hidden=session.last_hidden,
-        lengths=session.lengths,
-        budget_tokens=session.budget_tokens,
-        budget_ratio=session.budget_ratio,
-        max_new_tokens=np.int32(max_new_tokens),
-        key=key,
-        stop_tokens=jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
-        policy_params=session.policy_params,
-        steps_bucket=decode_steps_bucket(max_new_tokens),
-        policy=policy.static(),
-        sampler=sampler,
-        pad_id=pad_id,
-        backend=session.backend,
-    )
-    return _output(state, max_new_tokens, stop_tokens, placement)
+    with token_listener(on_token) as listener:
+        state = loop(
+            placement,
+            model=session.model,
+            kv=kv,
+            last_hidden=session.last_hidden,
+            lengths=session.lengths,
+            budget_tokens=session.budget_tokens,
+            budget_ratio=session.budget_ratio,
+            max_new_tokens=np.int32(max_new_tokens),
+            key=key,
+            stop_tokens=jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
+            policy_params=session.policy_params,
+            steps_bucket=decode_steps_bucket(max_new_tokens),
+            policy=policy.static(),
+            sampler=sampler,
+            pad_id=pad_id,
+            backend=session.backend,
+            listener=listener,
+        )
+        out = _output(state, max_new_tokens, stop_tokens, placement)
+    return dataclasses.replace(out, decode_seconds=time.perf_counter() - start)
 
 
 def _output(
