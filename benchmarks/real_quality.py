@@ -180,6 +180,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--out", type=Path, default=Path("results/real-quality"))
     parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="run the asked cells again even where OUT/quality.json holds them (their rows are "
+        "replaced); without it such cells are skipped, and the run says how many",
+    )
+    parser.add_argument(
         "--render",
         type=Path,
         help="write the table and plot of a saved quality.json (this benchmark's or "
@@ -204,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(
                 f"--policies {entry}: give its trained parameters, --params {name}=PATH"
             )
+
     for budget in args.budgets:
         if not 0 < budget <= 1:
             raise ValueError(f"--budgets {budget}: a ratio of the prompt in (0, 1]")
@@ -212,6 +219,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.batch is not None and args.batch < 1:
         raise ValueError(f"--batch {args.batch} must be >= 1 (or left out: one batch a cell)")
     model, tokenizer = load_model(args.model)
+    # Every named input is read before any cell is skipped or run: a missing gate is an error
+    # even when the report already holds its cells.
+    loaded = {
+        source: harness.build_policy(
+            name, args.budgets[0] if spec.takes_budget(name) else None, **options
+        ).load_params(source, model.config)
+        for name, options in parsed.values()
+        for source in params.get(name, [])
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     report_path = args.out / "quality.json"
     previous = json.loads(report_path.read_text()) if report_path.exists() else {}
@@ -223,22 +239,29 @@ def main(argv: list[str] | None = None) -> dict:
         for task in args.tasks
         for length in args.lengths
     }
-    cells = [
+    asked = [
         (entry, budget, source, length, task, setting)
         for entry, budget, source in _cells(parsed, args.budgets, params)
         for length in args.lengths
         for task in args.tasks
         for setting in args.settings
-        if (policy_label(entry, source), budget, length, task, setting) not in done
     ]
-    loaded = {}
+    keys = {cell: (policy_label(cell[0], cell[2]), *cell[1:2], *cell[3:]) for cell in asked}
+    if args.recompute:
+        rows = [row for row in rows if real_quality_report.cell_key(row) not in set(keys.values())]
+        done = {real_quality_report.cell_key(r) for r in rows}
+    cells = [cell for cell in asked if keys[cell] not in done]
+    if len(cells) < len(asked):
+        print(
+            f"{len(asked) - len(cells)} of {len(asked)} cells are already in {report_path}: "
+            "skipped (--recompute runs them again)",
+            flush=True,
+        )
     for entry, budget, source, length, task, setting in tqdm(
         cells, desc="real quality", unit="cell"
     ):
         name, options = parsed[entry]
         policy = harness.build_policy(name, budget, **options).for_tokenizer(tokenizer)
-        if source is not None and source not in loaded:
-            loaded[source] = policy.load_params(source, model.config)
         result = run_cell(
             model,
             tokenizer,
@@ -261,6 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({**row, **result})
         print(json.dumps(rows[-1]), flush=True)
         report = {
+            "provenance": harness.provenance("jaxkv bench real_quality", argv),
             "commands": commands,
             "model": args.model,
             "file_sha256": model_file_sha256(args.model),

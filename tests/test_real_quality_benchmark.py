@@ -197,7 +197,7 @@ def test_paired_table_compares_each_policy_with_the_full_cache_episode_by_episod
     assert not (unpaired / "quality-paired.md").exists()
 
 
-def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, tmp_path):
+def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, tmp_path, capsys):
     """--params NAME=PATH: the policy loads its parameters (its own load_params), the row names
     them, and a learned policy without them is refused before any model work."""
     from jaxkv.gates.wgkv import save_write_gates
@@ -223,8 +223,20 @@ def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, t
     assert {r["policy"] for r in rows} == {"wgkv[lambda-x]"} and len(rows) == 2
     assert {r["params"] for r in rows} == {str(gates_dir)}
     assert all(0 < r["kv_bytes_per_sequence"] for r in rows)
-    resumed = real_quality.main(argv)["rows"]  # nothing left to run
+    capsys.readouterr()
+    resumed = real_quality.main(argv)["rows"]  # nothing left to run, and it says so
     assert resumed == json.loads(json.dumps(rows))
+    assert "2 of 2 cells are already in" in capsys.readouterr().out
+    again = real_quality.main([*argv, "--recompute"])["rows"]
+    assert len(again) == 2 and "already in" not in capsys.readouterr().out
+    assert [r["episode_exact"] for r in again] == [r["episode_exact"] for r in rows]
+    records_only = tmp_path / "records-only"  # a gates folder holding its training record only
+    records_only.mkdir()
+    (records_only / "training.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"holds neither gates.safetensors nor an orbax"):
+        real_quality.main(
+            [*common, "--policies", "fastkvzip", "--params", f"fastkvzip={records_only}"]
+        )
 
 
 def test_policy_entries_set_fields_and_name_their_rows(tmp_path):

@@ -178,6 +178,13 @@ class FastKVzip(Policy):
         if not path.exists():
             raise FileNotFoundError(f"no Fast KVzip gates at {path}")
         if path.is_dir():
+            if not (path / "_METADATA").exists() and not (path / "_CHECKPOINT_METADATA").exists():
+                held = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
+                raise ValueError(
+                    f"no Fast KVzip gates at {path}: it holds neither gates.safetensors nor an "
+                    f"orbax checkpoint (it holds {held}); train them (`jaxkv train fastkvzip`, "
+                    "its training.json records the command) or give the gates' path"
+                )
             return gate.load_orbax(path, model_config)
         return gate.load_safetensors(path, model_config)
 
