@@ -316,10 +316,12 @@ class Engine:
             if request.id == request_id:
                 self._waiting.remove(request)
                 return True
-        for stage in (self._prefilling, self._prefilled):
-            if stage is not None and stage[0].id == request_id:
-                self._prefilling = self._prefilled = None
-                return True
+        if self._prefilling is not None and self._prefilling[0].id == request_id:
+            self._prefilling = None
+            return True
+        if self._prefilled is not None and self._prefilled[0].id == request_id:
+            self._prefilled = None
+            return True
         for slot, request in enumerate(self._slots):
             if request is not None and request.id == request_id:
                 self._free([slot])

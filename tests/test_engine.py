@@ -90,14 +90,20 @@ def test_a_full_pool_preempts_and_every_request_still_completes_exactly(model):
 
 
 def test_cancelling_returns_the_pages_at_once(model):
-    eng = Engine(model, "full", cache=CacheConfig(num_pages=512), max_slots=2, max_context=1024)
+    eng = Engine(model, "full", cache=CacheConfig(num_pages=512), max_slots=1, max_context=1024)
     first = eng.submit(PROMPTS[0], max_new_tokens=50)
     while eng.stats()["running"] == 0:
         eng.step()
     assert eng.stats()["pages_in_use"] > 0
+    waiting = eng.submit(PROMPTS[1], max_new_tokens=5)
+    eng.step()  # the second one is prefilled beside the first one's decode; no slot for it
     assert eng.cancel(first)
     assert eng.stats()["pages_in_use"] == 0
-    assert not eng.cancel(first) and not eng.has_work()
+    assert not eng.cancel(first)
+    assert eng.cancel(waiting) and not eng.has_work()
+    third = eng.submit(PROMPTS[3], max_new_tokens=3)
+    tokens = eng.run()
+    assert list(tokens) == [third] and len(tokens[third]) == 3
 
 
 def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):
