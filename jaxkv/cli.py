@@ -7,6 +7,7 @@ import argparse
 import ast
 import importlib.util
 import json
+import logging
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -496,8 +497,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_progress() -> None:
+    """The `jaxkv` logger's INFO messages (compiling ..., `jaxkv.compile_log`) on stderr."""
+    log = logging.getLogger("jaxkv")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("jaxkv: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _show_progress()
     try:
         return args.run(args)
     except (ValueError, KeyError, OSError) as error:

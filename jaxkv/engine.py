@@ -36,6 +36,7 @@ from jaxkv.cache.config import check_count
 from jaxkv.cache.eviction import run_if
 from jaxkv.cache.geometry import table_pages_bucket
 from jaxkv.cache.rows import insert_row, release_rows
+from jaxkv.compile_log import compiling_as
 from jaxkv.generation.loop import StepContext, read_tokens
 from jaxkv.generation.prefill import prefill_chunks
 from jaxkv.generation.request import (
@@ -364,7 +365,8 @@ class Engine:
         then one decode step of every running request; the tokens produced."""
         events: list[TokenEvent] = []
         self._advance_prefill(events)
-        self._decode(events)
+        with compiling_as("the engine's decode step"):
+            self._decode(events)
         return events
 
     def _free_slot(self) -> int | None:
@@ -416,7 +418,8 @@ class Engine:
             return
         if row.page_table.shape[-1] > self.kv.page_table.shape[-1]:
             raise ValueError(f"request {request.id} is longer than max_context={self.max_context}")
-        self.kv = _insert(self.kv, row, np.int32(slot))
+        with compiling_as("the engine's admission"):
+            self.kv = _insert(self.kv, row, np.int32(slot))
         self.kv.check()
         self._prefilled = None
         self._slots[slot] = request

@@ -80,3 +80,19 @@ def test_the_cli_streams_reads_a_prompt_file_and_reports_speed_and_share(tmp_pat
     long_prompt = "word " * 400
     assert cli.main(["generate", "--prompt", long_prompt, "--max-new-tokens", "1"]) == 0
     assert len(capsys.readouterr().out.split("\n")[0]) < 300
+
+
+def test_a_first_call_says_it_is_compiling_and_a_second_does_not(caplog):
+    from jaxkv.models import init_model
+    from tests.tiny_models import tiny_config
+
+    model = init_model(tiny_config(num_layers=3), seed=0)  # shapes no other test compiles
+    with caplog.at_level("INFO", logger="jaxkv"):
+        jaxkv.generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=3)
+    first = [record.getMessage() for record in caplog.records]
+    assert any(m.startswith("compiling prefill_and_compress for new shapes") for m in first)
+    assert any(m.startswith("compiled decode_loop in ") for m in first)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="jaxkv"):
+        jaxkv.generate(model, [[1, 2, 3, 4, 6]], max_new_tokens=3)
+    assert not [r for r in caplog.records if "compil" in r.getMessage()]

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 
+from jaxkv.compile_log import compiling_as
 from jaxkv.sharding import InferenceMesh
 
 
@@ -62,6 +63,10 @@ class Program:
             raise TypeError(
                 f"{self.fn.__name__}: missing {sorted(missing)}, unexpected {sorted(extra)}"
             )
+        with compiling_as(self.fn.__name__.strip("_")):
+            return self._run(mesh, arguments)
+
+    def _run(self, mesh: InferenceMesh | None, arguments: dict) -> Any:
         if mesh is None:
             return self.jitted(**arguments)
         kinds = tuple(
