@@ -504,6 +504,7 @@ def _show_progress() -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("jaxkv: %(message)s"))
         log.addHandler(handler)
+        log.propagate = False  # the root logger (absl's, where set) would print it twice
     log.setLevel(logging.INFO)
 
 
