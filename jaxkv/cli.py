@@ -497,14 +497,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.Handler):
+    """Writes records to whatever `sys.stderr` is when they come."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(self.format(record) + "\n")
+
+
 def _show_progress() -> None:
-    """The `jaxkv` logger's INFO messages (compiling ..., `jaxkv.compile_log`) on stderr."""
+    """The `jaxkv` logger's INFO messages (compiling ..., `jaxkv.compile_log`) on stderr, when
+    stderr is a terminal (a user waiting on a first call); piped output stays as it was."""
     log = logging.getLogger("jaxkv")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("jaxkv: %(message)s"))
-        log.addHandler(handler)
-        log.propagate = False  # the root logger (absl's, where set) would print it twice
+    if not sys.stderr.isatty() or any(isinstance(h, _StderrHandler) for h in log.handlers):
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("jaxkv: %(message)s"))
+    log.addHandler(handler)
+    log.propagate = False  # the root logger (absl's, where set) would print it twice
     log.setLevel(logging.INFO)
 
 
