@@ -144,3 +144,25 @@ def test_bad_requests_are_refused_at_submit_and_the_engine_keeps_serving(model):
     events = list(eng.stream())
     assert [e.reason for e in events if e.request_id == too_large] == ["too_large"]
     assert [e.finished for e in events if e.request_id == fits] == [False, True]
+
+
+@pytest.mark.parametrize("name", ["wgkv", "fastkvzip"])
+def test_learned_policies_with_a_ring_or_chunk_eviction_give_generate_s_tokens(model, name):
+    """WG-KV's local ring moves with its row; Fast KVzip evicts between its prefill chunks."""
+    policy = jaxkv.policies.get(name) if name == "wgkv" else jaxkv.policies.get(name, ratio=0.3)
+    params = policy.load_params(policy.bundled_params_path(), model.config)
+    eng = Engine(
+        model,
+        policy,
+        cache=CacheConfig(num_pages=1024),
+        max_slots=2,
+        max_context=1024,
+        policy_params=params,
+    )
+    ids = {eng.submit(PROMPTS[i], max_new_tokens=10): i for i in (0, 1, 2)}
+    tokens = eng.run()
+    for request, index in ids.items():
+        out = jaxkv.generate(
+            model, [PROMPTS[index]], max_new_tokens=10, policy=policy, policy_params=params
+        )
+        assert tokens[request] == out.tokens[0, : out.num_tokens[0]].tolist()
