@@ -16,6 +16,18 @@ Needs the kvpress extra in an environment of its own (kvpress pins transformers 
     pip install -e '.[kvpress]'
     python -m jaxkv.benchmarks.kvpress_reference --presses snapkv streaming_llm tova \\
         --budgets 0.3 --samples 16 --out results/real-quality/kvpress
+
+--reuse is the reference of `jaxkv bench reuse` (compress once, ask many): its document
+(`needles.build_document`, one needle per question) through kvpress's own
+`KVPressTextGenerationPipeline`, `pipe(context, questions=[...], press=...)`, once per press: the
+context prefilled under the press, then each question answered greedily over the compressed
+cache, which is cut back to the context after each answer. Only the pipeline's `preprocess`
+(chat template and tokenizing) is replaced, by the document's token ids as they are: kvpress takes
+one answer prefix for all questions, and each question here ends with its own ("The special
+magic number for NAME is"). Writes OUT/MODEL/reuse-kvpress.json (and .md):
+
+    python -m jaxkv.benchmarks.kvpress_reference --reuse --budgets 0.3 --lengths 2048 \\
+        --questions 8 --out results/reuse/kvpress
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import contextlib
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +45,15 @@ from tqdm import tqdm
 
 from jaxkv import downloads
 from jaxkv.benchmarks import harness
-from jaxkv.benchmarks.needles import ANSWER_TOKENS, SETTINGS, TASKS, build_episode, score
+from jaxkv.benchmarks.needles import (
+    ANSWER_TOKENS,
+    SETTINGS,
+    TASKS,
+    Document,
+    build_document,
+    build_episode,
+    score,
+)
 from jaxkv.benchmarks.real_quality_report import cell_key, markdown_table
 from jaxkv.models import gguf_tokenizer
 
@@ -56,6 +77,11 @@ VARIANTS = ("kvzip_scored_prefix",)
 # The attention each press runs under: eager (which every press but KVzip supports, and
 # ObservedAttention needs for its attention weights) unless named here.
 ATTENTION = {"kvzip": "sdpa", "kvzip_scored_prefix": "sdpa"}  # KVzipPress refuses eager
+# The presses --reuse runs by default: the full cache and those of jaxkv's policies.
+REUSE_PRESSES = ("full", "kvzip", "kvzip_scored_prefix", "snapkv", "tova", "streaming_llm", "knorm")
+# Options of one mode only: (option, its mode).
+_QUALITY_ONLY = ("tasks", "settings", "samples", "replace")
+_REUSE_ONLY = ("questions",)
 
 
 def load_model(path: Path):
@@ -186,30 +212,202 @@ def run_cell(model, stop, tokenizer, press, episodes, setting: str) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def document_pipeline(model):
+    """kvpress's `KVPressTextGenerationPipeline` over `model`, reading the document's token ids
+    as they are: its `preprocess` (chat template, tokenizing) is the one step replaced (see the
+    module's docstring); the prefill under the press, the greedy answer to each question and the
+    cache cut back to the context after each are kvpress's own."""
+    import torch
+    import transformers
+    from kvpress import KVPressTextGenerationPipeline
+
+    class DocumentPipeline(KVPressTextGenerationPipeline):
+        def preprocess(self, context, questions, *args, **kwargs):
+            return {
+                "context_ids": torch.tensor([list(context)]),
+                "questions_ids": [torch.tensor([list(q)]) for q in questions],
+            }
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model.config.name_or_path)
+    return DocumentPipeline(model=model, tokenizer=tokenizer)
+
+
+def kept_share(model, cache, context_length: int) -> float:
+    """The share of the context's keys and values that answers can attend to: what the cache
+    holds, less what a masking press (KVzip: `masked_key_indices`) hides."""
+    held = masked = 0
+    for layer, cached in zip(model.model.layers, cache.layers, strict=True):
+        held += cached.keys.shape[1] * cached.keys.shape[2]
+        indices = getattr(layer.self_attn, "masked_key_indices", None)
+        masked += 0 if indices is None else len(indices[0])
+    heads = cache.layers[0].keys.shape[1]
+    return (held - masked) / (len(cache.layers) * heads * context_length)
+
+
+def ask_document(pipe, tokenizer, name: str, budget: float | None, document: Document) -> dict:
+    """One press's row: `pipe(context, questions=[...])` once over the document, each answer's
+    text and its exact match (`needles.score`'s rule on the text, re-encoded)."""
+    from transformers import DynamicCache
+
+    pipe.model.set_attn_implementation(ATTENTION.get(name, "eager"))
+    for layer in pipe.model.model.layers:  # a previous press's mask: eager neither reads nor
+        layer.self_attn.masked_key_indices = None  # clears it (kvpress patches sdpa's only)
+    cache = DynamicCache()
+    start = time.perf_counter()
+    answers = pipe(
+        document.context_ids,
+        questions=list(document.questions),
+        press=make_press(name, budget),
+        max_new_tokens=ANSWER_TOKENS,
+        cache=cache,
+    )["answers"]
+    seconds = time.perf_counter() - start
+    exact = [
+        score(tokenizer, tokenizer.encode(text, add_bos=False), number)[0]
+        for text, number in zip(answers, document.answers, strict=True)
+    ]
+    return {
+        "press": name,
+        "kvpress_press": None if name == "full" else PRESSES.get(name, name),
+        "budget": budget,
+        "compression_ratio": None if budget is None else 1.0 - budget,
+        "attention": ATTENTION.get(name, "eager"),
+        "kept_share": kept_share(pipe.model, cache, len(document.context_ids)),
+        "answers": answers,
+        "exact": exact,
+        "exact_count": sum(exact),
+        "seconds": seconds,
+    }
+
+
+def reuse_markdown(report: dict) -> str:
+    """The --reuse report as a table: each press's exact matches and answers."""
+    lines = [
+        f"# kvpress's pipeline, one compressed context, {report['questions']} questions "
+        f"({report['model']})",
+        "",
+        f"`{report['provenance']['command']}` at {report['provenance']['commit']}, "
+        f"{report['provenance']['date']}, kvpress {report['provenance']['kvpress']}, "
+        f"transformers {report['provenance']['transformers']}, "
+        f"torch {report['provenance']['torch']}.",
+        "",
+        "| press | compression ratio | kept | exact | answers |",
+        "|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        ratio = "-" if row["compression_ratio"] is None else f"{row['compression_ratio']:.2f}"
+        answers = " / ".join(a.strip().replace("|", "\\|") for a in row["answers"])
+        lines.append(
+            f"| {row['press']} | {ratio} | {row['kept_share']:.3f} "
+            f"| {row['exact_count']}/{report['questions']} | {answers} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_reuse(args: argparse.Namespace, argv: list[str]) -> dict:
+    """--reuse: each press once over `jaxkv bench reuse`'s document; writes the report."""
+    import kvpress
+    import torch
+    import transformers
+
+    path = downloads.model_path(args.model)
+    (model, _), tokenizer = load_model(path), gguf_tokenizer(path)
+    document = build_document(tokenizer, args.lengths[0], args.questions)
+    pipe = document_pipeline(model)
+    rows = []
+    for name in args.presses:
+        for budget in [None] if name == "full" else args.budgets:
+            rows.append(ask_document(pipe, tokenizer, name, budget, document))
+            print(json.dumps(rows[-1]), flush=True)
+    provenance = harness.provenance("python -m jaxkv.benchmarks.kvpress_reference", argv)
+    versions = {
+        "kvpress": getattr(kvpress, "__version__", "0.5.5"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    report = {
+        "provenance": {**provenance, **versions},
+        "model": args.model,
+        "file_sha256": downloads.KNOWN_MODELS[args.model].sha256,
+        "context_tokens": len(document.context_ids),
+        "questions": args.questions,
+        "question_tokens": [len(q) for q in document.questions],
+        "needles": list(document.answers),
+        "answer_tokens": ANSWER_TOKENS,
+        "rows": rows,
+    }
+    markdown = reuse_markdown(report)
+    harness.save(args.out / Path(args.model).stem, "reuse-kvpress", report, markdown)
+    print(markdown)
+    return report
+
+
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked, with each mode's defaults filled in (--reuse: `jaxkv bench
+    reuse`'s document; otherwise `real_quality`'s episodes)."""
     parser = argparse.ArgumentParser(prog="python -m jaxkv.benchmarks.kvpress_reference")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a fetched model")
-    parser.add_argument("--presses", nargs="+", default=["full", "snapkv", "streaming_llm"])
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="`jaxkv bench reuse`'s document: every question through kvpress's pipeline over "
+        "one compressed context",
+    )
+    parser.add_argument("--presses", nargs="+", help=f"--reuse: {' '.join(REUSE_PRESSES)}")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.3])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS))
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=Path("results/real-quality/kvpress"))
+    parser.add_argument("--tasks", nargs="+")
+    parser.add_argument("--settings", nargs="+")
+    parser.add_argument("--samples", type=int)
+    parser.add_argument("--questions", type=int, help="--reuse: the document's needles, each asked")
+    parser.add_argument("--out", type=Path)
     parser.add_argument(
         "--replace",
         action="store_true",
         help="run the cells again where the report has them, replacing their rows",
     )
-    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    for name in args.presses:
+    other_mode = _REUSE_ONLY if not args.reuse else _QUALITY_ONLY
+    for option in other_mode:
+        if getattr(args, option) not in (None, False):
+            mode = "with --reuse only" if option in _REUSE_ONLY else "real_quality's, not --reuse's"
+            raise SystemExit(f"--{option}: an option {mode}")
+    for name in args.presses or []:
         if name != "full" and name not in PRESSES and name not in VARIANTS:
             known = sorted([*PRESSES, *VARIANTS])
             raise SystemExit(f"--presses {name}: kvpress presses here are full, {known}")
     for budget in args.budgets:
         if not 0 < budget < 1:
             raise SystemExit(f"--budgets {budget}: a share of the prompt kept, in (0, 1)")
+    if args.reuse:
+        if len(args.lengths) != 1:
+            raise SystemExit("--lengths: --reuse compresses one context, of one length")
+        if args.questions is not None and args.questions < 1:
+            raise SystemExit(f"--questions {args.questions}: at least one")
+        defaults = {
+            "presses": list(REUSE_PRESSES),
+            "questions": 8,
+            "out": Path("results/reuse/kvpress"),
+        }
+    else:
+        defaults = {
+            "presses": ["full", "snapkv", "streaming_llm"],
+            "tasks": list(TASKS),
+            "settings": list(SETTINGS),
+            "samples": 16,
+            "out": Path("results/real-quality/kvpress"),
+        }
+    for option, value in defaults.items():
+        if getattr(args, option) is None:
+            setattr(args, option, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_arguments(argv)
+    if args.reuse:
+        return run_reuse(args, argv)
     path = downloads.model_path(args.model)
     (model, stop), tokenizer = load_model(path), gguf_tokenizer(path)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -243,6 +243,7 @@ def _decode_cost(r: _AbstractRequest, policy, decode_kv: KVState, max_new_tokens
             key=r.key,
             stop_tokens=jax.ShapeDtypeStruct((1,), jnp.int32),
             policy_params=r.params,
+            listener=None,
             steps_bucket=max_new_tokens,
             policy=r.static,
             sampler=Sampler(),

@@ -284,3 +284,27 @@ def test_kvpress_reference_saves_a_tokenizer_that_loads_unchanged(tmp_path):
         for t in (saved, original)
     ]
     assert rendered[0] == rendered[1]
+
+
+def test_kvpress_reference_reuse_arguments():
+    """--reuse takes `jaxkv bench reuse`'s document and its own defaults; real_quality's episode
+    options, several lengths and a press kvpress lacks are refused (no kvpress needed)."""
+    from jaxkv.benchmarks.kvpress_reference import REUSE_PRESSES, parse_arguments
+
+    args = parse_arguments(["--reuse"])
+    assert (args.presses, args.questions, args.lengths) == (list(REUSE_PRESSES), 8, [2048])
+    assert args.out.as_posix() == "results/reuse/kvpress" and args.budgets == [0.3]
+    quality = parse_arguments([])
+    assert quality.presses == ["full", "snapkv", "streaming_llm"] and quality.samples == 16
+    assert quality.out.as_posix() == "results/real-quality/kvpress" and quality.questions is None
+    for argv, message in [
+        (["--reuse", "--tasks", "needle"], "--tasks: an option real_quality's"),
+        (["--reuse", "--replace"], "--replace: an option real_quality's"),
+        (["--questions", "4"], "--questions: an option with --reuse only"),
+        (["--reuse", "--lengths", "1024", "2048"], "--lengths: --reuse compresses one context"),
+        (["--reuse", "--questions", "0"], "--questions 0: at least one"),
+        (["--reuse", "--presses", "h2o"], "--presses h2o: kvpress presses here are"),
+        (["--reuse", "--budgets", "1.5"], r"--budgets 1.5: a share"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            parse_arguments(argv)
