@@ -98,3 +98,22 @@ def test_token_ids_equal_transformers(reference, ours):
         assert ours[1].decode(ids, skip_special_tokens=False) == text
     digits = [ours[1].encode(digit)[0] for digit in "4829173"]
     assert ours[1].encode(" 4829173") == ours[1].encode(" ") + digits  # one token a digit
+
+
+def test_ask_over_one_compressed_document_answers_as_each_question_alone(ours):
+    """Issue 55 on the real model: four questions over one kvzip:0.3 copy of a 1K-token
+    document answer token for token as each asked alone over the same compressed copy."""
+    from jaxkv.benchmarks.needles import build_document
+
+    model, tokenizer = ours
+    document = build_document(tokenizer, 1024, 4)
+    policy = policies.from_spec("kvzip:0.3").for_tokenizer(tokenizer)
+    session = jaxkv.prefill(model, list(document.context_ids), policy)
+    stop = list(model.config.eos_token_ids)
+    asked = jaxkv.ask(
+        model, session, [list(q) for q in document.questions], max_new_tokens=10, stop_tokens=stop
+    )
+    for row, question in enumerate(document.questions):
+        alone = jaxkv.decode(session.extend(list(question)), 10, stop_tokens=stop)
+        np.testing.assert_array_equal(asked.answers.tokens[row], alone.tokens[0])
+    assert asked.total_bytes < 0.5 * asked.separate_bytes
