@@ -11,7 +11,9 @@ prompt and generation (the full cache's own limit), the engine `--max-slots` slo
 mean and peak requests running (sampled after every step), tokens per second over the whole
 run and over decode-only steps (the steady state: no prefill chunk in the step), time to first
 token and time per output token (p50, p99), preemptions, end-to-end requests per second, and
-where the time goes (prefill vs decode steps). Run on one machine in one process: ratios
+where the time goes: seconds of the steps taken while a request waited (each runs at most one
+prefill chunk besides its decode step) and of the steps with none waiting (decode only, whose
+tokens per second are the steady state's). Run on one machine in one process: ratios
 between policies are the measurement.
 """
 
