@@ -112,7 +112,15 @@ def sample_rows(logits, keys, temperature, top_k, top_p) -> jax.Array:
         drawn = jax.random.categorical(key, scaled[None], axis=-1)[0]
         return jnp.where(temperature > 0, drawn, jnp.argmax(row_logits)).astype(jnp.int32)
 
-    return jax.vmap(one)(logits, keys, temperature, top_k, top_p)
+    def greedy():
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    # All-greedy steps (the common case) skip the per-row vocabulary sorts.
+    return jax.lax.cond(
+        jnp.any(temperature > 0),
+        lambda: jax.vmap(one)(logits, keys, temperature, top_k, top_p),
+        greedy,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "backend"), donate_argnames=("kv",))
