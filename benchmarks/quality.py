@@ -51,7 +51,7 @@ def _runs_by_default(name: str) -> bool:
     """A policy without parameters, or whose parameters ship for the reference model; the
     others (calibrated heads) run when given theirs."""
     policy = policies.get(name)
-    return not policy.needs_params or policy.bundled_params_path() is not None
+    return not policy.needs_params or policy.shipped_params_path(bundled.REFERENCE) is not None
 
 
 FULL = Sweep(
@@ -75,7 +75,10 @@ def check_sweep(sweep: Sweep, policy_params: dict | None = None) -> None:
         if name not in known:
             raise ValueError(f"policy={name!r}: registered policies are {known}")
         policy = policies.get(name)
-        has_params = name in (policy_params or {}) or policy.bundled_params_path() is not None
+        has_params = (
+            name in (policy_params or {})
+            or policy.shipped_params_path(bundled.REFERENCE) is not None
+        )
         if policy.needs_params and not has_params:
             raise ValueError(f"policy={name!r} needs policy_params: --params {name}=PATH")
     for budget in sweep.budgets:
@@ -113,7 +116,7 @@ def run_sweep(model, sweep: Sweep, corpus, *, log=print, policy_params=None) -> 
     ]
     for name in sweep.policies:
         policy = policies.get(name)
-        path = policy.bundled_params_path()
+        path = policy.shipped_params_path(bundled.REFERENCE)
         if name not in policy_params and path is not None:
             policy_params[name] = policy.load_params(path, model.config)
     for name, budget, length, task in tqdm(cells, desc="quality", unit="cell"):
@@ -173,7 +176,7 @@ def main(argv=None) -> dict:
         **harness.provenance("jaxkv bench quality", sys.argv[1:] if argv is None else argv),
         "model": str(args.model),
         "params": {
-            name: str(paths.get(name, policies.get(name).bundled_params_path()))
+            name: str(paths.get(name, policies.get(name).shipped_params_path(bundled.REFERENCE)))
             for name in sweep.policies
             if policies.get(name).needs_params
         },

@@ -36,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 import jaxkv
-from jaxkv import policies
+from jaxkv import bundled, policies
 from jaxkv.benchmarks import harness, real_quality_report
 from jaxkv.benchmarks.needles import (
     ANSWER_TOKENS,
@@ -46,7 +46,7 @@ from jaxkv.benchmarks.needles import (
     build_episode,
     score,
 )
-from jaxkv.model_sources import load_model, model_file_sha256
+from jaxkv.model_sources import load_model, model_file_sha256, shipped_name
 from jaxkv.policies import spec
 
 
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
         default=[],
         metavar="NAME=PATH",
         help="saved parameters of a learned policy (jaxkv train), e.g. "
-        "wgkv=assets/wgkv-gates/smollm2-135m-instruct/lambda-0.08",
+        "wgkv=assets/wgkv-gates/smollm2-135m-instruct/lambda-0.08 (default: the ones jaxkv "
+        "ships for --model, jaxkv.bundled.SHIPPED_PARAMS)",
     )
     parser.add_argument("--out", type=Path, default=Path("results/real-quality"))
     parser.add_argument(
@@ -206,9 +207,14 @@ def main(argv: list[str] | None = None) -> dict:
     params = spec.parse_params(args.params)
     parsed = {entry: parse_policy_entry(entry) for entry in args.policies}
     for entry, (name, _) in parsed.items():
+        kind = policies.policy_class(name).params_kind
+        shipped = bundled.shipped_params_path(kind, shipped_name(args.model)) if kind else None
+        if name not in params and shipped is not None:
+            params[name] = [shipped]
         if policies.policy_class(name).needs_params and name not in params:
             raise ValueError(
-                f"--policies {entry}: give its trained parameters, --params {name}=PATH"
+                f"--policies {entry}: jaxkv ships no trained parameters of {name} for --model "
+                f"{args.model}; give them, --params {name}=PATH"
             )
 
     for budget in args.budgets:

@@ -1,5 +1,6 @@
-"""The files jaxkv ships besides its code: the project's small reference model and the gates
-trained for it (`assets/` in the repository).
+"""The files jaxkv ships besides its code: the project's small reference model, and trained
+policy parameters (gates, heads) for it and for the pretrained models jaxkv fetches by name
+(`assets/` in the repository).
 
 `jaxkv/assets` is a link to the repository's `assets/`, and a wheel carries the same files inside
 the package (package data), so these paths hold in a source checkout, an editable install and an
@@ -18,3 +19,36 @@ REFERENCE_MODEL = ASSETS / "reference-model"
 WGKV_GATES = ASSETS / "wgkv-gates"
 # Fast KVzip gates for the reference model (docs/fastkvzip.md).
 FASTKVZIP_GATES = ASSETS / "fastkvzip-gates"
+# DuoAttention retrieval heads (bool [L, K] .npy), one directory per model.
+DUO_HEADS = ASSETS / "duo-heads"
+
+# The name jaxkv ships parameters under for its reference model; a fetched model's are under its
+# `jaxkv fetch` name.
+REFERENCE = "reference"
+SMOLLM2 = "smollm2-135m-instruct"
+
+# model name -> policy -> the trained parameters jaxkv ships for it; every directory holds the
+# record its training command wrote (run.json / training.json). SmolLM2's are the ones its
+# README results use (docs/results.md).
+SHIPPED_PARAMS: dict[str, dict[str, Path]] = {
+    REFERENCE: {
+        "wgkv": WGKV_GATES / "lambda-0.08",
+        "fastkvzip": FASTKVZIP_GATES,
+    },
+    SMOLLM2: {
+        "wgkv": WGKV_GATES / SMOLLM2 / "docstrings-lambda-0.3",
+        "fastkvzip": FASTKVZIP_GATES / SMOLLM2 / "docstrings-64-adamw",
+        "duo_attention": DUO_HEADS / SMOLLM2 / "copy-0.2" / "heads.npy",
+    },
+}
+
+
+def shipped_params_path(kind: str, model_name: str | None) -> Path | None:
+    """Where jaxkv ships `kind`'s ("wgkv", "fastkvzip", "duo_attention") parameters for the
+    model named `model_name` (`REFERENCE` or a fetched model's name), or None."""
+    return SHIPPED_PARAMS.get(model_name or "", {}).get(kind)
+
+
+def models_shipping(kind: str) -> list[str]:
+    """The model names jaxkv ships `kind`'s parameters for (for error messages)."""
+    return [name for name, shipped in SHIPPED_PARAMS.items() if kind in shipped]

@@ -58,19 +58,16 @@ def build_policy(args: argparse.Namespace):
     return policies.get(args.policy, **policy_kwargs(args.policy, args.policy_arg, args.budget))
 
 
-def _shipped_gates(policy, model_arg: str, model_config):
-    """The gates jaxkv ships for its reference model (`Policy.bundled_params_path`), with a
-    hint when they do not fit."""
-    path = policy.bundled_params_path()
-    if path is None:
-        raise ValueError(f"--gates: policy {policy.name!r} ships no parameters; give --gates PATH")
-    try:
-        return policy.load_params(path, model_config), str(path)
-    except ValueError as error:
-        raise ValueError(
-            f"--gates: the shipped {policy.name} gates ({path}) are for the bundled reference "
-            f"model, not --model {model_arg}; give --gates PATH ({error})"
-        ) from None
+def _no_params_error(policy, model_arg: str) -> ValueError:
+    shipping = bundled.models_shipping(policy.params_kind) if policy.params_kind else []
+    shipped = (
+        f"jaxkv ships them for {', '.join(shipping)}, not for --model {model_arg}"
+        if shipping
+        else "jaxkv ships none"
+    )
+    return ValueError(
+        f"--gates: policy {policy.name!r} needs trained parameters and {shipped}; give --gates PATH"
+    )
 
 
 def refuse_unused_options(args: argparse.Namespace) -> None:
@@ -83,18 +80,24 @@ def refuse_unused_options(args: argparse.Namespace) -> None:
 
 
 def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]):
-    """(policy_params, where they came from): --gates, ones the policy picks on the prompt
-    (DuoAttention's retrieval heads), the shipped gates, or None."""
+    """(policy_params, where they came from): --gates, the ones jaxkv ships for --model
+    (`jaxkv.bundled.SHIPPED_PARAMS`), ones the policy picks on the prompt (DuoAttention's
+    retrieval heads), or None for a policy without parameters."""
     if not policy.needs_params:
         if args.gates is not None:
             raise ValueError(f"--gates: policy {policy.name!r} takes no parameters")
         return None, None
+    from jaxkv.model_sources import shipped_name
+
     if args.gates is not None:
         return policy.load_params(args.gates, model.config), str(args.gates)
+    shipped = policy.shipped_params_path(shipped_name(args.model))
+    if shipped is not None:
+        return policy.load_params(shipped, model.config), str(shipped)
     picked = policy.prompt_params(model, prompt_ids)
     if picked is not None:
         return picked, "picked on the prompt"
-    return _shipped_gates(policy, args.model, model.config)
+    raise _no_params_error(policy, args.model)
 
 
 def check_runs_here(backend: str) -> None:

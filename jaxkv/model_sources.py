@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxkv import downloads
+from jaxkv import bundled, downloads
 from jaxkv.models import (
     Model,
     Tokenizer,
@@ -52,6 +52,20 @@ def load_model(
         f"--model {str(model_arg)!r}: neither a checkpoint directory, a .gguf file, a known model "
         f"({', '.join(downloads.KNOWN_MODELS)}) nor a preset ({', '.join(sorted(PRESETS))})"
     )
+
+
+def shipped_name(model_arg: str | Path) -> str | None:
+    """The name jaxkv ships trained policy parameters under for this `--model`
+    (`jaxkv.bundled.SHIPPED_PARAMS`): `bundled.REFERENCE` for the bundled reference model, a
+    fetched model's name for that name or its fetched file; None for any other model."""
+    arg = str(model_arg)
+    if arg in downloads.KNOWN_MODELS:
+        return arg
+    path = Path(arg).resolve()
+    if path == bundled.REFERENCE_MODEL:
+        return bundled.REFERENCE
+    fetched = {downloads.fetched_path(name).resolve(): name for name in downloads.KNOWN_MODELS}
+    return fetched.get(path)
 
 
 def model_file_sha256(model_arg: str | Path) -> str | None:

@@ -271,6 +271,24 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
         bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009),
     ),
+    # SmolLM2-135M-Instruct as its GGUF describes it (`jaxkv fetch smollm2-135m-instruct`; the
+    # shapes its shipped gates are checked against without the file).
+    "smollm2-135m-instruct": ModelConfig(
+        family=Family.LLAMA,
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=9.999999747378752e-06,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    ),
 }
 
 

@@ -147,7 +147,7 @@ def test_bad_budgets_name_the_option_and_the_forms(capsys, text):
         (["--policy", "snapkv", "--policy-arg", "window=x"], "window=x: expected int"),
         (["--policy", "wgkv", "--policy-arg", "tau=2"], "tau=2.0 must be in (0, 1)"),
         (["--policy", "snapkv", "--gates", "g.npy"], "--gates: policy 'snapkv' takes no param"),
-        (["--policy", "wgkv"], "the shipped wgkv gates"),  # they are for the reference model
+        (["--policy", "wgkv"], "'wgkv' needs trained parameters and jaxkv ships them for ref"),
     ],
 )
 def test_bad_policy_options_are_a_clean_error(capsys, argv, match):

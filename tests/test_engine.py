@@ -151,7 +151,7 @@ def test_learned_policies_with_a_ring_or_chunk_eviction_give_generate_s_tokens(m
     """WG-KV's local ring moves with its row. (Fast KVzip's engine tokens leave `generate`'s at
     the 4th token of one of these prompts, with identical prefill states: open, see the notes.)"""
     policy = jaxkv.policies.get(name) if name == "wgkv" else jaxkv.policies.get(name, ratio=0.3)
-    params = policy.load_params(policy.bundled_params_path(), model.config)
+    params = policy.load_params(policy.shipped_params_path(bundled.REFERENCE), model.config)
     eng = Engine(
         model,
         policy,

@@ -30,7 +30,7 @@ ANSWER_TOKENS = 10
 
 def loaded(policy: policies.Policy, model):
     """(policy, its bundled parameters for the reference model, or None)."""
-    path = policy.bundled_params_path()
+    path = policy.shipped_params_path(bundled.REFERENCE)
     return policy, None if path is None else policy.load_params(path, model.config)
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxkv import bundled, policies
 from jaxkv.model_sources import load_model, model_file_sha256
@@ -80,7 +81,8 @@ def calibration_scores(
             )
 
     total = np.zeros((model.config.num_layers, model.config.num_kv_heads))
-    for start in range(0, len(tokens), batch):
+    starts = range(0, len(tokens), batch)
+    for start in tqdm(starts, desc=f"duo_attention {score} scores", unit="batch", disable=None):
         rows_now = tokens[start : start + batch]
         total += np.asarray(one_pass(jnp.asarray(rows_now)), np.float64) * len(rows_now)
     return (total / len(tokens)).astype(np.float32)

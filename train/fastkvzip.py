@@ -379,7 +379,6 @@ def main(argv=None) -> dict:
         metrics_path=out / "metrics.jsonl" if out else None,
         eval_fn=eval_fn,
         eval_every=max(args.steps // 10, 1),
-        progress=False,
         sequence_dim=0,
     )
     seconds = time.perf_counter() - began

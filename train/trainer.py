@@ -309,7 +309,9 @@ def train(
     write_metrics = metrics_path and jax.process_index() == 0
     metrics_file = open(metrics_path, "a") if write_metrics else None  # noqa: SIM115
     try:
-        for step in tqdm(range(first, last), initial=first, total=cfg.steps, disable=not progress):
+        steps = range(first, last)
+        # On a terminal only (disable=None): a log file gets the metrics, not bar redraws.
+        for step in tqdm(steps, initial=first, total=cfg.steps, disable=None if progress else True):
             batch = _shard_batch(batch_for_step(step), mesh, sequence_dim)
             state, metrics = train_step(state, batch)
             done = step + 1

@@ -15,7 +15,7 @@ part, through the mixins below or methods of its own. Besides its parts it answe
   text      for_tokenizer(...)     the policy with its own text in the model's tokens (KVzip)
   params    needs_params           flag: runs only with `policy_params` (learned gates)
             init_params / load_params  fresh ones / saved ones read from a path
-            bundled_params_path()  where jaxkv ships trained ones for its reference model
+            shipped_params_path(m) where jaxkv ships trained ones for model m (jaxkv.bundled)
             prompt_params(...)     ones picked on the request's own prompt (DuoAttention)
             check_params(...)      validate the parameters against the model
             param_axes(...)        their logical axes, to shard them with their KV heads
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import parts
+from jaxkv import bundled, parts
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import run_if
 from jaxkv.models.configs import ModelConfig
@@ -261,10 +261,16 @@ class Policy:
         del model_config
         raise ValueError(f"policy {self.name!r} takes no policy_params (given {path})")
 
-    def bundled_params_path(self) -> Path | None:
-        """Where jaxkv ships this policy's trained `policy_params` for its bundled reference
-        model (package data, read by `load_params`), or None: the caller gives them."""
-        return None
+    # The key of this policy's parameters in `jaxkv.bundled.SHIPPED_PARAMS` (None: it has none).
+    params_kind: ClassVar[str | None] = None
+
+    def shipped_params_path(self, model_name: str | None) -> Path | None:
+        """Where jaxkv ships trained `policy_params` of this policy for the model named
+        `model_name` (`jaxkv.bundled.REFERENCE` or a fetched model's name; package data, read
+        by `load_params`), or None: the caller gives them."""
+        return (
+            bundled.shipped_params_path(self.params_kind, model_name) if self.params_kind else None
+        )
 
     def prompt_params(self, model, prompt_ids: list[int]) -> PolicyParams | None:
         """`policy_params` picked on the request's own prompt (ids without padding) when none

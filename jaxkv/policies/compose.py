@@ -117,8 +117,8 @@ class Composed(base.Policy):
     def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
         self.admitting.check_params(params, model_config)
 
-    def bundled_params_path(self) -> Path | None:
-        return self.admitting.bundled_params_path()
+    def shipped_params_path(self, model_name: str | None) -> Path | None:
+        return self.admitting.shipped_params_path(model_name)
 
     def load_params(self, path, model_config: ModelConfig) -> PolicyParams:
         return self.admitting.load_params(path, model_config)

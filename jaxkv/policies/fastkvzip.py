@@ -33,7 +33,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import bundled, collectives, parts
+from jaxkv import collectives, parts
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place
 from jaxkv.gates import fastkvzip as gate
@@ -78,6 +78,7 @@ class FastKVzip(Policy):
 
     name: ClassVar[str] = "fastkvzip"
     needs_params: ClassVar[bool] = True
+    params_kind: ClassVar[str] = "fastkvzip"
     decides_across_heads: ClassVar[bool] = True
 
     ratio: float | None = None
@@ -187,10 +188,6 @@ class FastKVzip(Policy):
                 )
             return gate.load_orbax(path, model_config)
         return gate.load_safetensors(path, model_config)
-
-    def bundled_params_path(self) -> Path:
-        """The reference model's gates (docs/fastkvzip.md)."""
-        return bundled.FASTKVZIP_GATES
 
     def check_params(self, params, model_config) -> None:
         if params is None:

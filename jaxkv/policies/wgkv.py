@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import attention as attention_ops
-from jaxkv import bundled, parts
+from jaxkv import parts
 from jaxkv.gates.wgkv import (
     PARAM_AXES,
     check_write_gates,
@@ -113,6 +113,7 @@ class WGKV(RingAdmission):
     """WG-KV: the learned write gate decides admission (policy_params: `jaxkv.gates.wgkv`)."""
 
     name: ClassVar[str] = "wgkv"
+    params_kind: ClassVar[str] = "wgkv"
     primary_knob: ClassVar[str] = "tau"
     needs_params: ClassVar[bool] = True
 
@@ -121,10 +122,6 @@ class WGKV(RingAdmission):
 
     def load_params(self, path, model_config):
         return load_write_gates(path, model_config)
-
-    def bundled_params_path(self) -> Path:
-        """The reference model's lambda-0.08 write gates (docs/wgkv.md)."""
-        return bundled.WGKV_GATES / "lambda-0.08"
 
     def check_params(self, params, model_config) -> None:
         if params is None:
@@ -183,6 +180,7 @@ class DuoAttention(RingAdmission):
 
     name: ClassVar[str] = "duo_attention"
     needs_params: ClassVar[bool] = True
+    params_kind: ClassVar[str] = "duo_attention"
     sinks: int = 4
     retrieval_share: float | None = None
 
@@ -216,6 +214,11 @@ class DuoAttention(RingAdmission):
             raise ValueError(
                 f"retrieval_share={self.retrieval_share}: duo_attention reads its retrieval heads "
                 f"from {path}; give one of the two"
+            )
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"no DuoAttention heads at {path}: give a saved bool [L, K] .npy "
+                "(`jaxkv train duo_attention` writes one)"
             )
         heads = np.load(path)
         self.check_params(heads, model_config)
