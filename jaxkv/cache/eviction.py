@@ -19,11 +19,6 @@ from jaxkv.cache.slots import pages_holding, set_from_itself, split_slots
 from jaxkv.cache.state import KVState, PagePool
 
 
-def held_slots(kv: KVState) -> jax.Array:
-    """bool [L, B, K, S]: which slots of each head hold a token (S = max_pages * page_size)."""
-    return jnp.arange(kv.max_tokens_per_head) < kv.lengths[..., None]
-
-
 def compact_layer(pool: PagePool, page_table, lengths, keep):
     """Compacts one layer of `pool`: page_table [B, K, M], lengths [B, K] (the tokens this
     pool's pages hold), keep bool [B, K, M * p]. Kept tokens keep their order. Returns (pool,

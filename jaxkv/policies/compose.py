@@ -64,10 +64,6 @@ class Composed(base.Policy):
                 )
 
     @property
-    def label(self) -> str:
-        return f"{self.admitting.name}+{self.selecting.name}"
-
-    @property
     def admission(self) -> parts.Admission | None:
         return self.admitting.admission
 
