@@ -146,10 +146,17 @@ def test_bad_requests_are_refused_at_submit_and_the_engine_keeps_serving(model):
     assert [e.finished for e in events if e.request_id == fits] == [False, True]
 
 
-@pytest.mark.parametrize("name", ["wgkv"])
-def test_learned_policies_with_a_ring_or_chunk_eviction_give_generate_s_tokens(model, name):
-    """WG-KV's local ring moves with its row. (Fast KVzip's engine tokens leave `generate`'s at
-    the 4th token of one of these prompts, with identical prefill states: open, see the notes.)"""
+@pytest.fixture(scope="module")
+def model_f32():
+    return load_hf_checkpoint(bundled.REFERENCE_MODEL, dtype="float32")
+
+
+@pytest.mark.parametrize("name", ["wgkv", "fastkvzip"])
+def test_learned_policies_with_a_ring_or_chunk_eviction_give_generate_s_tokens(model_f32, name):
+    """WG-KV's local ring moves with its row; Fast KVzip evicts between its prefill chunks. In
+    float32: Fast KVzip's 4th token of PROMPTS[1] is a near tie (top two logits 0.048 apart),
+    which bf16 rounding in the engine's batch geometry and in `generate`'s resolves apart."""
+    model = model_f32
     policy = jaxkv.policies.get(name) if name == "wgkv" else jaxkv.policies.get(name, ratio=0.3)
     params = policy.load_params(policy.shipped_params_path(bundled.REFERENCE), model.config)
     eng = Engine(
