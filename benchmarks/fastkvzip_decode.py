@@ -71,7 +71,7 @@ def table(report: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxkv.benchmarks.fastkvzip_decode", description=__doc__
+        prog="jaxkv bench fastkvzip_decode", description=__doc__
     )
     parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, default=bundled.FASTKVZIP_GATES / "gates.safetensors")

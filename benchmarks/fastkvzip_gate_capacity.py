@@ -153,7 +153,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxkv.benchmarks.fastkvzip_gate_capacity", description=__doc__
+        prog="jaxkv bench fastkvzip_gate_capacity", description=__doc__
     )
     parser.add_argument("--targets", type=Path, required=True, help="jaxkv train fastkvzip's .npz")
     parser.add_argument("--gates", type=Path, required=True, help="gates trained on them")

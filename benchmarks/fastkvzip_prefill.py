@@ -12,6 +12,7 @@ peak: the whole pool is allocated up front) and the bytes held after compression
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def _timed(run, repeats: int) -> tuple[float, object]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxkv.benchmarks.fastkvzip_prefill", description=__doc__
+        prog="jaxkv bench fastkvzip_prefill", description=__doc__
     )
     parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, default=bundled.FASTKVZIP_GATES)
@@ -80,6 +81,9 @@ def main(argv=None) -> dict:
         row["time_vs_full"] = row["seconds"] / full["seconds"]
         row["pool_vs_full"] = row["pool_bytes"] / full["pool_bytes"]
     report = {
+        **harness.provenance(
+            "jaxkv bench fastkvzip_prefill", sys.argv[1:] if argv is None else argv
+        ),
         "ratio": args.ratio,
         "length": args.length,
         "batch": args.batch,

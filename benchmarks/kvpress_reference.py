@@ -345,7 +345,7 @@ def run_reuse(args: argparse.Namespace, argv: list[str]) -> dict:
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
     """The command line, checked, with each mode's defaults filled in (--reuse: `jaxkv bench
     reuse`'s document; otherwise `real_quality`'s episodes)."""
-    parser = argparse.ArgumentParser(prog="python -m jaxkv.benchmarks.kvpress_reference")
+    parser = argparse.ArgumentParser(prog="jaxkv bench kvpress_reference")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a fetched model")
     parser.add_argument(
         "--reuse",

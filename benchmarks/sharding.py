@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import os
-import platform
 import re
 import sys
 import tempfile
@@ -258,8 +256,7 @@ def markdown(report: dict) -> str:
         f"# Sharded inference: data={cfg['data']} x model={cfg['model_shards']} "
         f"({cfg['model']}, context {cfg['context']}, batch {cfg['batch']})",
         "",
-        f"{report['date']}, jax {report['jax']}, {report['machine']}. Command: "
-        f"`{report['command']}`",
+        harness.provenance_line(report),
         "",
         "| policy | tokens = one device | KV bytes per device (min..max) | one device / devices "
         "| all-reduce per step | all-gather per step | on eviction steps |",
@@ -322,11 +319,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [row_in_subprocess(argv, spec) for spec in tqdm(args.policies, desc="policies")]
     jax_versions = {row["jax"] for row in rows if "jax" in row}
     report = {
-        "command": "jaxkv bench sharding " + " ".join(argv),
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores"
-        + (f", {args.cpu_devices} virtual CPU devices" if args.cpu_devices else ""),
-        "jax": ", ".join(sorted(jax_versions)),
+        **harness.provenance("jaxkv bench sharding", argv),
+        "virtual_cpu_devices": args.cpu_devices,
+        "jax_in_rows": ", ".join(sorted(jax_versions)),
         "config": {k: v for k, v in vars(args).items() if k not in ("one", "dump_dir", "out")},
         "rows": rows,
     }

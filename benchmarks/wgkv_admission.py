@@ -135,7 +135,7 @@ def plot(report: dict, shares: dict[str, np.ndarray], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxkv.benchmarks.wgkv_admission", description=__doc__.split("\n")[0]
+        prog="jaxkv bench wgkv_admission", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, nargs="+", required=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from jaxkv.benchmarks import harness
@@ -72,7 +73,7 @@ def plot(points: list[dict], path: Path) -> None:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxkv.benchmarks.wgkv_pareto", description=__doc__
+        prog="jaxkv bench wgkv_pareto", description=__doc__
     )
     parser.add_argument("runs", type=Path, nargs="+", help="directories holding run.json")
     parser.add_argument("--out", type=Path, required=True)
@@ -86,7 +87,9 @@ def main(argv=None) -> list[dict]:
             f"{p['sparsity_weight']:>8g} {100 * p['admitted_fraction']:>10.1f} "
             f"{p['distillation']:>13.3e} {p['mean_gate']:>7.3f} {p['steps']:>6}"
         )
-    harness.save(args.out, "pareto", points)
+    command_argv = sys.argv[1:] if argv is None else argv
+    report = {**harness.provenance("jaxkv bench wgkv_pareto", command_argv), "points": points}
+    harness.save(args.out, "pareto", report)
     plot(points, args.out / "pareto.png")
     return points
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -127,7 +128,7 @@ def markdown_table(rows) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxkv.benchmarks.wgkv_quality", description=__doc__
+        prog="jaxkv bench wgkv_quality", description=__doc__
     )
     parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, nargs="*", default=[], help="write gate files")
@@ -167,7 +168,11 @@ def main(argv=None) -> dict:
         tasks=tuple(args.tasks),
         read_budget=read_budget,
     )
-    report = {"args": json.loads(json.dumps(vars(args), default=str)), "rows": rows}
+    report = {
+        **harness.provenance("jaxkv bench wgkv_quality", sys.argv[1:] if argv is None else argv),
+        "args": json.loads(json.dumps(vars(args), default=str)),
+        "rows": rows,
+    }
     table = markdown_table(rows)
     harness.save(args.out, "wgkv_quality", report, table)
     print(table)

@@ -56,3 +56,25 @@ def test_the_import_contract_lists_every_benchmark():
     (independent,) = [c for c in contracts["contracts"] if c["type"] == "independence"]
     listed = {name.removeprefix(PACKAGE + ".") for name in independent["modules"]}
     assert listed == _benchmarks(_trees())
+
+
+def test_every_benchmark_is_a_jaxkv_bench_command_that_writes_provenance():
+    """`jaxkv bench NAME` reaches each benchmark (the entry points name its `main`), and each
+    one that writes a results file opens it with `harness.provenance`."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    registered = project["entry-points"]["jaxkv.bench"]
+    benchmarks = _benchmarks(_trees())
+    assert registered == {name: f"{PACKAGE}.{name}:main" for name in sorted(benchmarks)}
+    writers = {
+        name
+        for name in benchmarks
+        if "harness.save" in (text := (ROOT / "benchmarks" / f"{name}.py").read_text())
+        or "write_text" in text
+    }
+    assert {"real_quality", "serve", "sharding", "wgkv_pareto"} <= writers
+    without = sorted(
+        name
+        for name in writers
+        if "harness.provenance(" not in (ROOT / "benchmarks" / f"{name}.py").read_text()
+    )
+    assert without == []

@@ -29,7 +29,8 @@ def test_points_sorted_and_dominated_point_flagged(tmp_path):
     points = wgkv_pareto.main([str(tmp_path / name) for name in "abc"] + ["--out", str(tmp_path)])
     assert [p["run"] for p in points] == ["b", "a", "c"]
     assert [p["on_frontier"] for p in points] == [True, True, False]
-    assert json.loads((tmp_path / "pareto.json").read_text()) == points
+    report = json.loads((tmp_path / "pareto.json").read_text())
+    assert report["points"] == points and report["command"].startswith("jaxkv bench wgkv_pareto")
     assert (tmp_path / "pareto.png").stat().st_size > 1000
 
 
