@@ -70,9 +70,7 @@ def table(report: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="jaxkv bench fastkvzip_decode", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="jaxkv bench fastkvzip_decode", description=__doc__)
     parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, default=bundled.FASTKVZIP_GATES / "gates.safetensors")
     parser.add_argument("--ratio", type=float, default=0.3)

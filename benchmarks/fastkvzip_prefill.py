@@ -41,9 +41,7 @@ def _timed(run, repeats: int) -> tuple[float, object]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="jaxkv bench fastkvzip_prefill", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="jaxkv bench fastkvzip_prefill", description=__doc__)
     parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, default=bundled.FASTKVZIP_GATES)
     parser.add_argument("--ratio", type=float, default=0.3)

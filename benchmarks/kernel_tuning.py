@@ -109,9 +109,7 @@ def tune_prefill(tokens: int, densities, repeats: int) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="jaxkv bench kernel_tuning", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="jaxkv bench kernel_tuning", description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill-tokens", type=int, default=16384)
     parser.add_argument("--skip-decode", action="store_true")

@@ -166,6 +166,7 @@ class _AbstractRequest:
     lengths: np.ndarray  # int32 [B], the prompts' lengths
     budget_tokens: np.ndarray
     budget: jax.ShapeDtypeStruct
+    thresholds: jax.ShapeDtypeStruct  # f32 [B, n], the policy's
     params: object  # the policy's abstract parameters, or None
     static: object  # the policy as jit sees it
     key: jax.ShapeDtypeStruct
@@ -200,6 +201,7 @@ def _abstract_request(
         lengths=lengths,
         budget_tokens=budget_tokens,
         budget=abstract(jnp.asarray(budget_tokens)),
+        thresholds=abstract(jnp.asarray(policy.thresholds(batch))),
         params=None if params is None else abstract(params),
         static=policy.static(),
         key=jax.ShapeDtypeStruct((2,), jnp.uint32),
@@ -217,6 +219,7 @@ def _prefill_cost(r: _AbstractRequest) -> ProgramCost:
             lengths=r.rows,
             num_chunks=jax.ShapeDtypeStruct((), jnp.int32),
             budget_tokens=r.budget,
+            thresholds=r.thresholds,
             kv=r.kv,
             key=r.key,
             policy_params=r.params,
@@ -239,6 +242,7 @@ def _decode_cost(r: _AbstractRequest, policy, decode_kv: KVState, max_new_tokens
             lengths=r.rows,
             budget_tokens=r.budget,
             budget_ratio=_budget_ratio(policy, batch),
+            thresholds=r.thresholds,
             max_new_tokens=jax.ShapeDtypeStruct((), jnp.int32),
             key=r.key,
             stop_tokens=jax.ShapeDtypeStruct((1,), jnp.int32),
@@ -264,6 +268,7 @@ def _read_costs(r: _AbstractRequest, policy, decode_kv: KVState) -> dict[str, Pr
         prompt_lengths=r.rows,
         budget_tokens=r.budget,
         budget_ratio=_budget_ratio(policy, batch),
+        thresholds=r.thresholds,
         key=r.key,
         step=jax.ShapeDtypeStruct((), jnp.int32),
         policy_params=r.params,

@@ -17,7 +17,7 @@ import jaxkv
 from jaxkv import policies
 from jaxkv.generation import StepContext, decode_step
 from jaxkv.models import Tokenizer
-from jaxkv.policies.confkv import confidence, is_confident
+from jaxkv.policies.confkv import confidence
 from jaxkv.prose import prose
 from jaxkv.train import corpus as corpus_lib
 
@@ -76,7 +76,17 @@ class Reading:
 
 @functools.partial(jax.jit, static_argnames="policy")
 def _read(
-    model, kv, tokens, targets, starts, budget_tokens, budget_ratio, key, policy_params, policy
+    model,
+    kv,
+    tokens,
+    targets,
+    starts,
+    budget_tokens,
+    budget_ratio,
+    thresholds,
+    key,
+    policy_params,
+    policy,
 ):
     """Reads tokens [B, N] one by one from positions `starts` [B], the policy's decode
     eviction after each (on the steps it is due, as in `generate`).
@@ -90,6 +100,7 @@ def _read(
         prompt_lengths=starts,
         budget_tokens=budget_tokens,
         budget_ratio=budget_ratio,
+        thresholds=thresholds,
         key=key,
         step=jnp.zeros((), jnp.int32),
         policy_params=policy_params,
@@ -106,7 +117,7 @@ def _read(
         pages = jnp.stack([kv.pages_in_use(), jnp.asarray(int8_pages, jnp.int32)])
         held = jnp.mean(kv.lengths.astype(jnp.float32))
         if isinstance(policy, policies.ConfKV):
-            confident = is_confident(logits, policy.tau, policy.weights)
+            confident = policy.confident(logits, thresholds)
         else:
             confident = jnp.zeros(logits.shape[:1], bool)
         return kv, (nll, confidence(logits), confident, pages, held)
@@ -165,6 +176,7 @@ def teacher_forced(
         jnp.asarray(starts),
         budget_tokens,
         jnp.asarray(policy.budget_ratio(len(rows))),
+        jnp.asarray(policy.thresholds(len(rows))),
         jax.random.PRNGKey(SEED),
         policy_params,
         policy.static(),

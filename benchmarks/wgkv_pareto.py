@@ -72,9 +72,7 @@ def plot(points: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(
-        prog="jaxkv bench wgkv_pareto", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="jaxkv bench wgkv_pareto", description=__doc__)
     parser.add_argument("runs", type=Path, nargs="+", help="directories holding run.json")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

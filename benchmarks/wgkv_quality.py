@@ -127,9 +127,7 @@ def markdown_table(rows) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="jaxkv bench wgkv_quality", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="jaxkv bench wgkv_quality", description=__doc__)
     parser.add_argument("--model", type=Path, default=bundled.REFERENCE_MODEL)
     parser.add_argument("--gates", type=Path, nargs="*", default=[], help="write gate files")
     parser.add_argument("--fast", action="store_true", help="random gates, 512 bytes, 2 samples")

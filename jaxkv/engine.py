@@ -133,6 +133,7 @@ def _decode_rows(
     prompt_lengths,
     budget_tokens,
     budget_ratio,
+    thresholds,
     keys,
     temperature,
     top_k,
@@ -149,6 +150,7 @@ def _decode_rows(
         prompt_lengths=prompt_lengths,
         budget_tokens=budget_tokens,
         budget_ratio=budget_ratio,
+        thresholds=thresholds,
         key=keys[0],
         step=jnp.zeros((), jnp.int32),
         policy_params=policy_params,
@@ -163,6 +165,7 @@ def _decode_rows(
             prompt_lengths=prompt_lengths,
             budget_tokens=budget_tokens,
             budget_ratio=budget_ratio,
+            thresholds=thresholds,
             positions=jnp.where(due, positions, -1),  # rows not due are left as they are
             logits=logits,
             key=jax.random.fold_in(keys[0], 1),
@@ -267,6 +270,7 @@ class Engine:
         self._admitted = 0
         self._budget_tokens: np.ndarray | None = None
         self._budget_ratio = np.zeros((self.max_slots,), np.float32)
+        self._thresholds = self.policy.thresholds(self.max_slots)  # one policy for every slot
         self._prompt_lengths = np.zeros((self.max_slots,), np.int32)
         self.preemptions = 0
 
@@ -518,6 +522,7 @@ class Engine:
             self._prompt_lengths,
             self._budget_tokens,
             self._budget_ratio,
+            self._thresholds,
             keys,
             temperature,
             top_k,

@@ -77,6 +77,7 @@ def forward_cached(
     collect_query_moments_from: int | None = None,
     read_budget: jax.Array | None = None,
     policy_params: Any = None,
+    thresholds: jax.Array | None = None,
 ) -> tuple[jax.Array, KVState, dict[str, jax.Array]]:
     """One chunk (prefill chunk or decode step) through the paged KV state.
 
@@ -97,6 +98,8 @@ def forward_cached(
       read_budget: int32 [B] tokens' worth of pages a page-selecting policy reads (Quest).
       policy_params: the policy's learned parameters (gates), every leaf stacked [L, ...];
         layer l's slice reaches the gate's `write_scores`. None for policies without them.
+      thresholds: f32 [B, n] the policy's thresholds (`Policy.thresholds`: WG-KV's tau), read
+        by its admission; None for a policy without any.
     Returns:
       final-normed hidden states [B, C, D], the KV state with the chunk written, and the
       collected per-layer values (an empty dict when nothing is collected).
@@ -135,6 +138,7 @@ def forward_cached(
             backend=backend,
             read_budget=read_budget,
             write_scores=write_scores,
+            thresholds=thresholds,
             ring=ring,
         )
         collected = {}

@@ -235,6 +235,7 @@ def attend_and_write(
     backend: Backend,
     read_budget: jax.Array | None = None,
     write_scores: jax.Array | None = None,
+    thresholds: jax.Array | None = None,
     ring: LocalRing | None = None,
 ) -> tuple[jax.Array, PagePool, jax.Array, jax.Array, LocalRing | None]:
     """One layer's attention for a chunk over the cached tokens, the ring and itself, then write.
@@ -252,6 +253,7 @@ def attend_and_write(
       read_budget: int32 [B] tokens' worth of pages the selection (Quest) reads.
       write_scores: f32 [B, K, C] a learned gate's per-token scores: they reach the admission's
         `admit` and are stored as the written tokens' scores.
+      thresholds: f32 [B, n] the policy's thresholds (`Policy.thresholds`), for `admit`.
     Returns:
       (attn [B, N, C, H] in q.dtype, pool, page_table, lengths, ring).
     """
@@ -263,7 +265,7 @@ def attend_and_write(
     admitted = valid
     if policy.admission is not None:
         admitted &= policy.admission.admit(
-            layer=layer, k=k, v=v, positions=positions, scores=write_scores
+            layer=layer, k=k, v=v, positions=positions, scores=write_scores, thresholds=thresholds
         )
     scoring = policy.attention_scoring
     read = dict(policy=policy, read_budget=read_budget, step=step)

@@ -92,6 +92,7 @@ class DecodeContext:
       key: PRNG key of this step for stochastic policies.
       step: int32 [] decode tokens written so far, this one included (on_decode runs on the
         steps where step % `decode_interval` == 0).
+      thresholds: f32 [B, n] the policy's thresholds (`Policy.thresholds`; None: it has none).
       group_size: static G, query heads per KV head.
     """
 
@@ -102,6 +103,7 @@ class DecodeContext:
     logits: jax.Array
     key: jax.Array
     step: jax.Array
+    thresholds: jax.Array | None = None
     group_size: int = flax.struct.field(pytree_node=False, default=1)
 
 
@@ -114,10 +116,18 @@ class Admission(Protocol):
         """Slots of the local ring (WG-KV's band) read whole whatever is admitted; 0 for none."""
 
     def admit(
-        self, *, layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, scores
+        self,
+        *,
+        layer: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        positions: jax.Array,
+        scores,
+        thresholds,
     ) -> jax.Array:
         """bool [B, K, C] tokens to store. layer: int32 []; k, v [B, K, C, H]; positions
-        [B, C] (-1 = padding); scores: the gate's f32 [B, K, C] (None without a gate)."""
+        [B, C] (-1 = padding); scores: the gate's f32 [B, K, C] (None without a gate);
+        thresholds: the policy's f32 [B, n] (`Policy.thresholds`)."""
 
     def prefill_pages(
         self,

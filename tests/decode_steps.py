@@ -34,15 +34,21 @@ class Step:
 
 
 @functools.partial(jax.jit, static_argnames="policy")
-def _step(model, kv, token, position, prompt_length, budget_tokens, step, policy):
+def _step(model, kv, token, position, prompt_length, budget_tokens, thresholds, step, policy):
     hidden, kv, _ = forward_cached(
-        model, token[None, None], position[None, None], kv, policy=policy
+        model,
+        token[None, None],
+        position[None, None],
+        kv,
+        policy=policy,
+        thresholds=thresholds,
     )
     logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
     ctx = DecodeContext(
         prompt_lengths=prompt_length[None],
         budget_tokens=budget_tokens,
         budget_ratio=jnp.zeros((1,), jnp.float32),
+        thresholds=thresholds,
         positions=position[None],
         logits=logits,
         key=jax.random.PRNGKey(0),
@@ -74,6 +80,7 @@ def teacher_forced_steps(model, prompt: list[int], policy, continuation: list[in
             jnp.int32(position),
             jnp.int32(len(prompt)),
             budget_tokens,
+            jnp.asarray(policy.thresholds(1)),
             jnp.int32(i + 1),
             policy.static(),
         )

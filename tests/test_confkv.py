@@ -193,6 +193,27 @@ def test_tau_rule_holds_where_the_f32_confidence_rounds_to_one(model, tau, confi
     assert np.all(np.asarray(out.state.lengths) == (32 if confident else 64))
 
 
+def test_a_tau_sweep_compiles_the_decode_loop_once(model):
+    """Conf-KV's tau travels as the array logit(tau) (`ConfKV.thresholds`): three taus, one
+    decode loop; tau 0 is always tight and tau 1 never (the lengths each one leaves)."""
+    from jaxkv.generation import loop
+
+    prompt = [np.random.default_rng(3).integers(0, 64, 100).tolist()]
+
+    def lengths(tau: float) -> set[int]:
+        policy = policies.ConfKV(
+            tight=32, loose=64, tau=tau, weights=SATURATED, protected=16, evict_every=1
+        )
+        out = jaxkv.generate(model, prompt, max_new_tokens=3, policy=policy, stop_tokens=())
+        return set(np.asarray(out.state.lengths).ravel().tolist())
+
+    assert lengths(0.0) == {32}
+    before = loop.decode_loop.jitted._cache_size()
+    assert lengths(1.0) == {64}
+    assert lengths(1 - 2e-8) == {32}
+    assert loop.decode_loop.jitted._cache_size() == before
+
+
 def test_budget_switches_with_each_steps_confidence(model):
     """Per step (evict_every=1): numpy confidence from the step's logits -> tight or loose
     budget -> the per-layer rule's kept positions, against the cache after the hook."""

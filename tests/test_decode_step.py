@@ -28,12 +28,13 @@ def model():
 
 
 @functools.partial(jax.jit, static_argnames="policy")
-def _teacher_forced(model, kv, tokens, starts, budget_tokens, budget_ratio, policy):
+def _teacher_forced(model, kv, tokens, starts, budget_tokens, budget_ratio, thresholds, policy):
     """Reads tokens [B, N] with `decode_step`: (argmax of each step's logits [B, N], kv)."""
     context = StepContext(
         prompt_lengths=starts,
         budget_tokens=budget_tokens,
         budget_ratio=budget_ratio,
+        thresholds=thresholds,
         key=jax.random.PRNGKey(0),
         step=jnp.zeros((), jnp.int32),
         policy=policy,
@@ -70,6 +71,7 @@ def test_decode_step_reproduces_generate_token_for_token(model, policy):
         starts,
         policy.budget_tokens(starts),
         policy.budget_ratio(len(prompts)),
+        policy.thresholds(len(prompts)),
         policy=policy.static(),
     )
     np.testing.assert_array_equal(np.asarray(predicted), out.tokens[:, 1:])
@@ -117,6 +119,7 @@ def _abstract_step(spec: str):
         prompt_lengths=jnp.full((1,), 400, jnp.int32),
         budget_tokens=policy.budget_tokens(np.array([400])),
         budget_ratio=policy.budget_ratio(1),
+        thresholds=policy.thresholds(1),
         key=jax.random.PRNGKey(0),
         step=jnp.zeros((), jnp.int32),
         policy=policy.static(),

@@ -332,6 +332,7 @@ def cached_step_calls(cfg, policy, chunk: int, *, batch=2, max_tokens=1024, int8
             backend="pallas",
             policy_params=params,
             read_budget=read_budget,
+            thresholds=jnp.asarray(policy.thresholds(tokens.shape[0])),
         )
         return logits_from_hidden(model.params, model.config, hidden[:, -1]), kv
 

@@ -48,8 +48,8 @@ class LinearKeyGate(policies.Policy):
         del h, k, positions
         return jnp.einsum("bkch,kh->bkc", k_unrotated.astype(jnp.float32), layer_params)
 
-    def admit(self, *, layer, k, v, positions, scores=None):
-        del layer, k, v, positions
+    def admit(self, *, layer, k, v, positions, scores, thresholds):
+        del layer, k, v, positions, thresholds
         return scores > 0
 
 

@@ -47,14 +47,20 @@ def model():
 
 
 @functools.partial(jax.jit, static_argnames="policy")
-def _step(model, kv, token, position, prompt_length, budget_tokens, step, policy):
+def _step(model, kv, token, position, prompt_length, budget_tokens, thresholds, step, policy):
     hidden, kv, _ = forward_cached(
-        model, token[None, None], position[None, None], kv, policy=policy
+        model,
+        token[None, None],
+        position[None, None],
+        kv,
+        policy=policy,
+        thresholds=thresholds,
     )
     ctx = DecodeContext(
         prompt_lengths=prompt_length[None],
         budget_tokens=budget_tokens,
         budget_ratio=jnp.zeros((1,), jnp.float32),
+        thresholds=thresholds,
         positions=position[None],
         logits=logits_from_hidden(model.params, model.config, hidden[:, 0]),
         key=jax.random.PRNGKey(0),
@@ -74,10 +80,13 @@ def policy_steps(model, prompt, policy, continuation, cache=None):
     prompt_state = kv
     length = np.array([len(prompt)], np.int32)
     budget_tokens = jnp.asarray(policy.budget_tokens(length))
+    thresholds = jnp.asarray(policy.thresholds(1))
     counts, kept = [], []
     for i, token in enumerate(continuation):
         args = (jnp.int32(token), jnp.int32(len(prompt) + i), jnp.int32(len(prompt)))
-        written, kv = _step(model, kv, *args, budget_tokens, jnp.int32(i + 1), policy.static())
+        written, kv = _step(
+            model, kv, *args, budget_tokens, thresholds, jnp.int32(i + 1), policy.static()
+        )
         positions = np.asarray(written.positions())[:, 0]
         scores = np.asarray(written.token_scores())[:, 0]
         counts.append(

@@ -123,6 +123,7 @@ def _chunk(model, kv, tokens, positions, policy_params, read_budget, policy, bac
         policy_params=policy_params,
         read_budget=read_budget,
         backend=backend,
+        thresholds=jnp.asarray(policy.thresholds(tokens.shape[0])),
     )
     return logits_from_hidden(model.params, model.config, hidden), kv
 
@@ -405,7 +406,7 @@ def test_wgkv_with_quest_reads_the_selected_global_pages_and_the_whole_ring():
     policy = policies.compose(WGKV, policies.Quest(budget=budget))
     assert parts.local_window(policy) == WINDOW and policy.selection is not None
     prompts, continuations = prompts_and_continuations()
-    _, _, state, _ = cached_run(model, prompts, continuations[:, :0], policy.static(), gates, 16)
+    _, _, state, _ = cached_run(model, prompts, continuations[:, :0], policy, gates, 16)
     assert int(np.asarray(state.lengths).max()) > 3 * PAGE  # Quest has pages to leave out
     quest = _quest_select(PAGE, budget)
     selection_mattered = False
@@ -427,7 +428,7 @@ def test_wgkv_with_quest_reads_the_selected_global_pages_and_the_whole_ring():
             position[:, None],
             gates,
             jnp.full((2,), budget, jnp.int32),
-            policy.static(),
+            policy,
         )
         np.testing.assert_allclose(np.asarray(logits)[:, 0], expected, atol=1e-5, rtol=1e-5)
         selection_mattered |= not np.allclose(expected, unselected, atol=1e-4)
@@ -597,3 +598,32 @@ def test_full_cache_continues_a_compressed_wgkv_state():
         gate_fn = gated_context_then_all(gates, len(prompt))
         expected, _ = dense_reference(model, tokens, gate_fn, WINDOW, TAU)
         np.testing.assert_allclose(logits[b], expected[len(prompt) :], atol=1e-5, rtol=1e-5)
+
+
+def _compiled(programs) -> list[int]:
+    return [program.jitted._cache_size() for program in programs]
+
+
+def test_a_tau_sweep_compiles_once_and_each_tau_admits_its_own_tokens():
+    """tau travels as an array (`Policy.thresholds`): generate over three taus compiles no
+    program again after the first, and a higher tau admits fewer tokens (each token's gate is
+    compared with its own request's tau)."""
+    from jaxkv.generation import loop, prefill
+
+    model = tiny_model("llama")
+    gates = random_gates(model.config)
+    prompt = prompts_and_continuations()[0][:1]
+    programs = (prefill.prefill_span, prefill.compress, loop.decode_loop)
+
+    def held(tau: float) -> int:
+        policy = policies.WGKV(tau=tau, window=WINDOW)
+        out = jaxkv.generate(
+            model, prompt, max_new_tokens=4, policy=policy, policy_params=gates, stop_tokens=()
+        )
+        return int(np.asarray(out.state.lengths).sum())
+
+    first = held(0.2)
+    before = _compiled(programs)
+    rest = [held(tau) for tau in (0.4, 0.6, 0.8)]
+    assert _compiled(programs) == before
+    assert first > rest[0] > rest[1] > rest[2]

@@ -42,6 +42,7 @@ class StepContext:
       prompt_lengths: int32 [B].
       budget_tokens: int32 [B] (or [B, n]) tokens per head the policy may keep.
       budget_ratio: f32 [B] the budget as a ratio of the sequence (0 for a token budget).
+      thresholds: f32 [B, n] the policy's thresholds (`Policy.thresholds`).
       key: the request's PRNG key; step s draws from `fold_in(key, s)` (`step_keys`).
       step: int32 [] tokens generated before this step.
       policy_params: the policy's learned parameters (None without).
@@ -52,6 +53,7 @@ class StepContext:
     prompt_lengths: jax.Array
     budget_tokens: jax.Array
     budget_ratio: jax.Array
+    thresholds: jax.Array
     key: jax.Array
     step: jax.Array
     policy_params: object = None
@@ -81,6 +83,7 @@ def read_tokens(
         backend=ctx.backend,
         read_budget=ctx.budget_tokens if policy.selection is not None else None,
         policy_params=ctx.policy_params,
+        thresholds=ctx.thresholds,
     )
     return kv, logits_from_hidden(model.params, model.config, hidden[:, 0])
 
@@ -91,6 +94,7 @@ def decode_context(ctx: StepContext, positions: jax.Array, logits: jax.Array, gr
         prompt_lengths=ctx.prompt_lengths,
         budget_tokens=ctx.budget_tokens,
         budget_ratio=ctx.budget_ratio,
+        thresholds=ctx.thresholds,
         positions=positions,
         logits=logits,
         key=step_keys(ctx)[1],
@@ -283,6 +287,7 @@ def _decode_loop(
     lengths,
     budget_tokens,
     budget_ratio,
+    thresholds,
     max_new_tokens,
     key,
     stop_tokens,
@@ -306,6 +311,7 @@ def _decode_loop(
         prompt_lengths=lengths,
         budget_tokens=budget_tokens,
         budget_ratio=budget_ratio,
+        thresholds=thresholds,
         key=key,
         step=jnp.zeros((), jnp.int32),
         policy_params=policy_params,
@@ -347,6 +353,7 @@ _DECODE_PLACEMENTS = dict(
     lengths=ROWS,
     budget_tokens=ROWS,
     budget_ratio=ROWS,
+    thresholds=ROWS,
     max_new_tokens=SAME,
     key=SAME,
     stop_tokens=SAME,

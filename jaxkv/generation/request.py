@@ -223,6 +223,7 @@ class Request:
     cache: CacheConfig
     prompts: Prompts
     budget_tokens: np.ndarray
+    thresholds: np.ndarray  # f32 [B, n] `Policy.thresholds`
     kv: KVState  # on a mesh: every device's, stacked [S, ...]
     grows: bool  # the prefill pool starts at the policy's guess and grows as it fills
     placement: InferenceMesh | None  # the mesh, or None on one device
@@ -285,6 +286,7 @@ def set_up(
         cache=cache,
         prompts=prompts,
         budget_tokens=budget_tokens,
+        thresholds=policy.thresholds(len(prompts.lengths)),
         kv=kv,
         grows=grows,
         placement=placement,

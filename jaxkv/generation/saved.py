@@ -153,6 +153,8 @@ def load_session(path: str | Path, model: Model, policy: Policy | str) -> Sessio
         lengths=np.asarray(arrays["lengths"], np.int32),
         budget_tokens=np.asarray(arrays["budget_tokens"], np.int32),
         budget_ratio=np.asarray(arrays["budget_ratio"], np.float32),
+        # The policy's own fields (its repr is the saved one's, checked above).
+        thresholds=policy.thresholds(len(arrays["lengths"])),
         policy_params=params,
         policy=policy,
         cache=CacheConfig(**record["cache"]),

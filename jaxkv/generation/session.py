@@ -106,6 +106,7 @@ class Session:
       lengths: int32 [B] (host) tokens read per row: the next token's position.
       budget_tokens: int32 [B] (or [B, n], host) the policy's budget per head, from the prompt.
       budget_ratio: f32 [B] (host) the budget as a share of the growing sequence.
+      thresholds: f32 [B, n] (host) the policy's thresholds (`Policy.thresholds`).
       policy_params: the policy's learned parameters (None without).
       policy: the policy (static).
       cache: the request's `CacheConfig` (static).
@@ -120,6 +121,7 @@ class Session:
     lengths: np.ndarray
     budget_tokens: np.ndarray
     budget_ratio: np.ndarray
+    thresholds: np.ndarray
     policy_params: PolicyParams = None
     policy: Policy = flax.struct.field(pytree_node=False, default=None)
     cache: CacheConfig = flax.struct.field(pytree_node=False, default=None)
@@ -180,6 +182,7 @@ def prefill_session(
         lengths=lengths,
         budget_tokens=request.budget_tokens,
         budget_ratio=request.policy.budget_ratio(len(lengths)),
+        thresholds=request.thresholds,
         policy_params=request.policy_params,
         policy=request.policy,
         cache=request.cache,
@@ -339,6 +342,7 @@ def _read(session: Session, rows: list[list[int]], prefill_chunk: int | None, ke
         offsets=session.lengths,
         num_chunks=np.int32(padded.num_chunks),
         budget_tokens=session.budget_tokens,
+        thresholds=session.thresholds,
         kv=kv,
         last_hidden=session.last_hidden,
         policy_params=session.policy_params,
@@ -384,6 +388,7 @@ def fork(
         last_hidden=jnp.repeat(session.last_hidden, num_rows, axis=0),
         budget_tokens=np.repeat(session.budget_tokens, num_rows, axis=0),
         budget_ratio=np.repeat(session.budget_ratio, num_rows, axis=0),
+        thresholds=np.repeat(session.thresholds, num_rows, axis=0),
         shared=True,
     )
     rows = _new_token_rows(broadcast, [list(q) for q in questions])
@@ -503,6 +508,7 @@ def _decode(
             lengths=session.lengths,
             budget_tokens=session.budget_tokens,
             budget_ratio=session.budget_ratio,
+            thresholds=session.thresholds,
             max_new_tokens=np.int32(max_new_tokens),
             key=key,
             stop_tokens=jnp.asarray(stop_tokens, jnp.int32).reshape(-1),

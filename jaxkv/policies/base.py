@@ -224,6 +224,24 @@ class Policy:
         """f32 [B]: the budget as a ratio of the sequence (0: a token budget or none)."""
         return np.zeros((batch,), np.float32)
 
+    # The policy's thresholds (fields such as WG-KV's `tau`), in the column order of
+    # `thresholds`: they travel as arrays, so a sweep over their values compiles once.
+    threshold_names: ClassVar[tuple[str, ...]] = ()
+
+    def thresholds(self, batch: int) -> np.ndarray:
+        """f32 [B, n]: the values of `threshold_names` (columns), the same for every row; what
+        `static()` strips and jit sees as an array (n = 0 for a policy without any)."""
+        values = [getattr(self, name) for name in self.threshold_names]
+        if any(value is None for value in values):
+            raise ValueError(f"policy {self.name!r}: thresholds of a static() policy are gone")
+        return np.tile(np.asarray(values, np.float32), (batch, 1))
+
+    def threshold(self, thresholds: jax.Array, name: str) -> jax.Array:
+        """f32 [B]: the column `name` of a `thresholds` array (traced)."""
+        if thresholds is None:
+            raise ValueError(f"policy {self.name!r} reads its {name} from thresholds: give them")
+        return thresholds[:, self.threshold_names.index(name)]
+
     def planned_tokens(
         self, budget_tokens: np.ndarray, prompt_lengths: np.ndarray
     ) -> tuple[np.ndarray, str]:
@@ -234,8 +252,11 @@ class Policy:
         return np.asarray(prompt_lengths), "the whole prompt"
 
     def static(self) -> Policy:
-        """This policy with per-request values removed: what jit sees."""
-        return self
+        """This policy with per-request values (budgets, `threshold_names`) removed: what jit
+        sees."""
+        if not self.threshold_names:
+            return self
+        return dataclasses.replace(self, **dict.fromkeys(self.threshold_names))
 
     def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
         """Validates the prefill geometry (chunk size against the prompts) on the host."""

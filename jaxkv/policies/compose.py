@@ -53,6 +53,8 @@ class Composed(base.Policy):
             raise ValueError(f"selection={self.selecting.name!r} does not select pages")
         if self.admitting.selection is not None:
             raise ValueError(f"admission={self.admitting.name!r} already selects pages")
+        if self.selecting.threshold_names:
+            raise ValueError(f"selection={self.selecting.name!r} has thresholds of its own")
         sides = ((self.admitting, ADMITTING_PARTS), (self.selecting, SELECTING_PARTS))
         for policy, allowed in sides:
             refused = [_REFUSED[part] for part in parts.present(policy) if part not in allowed]
@@ -92,6 +94,10 @@ class Composed(base.Policy):
 
     def budget_ratio(self, batch: int) -> np.ndarray:
         return self.selecting.budget_ratio(batch)
+
+    def thresholds(self, batch: int) -> np.ndarray:
+        """The admission's (the selection keeps no thresholds: `__post_init__`)."""
+        return self.admitting.thresholds(batch)
 
     def planned_tokens(self, budget_tokens, prompt_lengths) -> tuple[np.ndarray, str]:
         """What the admission holds (the selection keeps every token it is given)."""

@@ -140,9 +140,11 @@ class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
       tight, loose: budgets in tokens per (layer, sequence, head) on confident / uncertain steps
         (per-request values: stripped in the copy jit sees).
       tau: confidence threshold in [0, 1], compared as z >= logit(tau) (`is_confident`):
-        tau = 0 always picks the tight budget, tau = 1 never does.
+        tau = 0 always picks the tight budget, tau = 1 never does. A threshold: it travels
+        as the array logit(tau) (`thresholds`), so a tau sweep compiles once.
       protected: the newest positions never evicted (R).
-      beta: EMA decay of attention mass; alpha: weight of mass against recency.
+      beta: EMA decay of attention mass; alpha: weight of mass against recency (both static:
+        beta shapes the scoring in every layer step, alpha the prefill compression).
       pyramid: per-layer budgets B_t * (gamma_max - (gamma_max - gamma_min) * l / (L - 1)).
       ranking: COMPOSITE, or RANDOM for the matched-rate ablation.
       evict_every: decode steps between evictions, each down to that step's budget B_t; in
@@ -156,7 +158,7 @@ class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
     primary_knob: ClassVar[str] = "tight"
     tight: int | None = 128
     loose: int | None = 512
-    tau: float = 0.7
+    tau: float | None = 0.7
     protected: int = 64
     beta: float = 0.9
     alpha: float = 0.5
@@ -172,7 +174,7 @@ class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
         super().__post_init__()
         object.__setattr__(self, "ranking", Ranking(self.ranking))
         check_evict_every(self.evict_every)
-        if not 0.0 <= self.tau <= 1.0:
+        if self.tau is not None and not 0.0 <= self.tau <= 1.0:  # None: static()
             raise ValueError(f"tau={self.tau} must be in [0, 1]")
         if not 0.0 <= self.beta < 1.0:
             raise ValueError(f"beta={self.beta} must be in [0, 1)")
@@ -207,7 +209,16 @@ class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
         return np.minimum(np.asarray(budget_tokens)[:, 1], prompt_lengths), "the loose budget"
 
     def static(self) -> ConfKV:
-        return dataclasses.replace(self, tight=None, loose=None)
+        return dataclasses.replace(super().static(), tight=None, loose=None)
+
+    threshold_names: ClassVar[tuple[str, ...]] = ("tau",)
+
+    def thresholds(self, batch: int) -> np.ndarray:
+        """f32 [B, 1]: logit(tau), from float64 (`tau_logit`): c >= tau is decided as
+        z >= logit(tau), which tells apart taus that round to 1.0 in f32."""
+        if self.tau is None:
+            raise ValueError("policy 'confkv': thresholds of a static() policy are gone")
+        return np.full((batch, 1), tau_logit(self.tau), np.float32)
 
     @property
     def decode_eviction(self) -> parts.DecodeEviction:
@@ -240,9 +251,15 @@ class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
         scale = pyramid_scale(num_layers, self.gamma_max, self.gamma_min)
         return jnp.round(scale[:, None] * budget[None].astype(jnp.float32)).astype(jnp.int32)
 
+    def confident(self, logits: jax.Array, thresholds: jax.Array) -> jax.Array:
+        """bool [B]: c >= tau for the step's logits [B, V], as z >= the `thresholds` column
+        (logit(tau), `is_confident`'s rule with tau traced)."""
+        z = confidence_logit(confidence_features(logits), self.weights)
+        return z >= self.threshold(thresholds, "tau")
+
     def step_budgets(self, kv: KVState, ctx: DecodeContext) -> jax.Array:
         """int32 [L, B]: this step's budget per layer and sequence."""
-        confident = is_confident(ctx.logits, self.tau, self.weights)
+        confident = self.confident(ctx.logits, ctx.thresholds)
         budget = jnp.where(confident, ctx.budget_tokens[:, 0], ctx.budget_tokens[:, 1])
         return self.layer_budgets(budget, kv.num_layers)
 

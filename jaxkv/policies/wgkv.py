@@ -37,20 +37,22 @@ class RingAdmission(base.Policy):
     """Admission by a per-token gate value g > tau, with a local ring of `window` tokens.
 
     Attributes:
-      tau: admission threshold in (0, 1); a token is promoted iff g > tau (strict).
+      tau: admission threshold in (0, 1); a token is promoted iff g > tau (strict). A
+        threshold (`threshold_names`): jit sees it as an array, so a tau sweep compiles once.
       window: the local band in tokens (> 0): the ring's slots per head.
     """
 
     name: ClassVar[str] = "ring_admission"
-    tau: float = 0.1
+    tau: float | None = 0.1
     window: int = 256
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.tau, bool) or not isinstance(self.tau, int | float):
-            raise ValueError(f"tau={self.tau!r} must be a number in (0, 1)")
-        if not 0.0 < self.tau < 1.0:
-            raise ValueError(f"tau={self.tau} must be in (0, 1)")
+        if self.tau is not None:  # None: static(), tau travels in `thresholds`
+            if isinstance(self.tau, bool) or not isinstance(self.tau, int | float):
+                raise ValueError(f"tau={self.tau!r} must be a number in (0, 1)")
+            if not 0.0 < self.tau < 1.0:
+                raise ValueError(f"tau={self.tau} must be in (0, 1)")
         if isinstance(self.window, bool) or not isinstance(self.window, int | np.integer):
             raise ValueError(f"window={self.window!r} must be an integer > 0")
         if self.window <= 0:
@@ -85,9 +87,11 @@ class RingAdmission(base.Policy):
         """Tokens per head the prefill pool is first sized for."""
         return self.admitted_guess * prompt_lengths
 
-    def admit(self, *, layer, k, v, positions, scores=None):
+    threshold_names: ClassVar[tuple[str, ...]] = ("tau",)
+
+    def admit(self, *, layer, k, v, positions, scores, thresholds):
         del layer, k, v, positions
-        return scores > self.tau
+        return scores > self.threshold(thresholds, "tau")[:, None, None]
 
 
 # DuoAttention's retrieval heads when picked on a prompt: a quarter of all (layer, KV head) pairs.
@@ -198,7 +202,7 @@ class DuoAttention(RingAdmission):
         return DEFAULT_RETRIEVAL_SHARE if self.retrieval_share is None else self.retrieval_share
 
     def static(self) -> DuoAttention:
-        return dataclasses.replace(self, retrieval_share=None)  # host-side only
+        return dataclasses.replace(super().static(), retrieval_share=None)  # host-side only
 
     def init_params(self, model_config, key):
         """Untrained heads for planning: the first `share` of every layer's KV heads."""
