@@ -1,20 +1,23 @@
-"""Many requests, one pool: `jaxkv.Engine` under a Poisson trace, per policy, on one pool size.
+"""Many requests, one pool: `jaxkv.Engine` under a Poisson trace, per policy and pool size.
 
-    jaxkv bench serve --model smollm2-135m-instruct --policies full snapkv:0.3 kvzip:0.3 \
-        --requests 16 --rate 0.5 --out results/serve
+    jaxkv bench serve --model smollm2-135m-instruct --policies full snapkv:0.3 fastkvzip:0.3 \
+        --requests 16 --rate 0.5 --pool-requests 2 4 8 --out results/serve
 
 The trace: prose prompts of `--min-prompt`..`--max-prompt` tokens (`jaxkv.prose`, the model's
 tokens) with `--min-new`..`--max-new` new tokens each (stop tokens off, so every request runs
 its length), arriving as a Poisson process of `--rate` requests per second of wall time; the
 same trace for every policy. The pool holds `--pool-requests` full-cache requests of the longest
-prompt and generation (the full cache's own limit), the engine `--max-slots` slots. Per policy:
-mean and peak requests running (sampled after every step), tokens per second over the whole
-run and over decode-only steps (the steady state: no prefill chunk in the step), time to first
-token and time per output token (p50, p99), preemptions, end-to-end requests per second, and
-where the time goes: seconds of the steps taken while a request waited (each runs at most one
-prefill chunk besides its decode step) and of the steps with none waiting (decode only, whose
-tokens per second are the steady state's). Run on one machine in one process: ratios
-between policies are the measurement.
+prompt and generation (the full cache's own limit; several values: one run each, and a plot of
+decode throughput and requests running against the pool size), the engine `--max-slots` slots.
+A learned policy runs with `--params NAME=PATH`, or the parameters jaxkv ships for --model
+(`jaxkv.bundled.SHIPPED_PARAMS`). Per policy and pool: mean and peak requests running
+(sampled after every step), tokens per second over the whole run and over decode-only steps
+(the steady state: no prefill chunk in the step), time to first token and time per output
+token (p50, p99), preemptions, requests refused as too large for the pool, end-to-end requests
+per second, and where the time goes: seconds of the steps taken while a request waited (each
+runs at most one prefill chunk besides its decode step) and of the steps with none waiting
+(decode only, whose tokens per second are the steady state's). Run on one machine in one
+process: ratios between policies are the measurement.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import numpy as np
 import jaxkv
 from jaxkv import policies
 from jaxkv.benchmarks import harness
-from jaxkv.model_sources import load_model
+from jaxkv.model_sources import load_model, shipped_name
+from jaxkv.policies import spec as spec_lib
 from jaxkv.prose import prose
 
 
@@ -52,27 +56,42 @@ def build_trace(tokenizer, args) -> list[dict]:
     return trace
 
 
-def pool_pages(model, args, page_size: int) -> int:
-    """Pages that hold `--pool-requests` full-cache requests of the longest prompt + output."""
+def pool_pages(model, args, requests: int, page_size: int) -> int:
+    """Pages that hold `requests` full-cache requests of the longest prompt + output."""
     cfg = model.config
     per_head = -(-(args.max_prompt + args.max_new) // page_size)
-    return args.pool_requests * cfg.num_layers * cfg.num_kv_heads * per_head
+    return requests * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
-def run_policy(model, policy, trace: list[dict], args, num_pages: int) -> dict:
+def learned_params(policy, model, args, given: dict):
+    """A learned policy's parameters: --params, else the ones shipped for --model."""
+    if not policy.needs_params:
+        return None
+    path = given.get(policy.name, [None])[-1]
+    path = path or policy.shipped_params_path(shipped_name(args.model))
+    if path is None:
+        raise ValueError(
+            f"--policies {policy.name}: jaxkv ships no trained parameters of it for --model "
+            f"{args.model}; give them, --params {policy.name}=PATH"
+        )
+    return policy.load_params(path, model.config)
+
+
+def run_policy(model, policy, trace: list[dict], args, num_pages: int, params) -> dict:
     engine = jaxkv.Engine(
         model,
         policy,
         cache=jaxkv.CacheConfig(num_pages=num_pages),
         max_slots=args.max_slots,
         max_context=args.max_prompt + args.max_new,
+        policy_params=params,
     )
     # Compile the step programs first (one short request), so the trace times steady work.
     engine.submit(trace[0]["prompt"], max_new_tokens=2, stop_tokens=())
     engine.run()
     start = time.perf_counter()
     pending = list(enumerate(trace))
-    submitted, first, last, counts = {}, {}, {}, {}
+    submitted, first, last, counts, too_large = {}, {}, {}, {}, set()
     running, decode_tokens, decode_seconds, prefill_seconds = [], 0, 0.0, 0.0
     while pending or engine.has_work():
         now = time.perf_counter() - start
@@ -92,6 +111,8 @@ def run_policy(model, policy, trace: list[dict], args, num_pages: int) -> dict:
         produced = 0
         for event in events:
             if event.token < 0:
+                if event.reason == "too_large":
+                    too_large.add(event.request_id)
                 continue
             produced += 1
             first.setdefault(event.request_id, step_end)
@@ -104,11 +125,13 @@ def run_policy(model, policy, trace: list[dict], args, num_pages: int) -> dict:
             decode_tokens += produced
         running.append(engine.stats()["running"])
     elapsed = time.perf_counter() - start
-    ttft = [first[rid] - submitted[rid] for rid in submitted]
-    tpot = [(last[rid] - first[rid]) / max(counts[rid] - 1, 1) for rid in submitted]
+    served = [rid for rid in submitted if rid not in too_large]
+    ttft = [first[rid] - submitted[rid] for rid in served] or [np.nan]
+    tpot = [(last[rid] - first[rid]) / max(counts[rid] - 1, 1) for rid in served] or [np.nan]
     return {
         "num_pages": num_pages,
         "requests": len(submitted),
+        "too_large": len(too_large),
         "running_mean": float(np.mean(running)),
         "running_peak": int(np.max(running)),
         "tokens_per_second": sum(counts.values()) / elapsed,
@@ -127,21 +150,25 @@ def run_policy(model, policy, trace: list[dict], args, num_pages: int) -> dict:
 
 def markdown(report: dict) -> str:
     head = (
-        "| policy | pages | running mean / peak | tok/s | decode tok/s | TTFT p50 / p99 s "
-        "| TPOT p50 / p99 s | preemptions | req/s | prefill / decode s |"
+        "| policy | pool (full requests): pages | running mean / peak | tok/s | decode tok/s "
+        "| TTFT p50 / p99 s | TPOT p50 / p99 s | preemptions | too large | req/s "
+        "| prefill / decode s |"
     )
-    rows = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         rows.append(
-            f"| {row['policy']} | {row['num_pages']} "
+            f"| {row['policy']} | {row['pool_requests']}: {row['num_pages']} "
             f"| {row['running_mean']:.2f} / {row['running_peak']} "
             f"| {row['tokens_per_second']:.2f} | {row['decode_tokens_per_second']:.2f} "
             f"| {row['ttft_p50']:.1f} / {row['ttft_p99']:.1f} "
             f"| {row['tpot_p50']:.2f} / {row['tpot_p99']:.2f} | {row['preemptions']} "
+            f"| {row['too_large']} "
             f"| {row['requests_per_second']:.3f} "
             f"| {row['seconds_in_prefill_steps']:.0f} / {row['seconds_in_decode_steps']:.0f} |"
         )
     title = f"# Serving a Poisson trace ({report['model']})"
+    if len(report["trace"]["pool_requests"]) > 1:
+        title += "\n\n![decode throughput and requests running against pool size](serve.png)"
     return (
         f"{title}\n\n{harness.provenance_line(report['provenance'])}\n\n" + "\n".join(rows) + "\n"
     )
@@ -157,29 +184,66 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-prompt", type=int, default=2048)
     parser.add_argument("--min-new", type=int, default=64)
     parser.add_argument("--max-new", type=int, default=256)
-    parser.add_argument("--pool-requests", type=int, default=4)
+    parser.add_argument(
+        "--pool-requests",
+        type=int,
+        nargs="+",
+        default=[4],
+        help="pool sizes, in full-cache requests of the longest prompt + output (one run each)",
+    )
+    parser.add_argument("--params", nargs="+", default=[], metavar="NAME=PATH")
     parser.add_argument("--max-slots", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/serve"))
     args = parser.parse_args(argv)
+    if min(args.pool_requests) < 1:
+        raise ValueError(f"--pool-requests {args.pool_requests}: each must be >= 1")
+    given = spec_lib.parse_params(args.params)
     model, tokenizer = load_model(args.model)
     trace = build_trace(tokenizer, args)
-    num_pages = pool_pages(model, args, jaxkv.CacheConfig().page_size)
+    specs = {spec: policies.from_spec(spec).for_tokenizer(tokenizer) for spec in args.policies}
+    params = {spec: learned_params(policy, model, args, given) for spec, policy in specs.items()}
     rows = []
-    for spec in args.policies:
-        policy = policies.from_spec(spec).for_tokenizer(tokenizer)
-        row = {"policy": spec, **run_policy(model, policy, trace, args, num_pages)}
-        harness.print_row(row)
-        rows.append(row)
+    for requests in args.pool_requests:
+        num_pages = pool_pages(model, args, requests, jaxkv.CacheConfig().page_size)
+        for spec, policy in specs.items():
+            result = run_policy(model, policy, trace, args, num_pages, params[spec])
+            row = {"policy": spec, "pool_requests": requests, **result}
+            harness.print_row(row)
+            rows.append(row)
     report = {
         "provenance": harness.provenance("jaxkv bench serve", argv or sys.argv[1:]),
         "model": args.model,
         "trace": {key: value for key, value in vars(args).items() if key != "out"},
         "rows": rows,
     }
-    harness.save(args.out / Path(args.model).stem, "serve", report, markdown(report))
+    out = args.out / Path(args.model).stem
+    harness.save(out, "serve", report, markdown(report))
+    if len(args.pool_requests) > 1:
+        plot(report, out / "serve.png")
     print(markdown(report))
     return report
+
+
+def plot(report: dict, path: Path) -> None:
+    """Decode tokens per second and mean requests running against the pool size, a line per
+    policy."""
+    plt = harness.pyplot()
+    fig, (throughput, running) = plt.subplots(1, 2, figsize=(10, 4))
+    for spec in dict.fromkeys(row["policy"] for row in report["rows"]):
+        rows = [row for row in report["rows"] if row["policy"] == spec]
+        pools = [row["pool_requests"] for row in rows]
+        throughput.plot(pools, [r["decode_tokens_per_second"] for r in rows], "o-", label=spec)
+        running.plot(pools, [r["running_mean"] for r in rows], "o-", label=spec)
+    for axis, label in ((throughput, "decode tokens / s"), (running, "requests running (mean)")):
+        axis.set_xlabel("pool size (full-cache requests)")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    throughput.legend()
+    fig.suptitle(f"{report['model']}: one pool, a Poisson trace")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ part, through the mixins below or methods of its own. Besides its parts it answe
 
   budgets   budget_tokens(...)     int32 [B] (or [B, n]) tokens per head, checked on the host
             budget_ratio(...)      f32 [B] the budget as a share of the growing sequence
+            thresholds(...)        f32 [B, n] thresholds (tau), columns `threshold_names`
             planned_tokens(...)    int [B] the most a head holds after the prompt (plans)
             static()               the policy without per-request values: what jit sees
             decides_across_heads   flag: one budget shared by heads (pool sizing on a mesh)
@@ -22,7 +23,8 @@ part, through the mixins below or methods of its own. Besides its parts it answe
 
 Budgets vary per request, so they never reach jit as static fields: `generate` turns a policy's
 `budget` into an int32 array [B] of tokens per head (`budget_tokens`) and compiles the policy with
-its budget stripped (`static()`), so changing the budget does not recompile.
+its budget stripped (`static()`), so changing the budget does not recompile. Thresholds (WG-KV's
+and Conf-KV's `tau`, `threshold_names`) travel the same way, as f32 [B, n] (`thresholds`).
 """
 
 from __future__ import annotations

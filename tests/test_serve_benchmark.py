@@ -1,0 +1,55 @@
+"""`jaxkv bench serve` at toy sizes: one row per (pool size, policy), a learned policy with
+its parameters, the plot over pool sizes, provenance."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from jaxkv import policies
+from jaxkv.benchmarks import serve
+from jaxkv.gates.wgkv import save_write_gates
+from jaxkv.models.configs import preset
+
+TOY = [
+    "--model",
+    "tiny-random",
+    "--requests",
+    "3",
+    "--rate",
+    "1000",
+    "--min-prompt",
+    "40",
+    "--max-prompt",
+    "60",
+    "--min-new",
+    "2",
+    "--max-new",
+    "4",
+    "--max-slots",
+    "3",
+]
+
+
+def test_a_sweep_over_pool_sizes_writes_a_row_each_and_the_plot(tmp_path):
+    gates = tmp_path / "gates.safetensors"
+    wgkv = policies.get("wgkv")
+    save_write_gates(wgkv.init_params(preset("tiny-random"), jax.random.PRNGKey(0)), gates)
+    argv = [*TOY, "--policies", "full", "wgkv", "--pool-requests", "1", "2"]
+    report = serve.main([*argv, "--params", f"wgkv={gates}", "--out", str(tmp_path)])
+    rows = [(row["pool_requests"], row["policy"]) for row in report["rows"]]
+    assert rows == [(1, "full"), (1, "wgkv"), (2, "full"), (2, "wgkv")]
+    assert all(row["requests"] == 3 for row in report["rows"])
+    saved = json.loads((tmp_path / "tiny-random" / "serve.json").read_text())
+    assert saved["provenance"]["command"].startswith("jaxkv bench serve --model tiny-random")
+    assert (tmp_path / "tiny-random" / "serve.png").stat().st_size > 0
+    assert "serve.png" in (tmp_path / "tiny-random" / "serve.md").read_text()
+
+
+def test_a_learned_policy_without_shipped_parameters_names_params(tmp_path):
+    with pytest.raises(ValueError, match="ships no trained parameters of it for --model tiny"):
+        serve.main([*TOY, "--policies", "wgkv", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--pool-requests"):
+        serve.main([*TOY, "--pool-requests", "0", "--out", str(tmp_path)])
