@@ -95,9 +95,20 @@ class Composed(base.Policy):
     def budget_ratio(self, batch: int) -> np.ndarray:
         return self.selecting.budget_ratio(batch)
 
+    @property
+    def threshold_names(self) -> tuple[str, ...]:
+        """The admission's (the selection has none: `__post_init__`)."""
+        return self.admitting.threshold_names
+
     def thresholds(self, batch: int) -> np.ndarray:
-        """The admission's (the selection keeps no thresholds: `__post_init__`)."""
         return self.admitting.thresholds(batch)
+
+    def threshold(self, thresholds, name: str):
+        return self.admitting.threshold(thresholds, name)
+
+    @property
+    def params_kind(self) -> str | None:
+        return self.admitting.params_kind
 
     def planned_tokens(self, budget_tokens, prompt_lengths) -> tuple[np.ndarray, str]:
         """What the admission holds (the selection keeps every token it is given)."""
