@@ -49,6 +49,9 @@ class EngineWorker:
         self._listeners: dict[int, callable] = {}
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self.tokens_generated = 0
+        # The engine's stats as of its last command or step, taken in its thread: the engine's
+        # state is donated to its programs, so no other thread may read it.
+        self._engine_stats = engine.stats()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxkv-engine", daemon=True)
         self._thread.start()
@@ -66,7 +69,7 @@ class EngineWorker:
         now = time.monotonic()
         recent = sum(count for at, count in self._recent if now - at <= RATE_WINDOW_SECONDS)
         return {
-            **self.engine.stats(),
+            **self._engine_stats,
             "tokens_generated": self.tokens_generated,
             "tokens_per_second": recent / RATE_WINDOW_SECONDS,
         }
@@ -96,10 +99,12 @@ class EngineWorker:
             busy = self.engine.has_work()
             try:
                 self._handle(self._commands.get(block=not busy))
+                self._engine_stats = self.engine.stats()
                 continue  # take every waiting command before the next step
             except queue.Empty:
                 pass
             events = self.engine.step()
+            self._engine_stats = self.engine.stats()
             produced = sum(event.token >= 0 for event in events)
             self.tokens_generated += produced
             self._recent.append((time.monotonic(), produced))
