@@ -1,6 +1,7 @@
-"""compose(admission, selection) for every registered policy as the admission part and Quest as
-the selection: either refused with an error naming the part, or the composition keeps what the
-part keeps, in the pool the part sizes, and reads as Quest does."""
+"""compose(*policies) as a field-by-field merge: every registered policy with Quest is either
+refused with an error naming the field and the policies, or the composition keeps what the policy
+keeps, in the pool it sizes, and reads as Quest does; every member of a policy belongs to one
+field, so a composition answers each from the policy that has it."""
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import pytest
 import jaxkv
 from jaxkv import parts, policies
 from jaxkv.models import init_model
+from jaxkv.policies.compose import FIELDS, HOST_GROUPS, JOINT, fields_of
 from tests.test_sharding import CONFIG, POLICIES, POLICY_PARAMS, sharded_test_prompts
 
 QUEST = policies.Quest(budget=16)
@@ -28,12 +30,12 @@ def _kept(state) -> np.ndarray:
 def test_compose_refuses_or_keeps_what_its_admission_part_keeps(model, name):
     part = policies.get(name, **POLICIES[name])
     if name not in ACCEPTED:
-        with pytest.raises(ValueError, match=f"policy '{name}'"):
+        with pytest.raises(ValueError, match=f"'{name}'"):
             policies.compose(part, QUEST)
         return
     composed = policies.compose(part, QUEST)
     # Every part comes from the policy that has it: admission and gate from `part`, the
-    # selection from Quest, and nothing else.
+    # selection (and its budget) from Quest, and nothing else.
     for part_name in parts.PARTS:
         source = QUEST if part_name == "selection" else part
         assert getattr(composed, part_name) is getattr(source, part_name), part_name
@@ -60,20 +62,66 @@ def test_compose_refuses_or_keeps_what_its_admission_part_keeps(model, name):
     assert generate(composed).tokens.shape == (3, 5)
 
 
-def test_quest_is_refused_as_the_admission_part_and_others_as_the_selection():
-    with pytest.raises(ValueError, match="admission='quest' already selects pages"):
+def test_a_field_two_policies_have_is_refused_by_name():
+    with pytest.raises(ValueError, match="'quest' and 'quest' both have a selection"):
         policies.compose(QUEST, QUEST)
-    with pytest.raises(ValueError, match="selection='full' does not select pages"):
-        policies.compose(policies.FullCache(), policies.FullCache())
+    wgkv = policies.get("wgkv", **POLICIES["wgkv"])
+    with pytest.raises(ValueError, match="'wgkv' and 'duo_attention' both have a admission"):
+        policies.compose(wgkv, policies.get("duo_attention", **POLICIES["duo_attention"]), QUEST)
+    # The stated rule for eviction with Quest: one budget array per request.
+    with pytest.raises(ValueError, match="'streaming_llm' and 'quest' both have a budget.*one"):
+        policies.compose(policies.StreamingLLM(budget=32), QUEST)
+    with pytest.raises(ValueError, match="two or more policies, got 1"):
+        policies.compose(QUEST)
 
 
-def test_composed_answers_every_host_question_of_a_policy_itself():
-    """A composition forwards every member of the policy record besides its class constants:
-    a member added to `Policy` and forgotten here would silently give the base's answer."""
+def test_parts_the_engine_does_not_run_together_are_refused_by_name():
+    wgkv = policies.get("wgkv", **POLICIES["wgkv"])
+    with pytest.raises(ValueError, match="admission of policy 'wgkv' and the prompt_compression"):
+        policies.compose(wgkv, policies.SnapKV(budget=8))
+
+
+def test_compositions_flatten_and_a_policy_without_fields_adds_nothing():
+    wgkv = policies.get("wgkv", **POLICIES["wgkv"])
+    nested = policies.compose(policies.compose(wgkv, QUEST), policies.FullCache())
+    assert nested.policies == (wgkv, QUEST, policies.FullCache())
+    for field in FIELDS:
+        assert nested.owner(field) is policies.compose(wgkv, QUEST).owner(field), field
+    assert nested.static() == policies.compose(wgkv.static(), QUEST.static(), policies.FullCache())
+    lengths = np.array([40, 70])
+    np.testing.assert_array_equal(nested.budget_tokens(lengths), QUEST.budget_tokens(lengths))
+    np.testing.assert_array_equal(nested.thresholds(2), wgkv.thresholds(2))
+    assert nested.needs_params and nested.params_kind == "wgkv"
+
+
+def test_learned_parameters_are_checked_by_their_owner_the_others_see_none():
+    wgkv = policies.get("wgkv", **POLICIES["wgkv"])
+    composed = policies.compose(QUEST, wgkv)
+    gates = POLICY_PARAMS["wgkv"]()
+    composed.check_params(gates, CONFIG)  # Quest, checked with None, accepts
+    with pytest.raises(ValueError, match="needs|policy_params"):
+        composed.check_params(None, CONFIG)
+
+
+def test_every_member_of_a_policy_belongs_to_one_field_of_its_record():
+    """A member added to `Policy` and given no field would be answered by the base in a
+    composition; each member is a part, a host group's, a joint member or a class constant."""
     constants = {"name", "primary_knob"}
-    members = {
-        name for name in dir(policies.Policy) if not name.startswith("_") and name not in constants
-    }
-    missing = sorted(members - set(vars(policies.Composed)) - set(parts.PARTS))
-    assert not missing, f"Composed does not forward {missing}"
-    assert {"admission", "gate", "selection"} <= set(vars(policies.Composed))
+    members = {name for name in dir(policies.Policy) if not name.startswith("_")} - constants
+    grouped = [m for group in HOST_GROUPS.values() for m in group]
+    placed = [*parts.PARTS, *grouped, *JOINT]
+    assert len(placed) == len(set(placed)), "a member is in two fields"
+    assert members == set(placed)
+    assert set(placed) <= set(vars(policies.Composed))
+
+
+@pytest.mark.parametrize("name", policies.registered())
+def test_a_policy_fills_exactly_the_fields_whose_members_it_answers(name):
+    policy = policies.get(name, **POLICIES[name])
+    fields = fields_of(policy)
+    assert set(parts.present(policy)) == set(fields) & set(parts.PARTS)
+    assert ("thresholds" in fields) == bool(policy.threshold_names)
+    assert ("params" in fields) == policy.needs_params
+    lengths = np.array([30, 50])
+    if "budget" not in fields:
+        np.testing.assert_array_equal(policy.budget_tokens(lengths), lengths)

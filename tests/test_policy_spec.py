@@ -23,6 +23,7 @@ from tests.tiny_models import tiny_config
         ("confkv:128:loose=256", policies.ConfKV(tight=128, loose=256)),
         ("confkv:tight=256:loose=512:pyramid=true", policies.ConfKV(256, 512, pyramid=True)),
         (" full ", policies.FullCache()),
+        ("wgkv:0.3+quest:64", policies.compose(policies.WGKV(tau=0.3), policies.Quest(64))),
     ],
 )
 def test_specs_build_the_policy_the_keywords_build(text, expected):
@@ -54,6 +55,8 @@ def test_every_policy_that_builds_from_defaults_builds_from_its_name():
         ("snapkv:0", "give a ratio of the prompt in \\(0, 1\\]"),
         ("snapkv:1.5", "give a ratio of the prompt in \\(0, 1\\]"),
         ("confkv:64", "protected=64 must be smaller"),
+        ("wgkv:0.3+", "give SPEC\\+SPEC with no empty part"),
+        ("snapkv:0.3+quest:64", "'snapkv' and 'quest' both have a budget"),
     ],
 )
 def test_bad_specs_name_the_part_and_what_is_allowed(text, match):

@@ -1,148 +1,169 @@
-"""Composition of an admission policy (what is written) with a page-selecting policy (what a
-decode step reads): `compose(WGKV(...), Quest(...))` admits with WG-KV's gates and lets Quest
-choose among the global pages; WG-KV's local ring is read whole whatever Quest picks.
+"""Composition of policies as a field-by-field merge of their records: `compose(WGKV(...),
+Quest(...))` admits with WG-KV's gates and lets Quest choose among the global pages (WG-KV's
+local ring is read whole whatever Quest picks).
 
-A composition is a record of parts (`jaxkv.parts`) taken from its two policies: the admission
-policy's `admission` and `gate`, the selection policy's `selection`. A policy with any other part
-is refused by name, so a part cannot be silently dropped: the one budget a decode step is given
-is the selection's read budget, which no prompt compression or eviction could share.
+Every member of a policy belongs to one field of its record: a part (`jaxkv.parts.PARTS`) or a
+host-side group (`HOST_GROUPS`: its budget, its thresholds, its learned parameters). A
+composition takes each field from the one policy that has it; the members every policy answers
+together (`JOINT`: checks, flags, `static`, `for_tokenizer`) ask them all. Two rules refuse a
+composition, each naming the field and both policies:
+
+- a field in two policies (two gates, two budgets, ...): there is no merge of two of one kind;
+  in particular a request carries one budget array, so a policy that compresses or evicts to a
+  budget (StreamingLLM, H2O, SnapKV, ...) and Quest, whose budget is of pages read, cannot share
+  a composition;
+- two parts from different policies that the engine does not run together (`RUNS_TOGETHER`):
+  an admission (and its gate) with a page selection is the one such pair today.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+import itertools
 from typing import ClassVar
 
-import numpy as np
-
 from jaxkv import parts
-from jaxkv.models.configs import ModelConfig
 from jaxkv.policies import base
-from jaxkv.policies.base import PolicyParams
 
-# The parts each side of a composition may have; a composition has exactly these.
-ADMITTING_PARTS = ("admission", "gate")
-SELECTING_PARTS = ("selection",)
-# Why a part cannot come along, for the error that refuses it.
-_REFUSED = {
-    "attention_scoring": "accumulates attention mass",
-    "prompt_compression": "compresses the prompt after prefill with a budget of its own",
-    "chunk_eviction": "evicts between prefill chunks with a budget of its own",
-    "decode_eviction": "evicts during decode",
+# A policy's host-side members, by the field of its record that answers them.
+HOST_GROUPS = {
+    "budget": ("budget_tokens", "budget_ratio", "planned_tokens"),
+    "thresholds": ("threshold_names", "thresholds", "threshold"),
+    "params": (
+        "needs_params",
+        "params_kind",
+        "init_params",
+        "load_params",
+        "shipped_params_path",
+        "prompt_params",
+        "param_axes",
+    ),
 }
+# Members every policy of a composition answers (see `Composed`).
+JOINT = ("check_prefill", "check_params", "decides_across_heads", "static", "for_tokenizer")
+FIELDS = (*parts.PARTS, *HOST_GROUPS)
+_WHY = {
+    "budget": (
+        " (a request carries one budget array, so a policy that keeps tokens to a budget and "
+        "one that reads pages to a budget cannot share it)"
+    )
+}
+# Pairs of parts, from different policies, that the engine runs together.
+RUNS_TOGETHER = {frozenset(pair) for pair in (("admission", "selection"), ("gate", "selection"))}
+
+
+def has_field(policy: base.Policy, field: str) -> bool:
+    """Whether `policy` has the part `field`, or answers a host group other than as the base
+    `Policy` does (a policy without a budget keeps its whole prompt, one without parameters
+    takes none)."""
+    if field in parts.PARTS:
+        return getattr(policy, field) is not None
+    cls = type(policy)
+    return any(
+        getattr(cls, member) is not getattr(base.Policy, member) for member in HOST_GROUPS[field]
+    )
+
+
+def fields_of(policy: base.Policy) -> tuple[str, ...]:
+    """The fields of `policy`'s record that it fills, in `FIELDS` order."""
+    return tuple(field for field in FIELDS if has_field(policy, field))
 
 
 @dataclasses.dataclass(frozen=True)
 class Composed(base.Policy):
-    """Admission and gate from `admitting`, page selection and its read budget from
-    `selecting`; host checks from both, learned parameters from `admitting`.
+    """The record merged from `policies`: each field (`FIELDS`) from the one policy that has
+    it; a field none has is answered as the base `Policy` does. Joint members: the prefill is
+    checked by all, the learned parameters by their owner (the others check None), the budget
+    decides across heads if any policy's does.
 
     Attributes:
-      admitting: a policy whose parts are among `ADMITTING_PARTS` (WG-KV, DuoAttention).
-      selecting: a policy whose parts are `SELECTING_PARTS` (Quest).
+      policies: two or more policies (compositions among them are flattened).
     """
 
     name: ClassVar[str] = "composed"
-    admitting: base.Policy
-    selecting: base.Policy
+    policies: tuple[base.Policy, ...]
 
     def __post_init__(self):
         super().__post_init__()
-        if self.selecting.selection is None:
-            raise ValueError(f"selection={self.selecting.name!r} does not select pages")
-        if self.admitting.selection is not None:
-            raise ValueError(f"admission={self.admitting.name!r} already selects pages")
-        if self.selecting.threshold_names:
-            raise ValueError(f"selection={self.selecting.name!r} has thresholds of its own")
-        sides = ((self.admitting, ADMITTING_PARTS), (self.selecting, SELECTING_PARTS))
-        for policy, allowed in sides:
-            refused = [_REFUSED[part] for part in parts.present(policy) if part not in allowed]
-            if refused:
+        flat = tuple(
+            leaf
+            for policy in self.policies
+            for leaf in (policy.policies if isinstance(policy, Composed) else (policy,))
+        )
+        object.__setattr__(self, "policies", flat)
+        if len(flat) < 2:
+            raise ValueError(f"compose() takes two or more policies, got {len(flat)}")
+        for policy in flat:
+            if not isinstance(policy, base.Policy):
+                raise ValueError(f"compose() takes policies, got {policy!r}")
+        self._check_fields()
+        self._check_runs_together()
+
+    def _check_fields(self) -> None:
+        for field in FIELDS:
+            holders = [policy.name for policy in self.policies if has_field(policy, field)]
+            if len(holders) > 1:
                 raise ValueError(
-                    f"policy {policy.name!r} {' and '.join(refused)}, which compose() does not "
-                    "carry (the one budget is the selection's read budget); compose an "
-                    "admission policy with a page selection policy"
+                    f"policies {holders[0]!r} and {holders[1]!r} both have a {field}: a "
+                    "composition takes each part, budget, threshold set and parameter set from "
+                    f"one policy{_WHY.get(field, '')}"
                 )
 
-    @property
-    def admission(self) -> parts.Admission | None:
-        return self.admitting.admission
+    def _check_runs_together(self) -> None:
+        for first, second in itertools.combinations(self.policies, 2):
+            for a, b in itertools.product(parts.present(first), parts.present(second)):
+                if frozenset((a, b)) not in RUNS_TOGETHER:
+                    raise ValueError(
+                        f"the {a} of policy {first.name!r} and the {b} of policy "
+                        f"{second.name!r} do not run together: compose an admission policy "
+                        "(WG-KV, DuoAttention, local attention) with a page selection (Quest)"
+                    )
 
-    @property
-    def gate(self) -> parts.Gate | None:
-        return self.admitting.gate
-
-    @property
-    def selection(self) -> parts.Selection:
-        return self.selecting.selection
-
-    @property
-    def needs_params(self) -> bool:
-        return self.admitting.needs_params
+    def owner(self, field: str) -> base.Policy:
+        """The policy that answers `field` (the first policy where none has it: it answers as
+        the base does)."""
+        for policy in self.policies:
+            if has_field(policy, field):
+                return policy
+        return self.policies[0]
 
     @property
     def decides_across_heads(self) -> bool:
-        return self.admitting.decides_across_heads or self.selecting.decides_across_heads
+        return any(policy.decides_across_heads for policy in self.policies)
 
-    def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
-        self.admitting.check_prefill(prompt_lengths, chunk)
-        self.selecting.check_prefill(prompt_lengths, chunk)
+    def check_prefill(self, prompt_lengths, chunk: int) -> None:
+        for policy in self.policies:
+            policy.check_prefill(prompt_lengths, chunk)
 
-    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        return self.selecting.budget_tokens(prompt_lengths)
-
-    def budget_ratio(self, batch: int) -> np.ndarray:
-        return self.selecting.budget_ratio(batch)
-
-    @property
-    def threshold_names(self) -> tuple[str, ...]:
-        """The admission's (the selection has none: `__post_init__`)."""
-        return self.admitting.threshold_names
-
-    def thresholds(self, batch: int) -> np.ndarray:
-        return self.admitting.thresholds(batch)
-
-    def threshold(self, thresholds, name: str):
-        return self.admitting.threshold(thresholds, name)
-
-    @property
-    def params_kind(self) -> str | None:
-        return self.admitting.params_kind
-
-    def planned_tokens(self, budget_tokens, prompt_lengths) -> tuple[np.ndarray, str]:
-        """What the admission holds (the selection keeps every token it is given)."""
-        admitted_budget = self.admitting.budget_tokens(prompt_lengths)
-        return self.admitting.planned_tokens(admitted_budget, prompt_lengths)
+    def check_params(self, params, model_config) -> None:
+        owner = self.owner("params")
+        for policy in self.policies:
+            policy.check_params(params if policy is owner else None, model_config)
 
     def static(self) -> Composed:
-        return Composed(admitting=self.admitting.static(), selecting=self.selecting.static())
+        return Composed(tuple(policy.static() for policy in self.policies))
 
     def for_tokenizer(self, tokenizer) -> Composed:
-        return Composed(
-            admitting=self.admitting.for_tokenizer(tokenizer),
-            selecting=self.selecting.for_tokenizer(tokenizer),
-        )
-
-    def init_params(self, model_config: ModelConfig, key) -> PolicyParams | None:
-        return self.admitting.init_params(model_config, key)
-
-    def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
-        self.admitting.check_params(params, model_config)
-
-    def shipped_params_path(self, model_name: str | None) -> Path | None:
-        return self.admitting.shipped_params_path(model_name)
-
-    def load_params(self, path, model_config: ModelConfig) -> PolicyParams:
-        return self.admitting.load_params(path, model_config)
-
-    def prompt_params(self, model, prompt_ids: list[int]) -> PolicyParams | None:
-        return self.admitting.prompt_params(model, prompt_ids)
-
-    def param_axes(self, params: PolicyParams | None) -> PolicyParams | None:
-        return self.admitting.param_axes(params)
+        return Composed(tuple(policy.for_tokenizer(tokenizer) for policy in self.policies))
 
 
-def compose(admission: base.Policy, selection: base.Policy) -> Composed:
-    """`admission` decides what is written, `selection` which global pages each decode reads."""
-    return Composed(admitting=admission, selecting=selection)
+def _forwarded(field: str, member: str) -> property:
+    return property(
+        lambda self: getattr(self.owner(field), member),
+        doc=f"`{member}` of the policy that has the {field}.",
+    )
+
+
+# Every part and host member is its owner's: one loop, so no member can be forgotten.
+for _field in parts.PARTS:
+    setattr(Composed, _field, _forwarded(_field, _field))
+for _field, _members in HOST_GROUPS.items():
+    for _member in _members:
+        setattr(Composed, _member, _forwarded(_field, _member))
+
+
+def compose(*policies: base.Policy) -> Composed:
+    """One policy from the fields of `policies` (see the module docstring), e.g. `compose(
+    WGKV(...), Quest(budget=64))`: WG-KV decides what is written, Quest which global pages
+    each decode step reads."""
+    return Composed(tuple(policies))

@@ -1,8 +1,10 @@
 """Policies from text: `from_spec("snapkv:0.25:window=32")`, and the parsing that the command
 line (`--budget`, `--policy-arg KEY=VALUE`) and the benchmarks share, so there is one grammar.
 
-    NAME[:VALUE][:KEY=VALUE...]
+    NAME[:VALUE][:KEY=VALUE...][+NAME[:VALUE][:KEY=VALUE...]...]
 
+Several specs joined by "+" are composed (`policies.compose`): "wgkv:0.3+quest:64" admits with
+WG-KV's gates at tau 0.3 and reads 64 tokens' worth of global pages per step as Quest picks.
 VALUE sets the policy's primary knob (`Policy.primary_knob`): its budget for most ("0.3", "1e-1"
 and "30%" are ratios of the prompt, "256" a token count), WG-KV's `tau`, local attention's
 `window`, Conf-KV's `tight` budget. KEY is any field of the policy; its value parses as the
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxkv.policies import base
+from jaxkv.policies.compose import compose
 
 BUDGET_FORMS = "a ratio of the prompt in (0, 1] (0.3, 1e-1, 30%) or a token count >= 1 (256)"
 _SCALAR_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
@@ -156,9 +159,15 @@ def policy_kwargs(
 
 def from_spec(spec: str) -> base.Policy:
     """The policy of `NAME[:VALUE][:KEY=VALUE...]` (module docstring), e.g. "snapkv:0.25",
-    "kvzip:30%", "wgkv:0.2:window=64", "confkv:64:loose=256", "full"."""
+    "kvzip:30%", "wgkv:0.2:window=64", "confkv:64:loose=256", "full"; specs joined by "+"
+    compose ("wgkv:0.3+quest:64")."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"policy spec {spec!r}: give NAME[:VALUE][:KEY=VALUE...]")
+    if "+" in spec:
+        members = spec.split("+")
+        if not all(member.strip() for member in members):
+            raise ValueError(f"policy spec {spec!r}: give SPEC+SPEC with no empty part")
+        return compose(*(from_spec(member) for member in members))
     name, *parts = spec.strip().split(":")
     policy_fields(name)  # names the registered policies when `name` is not one
     values = [part for part in parts if "=" not in part]
