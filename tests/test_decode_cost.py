@@ -212,12 +212,12 @@ def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):
 def test_fastkvzip_defaults_work_at_long_context(model):
     policy = policies.FastKVzip(ratio=0.3)
     lengths = np.array([131072])
-    assert policy.prefill_chunk(lengths, generation.DEFAULT_PREFILL_CHUNK) == 16384
+    assert policy.chunk_eviction.prefill_chunk(lengths, generation.DEFAULT_PREFILL_CHUNK) == 16384
     policy.check_prefill(lengths, 16384)
     with pytest.raises(ValueError, match="give prefill_chunk >= 4096"):
         policy.check_prefill(lengths, 512)
     # Short prompts keep the default chunk (the window is 2% of the prompt).
-    assert policy.prefill_chunk(np.array([2048]), 512) == 512
+    assert policy.chunk_eviction.prefill_chunk(np.array([2048]), 512) == 512
 
 
 @pytest.mark.parametrize(

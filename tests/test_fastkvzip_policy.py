@@ -113,7 +113,7 @@ def test_chunked_prefill_memory_follows_the_ratio(setup):
     assert int(state.pages_in_use()) == int(np.sum(-(-lengths // PAGE_SIZE)))
     # The pool array itself holds the compressed cache plus one chunk, not the full context
     # (its size rounded up to a pool bucket, whose smallest is larger than this tiny cache).
-    bound = policy.prefill_pages(np.array(LENGTHS), 32, cfg, PAGE_SIZE, 0)
+    bound = policy.chunk_eviction.prefill_pages(np.array(LENGTHS), 32, cfg, PAGE_SIZE, 0)
     assert bound < 0.75 * full_pages
     assert state.pool.num_pages == geometry.pool_pages_bucket(bound, PAGE_SIZE)
     for row, n in enumerate(LENGTHS):

@@ -1,6 +1,8 @@
 """Every registered policy is a record of parts (`jaxkv.parts`): each part it has satisfies its
 protocol, and it has the parts its method needs, no more."""
 
+import dataclasses
+
 import pytest
 
 from jaxkv import parts, policies
@@ -49,3 +51,23 @@ def test_an_inner_scorer_brings_its_attention_scoring_to_adakv():
     ada = policies.AdaKV(budget=0.5, inner=policies.Scissorhands())
     assert ada.attention_scoring is ada.inner  # Scissorhands' own counting rule, not a sum
     assert policies.AdaKV(budget=0.5, inner="knorm").attention_scoring is None
+
+
+# Policies whose parts are objects of their own, each of one idea (the others fill their parts
+# with themselves, for now).
+NARROW = ("fastkvzip",)
+
+
+def _public_members(obj) -> set[str]:
+    return {name for name in dir(obj) if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("name", NARROW)
+def test_a_narrow_policy_s_parts_answer_their_protocol_and_nothing_else(name):
+    policy = policies.get(name, **POLICIES.get(name, {}))
+    for part in parts.present(policy):
+        obj = getattr(policy, part)
+        assert obj is not policy, part
+        protocol = _public_members(parts.PROTOCOLS[part])
+        fields = {field.name for field in dataclasses.fields(obj)}
+        assert _public_members(obj) - fields == protocol, part

@@ -33,7 +33,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import collectives, parts
+from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place
 from jaxkv.gates import fastkvzip as gate
@@ -53,27 +53,177 @@ def default_window(prompt_length: int) -> int:
     return max(1, math.ceil(SHORT_CONTEXT_WINDOW_FRACTION * prompt_length))
 
 
+def protected_windows(window: int | None, prompt_lengths: np.ndarray) -> np.ndarray:
+    """int32 [B] the protected window w of each prompt: `window` (at most the prompt), or
+    `default_window` where it is None."""
+    if window is not None:
+        return np.minimum(window, prompt_lengths).astype(np.int32)
+    return np.array([default_window(int(n)) for n in prompt_lengths], np.int32)
+
+
+def kept_and_windows(
+    ratio: float | None, window: int | None, prompt_lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """int32 [B] floor(r * T) tokens kept per head and the window w of each prompt; a
+    ValueError naming the row where the budget is smaller than its window."""
+    if ratio is None:
+        raise ValueError("policy 'fastkvzip' needs ratio= in (0, 1]")
+    lengths = np.asarray(prompt_lengths)
+    kept = Budget(ratio=ratio).tokens_for(lengths)
+    windows = protected_windows(window, lengths)
+    if np.any(kept < windows):
+        row = int(np.argmax(kept < windows))
+        raise ValueError(
+            f"policy 'fastkvzip': ratio={ratio} keeps {int(kept[row])} tokens per head "
+            f"of row {row} ({int(lengths[row])} tokens), fewer than the protected "
+            f"window w={int(windows[row])}: raise the ratio or give window="
+        )
+    return kept, windows
+
+
 def _scaled_total(final, seen, lengths, heads: int):
     """int32 [B]: floor(final * seen / length) tokens per head, times the heads, in f32 math."""
     share = seen.astype(jnp.float32) / jnp.maximum(lengths, 1).astype(jnp.float32)
     return jnp.floor(final.astype(jnp.float32) * share).astype(jnp.int32) * heads
 
 
+def _heads(kv: KVState) -> int:
+    """(layer, KV head) pairs of a sequence, every device's on a mesh."""
+    return kv.num_layers * kv.lengths.shape[2] * collectives.head_shards()
+
+
+def _evict_globally(kv: KVState, total, protected, max_moves=None) -> KVState:
+    """Keeps `total` [B] tokens per sequence over every layer and KV head (all devices' heads
+    on a mesh), the protected ones first; in place (`evict_in_place`, up to `max_moves` moves
+    per head) during decode."""
+
+    def keep(scores, held, protected):
+        protected = protected & held
+        forced = jnp.sum(protected, axis=(0, 2, 3), dtype=jnp.int32)
+        return keep_top_globally(scores, jnp.maximum(total, forced), held, protected)
+
+    held = kv.positions() >= 0
+    keep_mask = collectives.over_all_heads(keep, kv.token_scores(), held, protected, axis=2)
+    if max_moves is None:
+        return compact(kv, keep_mask)
+    return evict_in_place(kv, keep_mask, max_moves)
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkAttentionGate:
+    """The gate part: each layer's learned sink-attention gate (`jaxkv.gates.fastkvzip`) scores
+    every written token from its attention input."""
+
+    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
+        del k_unrotated, k, positions
+        return gate.gate_scores(layer_params, h)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedPrefillEviction:
+    """The chunk eviction part: after each prefill chunk, each sequence keeps floor(r * seen)
+    tokens per head on average over layers x heads (one global threshold), its first `sinks`
+    and newest w tokens protected; the pool holds the kept tokens plus one chunk.
+
+    Attributes:
+      ratio: r (None in the copy jit sees: it travels in `budget_tokens`).
+      window: the protected window w (None: `default_window` of each prompt).
+      sinks: first positions always kept.
+    """
+
+    ratio: float | None
+    window: int | None
+    sinks: int
+
+    def prefill_chunk(self, prompt_lengths: np.ndarray, default: int) -> int:
+        """The paper's 16K chunks at long context (four protected windows of 4K); at shorter
+        context `default`, or the widest window if that is larger."""
+        widest = int(protected_windows(self.window, np.asarray(prompt_lengths)).max())
+        if widest >= LONG_CONTEXT_WINDOW:
+            return LONG_CONTEXT
+        return max(default, widest)
+
+    def prefill_pages(self, prompt_lengths, chunk, model_config, page_size, reserve) -> int:
+        heads = model_config.num_layers * model_config.num_kv_heads
+        kept = np.maximum(*kept_and_windows(self.ratio, self.window, prompt_lengths))
+        held = heads * (kept + chunk) / page_size + heads * (2 + -(-reserve // page_size))
+        return int(np.ceil(held).sum())
+
+    def after_prefill_chunk(self, kv: KVState, *, seen, prompt_lengths, budget_tokens):
+        final, window = budget_tokens[:, 0], budget_tokens[:, 1]
+        total = _scaled_total(final, seen, prompt_lengths, _heads(kv))
+        positions = kv.positions()
+        newest = positions >= (seen - window)[None, :, None, None]
+        return _evict_globally(kv, total, (positions < self.sinks) | newest)
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferedDecodeEviction:
+    """The decode eviction part: every `decode_buffer` steps each active sequence evicts
+    globally to floor(r * current length) (or a fixed `decode_tokens`, the third budget
+    column) per head on average, keeping its first `sinks` positions and newest
+    `decode_buffer` tokens.
+    """
+
+    sinks: int
+    decode_buffer: int
+
+    @property
+    def decode_interval(self) -> int:
+        return self.decode_buffer
+
+    def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
+        grown = np.asarray(prompt_lengths) + max_new_tokens
+        kept = np.floor(ratio_of(budget_tokens, prompt_lengths) * grown).astype(np.int64)
+        fixed = budget_tokens[:, 2]
+        kept = np.where(fixed > 0, fixed, kept)
+        # Each eviction keeps max(floor(r * length), the forced sinks + newest buffer) per head
+        # on average; a buffer's worth of tokens arrives before the next one.
+        held = np.maximum(np.maximum(kept, budget_tokens[:, 0]), self.sinks + self.decode_buffer)
+        return np.minimum(held + self.decode_buffer, grown)
+
+    def step_record(self, logits) -> None:
+        del logits
+
+    def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
+        active = ctx.positions >= 0
+        heads = _heads(kv)
+        current = ctx.positions + 1
+        total = _scaled_total(ctx.budget_tokens[:, 0], current, ctx.prompt_lengths, heads)
+        fixed = ctx.budget_tokens[:, 2]
+        total = jnp.where(fixed > 0, fixed * heads, total)
+        held_total = collectives.reduce_partial_sums(
+            jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32)
+        )
+        total = jnp.where(active, total, held_total)
+        positions = kv.positions()
+        newest = positions > (ctx.positions - self.decode_buffer)[None, :, None, None]
+        protected = (positions < self.sinks) | newest | ~active[None, :, None, None]
+        return _evict_globally(kv, total, protected, max_moves=self.decode_buffer)
+
+
+def ratio_of(budget_tokens, prompt_lengths) -> np.ndarray:
+    """The kept share floor(r T) / T per prompt (r itself is stripped from the static copy)."""
+    return budget_tokens[:, 0] / np.maximum(np.asarray(prompt_lengths), 1)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class FastKVzip(Policy):
-    """Gate-scored eviction during chunked prefill and buffered decode (module docstring).
+    """Gate-scored eviction during chunked prefill and buffered decode (module docstring): the
+    record of a `SinkAttentionGate`, a `ChunkedPrefillEviction` and a `BufferedDecodeEviction`,
+    with the budget and the learned gates' parameters.
 
     Attributes:
       ratio: share of each sequence's KV pairs kept, in (0, 1]; stripped in the copy jit sees
-        (it travels as `budget_tokens` [B, 2]: floor(r * T) and the window w per prompt).
+        (it travels as `budget_tokens` [B, 3]: floor(r * T), the window w and `decode_tokens`
+        (0 for the ratio rule) per prompt).
       window: protected newest tokens during prefill (None: `default_window`).
       sinks: first positions always kept (prefill and decode).
       decode_buffer: decode steps between evictions; the newest that many tokens stay.
       decode_tokens: a fixed decode budget (the paper's reasoning-model setting): each decode
         eviction goes down to this many tokens per head on average, instead of the ratio of the
-        current length; a per-request value, stripped in the copy jit sees (it travels as the
-        third column of `budget_tokens`, 0 for the ratio rule).
+        current length; a per-request value, stripped in the copy jit sees.
     """
 
     name: ClassVar[str] = "fastkvzip"
@@ -105,67 +255,37 @@ class FastKVzip(Policy):
             )
 
     @property
-    def gate(self) -> parts.Gate:
-        return self
+    def gate(self) -> SinkAttentionGate:
+        return SinkAttentionGate()
 
     @property
-    def chunk_eviction(self) -> parts.ChunkEviction:
-        return self
+    def chunk_eviction(self) -> ChunkedPrefillEviction:
+        return ChunkedPrefillEviction(self.ratio, self.window, self.sinks)
 
     @property
-    def decode_eviction(self) -> parts.DecodeEviction:
-        return self
+    def decode_eviction(self) -> BufferedDecodeEviction:
+        return BufferedDecodeEviction(self.sinks, self.decode_buffer)
 
     def static(self) -> FastKVzip:
         return dataclasses.replace(self, ratio=None, decode_tokens=None)
 
-    def _windows(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        if self.window is not None:
-            return np.minimum(self.window, prompt_lengths).astype(np.int32)
-        return np.array([default_window(int(n)) for n in prompt_lengths], np.int32)
-
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        if self.ratio is None:
-            raise ValueError(f"policy {self.name!r} needs ratio= in (0, 1]")
-        lengths = np.asarray(prompt_lengths)
-        kept = Budget(ratio=self.ratio).tokens_for(lengths)
-        windows = self._windows(lengths)
-        if np.any(kept < windows):
-            row = int(np.argmax(kept < windows))
-            raise ValueError(
-                f"policy {self.name!r}: ratio={self.ratio} keeps {int(kept[row])} tokens per head "
-                f"of prompt {row} ({int(lengths[row])} tokens), fewer than the protected "
-                f"window w={int(windows[row])}: raise the ratio or give window="
-            )
-        decode = np.full(lengths.shape, self.decode_tokens or 0)
+        kept, windows = kept_and_windows(self.ratio, self.window, prompt_lengths)
+        decode = np.full(kept.shape, self.decode_tokens or 0)
         return np.stack([kept, windows, decode], axis=1).astype(np.int32)
 
     def planned_tokens(self, budget_tokens, prompt_lengths):
         return within_budget(budget_tokens, prompt_lengths)
 
-    def prefill_chunk(self, prompt_lengths: np.ndarray, default: int) -> int:
-        """The paper's 16K chunks at long context (four protected windows of 4K); at shorter
-        context `default`, or the widest window if that is larger."""
-        widest = int(self._windows(np.asarray(prompt_lengths)).max())
-        if widest >= LONG_CONTEXT_WINDOW:
-            return LONG_CONTEXT
-        return max(default, widest)
-
     def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
-        widest = int(self._windows(np.asarray(prompt_lengths)).max())
+        widest = int(protected_windows(self.window, np.asarray(prompt_lengths)).max())
         if chunk < widest:
+            chosen = self.chunk_eviction.prefill_chunk(prompt_lengths, widest)
             raise ValueError(
                 f"prefill_chunk={chunk} is smaller than the protected window w={widest}: "
                 f"give prefill_chunk >= {widest} (or leave it out: this policy then prefills "
-                f"in chunks of {self.prefill_chunk(prompt_lengths, widest)}), or a smaller "
-                "window="
+                f"in chunks of {chosen}), or a smaller window="
             )
-
-    def prefill_pages(self, prompt_lengths, chunk, model_config, page_size, reserve) -> int:
-        heads = model_config.num_layers * model_config.num_kv_heads
-        kept = self.budget_tokens(prompt_lengths)[:, :2].max(axis=1)  # max(floor(r T), w)
-        held = heads * (kept + chunk) / page_size + heads * (2 + -(-reserve // page_size))
-        return int(np.ceil(held).sum())
 
     def init_params(self, model_config, key):
         return gate.init_params(model_config, key)
@@ -196,77 +316,3 @@ class FastKVzip(Policy):
 
     def param_axes(self, params):
         return {name: gate.PARAM_AXES[name] for name in params}
-
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del k_unrotated, k, positions
-        return gate.gate_scores(layer_params, h)
-
-    def _evict(self, kv: KVState, total, protected, max_moves=None) -> KVState:
-        """Keeps `total` [B] tokens per sequence over every layer and KV head (all devices'
-        heads on a mesh), the protected ones first; in place (`evict_in_place`, up to
-        `max_moves` moves per head) during decode."""
-
-        def keep(scores, held, protected):
-            protected = protected & held
-            forced = jnp.sum(protected, axis=(0, 2, 3), dtype=jnp.int32)
-            return keep_top_globally(scores, jnp.maximum(total, forced), held, protected)
-
-        held = kv.positions() >= 0
-        keep_mask = collectives.over_all_heads(keep, kv.token_scores(), held, protected, axis=2)
-        if max_moves is None:
-            return compact(kv, keep_mask)
-        return evict_in_place(kv, keep_mask, max_moves)
-
-    @staticmethod
-    def _heads(kv: KVState) -> int:
-        """(layer, KV head) pairs of a sequence, every device's on a mesh."""
-        return kv.num_layers * kv.lengths.shape[2] * collectives.head_shards()
-
-    def after_prefill_chunk(self, kv: KVState, *, seen, prompt_lengths, budget_tokens):
-        heads = self._heads(kv)
-        final, window = budget_tokens[:, 0], budget_tokens[:, 1]
-        total = _scaled_total(final, seen, prompt_lengths, heads)
-        positions = kv.positions()
-        newest = positions >= (seen - window)[None, :, None, None]
-        return self._evict(kv, total, (positions < self.sinks) | newest)
-
-    @property
-    def decode_interval(self) -> int:
-        return self.decode_buffer
-
-    def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
-        grown = np.asarray(prompt_lengths) + max_new_tokens
-        kept = np.floor(self.ratio_of(budget_tokens, prompt_lengths) * grown).astype(np.int64)
-        fixed = budget_tokens[:, 2]
-        kept = np.where(fixed > 0, fixed, kept)
-        # Each eviction keeps max(floor(r * length), the forced sinks + newest buffer) per head
-        # on average; a buffer's worth of tokens arrives before the next one.
-        held = np.maximum(np.maximum(kept, budget_tokens[:, 0]), self.sinks + self.decode_buffer)
-        return np.minimum(held + self.decode_buffer, grown)
-
-    def step_record(self, logits) -> None:
-        del logits
-
-    @staticmethod
-    def ratio_of(budget_tokens, prompt_lengths) -> np.ndarray:
-        """The kept share floor(r T) / T per prompt (r itself is stripped from the static copy)."""
-        return budget_tokens[:, 0] / np.maximum(np.asarray(prompt_lengths), 1)
-
-    def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
-        """Runs every `decode_buffer` steps (`decode_interval`): evicts each active sequence
-        globally to floor(r * current length) (or the fixed `decode_tokens`) per head on
-        average, keeping the first `sinks` positions and the newest `decode_buffer`."""
-        active = ctx.positions >= 0
-        heads = self._heads(kv)
-        current = ctx.positions + 1
-        total = _scaled_total(ctx.budget_tokens[:, 0], current, ctx.prompt_lengths, heads)
-        fixed = ctx.budget_tokens[:, 2]
-        total = jnp.where(fixed > 0, fixed * heads, total)
-        held_total = collectives.reduce_partial_sums(
-            jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32)
-        )
-        total = jnp.where(active, total, held_total)
-        positions = kv.positions()
-        newest = positions > (ctx.positions - self.decode_buffer)[None, :, None, None]
-        protected = (positions < self.sinks) | newest | ~active[None, :, None, None]
-        return self._evict(kv, total, protected, max_moves=self.decode_buffer)
