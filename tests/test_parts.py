@@ -55,7 +55,7 @@ def test_an_inner_scorer_brings_its_attention_scoring_to_adakv():
 
 # Policies whose parts are objects of their own, each of one idea (the others fill their parts
 # with themselves, for now).
-NARROW = ("fastkvzip",)
+NARROW = ("fastkvzip", "wgkv", "local_attention", "duo_attention")
 
 
 def _public_members(obj) -> set[str]:

@@ -392,7 +392,7 @@ def test_composed_keeps_the_admission_prefill_pool_and_refuses_decode_eviction()
     policy = policies.compose(WGKV, policies.Quest(budget=8))
     # WG-KV's admission sizes the pool for what the gates admit (grown on demand), not Quest's
     # full-cache need (Quest has no admission part).
-    assert policy.admission is WGKV.admission and policies.Quest(budget=8).admission is None
+    assert policy.admission == WGKV.admission and policies.Quest(budget=8).admission is None
     geometry = (np.array([200, 90]), 16, config, PAGE, 8)
     assert isinstance(policy.admission.prefill_pages(*geometry), int)
     with pytest.raises(ValueError, match="'streaming_llm' and 'quest' both have a budget"):

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import attention as attention_ops
-from jaxkv import parts
 from jaxkv.gates.wgkv import (
     PARAM_AXES,
     check_write_gates,
@@ -31,10 +30,87 @@ from jaxkv.gates.wgkv import (
 )
 from jaxkv.policies import base
 
+# The thresholds of every policy here (their `threshold_names`): tau, column 0.
+THRESHOLD_NAMES = ("tau",)
+# The share of a prompt the prefill pool is first sized for; it grows when more is admitted.
+ADMITTED_GUESS = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdAdmission:
+    """The admission part: a token is stored in the global cache iff its gate value g > tau
+    (the policy's threshold, an array: a tau sweep compiles once); a local ring of `window`
+    slots per head holds the newest tokens whatever their gate.
+
+    Attributes:
+      window: the local band in tokens: the ring's slots per head.
+      admits_at_most: tokens a head admits at most (local attention: its sinks); None: the
+        prefill pool is first sized for `ADMITTED_GUESS` of the prompt.
+    """
+
+    window: int
+    admits_at_most: int | None = None
+
+    @property
+    def local_window(self) -> int:
+        return int(self.window)
+
+    def admit(self, *, layer, k, v, positions, scores, thresholds):
+        del layer, k, v, positions
+        tau = thresholds[:, THRESHOLD_NAMES.index("tau")]
+        return scores > tau[:, None, None]
+
+    def prefill_pages(self, prompt_lengths, chunk, model_config, page_size, reserve) -> int:
+        """A first guess (the pool grows as admission fills it): the admitted share, plus a
+        chunk and `reserve` tokens per head; the global pages hold admitted tokens only (the
+        ring is a side array)."""
+        lengths = np.asarray(prompt_lengths)
+        heads = model_config.num_layers * model_config.num_kv_heads
+        if self.admits_at_most is None:
+            guess = ADMITTED_GUESS * lengths
+        else:
+            guess = np.minimum(self.admits_at_most, lengths)
+        per_head = np.ceil(guess / page_size) + -(-(chunk + reserve) // page_size) + 2
+        return int(heads * per_head.sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedWriteGate:
+    """The gate part of WG-KV: each layer's learned write gate (`jaxkv.gates.wgkv`) on the
+    token's keys before and after RoPE."""
+
+    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
+        del h, positions
+        return write_gate_values(layer_params, k_unrotated, k)
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkGate:
+    """The gate part of local attention: 1 for the first `sinks` positions, else 0."""
+
+    sinks: int
+
+    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
+        del layer_params, h, k_unrotated
+        return _sink_gates(positions, self.sinks, k.shape[1]).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalHeadGate:
+    """The gate part of DuoAttention: 1 for every token of a retrieval head (the layer's slice
+    of bool [L, K] parameters), else as `SinkGate`."""
+
+    sinks: int
+
+    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
+        del h, k_unrotated
+        sink = _sink_gates(positions, self.sinks, k.shape[1])
+        return (sink | layer_params[None, :, None]).astype(jnp.float32)
+
 
 @dataclasses.dataclass(frozen=True)
 class RingAdmission(base.Policy):
-    """Admission by a per-token gate value g > tau, with a local ring of `window` tokens.
+    """The record of a `ThresholdAdmission` and a gate part (each subclass's), with tau.
 
     Attributes:
       tau: admission threshold in (0, 1); a token is promoted iff g > tau (strict). A
@@ -43,6 +119,7 @@ class RingAdmission(base.Policy):
     """
 
     name: ClassVar[str] = "ring_admission"
+    threshold_names: ClassVar[tuple[str, ...]] = THRESHOLD_NAMES
     tau: float | None = 0.1
     window: int = 256
 
@@ -58,40 +135,9 @@ class RingAdmission(base.Policy):
         if self.window <= 0:
             raise ValueError(f"window={self.window} must be > 0")
 
-    # The share of a prompt the prefill pool is first sized for; it grows when more is admitted.
-    admitted_guess: ClassVar[float] = 0.25
-
     @property
-    def admission(self) -> parts.Admission:
-        return self
-
-    @property
-    def gate(self) -> parts.Gate:
-        """Each subclass's `write_scores`: the gate values that `admit` compares with tau."""
-        return self
-
-    @property
-    def local_window(self) -> int:
-        return int(self.window)
-
-    def prefill_pages(self, prompt_lengths, chunk, model_config, page_size, reserve) -> int:
-        """A first guess (the pool grows as admission fills it): the admitted share, plus a
-        chunk and `reserve` tokens per head; the global pages hold admitted tokens only (the
-        ring is a side array)."""
-        heads = model_config.num_layers * model_config.num_kv_heads
-        admitted = np.ceil(self.admitted_tokens(np.asarray(prompt_lengths)) / page_size)
-        per_head = admitted + -(-(chunk + reserve) // page_size) + 2
-        return int(heads * per_head.sum())
-
-    def admitted_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        """Tokens per head the prefill pool is first sized for."""
-        return self.admitted_guess * prompt_lengths
-
-    threshold_names: ClassVar[tuple[str, ...]] = ("tau",)
-
-    def admit(self, *, layer, k, v, positions, scores, thresholds):
-        del layer, k, v, positions
-        return scores > self.threshold(thresholds, "tau")[:, None, None]
+    def admission(self) -> ThresholdAdmission:
+        return ThresholdAdmission(self.window)
 
 
 # DuoAttention's retrieval heads when picked on a prompt: a quarter of all (layer, KV head) pairs.
@@ -135,12 +181,12 @@ class WGKV(RingAdmission):
             )
         check_write_gates(params, model_config)
 
+    @property
+    def gate(self) -> LearnedWriteGate:
+        return LearnedWriteGate()
+
     def param_axes(self, params):
         return {name: PARAM_AXES[name] for name in params}
-
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del h, positions
-        return write_gate_values(layer_params, k_unrotated, k)
 
 
 @base.register
@@ -160,12 +206,13 @@ class LocalAttention(RingAdmission):
         super().__post_init__()
         _check_sinks(self.sinks)
 
-    def admitted_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        return np.minimum(self.sinks, prompt_lengths)
+    @property
+    def admission(self) -> ThresholdAdmission:
+        return ThresholdAdmission(self.window, admits_at_most=self.sinks)
 
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del layer_params, h, k_unrotated
-        return _sink_gates(positions, self.sinks, k.shape[1]).astype(jnp.float32)
+    @property
+    def gate(self) -> SinkGate:
+        return SinkGate(self.sinks)
 
 
 @base.register
@@ -252,14 +299,13 @@ class DuoAttention(RingAdmission):
         if jnp.result_type(params) != jnp.bool_:
             raise ValueError(f"duo_attention policy_params must be bool, got {params.dtype}")
 
+    @property
+    def gate(self) -> RetrievalHeadGate:
+        return RetrievalHeadGate(self.sinks)
+
     def param_axes(self, params):
         del params
         return ("layers", "kv_heads")
-
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del h, k_unrotated
-        sink = _sink_gates(positions, self.sinks, k.shape[1])
-        return (sink | layer_params[None, :, None]).astype(jnp.float32)
 
 
 def retrieval_heads(scores, fraction: float) -> np.ndarray:
