@@ -17,7 +17,7 @@ import jaxkv
 from jaxkv import policies
 from jaxkv.generation import StepContext, decode_step
 from jaxkv.models import Tokenizer
-from jaxkv.policies.confkv import confidence
+from jaxkv.policies.confkv import confidence, confident_steps
 from jaxkv.prose import prose
 from jaxkv.train import corpus as corpus_lib
 
@@ -117,7 +117,7 @@ def _read(
         pages = jnp.stack([kv.pages_in_use(), jnp.asarray(int8_pages, jnp.int32)])
         held = jnp.mean(kv.lengths.astype(jnp.float32))
         if isinstance(policy, policies.ConfKV):
-            confident = policy.confident(logits, thresholds)
+            confident = confident_steps(logits, thresholds, policy.weights)
         else:
             confident = jnp.zeros(logits.shape[:1], bool)
         return kv, (nll, confidence(logits), confident, pages, held)

@@ -12,6 +12,8 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from tqdm import tqdm
+
 from jaxkv import bundled
 from jaxkv.cache.config import DEFAULT_FULL_PRECISION_WINDOW
 
@@ -157,6 +159,7 @@ def _generate(args) -> int:
         backend=args.backend,
         policy_params=params,
         on_token=streamed,
+        on_prefill_chunk=PrefillProgress() if sys.stderr.isatty() else None,
     )
     n = int(out.num_tokens[0])
     written = len(prompt_ids) + n - 1  # the last token sampled is never written
@@ -187,6 +190,21 @@ def _generate(args) -> int:
         print()
     print(json.dumps(report, indent=2))
     return 0
+
+
+class PrefillProgress:
+    """`on_prefill_chunk` of `jaxkv generate` on a terminal: a progress bar over the prefill's
+    chunks on stderr, drawn from the first chunk on and gone when the last is done."""
+
+    def __init__(self):
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc="prefill", unit="chunk", leave=False)
+        self.bar.update(done - self.bar.n)
+        if done == total:
+            self.bar.close()
 
 
 class _TextStream:
@@ -249,6 +267,7 @@ def _ask(args) -> int:
         cache=jaxkv.CacheConfig(page_size=args.page_size, storage=args.storage),
         backend=args.backend,
         policy_params=params,
+        on_prefill_chunk=PrefillProgress() if sys.stderr.isatty() else None,
     )
     answers, stops = out.answers, set(stop_tokens(tokenizer, model.config))
     for index, question in enumerate(args.question):

@@ -15,8 +15,9 @@ part from one of them, and no hook can be forgotten on the way:
   decode_eviction      decode   decode_interval, decode_tokens_bound, on_decode, step_record
 
 The protocols live here, below `layer_step` and `forward`, so that those type their policy
-argument (`PolicyParts`) without importing the policies. A policy usually fills a part with
-itself; the part's protocol is then the only face of it the engine sees.
+argument (`PolicyParts`) without importing the policies. Each part is an object of its own that
+answers its protocol and nothing else (`tests/test_parts.py`), so the protocol is the only face
+of a policy the engine sees.
 """
 
 from __future__ import annotations

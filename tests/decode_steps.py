@@ -55,7 +55,7 @@ def _step(model, kv, token, position, prompt_length, budget_tokens, thresholds, 
         step=step,
         group_size=model.config.group_size,
     )
-    return kv, policy.on_decode(kv, ctx), logits[0]
+    return kv, policy.decode_eviction.on_decode(kv, ctx), logits[0]
 
 
 def teacher_forced_steps(model, prompt: list[int], policy, continuation: list[int], page_size=4):

@@ -15,6 +15,7 @@ from jaxkv.generation import loop as decode_module
 from jaxkv.generation import prefill as prefill_module
 from jaxkv.generation import request as request_module
 from jaxkv.models import init_model
+from jaxkv.policies.eviction import ScoredDecodeEviction
 from tests.tiny_models import tiny_config
 
 CONFIG = tiny_config(max_position_embeddings=8192)
@@ -38,12 +39,22 @@ EVICTION_STEPS: list[int] = []
 
 
 @dataclasses.dataclass(frozen=True)
-class _CountingStreamingLLM(policies.StreamingLLM):
-    """StreamingLLM that records the decode steps on which its eviction hook runs."""
+class _CountingEviction(ScoredDecodeEviction):
+    """A decode eviction part that records the decode steps on which it runs."""
 
     def on_decode(self, kv, ctx):
         jax.debug.callback(lambda step: EVICTION_STEPS.append(int(step)), ctx.step)
         return super().on_decode(kv, ctx)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CountingStreamingLLM(policies.StreamingLLM):
+    """StreamingLLM whose decode eviction records the steps it runs on."""
+
+    @property
+    def decode_eviction(self):
+        part = super().decode_eviction
+        return _CountingEviction(part.scorer, part.sinks, part.recent, part.evict_every, part.ratio)
 
 
 def test_window_eviction_runs_every_n_steps_and_equals_per_step_eviction_then(model):
@@ -132,12 +143,12 @@ def test_decode_pool_is_sized_by_the_budget_not_the_generation(model, make):
     bound = policy.decode_eviction.decode_tokens_bound(
         request.budget_tokens, request.prompts.lengths, 1000
     )
-    assert int(bound[0]) <= 64 + policy.decode_interval
+    assert int(bound[0]) <= 64 + policy.decode_eviction.decode_interval
     expected = geometry.pool_pages_bucket(heads * (-(-int(bound[0]) // 16) + 1), 16)
     assert expected < full_pages / 10
     out = jaxkv.generate(wide, prompt, policy=policy, **dict(kwargs, max_new_tokens=40))
     assert out.state.pool.num_pages <= geometry.pool_pages_bucket(
-        heads * (-(-(64 + policy.decode_interval) // 16) + 1), 16
+        heads * (-(-(64 + policy.decode_eviction.decode_interval) // 16) + 1), 16
     )
 
 

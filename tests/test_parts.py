@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from jaxkv import parts, policies
+from jaxkv.policies.scissorhands import UnimportanceCount
 from tests.test_sharding import POLICIES
 
 # The parts each registered policy has, from its paper (and kvpress's press of the same name).
@@ -47,15 +48,23 @@ def test_parts_are_those_of_the_method_and_satisfy_their_protocols(name):
         assert isinstance(getattr(policy, part), parts.PROTOCOLS[part]), part
 
 
-def test_an_inner_scorer_brings_its_attention_scoring_to_adakv():
-    ada = policies.AdaKV(budget=0.5, inner=policies.Scissorhands())
-    assert ada.attention_scoring is ada.inner  # Scissorhands' own counting rule, not a sum
+def test_adakv_wraps_its_inner_scorer_s_compression_and_keeps_every_other_part():
+    inner = policies.Scissorhands(budget=0.5, sinks=2, recent=3)
+    ada = policies.AdaKV(budget=0.5, inner=inner, recent=5, safeguard=0.3)
+    for part in set(parts.PARTS) - {"prompt_compression"}:
+        assert getattr(ada, part) == getattr(inner, part), part
+    # Scissorhands' own counting rule, not a sum; its compression's score reset too.
+    assert isinstance(ada.attention_scoring, UnimportanceCount)
+    assert ada.prompt_compression == dataclasses.replace(
+        inner.prompt_compression, protected_recent=5, safeguard=0.3
+    )
     assert policies.AdaKV(budget=0.5, inner="knorm").attention_scoring is None
+    with pytest.raises(ValueError, match="inner='sage_kv' must be a scoring eviction policy"):
+        policies.AdaKV(budget=0.5, inner="sage_kv")
 
 
-# Policies whose parts are objects of their own, each of one idea (the others fill their parts
-# with themselves, for now).
-NARROW = ("fastkvzip", "wgkv", "local_attention", "duo_attention")
+# Every policy with parts: each part an object of its own, of one idea.
+NARROW = tuple(sorted(set(EXPECTED) - {"full"}))
 
 
 def _public_members(obj) -> set[str]:

@@ -18,6 +18,7 @@ import pytest
 import jaxkv
 from jaxkv import policies
 from jaxkv.forward import forward_cached
+from jaxkv.generation.loop import after_decode_step
 from jaxkv.models import init_model
 from jaxkv.models.configs import Family
 from jaxkv.models.decoder import (
@@ -28,7 +29,6 @@ from jaxkv.models.decoder import (
 )
 from jaxkv.models.layers import rope_cos_sin
 from jaxkv.parts import DecodeContext
-from jaxkv.policies.base import after_decode_step
 from tests.dense_reference import cached_keys_values
 from tests.tiny_models import tiny_config
 

@@ -87,6 +87,9 @@ def test_resumed_run_reaches_the_same_parameters(train_text, tmp_path):
         metrics_path=tmp_path / "m.jsonl",
     )
     assert int(first.step) == 3
+    # A run killed after its last checkpoint had logged steps past it (here 4 and 5).
+    with open(tmp_path / "m.jsonl", "a") as killed:
+        killed.writelines(json.dumps({"step": step, "loss": 0.0}) + "\n" for step in (4, 5))
     resumed, logged_rest = _run(
         train_text,
         steps=6,

@@ -200,6 +200,18 @@ def make_train_step(
     )
 
 
+def drop_metrics_after(path: str | Path, step: int) -> None:
+    """Removes the records past `step` from a JSON-lines metrics file: a run killed after its
+    last checkpoint logged steps that its resumption runs (and logs) again."""
+    path = Path(path)
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) < len(lines):
+        path.write_text("".join(line + "\n" for line in kept))
+
+
 def checkpoint_manager(directory: str | Path, cfg: TrainConfig) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep_checkpoints, save_interval_steps=max(cfg.checkpoint_every, 1)
@@ -307,6 +319,8 @@ def train(
     logged: list[dict] = []
     started = time.perf_counter()
     write_metrics = metrics_path and jax.process_index() == 0
+    if write_metrics:
+        drop_metrics_after(metrics_path, first)
     metrics_file = open(metrics_path, "a") if write_metrics else None  # noqa: SIM115
     try:
         steps = range(first, last)

@@ -48,6 +48,7 @@ def generate(
     policy_params: PolicyParams | None = None,
     mesh: jax.sharding.Mesh | None = None,
     on_token: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+    on_prefill_chunk: Callable[[int, int], None] | None = None,
 ) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens for a batch of prompts of different lengths.
 
@@ -77,6 +78,9 @@ def generate(
         None: one device.
       on_token: `on_token(step, tokens int32 [B], done bool [B])`, called in order as the
         jitted decode loop samples each step's tokens (streaming; one device).
+      on_prefill_chunk: `on_prefill_chunk(chunks done, chunks in all)`, called after each
+        prefill chunk (progress on a long prompt); given, a prompt of several chunks is
+        prefilled one program call per chunk (the same tokens and cache).
     Shapes that depend on the request (pool and table sizes, prompt padding, max_new_tokens)
     are bucketed (`jaxkv.cache.geometry`), so a stream of requests compiles a bounded number of
     times; budgets travel as arrays and never recompile.
@@ -101,6 +105,7 @@ def generate(
         backend=backend,
         policy_params=policy_params,
         mesh=mesh,
+        on_prefill_chunk=on_prefill_chunk,
     )
     jax.block_until_ready(session.last_hidden)
     prefilled = time.perf_counter()
@@ -243,6 +248,7 @@ def ask(
     prefill_chunk: int | None = None,
     backend: str | Backend = "auto",
     policy_params: PolicyParams | None = None,
+    on_prefill_chunk: Callable[[int, int], None] | None = None,
 ) -> AskOutput:
     """Answers each question over one compressed copy of `context`: the context is prefilled
     and compressed once (or given as a one-row `Session`), forked into one row per question
@@ -275,6 +281,7 @@ def ask(
             key=policy_key,
             backend=backend,
             policy_params=policy_params,
+            on_prefill_chunk=on_prefill_chunk,
         )
     rows = session.fork(questions, reserve_tokens=max_new_tokens - 1, prefill_chunk=prefill_chunk)
     answers = _decode(

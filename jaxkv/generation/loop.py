@@ -24,12 +24,12 @@ from jaxkv.cache import (
     repack,
     retable,
 )
+from jaxkv.cache.eviction import run_if
 from jaxkv.forward import forward_cached
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.models.decoder import Model, logits_from_hidden
-from jaxkv.parts import DecodeContext
+from jaxkv.parts import DecodeContext, PolicyParts
 from jaxkv.policies import Policy
-from jaxkv.policies.base import after_decode_step
 from jaxkv.sampling import Sampler
 from jaxkv.sharding import InferenceMesh
 
@@ -101,6 +101,16 @@ def decode_context(ctx: StepContext, positions: jax.Array, logits: jax.Array, gr
         step=ctx.step,
         group_size=group_size,
     )
+
+
+def after_decode_step(policy: PolicyParts, kv: KVState, ctx: DecodeContext) -> KVState:
+    """The state after a decode step: the decode eviction's `on_decode` on the steps it is due
+    (ctx.step % `decode_interval` == 0), skipped on the others (in place: `run_if`)."""
+    eviction = policy.decode_eviction
+    if eviction is None:
+        return kv
+    due = ctx.step % eviction.decode_interval == 0
+    return run_if(due, lambda kv: eviction.on_decode(kv, ctx), kv)
 
 
 def decode_step(

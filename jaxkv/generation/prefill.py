@@ -4,6 +4,8 @@ unknown share of the prompt."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -380,6 +382,18 @@ def prefill_chunks(model, request: Request, key, policy_params, backend: Backend
     )
 
 
+def _reporting(steps, on_chunk: Callable[[int, int], None], total: int):
+    """`steps` (a generator of chunks done, such as `prefill_chunks`) calling `on_chunk(done,
+    total)` after each chunk, with its return value."""
+    while True:
+        try:
+            done = next(steps)
+        except StopIteration as end:
+            return end.value
+        on_chunk(done, total)
+        yield done
+
+
 def run_to_end(steps):
     """The return value of a generator such as `prefill_chunks`, run to its end."""
     while True:
@@ -443,12 +457,22 @@ def read_tokens(
 
 
 def run_prefill(
-    model: Model, request: Request, key, policy_params, backend: Backend
+    model: Model,
+    request: Request,
+    key,
+    policy_params,
+    backend: Backend,
+    on_chunk: Callable[[int, int], None] | None = None,
 ) -> tuple[KVState, jax.Array]:
-    """Prefill and compression of a set-up request: (kv, last_hidden [B, D])."""
+    """Prefill and compression of a set-up request: (kv, last_hidden [B, D]). With `on_chunk`
+    and more than one chunk, one program call per chunk (`prefill_chunks`, as for a growing
+    pool), calling `on_chunk(chunks done, chunks in all)` after each."""
     prompts = request.prompts
-    if request.grows:
-        kv, last_hidden = run_to_end(prefill_chunks(model, request, key, policy_params, backend))
+    if request.grows or (on_chunk is not None and prompts.num_chunks > 1):
+        steps = prefill_chunks(model, request, key, policy_params, backend)
+        if on_chunk is not None:
+            steps = _reporting(steps, on_chunk, prompts.num_chunks)
+        kv, last_hidden = run_to_end(steps)
     else:
         kv, last_hidden = prefill_and_compress(
             request.placement,

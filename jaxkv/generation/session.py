@@ -159,6 +159,7 @@ def prefill_session(
     backend: Backend,
     policy_params: PolicyParams | None,
     mesh: jax.sharding.Mesh | None,
+    on_prefill_chunk: Callable[[int, int], None] | None = None,
 ) -> Session:
     """`prefill` with the room to reserve and the positions to check given explicitly
     (`generate` reserves its decode's)."""
@@ -173,7 +174,9 @@ def prefill_session(
         policy_params=policy_params,
         mesh=mesh,
     )
-    kv, last_hidden = run_prefill(request.model, request, key, request.policy_params, backend)
+    kv, last_hidden = run_prefill(
+        request.model, request, key, request.policy_params, backend, on_prefill_chunk
+    )
     lengths = request.prompts.lengths
     return Session(
         model=request.model,
@@ -203,13 +206,15 @@ def prefill(
     reserve_tokens: int = 0,
     policy_params: PolicyParams | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    on_prefill_chunk: Callable[[int, int], None] | None = None,
 ) -> Session:
     """Prefills the prompts and applies the policy's compression: a `Session`.
 
     `key` seeds stochastic policies (GVote); the same key gives the same result.
     `reserve_tokens`: room in the state for that many tokens after each prompt (`extend` and
     `decode` make more room when they need it, at the cost of a copy).
-    `cache`, `policy_params`, `prefill_chunk`, `backend`, `mesh`: as for `generate`.
+    `cache`, `policy_params`, `prefill_chunk`, `backend`, `mesh`, `on_prefill_chunk`: as for
+    `generate`.
     """
     backend = resolve_backend(backend)
     reserve_tokens = check_count("reserve_tokens", reserve_tokens, 0)
@@ -225,6 +230,7 @@ def prefill(
         backend=backend,
         policy_params=policy_params,
         mesh=mesh,
+        on_prefill_chunk=on_prefill_chunk,
     )
 
 

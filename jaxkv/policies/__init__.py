@@ -3,10 +3,9 @@
 from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies.base import (
     Budget,
-    CompressesPrompt,
     FullCache,
     Policy,
-    SummedAttention,
+    SummedMass,
     get,
     policy_class,
     register,
@@ -60,7 +59,6 @@ __all__ = [
     "AdaKV",
     "Budget",
     "Composed",
-    "CompressesPrompt",
     "ConfKV",
     "ConfidenceWeights",
     "DecodeContext",
@@ -87,7 +85,7 @@ __all__ = [
     "SlidingWindow",
     "SnapKV",
     "StreamingLLM",
-    "SummedAttention",
+    "SummedMass",
     "attention_mass",
     "compose",
     "confidence",

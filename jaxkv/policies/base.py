@@ -3,8 +3,9 @@
 A policy decides which tokens the cache keeps; how the cache holds them (page size, dtype, int8
 tier) is the request's `jaxkv.cache.CacheConfig`. A policy is a record of optional parts
 (`jaxkv.parts`: admission, gate, attention_scoring, selection, prompt_compression,
-chunk_eviction, decode_eviction), None unless the policy has them; usually a policy is its own
-part, through the mixins below or methods of its own. Besides its parts it answers on the host:
+chunk_eviction, decode_eviction), None unless the policy has them, each a small frozen object of
+one idea (`WGKV.gate` a `LearnedWriteGate`, `SnapKV.prompt_compression` a `ScoredCompression`
+of its scores). Besides its parts it answers on the host:
 
   budgets   budget_tokens(...)     int32 [B] (or [B, n]) tokens per head, checked on the host
             budget_ratio(...)      f32 [B] the budget as a share of the growing sequence
@@ -38,10 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import bundled, parts
-from jaxkv.cache import KVState
-from jaxkv.cache.eviction import run_if
 from jaxkv.models.configs import ModelConfig
-from jaxkv.parts import DecodeContext
 
 # A policy's learned parameters: a pytree of arrays, every leaf stacked [L, ...] (gates).
 PolicyParams: TypeAlias = Any
@@ -327,14 +325,12 @@ def within_budget(budget_tokens: np.ndarray, prompt_lengths: np.ndarray) -> tupl
     return np.minimum(budget, lengths), "the budget per head"
 
 
-class SummedAttention:
-    """Mixin: the policy is its own attention scoring, by default a plain sum of the attention
-    each token receives (H2O); Conf-KV's EMA overrides `mass_weights`, Scissorhands'
-    window counter `update_scores`."""
-
-    @property
-    def attention_scoring(self) -> parts.AttentionScoring:
-        return self
+@dataclasses.dataclass(frozen=True)
+class SummedMass:
+    """The attention scoring part of H2O and observed attention: each token's score is the
+    attention it has received, summed over every query (averaged over the KV head's query
+    heads). Conf-KV's `DecayedMass` overrides `mass_weights`, Scissorhands'
+    `UnimportanceCount` `update_scores`."""
 
     def mass_weights(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """decay f32 [B] (1) and per-query weights f32 [B, C] (1 for valid queries)."""
@@ -356,36 +352,9 @@ class SummedAttention:
         return decay[:, None, None] * old + mass
 
 
-class CompressesPrompt:
-    """Mixin: the policy is its own prompt compression, recording by default neither queries,
-    input or query moments nor the prompt's ids."""
-
-    needs_input_stats: ClassVar[bool] = False
-    needs_prompt_tokens: ClassVar[bool] = False
-    query_moments_from: ClassVar[int | None] = None
-
-    @property
-    def prompt_compression(self) -> parts.PromptCompression:
-        return self
-
-    @property
-    def observation_window(self) -> int:
-        return 0
-
-
 @register
 @dataclasses.dataclass(frozen=True)
 class FullCache(Policy):
     """Keep every token: the uncompressed baseline."""
 
     name: ClassVar[str] = "full"
-
-
-def after_decode_step(policy: Policy, kv: KVState, ctx: DecodeContext) -> KVState:
-    """The state after a decode step: the decode eviction's `on_decode` on the steps it is due
-    (ctx.step % `decode_interval` == 0), skipped on the others (in place: `run_if`)."""
-    eviction = policy.decode_eviction
-    if eviction is None:
-        return kv
-    due = ctx.step % eviction.decode_interval == 0
-    return run_if(due, lambda kv: eviction.on_decode(kv, ctx), kv)

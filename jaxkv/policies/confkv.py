@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import collectives, parts
+from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head, run_if
 from jaxkv.parts import DecodeContext, PrefillObservations
@@ -131,10 +131,146 @@ def rank_scores(mass, positions, held, protected, alpha: float) -> jax.Array:
     return alpha * _min_max(mass, candidates) + (1 - alpha) * _min_max(recency, candidates)
 
 
+# Conf-KV's thresholds (`ConfKV.threshold_names`): logit(tau), column 0.
+THRESHOLD_NAMES = ("tau",)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompositeRanking:
+    """How Conf-KV evicts (both its parts): each head keeps its newest `protected` positions
+    and its best others by alpha x EMA attention mass + (1 - alpha) x recency (`rank_scores`;
+    at random for the RANDOM ablation), ranked per layer or per head; budgets per layer from
+    the pyramid. Attributes: as `ConfKV`'s."""
+
+    protected: int
+    alpha: float
+    ranking: Ranking
+    per_head: bool
+    pyramid: bool
+    gamma_max: float
+    gamma_min: float
+
+    def layer_budgets(self, budget: jax.Array, num_layers: int) -> jax.Array:
+        """int32 [L, B]: budget [B] per layer (scaled by the pyramid when `pyramid`)."""
+        if not self.pyramid:
+            return jnp.broadcast_to(budget, (num_layers, budget.shape[0]))
+        scale = pyramid_scale(num_layers, self.gamma_max, self.gamma_min)
+        return jnp.round(scale[:, None] * budget[None].astype(jnp.float32)).astype(jnp.int32)
+
+    def ranking_mass(self, kv: KVState) -> jax.Array:
+        """f32 [L, B, K, S]: the attention mass the ranking reads. Per layer (the default), the
+        mean over the layer's KV heads of their group means, i.e. over all its query heads:
+        every eviction removes the same positions from all the layer's heads, so they hold the
+        same positions in the same slots (prefill writes every token to every head)."""
+        mass = kv.token_scores()
+        if self.per_head:
+            return mass
+        layer_mean = jnp.mean(collectives.gather_heads(mass, axis=2), axis=2, keepdims=True)
+        return jnp.broadcast_to(layer_mean, mass.shape)
+
+    def evict(self, kv: KVState, budgets, newest_positions, key, max_moves=None) -> KVState:
+        """Each head keeps its newest `protected` positions (up to newest_positions [B]) and its
+        best-ranked others, budgets [L, B] tokens in all, when it holds more; in place
+        (`evict_in_place`, up to `max_moves` moves per head) during decode."""
+        budgets = budgets[..., None]
+
+        def evict(kv: KVState) -> KVState:
+            positions = kv.positions()
+            held = positions >= 0
+            newest = positions > newest_positions[None, :, None, None] - self.protected
+            protected = held & newest
+            if self.ranking is Ranking.RANDOM:
+                heads = positions.shape[2] if self.per_head else 1
+                shape = (*positions.shape[:2], heads, positions.shape[3])
+                scores = jnp.broadcast_to(jax.random.uniform(key, shape), positions.shape)
+            else:
+                mass = self.ranking_mass(kv)
+                scores = rank_scores(mass, positions, held, protected, self.alpha)
+            budget = jnp.broadcast_to(budgets, kv.lengths.shape)
+            keep = keep_top_per_head(scores, budget, held, protected, max_evicted=max_moves)
+            return compact(kv, keep) if max_moves is None else evict_in_place(kv, keep, max_moves)
+
+        # Every device takes the same branch: the per-layer ranking gathers across devices.
+        over_budget = collectives.any_shard(jnp.any(kv.lengths > budgets))
+        return run_if(over_budget, evict, kv)
+
+
+@dataclasses.dataclass(frozen=True)
+class LooseBudgetCompression:
+    """Conf-KV's prompt compression part: after prefill, down to the loose budget (no step can
+    keep more), so that the decode pool is sized by the budget and not by the prompt."""
+
+    rank: CompositeRanking
+
+    observation_window: ClassVar[int] = 0
+    needs_input_stats: ClassVar[bool] = False
+    needs_prompt_tokens: ClassVar[bool] = False
+    query_moments_from: ClassVar[int | None] = None
+
+    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
+        del model
+        budgets = self.rank.layer_budgets(obs.budget_tokens[:, 1], kv.num_layers)
+        return self.rank.evict(kv, budgets, obs.prompt_lengths - 1, obs.key)
+
+
+def confident_steps(logits: jax.Array, thresholds: jax.Array, weights) -> jax.Array:
+    """bool [B]: c >= tau for a step's logits [B, V], as z >= the `thresholds` column (logit(tau),
+    `is_confident`'s rule with tau traced)."""
+    z = confidence_logit(confidence_features(logits), weights)
+    return z >= thresholds[:, THRESHOLD_NAMES.index("tau")]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfidenceEviction:
+    """Conf-KV's decode eviction part: every `evict_every` steps each sequence evicts to its
+    tight budget (column 0) when the step's confidence c >= tau, else to its loose one."""
+
+    rank: CompositeRanking
+    weights: ConfidenceWeights
+    evict_every: int
+
+    @property
+    def decode_interval(self) -> int:
+        return self.evict_every
+
+    def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
+        loose = budget_tokens[:, 1].astype(np.float64)
+        scale = self.rank.gamma_max if self.rank.pyramid else 1.0
+        widest = np.round(loose * scale).astype(np.int64)
+        return np.minimum(widest + self.evict_every, np.asarray(prompt_lengths) + max_new_tokens)
+
+    def step_record(self, logits: jax.Array) -> jax.Array:
+        return confidence(logits, self.weights)
+
+    def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
+        confident = confident_steps(ctx.logits, ctx.thresholds, self.weights)
+        budget = jnp.where(confident, ctx.budget_tokens[:, 0], ctx.budget_tokens[:, 1])
+        budgets = self.rank.layer_budgets(budget, kv.num_layers)
+        # Finished sequences (position -1) wrote nothing and are left as they are.
+        budgets = jnp.where(ctx.positions >= 0, budgets, kv.max_tokens_per_head)
+        return self.rank.evict(kv, budgets, ctx.positions, ctx.key, max_moves=self.evict_every)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecayedMass(base.SummedMass):
+    """Conf-KV's attention scoring part: an EMA of the attention mass with decay `beta`."""
+
+    beta: float
+
+    def mass_weights(self, positions: jax.Array):
+        """Sequential EMA over a chunk's queries in position order: the newest query's mass has
+        weight (1 - beta), each older one a further factor beta; old scores decay by beta^n."""
+        valid = positions >= 0
+        newest = jnp.max(positions, axis=-1, keepdims=True)
+        weights = jnp.where(valid, (1 - self.beta) * self.beta ** (newest - positions), 0.0)
+        return self.beta ** jnp.sum(valid, axis=-1).astype(jnp.float32), weights
+
+
 @base.register
 @dataclasses.dataclass(frozen=True)
-class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
-    """Confidence-aware eviction.
+class ConfKV(base.Policy):
+    """Confidence-aware eviction: the record of a `DecayedMass` scoring, a
+    `LooseBudgetCompression` and a `ConfidenceEviction`, sharing one `CompositeRanking`.
 
     Attributes:
       tight, loose: budgets in tokens per (layer, sequence, head) on confident / uncertain steps
@@ -211,7 +347,7 @@ class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
     def static(self) -> ConfKV:
         return dataclasses.replace(super().static(), tight=None, loose=None)
 
-    threshold_names: ClassVar[tuple[str, ...]] = ("tau",)
+    threshold_names: ClassVar[tuple[str, ...]] = THRESHOLD_NAMES
 
     def thresholds(self, batch: int) -> np.ndarray:
         """f32 [B, 1]: logit(tau), from float64 (`tau_logit`): c >= tau is decided as
@@ -221,94 +357,25 @@ class ConfKV(base.SummedAttention, base.CompressesPrompt, base.Policy):
         return np.full((batch, 1), tau_logit(self.tau), np.float32)
 
     @property
-    def decode_eviction(self) -> parts.DecodeEviction:
-        return self
+    def attention_scoring(self) -> DecayedMass:
+        return DecayedMass(self.beta)
 
     @property
-    def decode_interval(self) -> int:
-        return self.evict_every
+    def decode_eviction(self) -> ConfidenceEviction:
+        return ConfidenceEviction(self._ranking, self.weights, self.evict_every)
 
-    def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
-        loose = budget_tokens[:, 1].astype(np.float64)
-        widest = np.round(loose * (self.gamma_max if self.pyramid else 1.0)).astype(np.int64)
-        return np.minimum(widest + self.evict_every, np.asarray(prompt_lengths) + max_new_tokens)
+    @property
+    def prompt_compression(self) -> LooseBudgetCompression:
+        return LooseBudgetCompression(self._ranking)
 
-    def step_record(self, logits: jax.Array) -> jax.Array:
-        return confidence(logits, self.weights)
-
-    def mass_weights(self, positions: jax.Array):
-        """Sequential EMA over a chunk's queries in position order: the newest query's mass has
-        weight (1 - beta), each older one a further factor beta; old scores decay by beta^n."""
-        valid = positions >= 0
-        newest = jnp.max(positions, axis=-1, keepdims=True)
-        weights = jnp.where(valid, (1 - self.beta) * self.beta ** (newest - positions), 0.0)
-        return self.beta ** jnp.sum(valid, axis=-1).astype(jnp.float32), weights
-
-    def layer_budgets(self, budget: jax.Array, num_layers: int) -> jax.Array:
-        """int32 [L, B]: budget [B] per layer (scaled by the pyramid when `pyramid`)."""
-        if not self.pyramid:
-            return jnp.broadcast_to(budget, (num_layers, budget.shape[0]))
-        scale = pyramid_scale(num_layers, self.gamma_max, self.gamma_min)
-        return jnp.round(scale[:, None] * budget[None].astype(jnp.float32)).astype(jnp.int32)
-
-    def confident(self, logits: jax.Array, thresholds: jax.Array) -> jax.Array:
-        """bool [B]: c >= tau for the step's logits [B, V], as z >= the `thresholds` column
-        (logit(tau), `is_confident`'s rule with tau traced)."""
-        z = confidence_logit(confidence_features(logits), self.weights)
-        return z >= self.threshold(thresholds, "tau")
-
-    def step_budgets(self, kv: KVState, ctx: DecodeContext) -> jax.Array:
-        """int32 [L, B]: this step's budget per layer and sequence."""
-        confident = self.confident(ctx.logits, ctx.thresholds)
-        budget = jnp.where(confident, ctx.budget_tokens[:, 0], ctx.budget_tokens[:, 1])
-        return self.layer_budgets(budget, kv.num_layers)
-
-    def ranking_mass(self, kv: KVState) -> jax.Array:
-        """f32 [L, B, K, S]: the attention mass the ranking reads. Per layer (the default), the
-        mean over the layer's KV heads of their group means, i.e. over all its query heads:
-        every eviction removes the same positions from all the layer's heads, so they hold the
-        same positions in the same slots (prefill writes every token to every head)."""
-        mass = kv.token_scores()
-        if self.per_head:
-            return mass
-        layer_mean = jnp.mean(collectives.gather_heads(mass, axis=2), axis=2, keepdims=True)
-        return jnp.broadcast_to(layer_mean, mass.shape)
-
-    def _evict(self, kv: KVState, budgets, newest_positions, key, max_moves=None) -> KVState:
-        """Each head keeps its newest `protected` positions (up to newest_positions [B]) and its
-        best-ranked others, budgets [L, B] tokens in all, when it holds more; in place
-        (`evict_in_place`, up to `max_moves` moves per head) during decode."""
-        budgets = budgets[..., None]
-
-        def evict(kv: KVState) -> KVState:
-            positions = kv.positions()
-            held = positions >= 0
-            newest = positions > newest_positions[None, :, None, None] - self.protected
-            protected = held & newest
-            if self.ranking is Ranking.RANDOM:
-                heads = positions.shape[2] if self.per_head else 1
-                shape = (*positions.shape[:2], heads, positions.shape[3])
-                scores = jnp.broadcast_to(jax.random.uniform(key, shape), positions.shape)
-            else:
-                mass = self.ranking_mass(kv)
-                scores = rank_scores(mass, positions, held, protected, self.alpha)
-            budget = jnp.broadcast_to(budgets, kv.lengths.shape)
-            keep = keep_top_per_head(scores, budget, held, protected, max_evicted=max_moves)
-            return compact(kv, keep) if max_moves is None else evict_in_place(kv, keep, max_moves)
-
-        # Every device takes the same branch: the per-layer ranking gathers across devices.
-        over_budget = collectives.any_shard(jnp.any(kv.lengths > budgets))
-        return run_if(over_budget, evict, kv)
-
-    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
-        """After prefill, down to the loose budget (no step can keep more), so that the decode
-        pool is sized by the budget and not by the prompt."""
-        del model
-        budgets = self.layer_budgets(obs.budget_tokens[:, 1], kv.num_layers)
-        return self._evict(kv, budgets, obs.prompt_lengths - 1, obs.key)
-
-    def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
-        budgets = self.step_budgets(kv, ctx)
-        # Finished sequences (position -1) wrote nothing and are left as they are.
-        budgets = jnp.where(ctx.positions >= 0, budgets, kv.max_tokens_per_head)
-        return self._evict(kv, budgets, ctx.positions, ctx.key, max_moves=self.evict_every)
+    @property
+    def _ranking(self) -> CompositeRanking:
+        return CompositeRanking(
+            self.protected,
+            self.alpha,
+            self.ranking,
+            self.per_head,
+            self.pyramid,
+            self.gamma_max,
+            self.gamma_min,
+        )

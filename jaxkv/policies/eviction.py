@@ -8,7 +8,7 @@ the budget, and `compact` frees the pages left empty.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
@@ -16,11 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import attention as attention_ops
-from jaxkv import parts
+from jaxkv import collectives
 from jaxkv.cache import KVState
-from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head, run_if
+from jaxkv.cache.eviction import (
+    compact,
+    evict_in_place,
+    keep_top_across_heads,
+    keep_top_per_head,
+    run_if,
+)
 from jaxkv.parts import DecodeContext, PrefillObservations
-from jaxkv.policies.base import Budget, CompressesPrompt, Policy, within_budget
+from jaxkv.policies.base import Budget, Policy, within_budget
 
 
 @flax.struct.dataclass
@@ -121,8 +127,72 @@ def group_mean(per_query_head: jax.Array, num_kv_heads: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvictionPolicy(CompressesPrompt, Policy):
-    """A scorer plus the shared keep-top-k eviction: a prompt compression.
+class ScoredCompression:
+    """The prompt compression part of a score-and-evict policy: each head keeps its protected
+    tokens (the first `sinks` positions and the prompt's newest `protected_recent`) and its
+    best-scored others (`scorer.layer_scores`) up to its layer's budget
+    (`scorer.layer_budgets`); `compact` frees the pages left empty.
+
+    Attributes:
+      scorer: the policy whose scores rank the tokens; what prefill observes is its.
+      sinks, protected_recent: as above.
+      safeguard: None keeps the top tokens per head; a share in [0, 1] keeps them across each
+        layer's heads, each head keeping at least that share of its uniform budget (AdaKV).
+      reset_scores: whether the kept tokens' accumulated scores restart at 0 (Scissorhands,
+        whose decode counts start after the prompt).
+    """
+
+    scorer: Any
+    sinks: int
+    protected_recent: int
+    safeguard: float | None = None
+    reset_scores: bool = False
+
+    needs_prompt_tokens: ClassVar[bool] = False
+
+    @property
+    def observation_window(self) -> int:
+        return self.scorer.observation_window
+
+    @property
+    def needs_input_stats(self) -> bool:
+        return self.scorer.needs_input_stats
+
+    @property
+    def query_moments_from(self) -> int | None:
+        return self.scorer.query_moments_from
+
+    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
+        positions = kv.positions()
+        held = positions >= 0
+        newest = positions >= obs.prompt_lengths[:, None, None] - self.protected_recent
+        protected = held & ((positions < self.sinks) | newest)
+        scores = map_layers(
+            kv, obs, model, self.scorer.layer_scores, values=self.scorer.reads_values
+        )
+        budgets = self.scorer.layer_budgets(obs.budget_tokens, obs.prompt_lengths, kv.num_layers)
+        kept = compact(kv, self._keep(scores, budgets, held, protected))
+        return kept.with_token_scores_zeroed() if self.reset_scores else kept
+
+    def _keep(self, scores, budgets, held, protected) -> jax.Array:
+        """bool [L, B, K, S] keep-mask for budgets int32 [L, B]."""
+        if self.safeguard is None:
+            return keep_top_per_head(scores, budgets[..., None], held, protected)
+
+        def keep(scores, held, protected):
+            return keep_top_across_heads(scores, budgets, held, protected, self.safeguard)
+
+        return collectives.over_all_heads(keep, scores, held, protected, axis=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionPolicy(Policy):
+    """A scorer with the shared keep-top-k eviction: the record of a `ScoredCompression` of
+    its own scores, with its budget.
+
+    A subclass scores (`layer_scores`) and may say what prefill observes for it
+    (`observation_window`, `needs_input_stats`, `query_moments_from`, `reads_values`) and
+    how the budget splits over layers (`layer_budgets`).
 
     Attributes:
       budget: tokens kept per (layer, sequence, KV head): a ratio of the prompt (float) or a
@@ -142,6 +212,25 @@ class EvictionPolicy(CompressesPrompt, Policy):
         for name in ("sinks", "recent"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+
+    @property
+    def prompt_compression(self) -> ScoredCompression:
+        return ScoredCompression(self, self.sinks, self.protected_recent)
+
+    # --- what the scorer observes (none by default) -------------------------------------
+
+    @property
+    def observation_window(self) -> int:
+        """How many of each prompt's last queries prefill records per layer."""
+        return 0
+
+    needs_input_stats: ClassVar[bool] = False
+    query_moments_from: ClassVar[int | None] = None
+
+    @property
+    def reads_values(self) -> bool:
+        """Whether `layer_scores` reads the layer's values (`LayerView.values`)."""
+        return False
 
     @property
     def protected_recent(self) -> int:
@@ -179,48 +268,71 @@ class EvictionPolicy(CompressesPrompt, Policy):
     def static(self) -> EvictionPolicy:
         return dataclasses.replace(self, budget=None)
 
-    # --- scoring -------------------------------------------------------------------------
-
     def layer_scores(self, view: LayerView) -> jax.Array:
         """f32 [B, K, S] importance of each cached token (higher is kept)."""
         raise NotImplementedError
-
-    @property
-    def reads_values(self) -> bool:
-        """Whether `layer_scores` reads the layer's values (`LayerView.values`)."""
-        return False
-
-    def scores(self, kv: KVState, obs: PrefillObservations, model) -> jax.Array:
-        """f32 [L, B, K, S]: `layer_scores` of every layer."""
-        return map_layers(kv, obs, model, self.layer_scores, values=self.reads_values)
-
-    # --- selection -----------------------------------------------------------------------
 
     def layer_budgets(self, budget_tokens, prompt_lengths, num_layers: int) -> jax.Array:
         """int32 [L, B] tokens per head in each layer; uniform by default."""
         del prompt_lengths
         return jnp.broadcast_to(budget_tokens, (num_layers, *budget_tokens.shape))
 
-    def protected(self, positions: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
-        """bool like positions [L, B, K, S]: sinks and the newest positions of each prompt."""
-        newest = positions >= prompt_lengths[:, None, None] - self.protected_recent
-        return (positions >= 0) & ((positions < self.sinks) | newest)
 
-    def select(self, scores, budgets, held, protected) -> jax.Array:
-        """bool [L, B, K, S] keep-mask; per-head top-k by default."""
-        return keep_top_per_head(scores, budgets[..., None], held, protected)
+@dataclasses.dataclass(frozen=True)
+class ScoredDecodeEviction:
+    """The decode eviction part of a score-and-evict policy: every `evict_every` decode steps
+    a head holding more than its budget (`decode_budget`) evicts its lowest-scored tokens
+    (`scorer.decode_scores`) down to it, never the first `sinks` positions nor the newest
+    `recent`.
 
-    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
-        positions = kv.positions()
-        scores = self.scores(kv, obs, model)
-        protected = self.protected(positions, obs.prompt_lengths)
-        budgets = self.layer_budgets(obs.budget_tokens, obs.prompt_lengths, kv.num_layers)
-        return compact(kv, self.select(scores, budgets, positions >= 0, protected))
+    Attributes:
+      scorer: the policy whose `decode_scores` rank the tokens.
+      sinks, recent, evict_every: as above.
+      ratio: the budget's ratio of the sequence (0: a token budget), for the host's bound.
+    """
+
+    scorer: Any
+    sinks: int
+    recent: int
+    evict_every: int
+    ratio: float = 0.0
+
+    @property
+    def decode_interval(self) -> int:
+        return self.evict_every
+
+    def step_record(self, logits: jax.Array) -> None:
+        del logits
+
+    def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
+        grown = np.asarray(prompt_lengths) + max_new_tokens
+        budget = np.maximum(budget_tokens, np.floor(self.ratio * grown)).astype(np.int64)
+        return np.minimum(budget + self.evict_every, grown)
+
+    def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
+        budget = decode_budget(ctx)[None, :, None]
+
+        def evict(kv: KVState) -> KVState:
+            positions = kv.positions()
+            newest = positions > ctx.positions[None, :, None, None] - self.recent
+            protected = (positions >= 0) & ((positions < self.sinks) | newest)
+            budgets = jnp.broadcast_to(budget, kv.lengths.shape)
+            keep = keep_top_per_head(
+                self.scorer.decode_scores(kv, positions),
+                budgets,
+                positions >= 0,
+                protected,
+                max_evicted=self.evict_every,
+            )
+            return evict_in_place(kv, keep, max_moves=self.evict_every)
+
+        return run_if(jnp.any(kv.lengths > budget), evict, kv)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeEvictionPolicy(EvictionPolicy):
-    """An eviction policy that also evicts during decode (its own decode eviction part).
+    """An eviction policy that also evicts during decode: the record of a `ScoredCompression`
+    and a `ScoredDecodeEviction` of its own scores (`decode_scores`).
 
     Every `evict_every` decode steps, a head holding more than its budget evicts down to it;
     in between it holds up to `evict_every` tokens more (the one approximation of per-step
@@ -241,49 +353,18 @@ class DecodeEvictionPolicy(EvictionPolicy):
         check_evict_every(self.evict_every)
 
     @property
-    def decode_eviction(self) -> parts.DecodeEviction:
-        return self
-
-    def step_record(self, logits: jax.Array) -> None:
-        del logits
-
-    @property
-    def decode_interval(self) -> int:
-        return self.evict_every
+    def decode_eviction(self) -> ScoredDecodeEviction:
+        ratio = float(self.budget_ratio(1)[0])
+        return ScoredDecodeEviction(self, self.sinks, self.recent, self.evict_every, ratio)
 
     def budget_ratio(self, batch: int) -> np.ndarray:
         if self.budget is None:
             return super().budget_ratio(batch)
         return self.budget.ratio_array(batch)
 
-    def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
-        grown = np.asarray(prompt_lengths) + max_new_tokens
-        ratio = self.budget_ratio(len(grown))
-        budget = np.maximum(budget_tokens, np.floor(ratio * grown)).astype(np.int64)
-        return np.minimum(budget + self.evict_every, grown)
-
     def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
         """f32 [L, B, K, S] scores during decode."""
         raise NotImplementedError
-
-    def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
-        budget = decode_budget(ctx)[None, :, None]
-
-        def evict(kv: KVState) -> KVState:
-            positions = kv.positions()
-            newest = positions > ctx.positions[None, :, None, None] - self.recent
-            protected = (positions >= 0) & ((positions < self.sinks) | newest)
-            budgets = jnp.broadcast_to(budget, kv.lengths.shape)
-            keep = keep_top_per_head(
-                self.decode_scores(kv, positions),
-                budgets,
-                positions >= 0,
-                protected,
-                max_evicted=self.evict_every,
-            )
-            return evict_in_place(kv, keep, max_moves=self.evict_every)
-
-        return run_if(jnp.any(kv.lengths > budget), evict, kv)
 
 
 def decode_budget(ctx: DecodeContext) -> jax.Array:

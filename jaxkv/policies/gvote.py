@@ -63,47 +63,28 @@ def sample_hidden_states(key, mean, var, num_samples: int) -> jax.Array:
     return mean[:, None] + jnp.sqrt(var)[:, None] * noise
 
 
-@base.register
 @dataclasses.dataclass(frozen=True)
-class GVote(base.CompressesPrompt, base.Policy):
-    """Adaptive-budget eviction by Gaussian-sampled query voting (no budget to set).
+class VoteCompression:
+    """GVote's prompt compression part: in each layer, queries from sampled future hidden
+    states vote for the keys of their nucleus, and each head keeps the union of its votes.
 
-    Attributes:
-      nucleus: attention mass the step budget covers (p_nuc).
-      num_samples: sampled future hidden states S.
-      future_positions: n_f positions after the prompt whose RoPE is averaged.
+    Attributes: as `GVote`'s.
     """
 
-    name: ClassVar[str] = "gvote"
+    nucleus: float
+    num_samples: int
+    future_positions: int
+
+    observation_window: ClassVar[int] = 1
     needs_input_stats: ClassVar[bool] = True
-    nucleus: float = 0.95
-    num_samples: int = 8
-    future_positions: int = 16
+    needs_prompt_tokens: ClassVar[bool] = False
+    query_moments_from: ClassVar[int | None] = None
 
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0.0 < self.nucleus <= 1.0:
-            raise ValueError(f"nucleus={self.nucleus} must be in (0, 1]")
-        if self.num_samples < 1:
-            raise ValueError(f"num_samples={self.num_samples} must be >= 1")
-        if self.future_positions < 1:
-            raise ValueError(f"future_positions={self.future_positions} must be >= 1")
+    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
+        keep = map_layers(kv, obs, model, lambda view: self._votes(view, model.config))
+        return compact(kv, keep)
 
-    @property
-    def observation_window(self) -> int:
-        return 1
-
-    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        if np.asarray(prompt_lengths).min() < 2:
-            raise ValueError("policy 'gvote' needs prompts of at least 2 tokens")
-        return np.asarray(prompt_lengths, np.int32)
-
-    def planned_tokens(self, budget_tokens, prompt_lengths):
-        """The votes decide how much each head keeps: a plan can only assume the whole prompt."""
-        del budget_tokens
-        return np.asarray(prompt_lengths), "data-dependent: planned at the whole prompt"
-
-    def keep_mask(self, view: LayerView, cfg) -> jax.Array:
+    def _votes(self, view: LayerView, cfg) -> jax.Array:
         """bool [B, K, S]: the union of the votes of one layer."""
         # models builds on jaxkv, so it is imported here rather than at module load.
         from jaxkv.models.decoder import project_queries
@@ -119,6 +100,43 @@ class GVote(base.CompressesPrompt, base.Policy):
         queries = project_queries(view.params, cfg, hidden, cos, sin)  # [B, N, S_samples, H]
         return vote(queries, view.keys, view.held, step_budget)
 
-    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
-        keep = map_layers(kv, obs, model, lambda view: self.keep_mask(view, model.config))
-        return compact(kv, keep)
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class GVote(base.Policy):
+    """Adaptive-budget eviction by Gaussian-sampled query voting (no budget to set): the record
+    of a `VoteCompression`.
+
+    Attributes:
+      nucleus: attention mass the step budget covers (p_nuc).
+      num_samples: sampled future hidden states S.
+      future_positions: n_f positions after the prompt whose RoPE is averaged.
+    """
+
+    name: ClassVar[str] = "gvote"
+    nucleus: float = 0.95
+    num_samples: int = 8
+    future_positions: int = 16
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 < self.nucleus <= 1.0:
+            raise ValueError(f"nucleus={self.nucleus} must be in (0, 1]")
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples={self.num_samples} must be >= 1")
+        if self.future_positions < 1:
+            raise ValueError(f"future_positions={self.future_positions} must be >= 1")
+
+    @property
+    def prompt_compression(self) -> VoteCompression:
+        return VoteCompression(self.nucleus, self.num_samples, self.future_positions)
+
+    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        if np.asarray(prompt_lengths).min() < 2:
+            raise ValueError("policy 'gvote' needs prompts of at least 2 tokens")
+        return np.asarray(prompt_lengths, np.int32)
+
+    def planned_tokens(self, budget_tokens, prompt_lengths):
+        """The votes decide how much each head keeps: a plan can only assume the whole prompt."""
+        del budget_tokens
+        return np.asarray(prompt_lengths), "data-dependent: planned at the whole prompt"

@@ -42,7 +42,7 @@ from jaxkv.models.decoder import (
     scan_layers,
 )
 from jaxkv.parts import PrefillObservations
-from jaxkv.policies.base import Budget, CompressesPrompt, Policy, register, within_budget
+from jaxkv.policies.base import Budget, Policy, register, within_budget
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the previous context exactly, starting with"
@@ -252,10 +252,53 @@ def keep_top_globally(scores, total, held, protected) -> jax.Array:
     return jnp.moveaxis(keep, 0, 1) & held
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplayCompression:
+    """KVzip's prompt compression part: the prompt replayed after a repeat prompt scores every
+    cached token by the attention its reconstruction pays it (`reconstruction_scores`), and
+    each sequence keeps its best budget x layers x heads over all of them (one threshold).
+
+    Attributes: as `KVzip`'s.
+    """
+
+    chunk: int
+    repeat_ids: tuple[int, ...]
+    continue_ids: tuple[int, ...]
+
+    observation_window: ClassVar[int] = 0
+    needs_input_stats: ClassVar[bool] = False
+    needs_prompt_tokens: ClassVar[bool] = True
+    query_moments_from: ClassVar[int | None] = None
+
+    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
+        tokens = obs.prompt_tokens
+        pad = -tokens.shape[1] % self.chunk
+        tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
+        scores = reconstruction_scores(
+            model,
+            kv,
+            tokens,
+            obs.prompt_lengths,
+            chunk=self.chunk,
+            repeat_ids=self.repeat_ids,
+            continue_ids=self.continue_ids,
+        )
+        held = kv.positions() >= 0
+        total = obs.budget_tokens * kv.num_layers * kv.lengths.shape[2] * collectives.head_shards()
+        keep = collectives.over_all_heads(
+            lambda scores, held: keep_top_globally(scores, total, held, jnp.zeros_like(held)),
+            scores,
+            held,
+            axis=2,
+        )
+        return compact(kv, keep)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
-class KVzip(CompressesPrompt, Policy):
-    """KVzip's reconstruction scores, one global threshold: keeps `ratio` of all KV pairs.
+class KVzip(Policy):
+    """KVzip's reconstruction scores, one global threshold: keeps `ratio` of all KV pairs (the
+    record of a `ReplayCompression` with its budget).
 
     Attributes:
       ratio: share of each sequence's KV pairs (over layers x heads x tokens) kept, in (0, 1].
@@ -266,7 +309,6 @@ class KVzip(CompressesPrompt, Policy):
     """
 
     name: ClassVar[str] = "kvzip"
-    needs_prompt_tokens: ClassVar[bool] = True
     decides_across_heads: ClassVar[bool] = True
 
     ratio: float | None = None
@@ -284,6 +326,10 @@ class KVzip(CompressesPrompt, Policy):
             raise ValueError(
                 "repeat_ids must be non-empty and at most len(continue_ids) + 8 tokens long"
             )
+
+    @property
+    def prompt_compression(self) -> ReplayCompression:
+        return ReplayCompression(self.chunk, self.repeat_ids, self.continue_ids)
 
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
         if self.ratio is None:
@@ -309,26 +355,3 @@ class KVzip(CompressesPrompt, Policy):
                 f"{model_config.vocab_size} tokens: give the model's ids with "
                 "policy.for_tokenizer(tokenizer) (or repeat_ids=/continue_ids=)"
             )
-
-    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
-        tokens = obs.prompt_tokens
-        pad = -tokens.shape[1] % self.chunk
-        tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
-        scores = reconstruction_scores(
-            model,
-            kv,
-            tokens,
-            obs.prompt_lengths,
-            chunk=self.chunk,
-            repeat_ids=self.repeat_ids,
-            continue_ids=self.continue_ids,
-        )
-        held = kv.positions() >= 0
-        total = obs.budget_tokens * kv.num_layers * kv.lengths.shape[2] * collectives.head_shards()
-        keep = collectives.over_all_heads(
-            lambda scores, held: keep_top_globally(scores, total, held, jnp.zeros_like(held)),
-            scores,
-            held,
-            axis=2,
-        )
-        return compact(kv, keep)

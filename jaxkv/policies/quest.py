@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import parts
 from jaxkv.cache.eviction import rank_descending
 from jaxkv.policies import base
 
@@ -30,6 +29,24 @@ def page_scores(q: jax.Array, key_min: jax.Array, key_max: jax.Array) -> jax.Arr
     qg = q.reshape(b, num_kv_heads, n // num_kv_heads, 1, h).astype(jnp.float32)
     bound = jnp.maximum(qg * key_max[:, :, None], qg * key_min[:, :, None])  # [B, K, G, M, H]
     return jnp.max(jnp.sum(bound, axis=-1), axis=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageBoundSelection:
+    """Quest's selection part: each head reads its pages of highest bound (`page_scores`) within
+    the read budget, plus its partial last page."""
+
+    def select_pages(self, q, pool, page_table, lengths, read_budget) -> jax.Array:
+        p = pool.page_size
+        max_pages = page_table.shape[-1]
+        pages = jnp.maximum(page_table, 0)
+        scores = page_scores(q[:, :, 0], pool.key_min[pages], pool.key_max[pages])
+        page_index = jnp.arange(max_pages)
+        held = page_index < (-(-lengths // p))[..., None]
+        partial_last = (page_index == (lengths // p)[..., None]) & (lengths % p != 0)[..., None]
+        ranked = jnp.where(held & ~partial_last, scores, -jnp.inf)
+        wanted = (-(-read_budget // p))[:, None, None]
+        return (held & (rank_descending(ranked) < wanted)) | partial_last
 
 
 @base.register
@@ -50,8 +67,8 @@ class Quest(base.Policy):
             object.__setattr__(self, "budget", base.Budget.parse(self.budget))
 
     @property
-    def selection(self) -> parts.Selection:
-        return self
+    def selection(self) -> PageBoundSelection:
+        return PageBoundSelection()
 
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
         if self.budget is None:
@@ -65,15 +82,3 @@ class Quest(base.Policy):
 
     def static(self) -> Quest:
         return dataclasses.replace(self, budget=None)
-
-    def select_pages(self, q, pool, page_table, lengths, read_budget) -> jax.Array:
-        p = pool.page_size
-        max_pages = page_table.shape[-1]
-        pages = jnp.maximum(page_table, 0)
-        scores = page_scores(q[:, :, 0], pool.key_min[pages], pool.key_max[pages])
-        page_index = jnp.arange(max_pages)
-        held = page_index < (-(-lengths // p))[..., None]
-        partial_last = (page_index == (lengths // p)[..., None]) & (lengths % p != 0)[..., None]
-        ranked = jnp.where(held & ~partial_last, scores, -jnp.inf)
-        wanted = (-(-read_budget // p))[:, None, None]
-        return (held & (rank_descending(ranked) < wanted)) | partial_last

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,12 @@ from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place, rank_descending, run_if
 from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies import base
-from jaxkv.policies.eviction import DecodeEvictionPolicy, LayerView
+from jaxkv.policies.eviction import (
+    DecodeEvictionPolicy,
+    LayerView,
+    ScoredDecodeEviction,
+    map_layers,
+)
 
 
 def sage_split(budget_tokens: jax.Array, group_size: int):
@@ -39,39 +44,21 @@ def sage_split(budget_tokens: jax.Array, group_size: int):
     return sinks, per_head, budget_tokens - sinks - group_size * per_head
 
 
-@base.register
 @dataclasses.dataclass(frozen=True)
-class SageKV(DecodeEvictionPolicy):
-    """SAGE-KV (module docstring). During decode the recent window slides every `evict_every`
-    steps (in between it holds up to that many tokens more)."""
+class SageCompression:
+    """SAGE-KV's prompt compression part (module docstring): the budget's sinks and recent
+    window, and the union over each KV head's query heads of their top-k by the last query's
+    attention (`scorer.layer_scores`, per query head)."""
 
-    name: ClassVar[str] = "sage_kv"
+    scorer: Any
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.sinks or self.recent:
-            raise ValueError(
-                f"policy 'sage_kv' takes no sinks= or recent= (got sinks={self.sinks}, "
-                f"recent={self.recent}): its split comes from the budget B (B/4 sinks, top-k "
-                "= B/(2G) rounded down to a power of two per query head, the rest recent)"
-            )
-
-    @property
-    def observation_window(self) -> int:
-        return 1
-
-    def budget_tokens(self, prompt_lengths):
-        tokens = super().budget_tokens(prompt_lengths)
-        if (tokens < 4).any():
-            raise ValueError(f"policy 'sage_kv': budget of {int(tokens.min())} tokens is below 4")
-        return tokens
-
-    def layer_scores(self, view: LayerView) -> jax.Array:
-        """The last query's attention per query head, f32 [B, N, S] (not per KV head)."""
-        return view.window_probabilities()[:, :, 0]
+    observation_window: ClassVar[int] = 1
+    needs_input_stats: ClassVar[bool] = False
+    needs_prompt_tokens: ClassVar[bool] = False
+    query_moments_from: ClassVar[int | None] = None
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
-        scores = self.scores(kv, obs, model)  # [L, B, N, S]
+        scores = map_layers(kv, obs, model, self.scorer.layer_scores)  # [L, B, N, S]
         positions = kv.positions()  # [L, B, K, S]
         num_kv_heads = positions.shape[2]
         group = scores.shape[2] // num_kv_heads
@@ -89,8 +76,13 @@ class SageKV(DecodeEvictionPolicy):
         union = jnp.any(chosen.reshape(num_layers, batch, num_kv_heads, group, slots), axis=3)
         return compact(kv, is_sink | is_recent | union)
 
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindowEviction(ScoredDecodeEviction):
+    """SAGE-KV's decode eviction part: every `evict_every` steps the recent window slides, so
+    that it holds the newest `recent` positions of the budget's split again."""
+
     def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
-        """Slides the recent window: it holds the newest `recent` positions again."""
         _, _, recent = sage_split(ctx.budget_tokens, ctx.group_size)
         positions = kv.positions()
         before_window = positions < (ctx.prompt_lengths - recent)[None, :, None, None]
@@ -99,3 +91,45 @@ class SageKV(DecodeEvictionPolicy):
         leaving = jnp.any((positions >= 0) & ~keep)
         evict = functools.partial(evict_in_place, keep=keep, max_moves=self.evict_every)
         return run_if(leaving, evict, kv)
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class SageKV(DecodeEvictionPolicy):
+    """SAGE-KV (module docstring): the record of a `SageCompression` and a
+    `SlidingWindowEviction`. During decode the recent window slides every `evict_every` steps
+    (in between it holds up to that many tokens more)."""
+
+    name: ClassVar[str] = "sage_kv"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sinks or self.recent:
+            raise ValueError(
+                f"policy 'sage_kv' takes no sinks= or recent= (got sinks={self.sinks}, "
+                f"recent={self.recent}): its split comes from the budget B (B/4 sinks, top-k "
+                "= B/(2G) rounded down to a power of two per query head, the rest recent)"
+            )
+
+    @property
+    def prompt_compression(self) -> SageCompression:
+        return SageCompression(self)
+
+    @property
+    def decode_eviction(self) -> SlidingWindowEviction:
+        ratio = float(self.budget_ratio(1)[0])
+        return SlidingWindowEviction(self, self.sinks, self.recent, self.evict_every, ratio)
+
+    @property
+    def observation_window(self) -> int:
+        return SageCompression.observation_window
+
+    def budget_tokens(self, prompt_lengths):
+        tokens = super().budget_tokens(prompt_lengths)
+        if (tokens < 4).any():
+            raise ValueError(f"policy 'sage_kv': budget of {int(tokens.min())} tokens is below 4")
+        return tokens
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        """The last query's attention per query head, f32 [B, N, S] (not per KV head)."""
+        return view.window_probabilities()[:, :, 0]

@@ -38,30 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache import KVState
-from jaxkv.parts import PrefillObservations
 from jaxkv.policies import base
-from jaxkv.policies.eviction import DecodeEvictionPolicy, LayerView
+from jaxkv.policies.eviction import DecodeEvictionPolicy, LayerView, ScoredCompression
 
 
-@base.register
 @dataclasses.dataclass(frozen=True)
-class Scissorhands(base.SummedAttention, DecodeEvictionPolicy):
-    """Persistence of importance: evict the tokens most often attended below average.
-
-    Attributes (besides `EvictionPolicy`'s budget, sinks and recent):
-      evict_every: m, the decode steps between evictions, each down to the budget (1 evicts at
-        every step); a head holds up to m tokens over its budget in between.
-    """
-
-    name: ClassVar[str] = "scissorhands"
-
-    def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
-        del prompt_lengths
-        if chunk < 2:
-            raise ValueError(
-                f"policy {self.name!r}: prefill_chunk={chunk} must be >= 2 (a chunk of one "
-                "query is counted as a decode step)"
-            )
+class UnimportanceCount(base.SummedMass):
+    """Scissorhands' attention scoring part: over the prompt H2O's summed attention; at each
+    decode step a held token's count grows by 1 when the step's attention to it is below
+    average (1 / n)."""
 
     def update_scores(
         self,
@@ -84,12 +69,38 @@ class Scissorhands(base.SummedAttention, DecodeEvictionPolicy):
         counted = below_average & (positions >= 0)[:, :, None]
         return old + counted.astype(jnp.float32)
 
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class Scissorhands(DecodeEvictionPolicy):
+    """Persistence of importance: evict the tokens most often attended below average.
+
+    Attributes (besides `EvictionPolicy`'s budget, sinks and recent):
+      evict_every: m, the decode steps between evictions, each down to the budget (1 evicts at
+        every step); a head holds up to m tokens over its budget in between.
+    """
+
+    name: ClassVar[str] = "scissorhands"
+
+    def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
+        del prompt_lengths
+        if chunk < 2:
+            raise ValueError(
+                f"policy {self.name!r}: prefill_chunk={chunk} must be >= 2 (a chunk of one "
+                "query is counted as a decode step)"
+            )
+
+    @property
+    def attention_scoring(self) -> UnimportanceCount:
+        return UnimportanceCount()
+
     def layer_scores(self, view: LayerView) -> jax.Array:
         return view.token_scores
 
-    def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
+    @property
+    def prompt_compression(self) -> ScoredCompression:
         """H2O's prompt compression, then every kept token's count set to 0."""
-        return super().compress(kv, obs, model).with_token_scores_zeroed()
+        return dataclasses.replace(super().prompt_compression, reset_scores=True)
 
     def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
         """f32 [L, B, K, S]: minus each slot's rank by (count, then newer first): the fewest

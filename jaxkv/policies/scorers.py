@@ -22,11 +22,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import collectives
+from jaxkv import collectives, parts
 from jaxkv.cache import KVState
-from jaxkv.cache.eviction import keep_top_across_heads
 from jaxkv.policies import base
-from jaxkv.policies.eviction import DecodeEvictionPolicy, EvictionPolicy, LayerView, group_mean
+from jaxkv.policies.eviction import (
+    DecodeEvictionPolicy,
+    EvictionPolicy,
+    LayerView,
+    ScoredCompression,
+    group_mean,
+)
 
 
 @base.register
@@ -165,7 +170,7 @@ class Knorm(EvictionPolicy):
 
 @base.register
 @dataclasses.dataclass(frozen=True)
-class H2O(base.SummedAttention, DecodeEvictionPolicy):
+class H2O(DecodeEvictionPolicy):
     """Heavy hitters: attention received, summed over every query, averaged over the group.
 
     Prefill scores come from accumulating the attention of every prompt query; during decode the
@@ -174,6 +179,10 @@ class H2O(base.SummedAttention, DecodeEvictionPolicy):
     """
 
     name: ClassVar[str] = "h2o"
+
+    @property
+    def attention_scoring(self) -> base.SummedMass:
+        return base.SummedMass()
 
     def layer_scores(self, view: LayerView) -> jax.Array:
         return view.token_scores
@@ -184,10 +193,14 @@ class H2O(base.SummedAttention, DecodeEvictionPolicy):
 
 @base.register
 @dataclasses.dataclass(frozen=True)
-class ObservedAttention(base.SummedAttention, EvictionPolicy):
+class ObservedAttention(EvictionPolicy):
     """Attention received, averaged over the queries that can see the key (prefill only)."""
 
     name: ClassVar[str] = "observed_attention"
+
+    @property
+    def attention_scoring(self) -> base.SummedMass:
+        return base.SummedMass()
 
     def layer_scores(self, view: LayerView) -> jax.Array:
         seen_by = view.prompt_lengths[:, None, None] - view.positions
@@ -201,10 +214,11 @@ class AdaKV(EvictionPolicy):
 
     The layer keeps K x budget tokens chosen across its heads by score, each head keeping at least
     `safeguard` of its uniform share; heads that keep fewer tokens hold fewer pages.
-    `inner` is a scorer policy or its registered name (its budget is this policy's). AdaKV wraps
-    the inner policy's prompt compression (its scores and protected sinks and window, AdaKV's
-    selection across heads) and keeps every other part of it as it is: its attention scoring
-    and its decode eviction (H2O's, StreamingLLM's window).
+    `inner` is a scorer policy or its registered name (its budget is this policy's). AdaKV's
+    prompt compression is the inner policy's (its scores, sinks, windows, per-layer budgets,
+    score reset) choosing across heads, with AdaKV's own sinks and recent window added; every
+    other part is the inner policy's as it is: its attention scoring and its decode eviction
+    (H2O's, StreamingLLM's window).
     """
 
     name: ClassVar[str] = "adakv"
@@ -215,25 +229,29 @@ class AdaKV(EvictionPolicy):
     def __post_init__(self):
         super().__post_init__()
         inner = base.get(self.inner) if isinstance(self.inner, str) else self.inner
-        if not isinstance(inner, EvictionPolicy) or isinstance(inner, AdaKV):
-            raise ValueError(f"inner={self.inner!r} must be a scoring eviction policy")
+        if (
+            not isinstance(inner, EvictionPolicy)
+            or isinstance(inner, AdaKV)
+            or type(inner.prompt_compression) is not ScoredCompression
+        ):
+            raise ValueError(
+                f"inner={self.inner!r} must be a scoring eviction policy (its prompt compression "
+                "a ScoredCompression: not adakv itself, nor sage_kv's own split)"
+            )
         object.__setattr__(self, "inner", dataclasses.replace(inner, budget=self.budget))
         if not 0.0 <= self.safeguard <= 1.0:
             raise ValueError(f"safeguard={self.safeguard} must be in [0, 1]")
 
-    # --- the inner policy's parts other than the prompt compression ----------------------
-
     @property
-    def decode_eviction(self):
-        return self.inner.decode_eviction
-
-    def budget_ratio(self, batch: int) -> np.ndarray:
-        return self.inner.budget_ratio(batch)
-
-    def protected(self, positions: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
-        """The inner policy's protected sinks and newest positions, and AdaKV's own."""
-        own = super().protected(positions, prompt_lengths)
-        return own | self.inner.protected(positions, prompt_lengths)
+    def prompt_compression(self) -> ScoredCompression:
+        """The inner policy's, across heads, protecting AdaKV's sinks and recent window too."""
+        inner = self.inner.prompt_compression
+        return dataclasses.replace(
+            inner,
+            sinks=max(inner.sinks, self.sinks),
+            protected_recent=max(inner.protected_recent, self.recent),
+            safeguard=self.safeguard,
+        )
 
     @property
     def observation_window(self) -> int:
@@ -243,23 +261,15 @@ class AdaKV(EvictionPolicy):
     def protected_recent(self) -> int:
         return max(self.recent, self.inner.protected_recent)
 
-    @property
-    def attention_scoring(self):
-        return self.inner.attention_scoring
+    def budget_ratio(self, batch: int) -> np.ndarray:
+        return self.inner.budget_ratio(batch)
 
-    @property
-    def query_moments_from(self) -> int | None:
-        return self.inner.query_moments_from
 
-    @property
-    def reads_values(self) -> bool:
-        return self.inner.reads_values
+def _inner_part(part: str) -> property:
+    return property(lambda self: getattr(self.inner, part), doc=f"The inner policy's {part}.")
 
-    def layer_scores(self, view: LayerView) -> jax.Array:
-        return self.inner.layer_scores(view)
 
-    def select(self, scores, budgets, held, protected) -> jax.Array:
-        def keep(scores, held, protected):
-            return keep_top_across_heads(scores, budgets, held, protected, self.safeguard)
-
-        return collectives.over_all_heads(keep, scores, held, protected, axis=2)
+# Every part but the prompt compression is the inner policy's: one loop, none forgotten.
+for _part in parts.PARTS:
+    if _part != "prompt_compression":
+        setattr(AdaKV, _part, _inner_part(_part))
