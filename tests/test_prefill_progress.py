@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import policies
+from jaxkv import cli, policies
 from jaxkv.models import init_model
 from tests.test_sharding import CONFIG, POLICY_PARAMS
 
@@ -67,3 +67,11 @@ def test_ask_reports_the_context_s_prefill(model):
         on_prefill_chunk=lambda done, total: reported.append(done),
     )
     assert reported == [1, 2, 3, 4, 5]
+
+
+def test_the_cli_bar_counts_the_chunks_and_closes_after_the_last():
+    progress = cli.PrefillProgress()
+    for done in (1, 2, 3):
+        progress(done, 3)
+    assert (progress.bar.n, progress.bar.total) == (3, 3)
+    assert progress.bar.disable  # closed
