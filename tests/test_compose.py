@@ -66,7 +66,7 @@ def test_a_field_two_policies_have_is_refused_by_name():
     with pytest.raises(ValueError, match="'quest' and 'quest' both have a selection"):
         policies.compose(QUEST, QUEST)
     wgkv = policies.get("wgkv", **POLICIES["wgkv"])
-    with pytest.raises(ValueError, match="'wgkv' and 'duo_attention' both have a admission"):
+    with pytest.raises(ValueError, match="'wgkv' and 'duo_attention' both have an admission"):
         policies.compose(wgkv, policies.get("duo_attention", **POLICIES["duo_attention"]), QUEST)
     # The stated rule for eviction with Quest: one budget array per request.
     with pytest.raises(ValueError, match="'streaming_llm' and 'quest' both have a budget.*one"):

@@ -103,8 +103,9 @@ class Composed(base.Policy):
         for field in FIELDS:
             holders = [policy.name for policy in self.policies if has_field(policy, field)]
             if len(holders) > 1:
+                article = "an" if field[0] in "aeiou" else "a"
                 raise ValueError(
-                    f"policies {holders[0]!r} and {holders[1]!r} both have a {field}: a "
+                    f"policies {holders[0]!r} and {holders[1]!r} both have {article} {field}: a "
                     "composition takes each part, budget, threshold set and parameter set from "
                     f"one policy{_WHY.get(field, '')}"
                 )
