@@ -382,25 +382,16 @@ def prefill_chunks(model, request: Request, key, policy_params, backend: Backend
     )
 
 
-def _reporting(steps, on_chunk: Callable[[int, int], None], total: int):
-    """`steps` (a generator of chunks done, such as `prefill_chunks`) calling `on_chunk(done,
-    total)` after each chunk, with its return value."""
+def run_to_end(steps, on_step: Callable | None = None):
+    """The return value of a generator such as `prefill_chunks`, run to its end, calling
+    `on_step(value)` with each value it yields."""
     while True:
         try:
-            done = next(steps)
-        except StopIteration as end:
-            return end.value
-        on_chunk(done, total)
-        yield done
-
-
-def run_to_end(steps):
-    """The return value of a generator such as `prefill_chunks`, run to its end."""
-    while True:
-        try:
-            next(steps)
+            value = next(steps)
         except StopIteration as done:
             return done.value
+        if on_step is not None:
+            on_step(value)
 
 
 @program(
@@ -469,10 +460,9 @@ def run_prefill(
     pool), calling `on_chunk(chunks done, chunks in all)` after each."""
     prompts = request.prompts
     if request.grows or (on_chunk is not None and prompts.num_chunks > 1):
+        report = None if on_chunk is None else (lambda done: on_chunk(done, prompts.num_chunks))
         steps = prefill_chunks(model, request, key, policy_params, backend)
-        if on_chunk is not None:
-            steps = _reporting(steps, on_chunk, prompts.num_chunks)
-        kv, last_hidden = run_to_end(steps)
+        kv, last_hidden = run_to_end(steps, report)
     else:
         kv, last_hidden = prefill_and_compress(
             request.placement,

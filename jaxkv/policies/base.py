@@ -326,6 +326,17 @@ def within_budget(budget_tokens: np.ndarray, prompt_lengths: np.ndarray) -> tupl
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptCompressionPart:
+    """Base of the prompt compression parts: what prefill records for `compress`, by default
+    nothing (no queries, moments or prompt ids); a part sets what it reads."""
+
+    observation_window: ClassVar[int] = 0
+    needs_input_stats: ClassVar[bool] = False
+    needs_prompt_tokens: ClassVar[bool] = False
+    query_moments_from: ClassVar[int | None] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class SummedMass:
     """The attention scoring part of H2O and observed attention: each token's score is the
     attention it has received, summed over every query (averaged over the KV head's query

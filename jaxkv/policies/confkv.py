@@ -196,16 +196,11 @@ class CompositeRanking:
 
 
 @dataclasses.dataclass(frozen=True)
-class LooseBudgetCompression:
+class LooseBudgetCompression(base.PromptCompressionPart):
     """Conf-KV's prompt compression part: after prefill, down to the loose budget (no step can
     keep more), so that the decode pool is sized by the budget and not by the prompt."""
 
     rank: CompositeRanking
-
-    observation_window: ClassVar[int] = 0
-    needs_input_stats: ClassVar[bool] = False
-    needs_prompt_tokens: ClassVar[bool] = False
-    query_moments_from: ClassVar[int | None] = None
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         del model

@@ -26,7 +26,7 @@ from jaxkv.cache.eviction import (
     run_if,
 )
 from jaxkv.parts import DecodeContext, PrefillObservations
-from jaxkv.policies.base import Budget, Policy, within_budget
+from jaxkv.policies.base import Budget, Policy, PromptCompressionPart, within_budget
 
 
 @flax.struct.dataclass
@@ -127,7 +127,7 @@ def group_mean(per_query_head: jax.Array, num_kv_heads: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoredCompression:
+class ScoredCompression(PromptCompressionPart):
     """The prompt compression part of a score-and-evict policy: each head keeps its protected
     tokens (the first `sinks` positions and the prompt's newest `protected_recent`) and its
     best-scored others (`scorer.layer_scores`) up to its layer's budget
@@ -148,15 +148,9 @@ class ScoredCompression:
     safeguard: float | None = None
     reset_scores: bool = False
 
-    needs_prompt_tokens: ClassVar[bool] = False
-
     @property
     def observation_window(self) -> int:
         return self.scorer.observation_window
-
-    @property
-    def needs_input_stats(self) -> bool:
-        return self.scorer.needs_input_stats
 
     @property
     def query_moments_from(self) -> int | None:
@@ -191,7 +185,7 @@ class EvictionPolicy(Policy):
     its own scores, with its budget.
 
     A subclass scores (`layer_scores`) and may say what prefill observes for it
-    (`observation_window`, `needs_input_stats`, `query_moments_from`, `reads_values`) and
+    (`observation_window`, `query_moments_from`, `reads_values`) and
     how the budget splits over layers (`layer_budgets`).
 
     Attributes:
@@ -224,7 +218,6 @@ class EvictionPolicy(Policy):
         """How many of each prompt's last queries prefill records per layer."""
         return 0
 
-    needs_input_stats: ClassVar[bool] = False
     query_moments_from: ClassVar[int | None] = None
 
     @property

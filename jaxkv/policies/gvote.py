@@ -64,7 +64,7 @@ def sample_hidden_states(key, mean, var, num_samples: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class VoteCompression:
+class VoteCompression(base.PromptCompressionPart):
     """GVote's prompt compression part: in each layer, queries from sampled future hidden
     states vote for the keys of their nucleus, and each head keeps the union of its votes.
 
@@ -77,8 +77,6 @@ class VoteCompression:
 
     observation_window: ClassVar[int] = 1
     needs_input_stats: ClassVar[bool] = True
-    needs_prompt_tokens: ClassVar[bool] = False
-    query_moments_from: ClassVar[int | None] = None
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         keep = map_layers(kv, obs, model, lambda view: self._votes(view, model.config))

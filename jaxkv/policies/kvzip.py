@@ -42,7 +42,7 @@ from jaxkv.models.decoder import (
     scan_layers,
 )
 from jaxkv.parts import PrefillObservations
-from jaxkv.policies.base import Budget, Policy, register, within_budget
+from jaxkv.policies.base import Budget, Policy, PromptCompressionPart, register, within_budget
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the previous context exactly, starting with"
@@ -253,7 +253,7 @@ def keep_top_globally(scores, total, held, protected) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplayCompression:
+class ReplayCompression(PromptCompressionPart):
     """KVzip's prompt compression part: the prompt replayed after a repeat prompt scores every
     cached token by the attention its reconstruction pays it (`reconstruction_scores`), and
     each sequence keeps its best budget x layers x heads over all of them (one threshold).
@@ -265,10 +265,7 @@ class ReplayCompression:
     repeat_ids: tuple[int, ...]
     continue_ids: tuple[int, ...]
 
-    observation_window: ClassVar[int] = 0
-    needs_input_stats: ClassVar[bool] = False
     needs_prompt_tokens: ClassVar[bool] = True
-    query_moments_from: ClassVar[int | None] = None
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         tokens = obs.prompt_tokens

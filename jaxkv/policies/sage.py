@@ -45,7 +45,7 @@ def sage_split(budget_tokens: jax.Array, group_size: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class SageCompression:
+class SageCompression(base.PromptCompressionPart):
     """SAGE-KV's prompt compression part (module docstring): the budget's sinks and recent
     window, and the union over each KV head's query heads of their top-k by the last query's
     attention (`scorer.layer_scores`, per query head)."""
@@ -53,9 +53,6 @@ class SageCompression:
     scorer: Any
 
     observation_window: ClassVar[int] = 1
-    needs_input_stats: ClassVar[bool] = False
-    needs_prompt_tokens: ClassVar[bool] = False
-    query_moments_from: ClassVar[int | None] = None
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         scores = map_layers(kv, obs, model, self.scorer.layer_scores)  # [L, B, N, S]
