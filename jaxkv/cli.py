@@ -439,7 +439,7 @@ def _add_model_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> 
     parser.add_argument(
         "--backend",
         default="auto",
-        choices=("auto", "xla", "pallas", "interpret"),
+        choices=("auto", "xla", "pallas", "interpret", "interpret-tpu"),
         help="attention: the Pallas kernels on a GPU, jnp elsewhere (auto), jnp (xla), the "
         "Pallas kernels (pallas: NVIDIA GPUs), or interpreted",
     )

@@ -140,9 +140,11 @@ def test_chunk_attention_masks_padding_and_future():
 
 
 def test_backend_names_are_validated():
-    with pytest.raises(ValueError, match="backend='cuda'.*'xla', 'pallas', 'interpret', 'auto'"):
+    allowed = "'xla', 'pallas', 'interpret', 'interpret-tpu', 'auto'"
+    with pytest.raises(ValueError, match=f"backend='cuda'.*{allowed}"):
         attention.resolve_backend("cuda")
     assert attention.resolve_backend("interpret") is attention.Backend.INTERPRET
+    assert attention.resolve_backend("interpret-tpu") is attention.Backend.INTERPRET_TPU
     # "pallas" is checked where the platform is known (tests/test_lowering.py); "auto" by the
     # default backend, never to the Pallas path on a CPU or a TPU.
     assert attention.resolve_backend("pallas") is attention.Backend.PALLAS

@@ -1,5 +1,6 @@
-"""The kernel backends of the attention dispatch ("interpret" on CPU) against the "xla" path and
-plain numpy: every op the models call, then whole generations."""
+"""The kernel backends of the attention dispatch ("interpret": the GPU path, "interpret-tpu": the
+TPU path, on CPU) against the "xla" path and plain numpy: every op the models call, then whole
+generations."""
 
 import jax
 import jax.numpy as jnp
@@ -161,16 +162,20 @@ def _paged_inputs(seed, *, b=2, kh=2, h=32, page=4, max_pages=5, num_pages=24, d
     )
 
 
+INTERPRETERS = ["interpret", "interpret-tpu"]
+
+
+@pytest.mark.parametrize("backend", INTERPRETERS)
 @pytest.mark.parametrize("chunk", [1, 3])
 @pytest.mark.parametrize("group", [1, 4])
-def test_paged_attention_kernel_equals_xla(chunk, group):
+def test_paged_attention_kernel_equals_xla(chunk, group, backend):
     k_pages, v_pages, table, lengths = _paged_inputs(chunk * 10 + group)
     q = jax.random.normal(jax.random.PRNGKey(5), (2, 2 * group, chunk, 32))
     want = attention.paged_attention(
         q, k_pages, v_pages, table, lengths, sm_scale=0.2, return_probs=True
     )
     got = attention.paged_attention(
-        q, k_pages, v_pages, table, lengths, sm_scale=0.2, return_probs=True, backend="interpret"
+        q, k_pages, v_pages, table, lengths, sm_scale=0.2, return_probs=True, backend=backend
     )
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5)
     np.testing.assert_array_equal(np.isinf(got[1]), np.isinf(want[1]))
@@ -180,7 +185,8 @@ def test_paged_attention_kernel_equals_xla(chunk, group):
     np.testing.assert_allclose(sums, np.broadcast_to(holds_any, sums.shape), atol=1e-5)
 
 
-def test_paged_attention_page_mask_kernel_equals_xla():
+@pytest.mark.parametrize("backend", INTERPRETERS)
+def test_paged_attention_page_mask_kernel_equals_xla(backend):
     k_pages, v_pages, table, lengths = _paged_inputs(7)
     q = jax.random.normal(jax.random.PRNGKey(6), (2, 4, 1, 32))
     page_mask = jax.random.bernoulli(jax.random.PRNGKey(7), 0.5, table.shape)
@@ -188,7 +194,7 @@ def test_paged_attention_page_mask_kernel_equals_xla():
         q, k_pages, v_pages, table, lengths, sm_scale=0.2, page_mask=page_mask
     )
     got = attention.paged_attention(
-        q, k_pages, v_pages, table, lengths, sm_scale=0.2, page_mask=page_mask, backend="interpret"
+        q, k_pages, v_pages, table, lengths, sm_scale=0.2, page_mask=page_mask, backend=backend
     )
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5)
     np.testing.assert_array_equal(np.isinf(got[1]), np.isinf(want[1]))
@@ -221,7 +227,7 @@ def test_paged_attention_int8_kernel_equals_dequantised_reference():
     # Oracle: float pages holding the dequantised values, read per head through numpy.
     k_deq = attention.dequantize(k_int8, table, token_scales, channel_scales)
     v_deq = attention.dequantize(v_int8, table, token_scales, channel_scales)
-    for backend in ("xla", "interpret"):
+    for backend in ("xla", *INTERPRETERS):
         out, _ = attention.paged_attention(
             q, k_int8, v_int8, table, lengths, sm_scale=0.2, backend=backend, **scales
         )
@@ -265,7 +271,7 @@ def model():
     return init_model(CONFIG, seed=5, scale=0.3)
 
 
-KERNEL_BACKENDS = ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
+KERNEL_BACKENDS = [*INTERPRETERS, pytest.param("pallas", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

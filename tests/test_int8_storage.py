@@ -178,15 +178,17 @@ def test_attention_over_both_tiers_equals_dense_reference_on_dequantised_values(
         expected = _numpy_attention(q[b].astype(np.float64), np.stack(keys), np.stack(values), 0.25)
         np.testing.assert_allclose(np.asarray(out)[b], expected, atol=1e-5, rtol=1e-5)
 
-    # The decode kernel (interpreted) dequantises the same pages to the same result.
-    read = [
+    # The decode kernels (interpreted: Triton's, Mosaic's) dequantise the same pages to the
+    # same result.
+    xla, *kernels = [
         int8_tier_attention(
             tier, jnp.asarray(q), layer, sm_scale=0.25, return_probs=True, backend=backend
         )
-        for backend in ("xla", "interpret")
+        for backend in ("xla", "interpret", "interpret-tpu")
     ]
-    for xla, kernel in zip(*read, strict=True):
-        np.testing.assert_allclose(np.asarray(kernel), np.asarray(xla), atol=1e-5)
+    for read in kernels:
+        for want, got in zip(xla, read, strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
 def test_a_chunk_longer_than_the_window_is_refused(model):

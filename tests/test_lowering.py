@@ -1,4 +1,5 @@
-"""Every Pallas path of jaxkv lowers for CUDA from this CPU-only host, through Triton.
+"""Every Pallas path of jaxkv lowers for CUDA from this CPU-only host, through Triton, and its
+TPU path for "tpu", through Mosaic.
 
 `jax.jit(fn).trace(*abstract args).lower(lowering_platforms=("cuda",))` runs the whole
 Pallas-to-Triton lowering without a GPU and without allocating anything, so the shapes are the
@@ -6,8 +7,11 @@ benchmarks' (Llama-3.1-8B attention: 32 query heads, 8 KV heads, head dim 128; p
 32K-128K tokens). Each Triton kernel is one `stablehlo.custom_call @__gpu$xla.gpu.triton` in the
 lowered text, carrying the kernel's name and its results; identical calls share one lowering, so
 the text lists each distinct kernel call once. Compiling the Triton IR needs a GPU (the `gpu`
-tests, `benchmarks/gpu_check.sh`). The last tests check that on this host backend "pallas"
-fails, when lowered for the CPU, with the error naming the setting and its alternatives.
+tests, `benchmarks/gpu_check.sh`). Lowered for "tpu", the same programs hold the Mosaic paged
+decode kernel (`stablehlo.custom_call @tpu_custom_call`, its name in `kernel_name`) and no Triton
+call: prefill attention is jnp there. Mosaic's own compilation needs libtpu and a TPU. The last
+tests check that on this host backend "pallas" fails, when lowered for the CPU, with the error
+naming the setting and its alternatives.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 TRITON_CALL = "stablehlo.custom_call @__gpu$xla.gpu.triton("
+MOSAIC_CALL = "stablehlo.custom_call @tpu_custom_call("
 # Kernel names (pallas_call `name=`), and the results of the paged kernel's call: accumulator,
 # row max and row sum, plus the scores when per-slot probabilities are asked for.
 FORWARD, DQ, DKV = (
@@ -46,6 +51,9 @@ FORWARD, DQ, DKV = (
 )
 PAGED = "paged_decode_attention"
 PAGED_RESULTS, PAGED_WITH_SCORES = 3, 4
+# The Mosaic kernel's name and results: output and logsumexp, plus the scores.
+PAGED_TPU = "paged_decode_attention_tpu"
+PAGED_TPU_RESULTS = 2
 
 # Llama-3.1-8B's attention shapes and the kernel benchmarks' tiles (benchmarks/kernel_inputs.py).
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -61,17 +69,18 @@ class TritonCall(NamedTuple):
     int8_operands: bool
 
 
-def triton_calls(text: str) -> list[TritonCall]:
-    """The Triton custom calls of lowered StableHLO text, in order."""
+def kernel_calls(text: str, call: str = TRITON_CALL) -> list[TritonCall]:
+    """The kernel custom calls (Triton's, or Mosaic's with `MOSAIC_CALL`) of lowered StableHLO
+    text, in order."""
     calls = []
     for line in text.splitlines():
-        if TRITON_CALL not in line:
+        if call not in line:
             continue
         results = re.search(r"%[\w#]+(?::(\d+))? = stablehlo\.custom_call", line).group(1)
         operands = line[line.rindex(" : (") :].split(" -> ")[0]
         calls.append(
             TritonCall(
-                re.search(r', name = "(\w+)"', line).group(1),
+                re.search(r'(?:, |kernel_)name = "(\w+)"', line).group(1),
                 int(results or 1),
                 "xi8>" in operands,
             )
@@ -79,8 +88,20 @@ def triton_calls(text: str) -> list[TritonCall]:
     return calls
 
 
+def triton_calls(text: str) -> list[TritonCall]:
+    return kernel_calls(text, TRITON_CALL)
+
+
+def mosaic_calls(text: str) -> list[TritonCall]:
+    return kernel_calls(text, MOSAIC_CALL)
+
+
 def lowered_for_cuda(fn, *args) -> tuple[str, jax.stages.Lowered]:
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return lowered_for(("cuda",), fn, *args)
+
+
+def lowered_for(platforms, fn, *args) -> tuple[str, jax.stages.Lowered]:
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=platforms)
     return lowered.as_text(), lowered
 
 
@@ -312,8 +333,12 @@ def _abstract_state(cfg, policy, batch: int, max_tokens: int, int8_window: int |
     return jax.eval_shape(create)
 
 
-def cached_step_calls(cfg, policy, chunk: int, *, batch=2, max_tokens=1024, int8_window=None):
-    """The Triton calls of one `forward_cached` chunk (C = 1: a decode step) plus logits."""
+def cached_step_calls(
+    cfg, policy, chunk: int, *, batch=2, max_tokens=1024, int8_window=None, platform="cuda"
+):
+    """The kernel calls of one `forward_cached` chunk (C = 1: a decode step) plus logits,
+    lowered for `platform`: Triton's for "cuda", Mosaic's for "tpu" (which must hold no Triton
+    call)."""
     model = _abstract_model(cfg)
     kv = _abstract_state(cfg, policy, batch, max_tokens, int8_window)
     params = None
@@ -337,8 +362,11 @@ def cached_step_calls(cfg, policy, chunk: int, *, batch=2, max_tokens=1024, int8
         return logits_from_hidden(model.params, model.config, hidden[:, -1]), kv
 
     tokens = S((batch, chunk), I32)
-    text, _ = lowered_for_cuda(step, model, tokens, tokens, kv, params, read_budget)
-    return triton_calls(text)
+    text, _ = lowered_for((platform,), step, model, tokens, tokens, kv, params, read_budget)
+    if platform == "cuda":
+        return triton_calls(text)
+    assert not triton_calls(text)
+    return mosaic_calls(text)
 
 
 CACHE_READ = TritonCall(PAGED, PAGED_RESULTS, False)
@@ -390,6 +418,73 @@ def test_fastkvzip_decode_step_and_prefill_chunk(chunk):
     assert calls == [CACHE_READ, CHUNK_SELF]
 
 
+# --- The TPU path: the Mosaic paged decode kernel, prefill attention in jnp -----------------------
+
+
+@pytest.mark.parametrize(
+    "batch,tokens,int8,probs",
+    [(8, 32768, False, False), (1, 131072, True, True), (32, 16384, True, False)],
+)
+def test_mosaic_paged_decode_with_gqa_int8_scales_and_statistics(batch, tokens, int8, probs):
+    """The TPU kernel at the benchmarks' decode shapes: one Mosaic call (output, logsumexp and
+    with probabilities the scores), int8 pools with their scales."""
+
+    def decode(q, k_pages, v_pages, page_table, lengths, *scales):
+        names = ("k_scales", "v_scales", "k_channel_scales", "v_channel_scales")
+        quant = dict(zip(names[: len(scales)], scales, strict=True))
+        return pk.paged_decode_attention(
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            lengths,
+            sm_scale=HEAD_DIM**-0.5,
+            return_stats=True,
+            return_probs=probs,
+            target="mosaic",
+            **quant,
+        )
+
+    pages_dtype = jnp.int8 if int8 else BF16
+    args = _paged_args(batch, tokens, pages_dtype, int8)
+    text, lowered = lowered_for(("tpu",), decode, *args)
+    results = PAGED_TPU_RESULTS + probs
+    assert mosaic_calls(text) == [TritonCall(PAGED_TPU, results, int8)]
+    out, stats = lowered.out_info
+    assert out.shape == (batch, HEADS, HEAD_DIM) and stats.lse.shape == (batch, HEADS)
+    assert stats.probs is None if not probs else stats.probs.shape == (batch, HEADS, tokens)
+
+
+TPU_CACHE_READ = TritonCall(PAGED_TPU, PAGED_TPU_RESULTS, False)
+
+
+@pytest.mark.parametrize(
+    "policy,chunk",
+    [
+        (policies.FullCache(), 1),
+        (policies.FullCache(), 128),
+        (policies.H2O(budget=64), 1),
+        (policies.Quest(budget=64), 1),
+        (policies.FastKVzip(ratio=0.5), 128),
+        # A chunk longer than WG-KV's band: its vertical-slash attention to itself is jnp on a
+        # TPU (no paged read of the admitted far keys, as on a GPU).
+        (policies.WGKV(tau=0.5, window=16), 128),
+    ],
+    ids=["full-decode", "full-chunk", "h2o-decode", "quest-decode", "fastkvzip-chunk", "wgkv"],
+)
+def test_tpu_decode_step_and_prefill_chunk(policy, chunk):
+    """Lowered for "tpu" with backend "pallas", a cached step reads the pages through the Mosaic
+    kernel and holds no Triton call; H2O's probabilities come with the read."""
+    calls = cached_step_calls(TINY, policy, chunk, platform="tpu")
+    with_probs = isinstance(policy, policies.H2O)
+    assert calls == [TPU_CACHE_READ._replace(results=PAGED_TPU_RESULTS + with_probs)]
+
+
+def test_tpu_int8_storage_decode_step_reads_the_int8_tier_in_the_kernel():
+    calls = cached_step_calls(TINY, policies.FullCache(), 1, int8_window=16, platform="tpu")
+    assert TritonCall(PAGED_TPU, PAGED_TPU_RESULTS, True) in calls
+
+
 # --- Backend "pallas" where there is no GPU: checked when lowered for the platform --------------
 
 PALLAS_ERROR = r"backend='pallas'.*NVIDIA GPU.*platform 'cpu'.*'interpret'.*'xla'"
@@ -405,12 +500,13 @@ def test_pallas_resolves_anywhere_and_fails_when_lowered_for_the_cpu():
         )
 
     traced = jax.jit(read).trace(q, k_pages, v_pages, page_table, lengths)
-    for platforms in (("cpu",), ("cuda", "cpu")):
+    for platforms in (("cpu",), ("cuda", "cpu"), ("tpu", "cpu")):
         with pytest.raises(ValueError, match=PALLAS_ERROR):
             traced.lower(lowering_platforms=platforms)
-    with pytest.raises(ValueError, match=r"backend='pallas'.*platform 'tpu'"):
-        traced.lower(lowering_platforms=("tpu",))
-    assert triton_calls(traced.lower(lowering_platforms=("cuda",)).as_text())
+    cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert triton_calls(cuda) and not mosaic_calls(cuda)
+    tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
+    assert mosaic_calls(tpu) and not triton_calls(tpu)
 
 
 def test_generate_with_pallas_on_a_cpu_names_the_setting_and_the_alternatives():

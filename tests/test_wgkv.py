@@ -241,6 +241,7 @@ def test_gates_forced_to_zero_equal_sliding_window(name):
         ("qwen3", 16, "xla"),
         ("llama", 3, "xla"),
         ("qwen3", 40, "interpret"),  # head dim 16: the kernels' minimum
+        ("qwen3", 40, "interpret-tpu"),
         pytest.param("qwen3", 40, "pallas", marks=pytest.mark.gpu),
     ],
 )
@@ -544,7 +545,9 @@ def test_duo_attention_picks_its_retrieval_heads_on_the_prompt():
         duo.load_params("heads.npy", model.config)
 
 
-@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "backend", ["interpret", "interpret-tpu", pytest.param("pallas", marks=pytest.mark.gpu)]
+)
 def test_wgkv_with_quest_kernel_backend_equals_xla(backend):
     model = tiny_model("qwen3")
     gates = random_gates(model.config)

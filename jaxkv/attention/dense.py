@@ -3,8 +3,9 @@
 `grouped_scores` is the one grouped-query score product every dense attention, probability and
 mass computation builds on. Whole-sequence causal attention (`causal_attention`,
 `gated_causal_attention`, `block_sparse_attention`) and a chunk's attention to itself
-(`chunk_attention`) run the block-sparse prefill kernel on the kernel backends; the WG-KV ring's
-`local_attention`, observation-query probabilities and partial merges are jnp on every backend.
+(`chunk_attention`) run the block-sparse prefill kernel on a GPU's kernel backends and jnp on a
+TPU's (jaxkv has no TPU block-sparse kernel); the WG-KV ring's `local_attention`,
+observation-query probabilities and partial merges are jnp on every backend.
 """
 
 from __future__ import annotations
@@ -13,13 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import pallas_kernels
-from jaxkv.attention.dispatch import (
-    interpret,
-    platform_checked,
-    prefill_block,
-    resolve_backend,
-    uses_kernels,
-)
+from jaxkv.attention.dispatch import on_platform, prefill_block, resolve_backend, uses_kernels
 from jaxkv.models import layers
 
 
@@ -102,26 +97,52 @@ def merge_partials(
 
 
 def kernel_causal(q, k, v, *, sm_scale: float, backend, gate_bias=None, band=None):
-    """Dense causal attention through the block-sparse kernel: out [B, N, T, H], lse [B, N, T]."""
-    b, _, t, _ = q.shape
-    block = prefill_block(t)
-    kv_block_idx, kv_block_cnt = pallas_kernels.dense_causal_block_lists(
-        b, k.shape[1], t, block_q=block, block_k=block
-    )
-    return pallas_kernels.block_sparse_attention(
-        platform_checked(q, backend),
-        k,
-        v,
-        kv_block_idx,
-        kv_block_cnt,
-        sm_scale=sm_scale,
-        gate_bias=gate_bias,
-        band=band,
-        block_q=block,
-        block_k=block,
-        return_lse=True,
-        interpret=interpret(backend),
-    )
+    """Dense causal attention on a kernel backend: out [B, N, T, H] in q's dtype, lse [B, N, T].
+
+    On a GPU through the block-sparse kernel, on a TPU in jnp (`_jnp_causal`). With `gate_bias`
+    f32 [B, K, T], key j's bias is added to the scores of queries i with i - j >= `band`.
+    """
+
+    def on_gpu(q, k, v, gate_bias, *, interpret):
+        b, _, t, _ = q.shape
+        block = prefill_block(t)
+        kv_block_idx, kv_block_cnt = pallas_kernels.dense_causal_block_lists(
+            b, k.shape[1], t, block_q=block, block_k=block
+        )
+        return pallas_kernels.block_sparse_attention(
+            q,
+            k,
+            v,
+            kv_block_idx,
+            kv_block_cnt,
+            sm_scale=sm_scale,
+            gate_bias=gate_bias,
+            band=band,
+            block_q=block,
+            block_k=block,
+            return_lse=True,
+            interpret=interpret,
+        )
+
+    def on_tpu(q, k, v, gate_bias, *, interpret):
+        del interpret  # jnp
+        out, lse = _jnp_causal(q, k, v, gate_bias, sm_scale=sm_scale, band=band)
+        return out.astype(q.dtype), lse
+
+    return on_platform(backend, q, k, v, gate_bias, gpu=on_gpu, tpu=on_tpu)
+
+
+def _jnp_causal(q, k, v, gate_bias, *, sm_scale: float, band):
+    """Causal attention in jnp, `gate_bias` [B, K, T] (or None) added outside the `band`:
+    out f32 [B, N, T, H], lse f32 [B, N, T]."""
+    t = q.shape[2]
+    scores = grouped_scores(q, k) * sm_scale
+    if gate_bias is not None:
+        outside_band = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :]) >= band
+        bias = gate_bias.astype(jnp.float32)[:, :, None, None, :]
+        scores = scores + jnp.where(outside_band, bias, 0.0)
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+    return attention_from_scores(scores, v)
 
 
 def causal_attention(
@@ -160,14 +181,8 @@ def gated_causal_attention(
             q, k, v, sm_scale=sm_scale, backend=backend, gate_bias=log_gate, band=band
         )
         return out
-    b, n, t, h = q.shape
-    scores = grouped_scores(q, k)
-    outside_band = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :]) >= band
-    bias = jnp.where(outside_band, log_gate.astype(jnp.float32)[:, :, None, None, :], 0.0)
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores * sm_scale + bias, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bksh->bkgth", probs, v.astype(jnp.float32))
-    return out.reshape(b, n, t, h).astype(q.dtype)
+    out, _ = _jnp_causal(q, k, v, log_gate, sm_scale=sm_scale, band=band)
+    return out.astype(q.dtype)
 
 
 def block_mask_from_lists(
@@ -207,9 +222,10 @@ def block_sparse_attention(
     Block lists are given per query head ([B, N, nq, nk]) or per KV head ([B, K, nq, nk]).
     Rows with no visible key give 0.
     """
-    if uses_kernels(backend):
+
+    def on_gpu(q, k, v, kv_block_idx, kv_block_cnt, *, interpret):
         return pallas_kernels.block_sparse_attention(
-            platform_checked(q, backend),
+            q,
             k,
             v,
             kv_block_idx,
@@ -217,21 +233,29 @@ def block_sparse_attention(
             sm_scale=sm_scale,
             block_q=block_q,
             block_k=block_k,
-            interpret=interpret(backend),
+            interpret=interpret,
         )
-    b, n, t, _ = q.shape
-    num_kv_heads = k.shape[1]
-    mask = block_mask_from_lists(kv_block_idx, kv_block_cnt, t, block_q, block_k)
-    if mask.shape[1] == n:
-        mask = mask.reshape(b, num_kv_heads, n // num_kv_heads, t, t)
-    elif mask.shape[1] == num_kv_heads:
-        mask = mask[:, :, None]
-    else:
-        raise ValueError(
-            f"kv_block_idx has {mask.shape[1]} heads: expected N={n} or K={num_kv_heads}"
-        )
-    out, _ = masked_attention(q, k, v, mask, sm_scale)
-    return out.astype(q.dtype)
+
+    def in_jnp(q, k, v, kv_block_idx, kv_block_cnt, *, interpret=False):
+        del interpret  # jnp
+        b, n, t, _ = q.shape
+        num_kv_heads = k.shape[1]
+        mask = block_mask_from_lists(kv_block_idx, kv_block_cnt, t, block_q, block_k)
+        if mask.shape[1] == n:
+            mask = mask.reshape(b, num_kv_heads, n // num_kv_heads, t, t)
+        elif mask.shape[1] == num_kv_heads:
+            mask = mask[:, :, None]
+        else:
+            raise ValueError(
+                f"kv_block_idx has {mask.shape[1]} heads: expected N={n} or K={num_kv_heads}"
+            )
+        out, _ = masked_attention(q, k, v, mask, sm_scale)
+        return out.astype(q.dtype)
+
+    operands = (q, k, v, kv_block_idx, kv_block_cnt)
+    if uses_kernels(backend):
+        return on_platform(backend, *operands, gpu=on_gpu, tpu=in_jnp)
+    return in_jnp(*operands)
 
 
 def chunk_attention(

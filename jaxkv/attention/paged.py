@@ -5,10 +5,11 @@ longest head holds (a loop with a trip count from `lengths`, not from the table'
 is gathered into a dense view (int8 pages dequantised there), attended in jnp, and merged into the
 running result by its logsumexp (an online softmax at block granularity), so a step costs what the
 heads hold however wide the bucketed table is. On the kernel backends the ragged paged decode kernel
-reads them in place, a chunk's C queries as extra rows of their KV head (`CHUNK_ROWS` rows a
-program), dequantising int8 inside the kernel. Quest's page mask becomes a compacted page table
-(`selected_page_table`) so unselected pages are never read. With `return_probs` both paths give each
-slot's probability, so attention-mass policies need no second pass over the cache.
+(Triton on a GPU, Mosaic on a TPU) reads them in place, a chunk's C queries as extra rows of their
+KV head (`CHUNK_ROWS` rows a Triton program), dequantising int8 inside the kernel. Quest's page
+mask becomes a compacted page table (`selected_page_table`) so unselected pages are never read.
+With `return_probs` both paths give each slot's probability, so attention-mass policies need no
+second pass over the cache.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxkv import pallas_kernels
 from jaxkv.attention.dense import attention_from_scores, grouped_scores, merge_partials
-from jaxkv.attention.dispatch import CHUNK_ROWS, interpret, platform_checked, uses_kernels
+from jaxkv.attention.dispatch import CHUNK_ROWS, on_platform, uses_kernels
 from jaxkv.collectives import varying_like
 
 # Tokens of one block of the XLA path: large enough that the loop's per-block overhead is small
@@ -295,29 +296,44 @@ def _kernel_paged_attention(
 ):
     """`paged_attention` through the ragged paged decode kernel (C queries per head as rows)."""
     b, n, c, h = q.shape
-    k_scales, v_scales, k_channel_scales, v_channel_scales = scales
     capacity = page_table.shape[-1] * k_pages.shape[1]
     if page_mask is not None:
         page_table, lengths = selected_page_table(page_table, lengths, page_mask, k_pages.shape[1])
     rows = n // page_table.shape[1] * c
-    block_sizes = pallas_kernels.PagedDecodeBlockSizes(
+    triton_tiles = pallas_kernels.PagedDecodeBlockSizes(
         block_h=CHUNK_ROWS if rows > CHUNK_ROWS else None
     )
-    out, stats = pallas_kernels.paged_decode_attention(
-        platform_checked(q.reshape(b, n * c, h), backend),
+
+    def kernel(target, block_sizes, q, k_pages, v_pages, page_table, lengths, scales, *, interpret):
+        k_scales, v_scales, k_channel_scales, v_channel_scales = scales
+        return pallas_kernels.paged_decode_attention(
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            lengths,
+            sm_scale=sm_scale,
+            k_scales=k_scales,
+            v_scales=v_scales,
+            k_channel_scales=k_channel_scales,
+            v_channel_scales=v_channel_scales,
+            return_stats=True,
+            return_probs=return_probs,
+            block_sizes=block_sizes,
+            target=target,
+            interpret=interpret,
+        )
+
+    out, stats = on_platform(
+        backend,
+        q.reshape(b, n * c, h),
         k_pages,
         v_pages,
         page_table,
         lengths,
-        sm_scale=sm_scale,
-        k_scales=k_scales,
-        v_scales=v_scales,
-        k_channel_scales=k_channel_scales,
-        v_channel_scales=v_channel_scales,
-        return_stats=True,
-        return_probs=return_probs,
-        block_sizes=block_sizes,
-        interpret=interpret(backend),
+        scales,
+        gpu=functools.partial(kernel, "triton", triton_tiles),
+        tpu=functools.partial(kernel, "mosaic", None),
     )
     out, lse = out.reshape(b, n, c, h), stats.lse.reshape(b, n, c)
     if not return_probs:

@@ -1,8 +1,9 @@
 """WG-KV's vertical-slash attention of a chunk to itself: key j is visible to query i when
 j <= i and (i - j < window or admitted[j]). The xla backend runs one dense masked attention (the
-oracle); the kernel backends split each query block's keys into the slash (block-sparse kernel
-over sliding-window block lists) and the vertical (the admitted keys wholly outside the band,
-compacted and read through the paged kernel), merged by their logsumexps.
+oracle, and a TPU's kernel backends: jaxkv has no TPU block-sparse kernel); a GPU's kernel
+backends split each query block's keys into the slash (block-sparse kernel over sliding-window
+block lists) and the vertical (the admitted keys wholly outside the band, compacted and read
+through the paged kernel), merged by their logsumexps.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from jaxkv import pallas_kernels
 from jaxkv.attention.dense import local_attention, merge_partials
-from jaxkv.attention.dispatch import interpret, platform_checked, prefill_block, uses_kernels
+from jaxkv.attention.dispatch import Backend, on_platform, prefill_block, uses_kernels
 from jaxkv.attention.paged import paged_attention
 from jaxkv.pallas_kernels.common import round_up
 
@@ -43,7 +44,7 @@ def vertical_slash_chunk_attention(
     positions, -1 padding after them, as `chunk_attention`); admitted bool [B, K, C]; window >= 1.
     Returns out f32 [B, N, C, H] and lse f32 [B, N, C] (-inf for padded queries).
 
-    The kernel backends split the keys of each query block in two disjoint sets whose partial
+    A GPU's kernel backends split the keys of each query block in two disjoint sets whose partial
     attentions merge: the slash, the key blocks holding a pair inside the band (block-sparse
     kernel over sliding-window lists; there the unadmitted keys outside the band are masked by
     the gate bias), and the vertical, the admitted keys of the blocks wholly outside the band,
@@ -54,23 +55,33 @@ def vertical_slash_chunk_attention(
         raise ValueError(f"window={window} must be >= 1")
     valid = positions >= 0
     admitted = admitted & valid[:, None, :]
-    if not uses_kernels(backend):
+
+    def in_jnp(q, k, v, positions, admitted, *, interpret=False):
+        del interpret  # jnp
         return local_attention(
             q, k, v, positions, positions, admitted, window=window, sm_scale=sm_scale
         )
-    out, lse = _slash_attention(
-        q, k, v, admitted, window=window, sm_scale=sm_scale, backend=backend
-    )
-    if _far_key_blocks(q.shape[2], window)[-1] > 0:  # else no key lies wholly outside the band
-        vertical = _vertical_attention(
-            q, k, v, admitted, window=window, sm_scale=sm_scale, backend=backend
+
+    def on_gpu(q, k, v, positions, admitted, *, interpret):
+        kernels = Backend.INTERPRET if interpret else Backend.PALLAS
+        out, lse = _slash_attention(
+            q, k, v, admitted, window=window, sm_scale=sm_scale, interpret=interpret
         )
-        out, lse = merge_partials(out, lse, *vertical)
-    valid = valid[:, None, :]
-    return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
+        if _far_key_blocks(q.shape[2], window)[-1] > 0:  # else no key is wholly outside the band
+            vertical = _vertical_attention(
+                q, k, v, admitted, window=window, sm_scale=sm_scale, backend=kernels
+            )
+            out, lse = merge_partials(out, lse, *vertical)
+        valid = (positions >= 0)[:, None, :]
+        return jnp.where(valid[..., None], out, 0.0), jnp.where(valid, lse, -jnp.inf)
+
+    operands = (q, k, v, positions, admitted)
+    if uses_kernels(backend):
+        return on_platform(backend, *operands, gpu=on_gpu, tpu=in_jnp)
+    return in_jnp(*operands)
 
 
-def _slash_attention(q, k, v, admitted, *, window: int, sm_scale: float, backend):
+def _slash_attention(q, k, v, admitted, *, window: int, sm_scale: float, interpret: bool):
     """Keys of the blocks reaching into the band: j <= i and (i - j < window or admitted[j])."""
     b, _, c, _ = q.shape
     block = prefill_block(c)
@@ -78,7 +89,7 @@ def _slash_attention(q, k, v, admitted, *, window: int, sm_scale: float, backend
         b, k.shape[1], c, window=window, block_q=block, block_k=block
     )
     out, lse = pallas_kernels.block_sparse_attention(
-        platform_checked(q, backend),
+        q,
         k,
         v,
         kv_block_idx,
@@ -89,7 +100,7 @@ def _slash_attention(q, k, v, admitted, *, window: int, sm_scale: float, backend
         block_q=block,
         block_k=block,
         return_lse=True,
-        interpret=interpret(backend),
+        interpret=interpret,
     )
     return out.astype(jnp.float32), lse
 

@@ -7,6 +7,10 @@ scales `[B, K, H]` per (sequence, KV head); a stored value dequantises as
 key token scales into the scores, value token scales into the probabilities and value channel
 scales into the output, so nothing is dequantised tile by tile.
 
+Two kernels compute it: `target="triton"` (NVIDIA GPUs, split-K over a head's pages, `kernel.py`)
+and `target="mosaic"` (TPUs, one page per pipelined grid step, `mosaic.py`); both return the same
+outputs and statistics, and `interpret=True` runs either in its interpreter on a CPU.
+
 A second key segment (WG-KV's local ring of recent tokens, a chunk's own keys) is not an input:
 attend to it separately and merge the two partial results through their logsumexps
 (`jaxkv.attention.merge_partials`), which is exact. A ring kept in reserved pool pages is a second
@@ -24,6 +28,9 @@ import numpy as np
 
 from jaxkv.pallas_kernels.common import check_tile, round_up
 from jaxkv.pallas_kernels.paged_decode.kernel import BlockSizes, paged_decode_partials
+from jaxkv.pallas_kernels.paged_decode.mosaic import paged_decode_mosaic
+
+TARGETS = ("triton", "mosaic")
 
 
 class DecodeStats(NamedTuple):
@@ -55,6 +62,7 @@ def paged_decode_attention(
     return_stats: bool = False,
     return_probs: bool = False,
     block_sizes: BlockSizes | None = None,
+    target: str = "triton",
     interpret: bool = False,
 ) -> jax.Array | tuple[jax.Array, DecodeStats]:
     """Attention of one query per head over its KV head's own ragged list of pages.
@@ -73,17 +81,26 @@ def paged_decode_attention(
       k_channel_scales, v_channel_scales: f32 [B, K, H] per-channel scales of int8 pages.
       return_stats: also return `DecodeStats` (the logsumexp per query head).
       return_probs: with `return_stats`, also the per-slot probabilities.
-      block_sizes: tiles and launch parameters; None takes `BlockSizes()` (tuned defaults).
-      interpret: run the Pallas interpreter (CPU tests) instead of Triton.
+      block_sizes: tiles and launch parameters of the Triton kernel; None takes `BlockSizes()`
+        (tuned defaults). The Mosaic kernel has no tiles to choose: None only.
+      target: "triton" (NVIDIA GPUs) or "mosaic" (TPUs).
+      interpret: run the target's interpreter on the CPU (tests) instead of compiling.
     Returns:
       out f32 [B, N, H] (0 for a head holding nothing), and `DecodeStats` with `return_stats`.
     """
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r}: allowed are {', '.join(map(repr, TARGETS))}")
     _check_inputs(q, k_pages, v_pages, page_table, lengths)
+    if target == "triton":
+        _check_triton_offsets(k_pages)
+    elif block_sizes is not None:
+        raise ValueError("block_sizes tile the Triton kernel: give None with target='mosaic'")
     _check_scales(k_pages, page_table, "k", k_scales, k_channel_scales)
     _check_scales(v_pages, page_table, "v", v_scales, v_channel_scales)
     if return_probs and not return_stats:
         raise ValueError("return_probs=True needs return_stats=True")
-    block_sizes = (block_sizes or BlockSizes()).resolve(k_pages.shape[1])
+    if target == "triton":
+        block_sizes = (block_sizes or BlockSizes()).resolve(k_pages.shape[1])
     return _paged_decode(
         q,
         k_pages,
@@ -98,6 +115,7 @@ def paged_decode_attention(
         block_sizes=block_sizes,
         return_stats=return_stats,
         return_probs=return_probs,
+        target=target,
         interpret=interpret,
     )
 
@@ -122,12 +140,6 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths) -> None:
             )
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages {k_pages.shape}")
-    if offsets_would_wrap(k_pages):
-        raise ValueError(
-            f"int8 k_pages of {k_pages.size} elements: the Triton lowering addresses arrays of "
-            "at most 2^32 bytes with int32 element offsets, which wrap from 2^31 elements on; "
-            "give the pool fewer than 2^31 or more than 2^32 elements"
-        )
     batch, num_heads, head_dim = q.shape
     if k_pages.shape[2] != head_dim:
         raise ValueError(f"k_pages head dim {k_pages.shape[2]} differs from q's {head_dim}")
@@ -157,6 +169,15 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths) -> None:
         raise ValueError(
             f"lengths must lie in [0, {capacity}] (page_table capacity), got "
             f"[{held.min()}, {held.max()}]"
+        )
+
+
+def _check_triton_offsets(k_pages) -> None:
+    if offsets_would_wrap(k_pages):
+        raise ValueError(
+            f"int8 k_pages of {k_pages.size} elements: the Triton lowering addresses arrays of "
+            "at most 2^32 bytes with int32 element offsets, which wrap from 2^31 elements on; "
+            "give the pool fewer than 2^31 or more than 2^32 elements"
         )
 
 
@@ -206,7 +227,14 @@ def _slot_probs(scores, lse, held, group: int, capacity: int):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "block_sizes", "return_stats", "return_probs", "interpret"),
+    static_argnames=(
+        "sm_scale",
+        "block_sizes",
+        "return_stats",
+        "return_probs",
+        "target",
+        "interpret",
+    ),
 )
 def _paged_decode(
     q,
@@ -220,45 +248,87 @@ def _paged_decode(
     v_channel_scales,
     *,
     sm_scale: float,
-    block_sizes: BlockSizes,
+    block_sizes: BlockSizes | None,
     return_stats: bool,
     return_probs: bool,
+    target: str,
     interpret: bool,
 ):
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, max_pages = page_table.shape
-    page_size = k_pages.shape[1]
     group = num_heads // num_kv_heads
+    capacity = max_pages * k_pages.shape[1]
+    held = jnp.clip(lengths, 0, capacity)
+    scales = (k_scales, v_scales, k_channel_scales, v_channel_scales)
+    q_rows = q.reshape(batch, num_kv_heads, group, head_dim)
+    if target == "mosaic":
+        out, lse, *scores = paged_decode_mosaic(
+            q_rows,
+            k_pages,
+            v_pages,
+            page_table,
+            held,
+            *scales,
+            sm_scale=sm_scale,
+            return_scores=return_probs,
+            interpret=interpret,
+        )
+    else:
+        out, lse, *scores = _triton_rows(
+            q_rows,
+            k_pages,
+            v_pages,
+            page_table,
+            held,
+            scales,
+            sm_scale=sm_scale,
+            block_sizes=block_sizes,
+            return_scores=return_probs,
+            interpret=interpret,
+        )
+    out = out.reshape(batch, num_heads, head_dim)
+    if not return_stats:
+        return out
+    probs = _slot_probs(scores[0], lse, held, group, capacity) if return_probs else None
+    return out, DecodeStats(lse.reshape(batch, num_heads), probs)
+
+
+def _triton_rows(
+    q_rows,
+    k_pages,
+    v_pages,
+    page_table,
+    held,
+    scales,
+    *,
+    sm_scale,
+    block_sizes,
+    return_scores,
+    interpret,
+):
+    """The Triton kernel over q_rows [B, K, G, H]: out [B, K, G, H], lse [B, K, G] and with
+    `return_scores` the scores [B, K, >= G, >= M * p]."""
+    batch, num_kv_heads, group, head_dim = q_rows.shape
+    max_pages = page_table.shape[-1]
     block_h = block_sizes.rows_per_program(group)
     rows = round_up(group, block_h)
-    q_rows = q.reshape(batch, num_kv_heads, group, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     pages_per_split = block_sizes.split_pages(max_pages, batch * num_kv_heads * rows // block_h)
     padded_pages = round_up(max_pages, pages_per_split) - max_pages
     table = jnp.pad(page_table, ((0, 0), (0, 0), (0, padded_pages)), constant_values=-1)
-    capacity = max_pages * page_size
-    held = jnp.clip(lengths, 0, capacity)
     acc, row_max, row_sum, *scores = paged_decode_partials(
         q_rows,
         k_pages,
         v_pages,
         table,
         held,
-        k_scales,
-        v_scales,
-        k_channel_scales,
-        v_channel_scales,
+        *scales,
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         block_h=block_h,
         pages_per_split=pages_per_split,
-        return_scores=return_probs,
+        return_scores=return_scores,
         interpret=interpret,
     )
     out, lse = combine_splits(acc, row_max, row_sum)
-    out = out[:, :, :group].reshape(batch, num_heads, head_dim)
-    if not return_stats:
-        return out
-    lse = lse[:, :, :group]
-    probs = _slot_probs(scores[0], lse, held, group, capacity) if return_probs else None
-    return out, DecodeStats(lse.reshape(batch, num_heads), probs)
+    return out[:, :, :group], lse[:, :, :group], *scores

@@ -1,7 +1,8 @@
-"""Ragged paged decode kernel vs its jnp reference, and the reference vs a numpy token loop.
+"""Ragged paged decode kernels vs their jnp reference, and the reference vs a numpy token loop.
 
-`TestPagedDecodeInterpret` runs the Pallas interpreter on CPU; `TestPagedDecodeGpu` runs the same
-tests through Triton when a GPU is present.
+`TestPagedDecodeInterpret` runs the Triton kernel in the Pallas interpreter on CPU;
+`TestPagedDecodeGpu` runs the same tests through Triton when a GPU is present;
+`TestPagedDecodeMosaicInterpret` runs them through the TPU (Mosaic) kernel in the TPU interpreter.
 """
 
 import dataclasses
@@ -263,6 +264,14 @@ class TestPagedDecodeGpu(TestPagedDecodeInterpret):
     INTERPRET = False
 
 
+class TestPagedDecodeMosaicInterpret(TestPagedDecodeInterpret):
+    """The TPU kernel in the TPU interpreter (its DMAs and semaphores simulated on the CPU)."""
+
+    def decode(self, *args, block_sizes=None, **kwargs):
+        del block_sizes  # the Triton kernel's tiles
+        return pk.paged_decode_attention(*args, target="mosaic", interpret=True, **kwargs)
+
+
 def _valid_call(**overrides):
     case = CASES[0]
     q, k_pages, v_pages, table, lengths = _pool(case, seed=0)
@@ -314,6 +323,11 @@ INT8_POOL = jnp.zeros((41, 8, 64), jnp.int8)  # the pool of CASES[0]
         ({"block_sizes": pk.PagedDecodeBlockSizes(4, 2)}, "pages_per_split"),
         ({"block_sizes": pk.PagedDecodeBlockSizes(1, 4)}, "at least 16 keys"),
         ({"block_sizes": pk.PagedDecodeBlockSizes(block_h=8)}, "block_h"),
+        ({"target": "tpu"}, r"target='tpu': allowed are 'triton', 'mosaic'"),
+        (
+            {"target": "mosaic", "block_sizes": pk.PagedDecodeBlockSizes()},
+            "block_sizes tile the Triton kernel",
+        ),
     ],
 )
 def test_bad_inputs_name_the_argument(overrides, message):
