@@ -1,4 +1,4 @@
-"""Test setup: virtual CPU devices for sharding tests, GPU marker handling, shared fixtures."""
+"""Test setup: virtual CPU devices for sharding tests, GPU and TPU markers, shared fixtures."""
 
 import os
 
@@ -60,21 +60,24 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_collection_modifyitems(config, items):
-    has_gpu = any(d.platform == "gpu" for d in jax.devices())
-    if has_gpu:
-        return
-    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (none on this machine)")
+    platforms = {d.platform for d in jax.devices()}
+    skips = {
+        marker: pytest.mark.skip(reason=f"needs {device} (none on this machine)")
+        for marker, platform, device in (("gpu", "gpu", "an NVIDIA GPU"), ("tpu", "tpu", "a TPU"))
+        if platform not in platforms
+    }
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
-def _full_precision_matmuls_on_gpu(request):
-    """XLA on a GPU multiplies f32 in TF32 by default (errors near 1e-3), while the kernels
-    multiply f32 in full f32: GPU tests compare both at full precision, so that a difference is
-    the kernel's and not the reference's rounding."""
-    if request.node.get_closest_marker("gpu") is None:
+def _full_precision_matmuls_on_accelerators(request):
+    """XLA on a GPU multiplies f32 in TF32 by default (errors near 1e-3), on a TPU in bf16
+    passes, while the kernels multiply f32 in full f32: GPU and TPU tests compare both at full
+    precision, so that a difference is the kernel's and not the reference's rounding."""
+    if not any(request.node.get_closest_marker(marker) for marker in ("gpu", "tpu")):
         yield
         return
     with jax.default_matmul_precision("highest"):

@@ -271,7 +271,11 @@ def model():
     return init_model(CONFIG, seed=5, scale=0.3)
 
 
-KERNEL_BACKENDS = [*INTERPRETERS, pytest.param("pallas", marks=pytest.mark.gpu)]
+KERNEL_BACKENDS = [
+    *INTERPRETERS,
+    pytest.param("pallas", marks=pytest.mark.gpu, id="pallas-gpu"),
+    pytest.param("pallas", marks=pytest.mark.tpu, id="pallas-tpu"),
+]
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

@@ -2,7 +2,8 @@
 
 `TestPagedDecodeInterpret` runs the Triton kernel in the Pallas interpreter on CPU;
 `TestPagedDecodeGpu` runs the same tests through Triton when a GPU is present;
-`TestPagedDecodeMosaicInterpret` runs them through the TPU (Mosaic) kernel in the TPU interpreter.
+`TestPagedDecodeMosaicInterpret` runs them through the TPU (Mosaic) kernel in the TPU interpreter,
+`TestPagedDecodeTpu` compiled on a TPU when one is present.
 """
 
 import dataclasses
@@ -269,7 +270,17 @@ class TestPagedDecodeMosaicInterpret(TestPagedDecodeInterpret):
 
     def decode(self, *args, block_sizes=None, **kwargs):
         del block_sizes  # the Triton kernel's tiles
-        return pk.paged_decode_attention(*args, target="mosaic", interpret=True, **kwargs)
+        return pk.paged_decode_attention(
+            *args, target="mosaic", interpret=self.INTERPRET, **kwargs
+        )
+
+
+@pytest.mark.tpu
+@pytest.mark.usefixtures("full_precision_references")
+class TestPagedDecodeTpu(TestPagedDecodeMosaicInterpret):
+    """The TPU kernel compiled by Mosaic on a TPU."""
+
+    INTERPRET = False
 
 
 def _valid_call(**overrides):
