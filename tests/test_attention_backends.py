@@ -14,6 +14,7 @@ from jaxkv.models import init_model
 from tests.tiny_models import tiny_config
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+INTERPRETERS = ["interpret", "interpret-tpu"]
 
 
 def _qkv(seed, b, n, kh, t, h, dtype=jnp.float32):
@@ -39,12 +40,13 @@ def _numpy_gated(q, k, v, log_gate, band, scale):
     return out
 
 
+@pytest.mark.parametrize("backend", INTERPRETERS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("t", [40, 64])
-def test_causal_attention_kernel_equals_xla(dtype, t):
+@pytest.mark.parametrize("t", [40, 64, 130])  # "interpret-tpu": jnp under 128 tokens, splash from
+def test_causal_attention_kernel_equals_xla(dtype, t, backend):
     q, k, v = _qkv(0, 2, 4, 2, t, 32, dtype)
     want = attention.causal_attention(q, k, v, sm_scale=0.2, backend="xla")
-    got = attention.causal_attention(q, k, v, sm_scale=0.2, backend="interpret")
+    got = attention.causal_attention(q, k, v, sm_scale=0.2, backend=backend)
     assert got.dtype == dtype
     np.testing.assert_allclose(
         np.asarray(got, np.float32), np.asarray(want, np.float32), atol=TOLERANCE[dtype]
@@ -58,7 +60,7 @@ def test_gated_attention_matches_numpy_and_kernel_with_gradients(band):
     gate = jax.random.uniform(jax.random.PRNGKey(2), (b, kh, t), minval=1e-3, maxval=1.0)
     log_gate = jnp.log(gate)
     want = _numpy_gated(*(np.asarray(x[0], np.float64) for x in (q, k, v, log_gate)), band, 0.25)
-    for backend in ("xla", "interpret"):
+    for backend in ("xla", *INTERPRETERS):
         out = attention.gated_causal_attention(
             q, k, v, log_gate, band=band, sm_scale=0.25, backend=backend
         )
@@ -71,9 +73,10 @@ def test_gated_attention_matches_numpy_and_kernel_with_gradients(band):
         return jnp.sum(out * cotangent)
 
     want_grads = jax.grad(loss, argnums=(1, 2, 3, 4))("xla", q, k, v, log_gate)
-    got_grads = jax.grad(loss, argnums=(1, 2, 3, 4))("interpret", q, k, v, log_gate)
-    for got, want_grad in zip(got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want_grad), atol=2e-5)
+    for backend in INTERPRETERS:
+        got_grads = jax.grad(loss, argnums=(1, 2, 3, 4))(backend, q, k, v, log_gate)
+        for got, want_grad in zip(got_grads, want_grads, strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want_grad), atol=2e-5)
 
 
 def test_gated_attention_bad_inputs():
@@ -84,14 +87,16 @@ def test_gated_attention_bad_inputs():
         attention.gated_causal_attention(q, k, v, jnp.zeros((1, 8)), band=2, sm_scale=1.0)
 
 
-def test_chunk_attention_kernel_equals_xla_with_tail_padding():
-    q, k, v = _qkv(4, 2, 4, 2, 24, 16)
-    lengths = np.array([24, 13])
-    index = np.arange(24)
+@pytest.mark.parametrize("backend", INTERPRETERS)
+@pytest.mark.parametrize("chunk", [24, 136])
+def test_chunk_attention_kernel_equals_xla_with_tail_padding(chunk, backend):
+    q, k, v = _qkv(4, 2, 4, 2, chunk, 16)
+    lengths = np.array([chunk, chunk // 2 + 1])
+    index = np.arange(chunk)
     positions = jnp.asarray(np.where(index < lengths[:, None], 100 + index, -1), jnp.int32)
     want_out, want_lse = attention.chunk_attention(q, k, v, positions, sm_scale=0.3)
     got_out, got_lse = attention.chunk_attention(
-        q, k, v, positions, sm_scale=0.3, backend="interpret"
+        q, k, v, positions, sm_scale=0.3, backend=backend
     )
     np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), atol=1e-5)
     np.testing.assert_array_equal(np.isinf(got_lse), np.isinf(want_lse))
@@ -160,9 +165,6 @@ def _paged_inputs(seed, *, b=2, kh=2, h=32, page=4, max_pages=5, num_pages=24, d
         jnp.asarray(table),
         jnp.asarray(lengths, jnp.int32),
     )
-
-
-INTERPRETERS = ["interpret", "interpret-tpu"]
 
 
 @pytest.mark.parametrize("backend", INTERPRETERS)

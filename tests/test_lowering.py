@@ -8,8 +8,8 @@ benchmarks' (Llama-3.1-8B attention: 32 query heads, 8 KV heads, head dim 128; p
 lowered text, carrying the kernel's name and its results; identical calls share one lowering, so
 the text lists each distinct kernel call once. Compiling the Triton IR needs a GPU (the `gpu`
 tests, `benchmarks/gpu_check.sh`). Lowered for "tpu", the same programs hold the Mosaic paged
-decode kernel (`stablehlo.custom_call @tpu_custom_call`, its name in `kernel_name`) and no Triton
-call: prefill attention is jnp there. Mosaic's own compilation needs libtpu and a TPU. The last
+decode kernel and jax's splash attention (`stablehlo.custom_call @tpu_custom_call`, the kernel's
+name in `kernel_name`) and no Triton call. Mosaic's own compilation needs libtpu and a TPU. The last
 tests check that on this host backend "pallas" fails, when lowered for the CPU, with the error
 naming the setting and its alternatives.
 """
@@ -456,28 +456,46 @@ def test_mosaic_paged_decode_with_gqa_int8_scales_and_statistics(batch, tokens, 
 
 
 TPU_CACHE_READ = TritonCall(PAGED_TPU, PAGED_TPU_RESULTS, False)
+SPLASH = "splash_mqa_fwd"  # jax's splash attention kernels are named splash_mqa_{fwd,dq,dkv}...
 
 
 @pytest.mark.parametrize(
-    "policy,chunk",
+    "policy,chunk,splash",
     [
-        (policies.FullCache(), 1),
-        (policies.FullCache(), 128),
-        (policies.H2O(budget=64), 1),
-        (policies.Quest(budget=64), 1),
-        (policies.FastKVzip(ratio=0.5), 128),
-        # A chunk longer than WG-KV's band: its vertical-slash attention to itself is jnp on a
-        # TPU (no paged read of the admitted far keys, as on a GPU).
-        (policies.WGKV(tau=0.5, window=16), 128),
+        (policies.FullCache(), 1, False),  # a decode step's own token: jnp
+        (policies.FullCache(), 128, True),
+        (policies.H2O(budget=64), 1, False),
+        (policies.Quest(budget=64), 1, False),
+        (policies.FastKVzip(ratio=0.5), 128, True),
+        # WG-KV's vertical-slash attention of a chunk to itself is jnp on a TPU.
+        (policies.WGKV(tau=0.5, window=16), 128, False),
     ],
     ids=["full-decode", "full-chunk", "h2o-decode", "quest-decode", "fastkvzip-chunk", "wgkv"],
 )
-def test_tpu_decode_step_and_prefill_chunk(policy, chunk):
+def test_tpu_decode_step_and_prefill_chunk(policy, chunk, splash):
     """Lowered for "tpu" with backend "pallas", a cached step reads the pages through the Mosaic
-    kernel and holds no Triton call; H2O's probabilities come with the read."""
+    kernel (H2O's probabilities with the read), a chunk of 128 tokens or more attends to itself
+    through splash attention, and there is no Triton call."""
     calls = cached_step_calls(TINY, policy, chunk, platform="tpu")
     with_probs = isinstance(policy, policies.H2O)
-    assert calls == [TPU_CACHE_READ._replace(results=PAGED_TPU_RESULTS + with_probs)]
+    assert calls[0] == TPU_CACHE_READ._replace(results=PAGED_TPU_RESULTS + with_probs)
+    assert [call.name.startswith(SPLASH) for call in calls[1:]] == ([True] if splash else [])
+
+
+def test_tpu_training_forward_and_its_gradient_through_splash_attention():
+    """A whole sequence's causal attention and its gradient lower for "tpu" to splash's forward
+    and backward kernels (the Mosaic calls of `jax.grad`)."""
+    tokens = 8192
+
+    def loss(q, k, v):
+        out = attention.causal_attention(q, k, v, sm_scale=HEAD_DIM**-0.5, backend="pallas")
+        return jnp.sum(out.astype(F32))
+
+    qkv = [S((1, heads, tokens, HEAD_DIM), BF16) for heads in (HEADS, KV_HEADS, KV_HEADS)]
+    text, _ = lowered_for(("tpu",), jax.grad(loss, argnums=(0, 1, 2)), *qkv)
+    names = [call.name for call in mosaic_calls(text)]
+    assert names[0].startswith(SPLASH) and len(names) == 3 and not triton_calls(text)
+    assert {name.split("_")[2] for name in names} == {"fwd", "dq", "dkv"}
 
 
 def test_tpu_int8_storage_decode_step_reads_the_int8_tier_in_the_kernel():

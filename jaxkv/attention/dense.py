@@ -3,8 +3,9 @@
 `grouped_scores` is the one grouped-query score product every dense attention, probability and
 mass computation builds on. Whole-sequence causal attention (`causal_attention`,
 `gated_causal_attention`, `block_sparse_attention`) and a chunk's attention to itself
-(`chunk_attention`) run the block-sparse prefill kernel on a GPU's kernel backends and jnp on a
-TPU's (jaxkv has no TPU block-sparse kernel); the WG-KV ring's `local_attention`,
+(`chunk_attention`) run the block-sparse prefill kernel on a GPU's kernel backends and jax's
+splash attention on a TPU's (jnp there for block lists and WG-KV's gate bias, which splash cannot
+take); the WG-KV ring's `local_attention`,
 observation-query probabilities and partial merges are jnp on every backend.
 """
 
@@ -96,11 +97,17 @@ def merge_partials(
     return out, lse
 
 
-def kernel_causal(q, k, v, *, sm_scale: float, backend, gate_bias=None, band=None):
-    """Dense causal attention on a kernel backend: out [B, N, T, H] in q's dtype, lse [B, N, T].
+def kernel_causal(
+    q, k, v, *, sm_scale: float, backend, gate_bias=None, band=None, return_lse: bool = True
+):
+    """Dense causal attention on a kernel backend: out [B, N, T, H] in q's dtype and, with
+    `return_lse`, lse [B, N, T].
 
-    On a GPU through the block-sparse kernel, on a TPU in jnp (`_jnp_causal`). With `gate_bias`
-    f32 [B, K, T], key j's bias is added to the scores of queries i with i - j >= `band`.
+    On a GPU through the block-sparse kernel; on a TPU through splash attention, or in jnp
+    (`_jnp_causal`) with a gate bias, which splash cannot add, or for fewer tokens than
+    `SPLASH_MIN_TOKENS` (a decode step's own token). With `gate_bias` f32 [B, K, T],
+    key j's bias is added to the scores of queries i with i - j >= `band`. Differentiable
+    without `return_lse`.
     """
 
     def on_gpu(q, k, v, gate_bias, *, interpret):
@@ -109,7 +116,7 @@ def kernel_causal(q, k, v, *, sm_scale: float, backend, gate_bias=None, band=Non
         kv_block_idx, kv_block_cnt = pallas_kernels.dense_causal_block_lists(
             b, k.shape[1], t, block_q=block, block_k=block
         )
-        return pallas_kernels.block_sparse_attention(
+        out, lse = pallas_kernels.block_sparse_attention(
             q,
             k,
             v,
@@ -123,11 +130,15 @@ def kernel_causal(q, k, v, *, sm_scale: float, backend, gate_bias=None, band=Non
             return_lse=True,
             interpret=interpret,
         )
+        return (out, lse) if return_lse else out
 
     def on_tpu(q, k, v, gate_bias, *, interpret):
-        del interpret  # jnp
+        if gate_bias is None and q.shape[2] >= pallas_kernels.SPLASH_MIN_TOKENS:
+            return pallas_kernels.causal_attention_tpu(
+                q, k, v, sm_scale=sm_scale, return_lse=return_lse, interpret=interpret
+            )
         out, lse = _jnp_causal(q, k, v, gate_bias, sm_scale=sm_scale, band=band)
-        return out.astype(q.dtype), lse
+        return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
 
     return on_platform(backend, q, k, v, gate_bias, gpu=on_gpu, tpu=on_tpu)
 
@@ -150,8 +161,7 @@ def causal_attention(
 ) -> jax.Array:
     """Dense causal self-attention over whole sequences: q [B, N, T, H] -> [B, N, T, H]."""
     if uses_kernels(backend):
-        out, _ = kernel_causal(q, k, v, sm_scale=sm_scale, backend=backend)
-        return out
+        return kernel_causal(q, k, v, sm_scale=sm_scale, backend=backend, return_lse=False)
     return layers.causal_attention(q, k, v, sm_scale=sm_scale)
 
 
@@ -177,10 +187,16 @@ def gated_causal_attention(
     if log_gate.shape != (*k.shape[:3],):
         raise ValueError(f"log_gate has shape {log_gate.shape}: expected [B, K, T] = {k.shape[:3]}")
     if uses_kernels(backend):
-        out, _ = kernel_causal(
-            q, k, v, sm_scale=sm_scale, backend=backend, gate_bias=log_gate, band=band
+        return kernel_causal(
+            q,
+            k,
+            v,
+            sm_scale=sm_scale,
+            backend=backend,
+            gate_bias=log_gate,
+            band=band,
+            return_lse=False,
         )
-        return out
     out, _ = _jnp_causal(q, k, v, log_gate, sm_scale=sm_scale, band=band)
     return out.astype(q.dtype)
 

@@ -2,11 +2,12 @@
 
   "xla"            plain jnp (CPU, TPU, and the oracle the kernels are tested against);
   "pallas"         Pallas kernels, picked by the platform a program is lowered for: on NVIDIA
-                   GPUs every kernel through Triton; on TPUs the paged decode kernel through
-                   Mosaic, with prefill attention in jnp (jaxkv has no TPU block-sparse kernel);
+                   GPUs every kernel through Triton; on TPUs (Mosaic) jaxkv's paged decode
+                   kernel and jax's splash attention for causal prefill, the rest of prefill
+                   (WG-KV's gate bias, block lists) in jnp: jaxkv has no TPU block-sparse kernel;
   "interpret"      the Triton kernels in the Pallas interpreter (CPU tests);
-  "interpret-tpu"  the TPU path in the TPU interpreter (CPU tests): the Mosaic decode kernel with
-                   its DMAs and semaphores simulated, prefill attention in jnp;
+  "interpret-tpu"  the TPU path in the interpreters (CPU tests; the decode kernel's DMAs and
+                   semaphores simulated);
   "auto"           "pallas" where JAX's default backend is a GPU, else "xla". TPUs get "xla": the
                    Mosaic kernel has run in the interpreter and been lowered for "tpu", never
                    compiled by libtpu nor timed on a TPU, so it is opt-in there.
@@ -23,7 +24,7 @@ goes through an identity primitive whose lowering rule is the identity for
 backend='pallas', the platform and the alternatives) for any other platform, and whose eager
 evaluation checks the array's devices. So `jaxkv.generate(..., backend="pallas")` on a CPU fails
 when its first program is lowered for the CPU, while the same program lowered for "cuda" holds
-the Triton calls and lowered for "tpu" the Mosaic call (tests/test_lowering.py). Call sites that
+the Triton calls and lowered for "tpu" the Mosaic calls (tests/test_lowering.py). Call sites that
 only run programs here (a CLI, a benchmark) can fail before any tracing with `check_runs_here`.
 """
 
