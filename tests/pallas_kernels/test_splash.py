@@ -15,7 +15,10 @@ from tests.pallas_kernels.test_block_sparse import TOLERANCE, assert_close, asse
 def _qkv(seed, batch, heads, kv_heads, tokens, head_dim, dtype):
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
     shapes = [(batch, h, tokens, head_dim) for h in (heads, kv_heads, kv_heads)]
-    return [jax.random.normal(key, s, jnp.float32).astype(dtype) for key, s in zip(keys, shapes)]
+    return [
+        jax.random.normal(key, shape, jnp.float32).astype(dtype)
+        for key, shape in zip(keys, shapes, strict=True)
+    ]
 
 
 def _reference_lse(q, k, sm_scale):
