@@ -92,11 +92,41 @@ def _check_step(
         raise ValueError(f"policy {policy.name!r} both accumulates attention and gates writes")
 
 
-def _cached_partials(q, pool: PagePool, page_table, held, layer, *, policy, read_budget, step):
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """The chunk a layer step attends for and writes: q [B, N, C, H], k, v [B, K, C, H],
+    positions int32 [B, C] (-1 = padding), admitted bool [B, K, C] (the tokens it stores)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    admitted: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    """One layer's view of the KV state: the shared pool, this layer's page table int32
+    [B, K, M], `held` int32 [B, K] the model-dtype tokens the cached read covers, `lengths`
+    int32 [B, K] every tier's tokens per head before the chunk, the ring (or None) and the
+    layer's index (the int8 tier's tables are indexed by it)."""
+
+    pool: PagePool
+    page_table: jax.Array
+    held: jax.Array
+    lengths: jax.Array
+    ring: LocalRing | None
+    layer: jax.Array | int
+
+
+def _cached_partials(chunk: Chunk, cache: LayerCache, *, policy, read_budget, step):
     """Partial attentions over the cached pages, then the int8 tier's: [(out, lse[, probs])]."""
+    q, pool = chunk.q, cache.pool
     page_mask = None
     if read_budget is not None:
-        page_mask = policy.selection.select_pages(q, pool, page_table, held, read_budget)
+        page_mask = policy.selection.select_pages(
+            q, pool, cache.page_table, cache.held, read_budget
+        )
     scoring = policy.attention_scoring is not None
     return_probs = scoring and attention_ops.probs_come_with_attention(q.shape[2])
     partials = [
@@ -104,20 +134,23 @@ def _cached_partials(q, pool: PagePool, page_table, held, layer, *, policy, read
             q,
             pool.k_pages,
             pool.v_pages,
-            page_table,
-            held,
+            cache.page_table,
+            cache.held,
             page_mask=page_mask,
             return_probs=return_probs,
             **step,
         )
     ]
     if pool.int8 is not None:
-        partials.append(int8_tier_attention(pool.int8, q, layer, return_probs=return_probs, **step))
+        partials.append(
+            int8_tier_attention(pool.int8, q, cache.layer, return_probs=return_probs, **step)
+        )
     return partials
 
 
-def _chunk_partials(q, k, v, positions, admitted, ring: LocalRing | None, *, step):
+def _chunk_partials(chunk: Chunk, ring: LocalRing | None, *, step):
     """Partial attentions of the chunk to the ring (if any) and to itself: [(out, lse)]."""
+    q, k, v, positions = chunk.q, chunk.k, chunk.v, chunk.positions
     if ring is None:
         return [attention_ops.chunk_attention(q, k, v, positions, **step)]
     ring_partial = attention_ops.local_attention(
@@ -131,19 +164,19 @@ def _chunk_partials(q, k, v, positions, admitted, ring: LocalRing | None, *, ste
         **step,
     )
     chunk_partial = attention_ops.vertical_slash_chunk_attention(
-        q, k, v, positions, admitted, window=ring.window, **step
+        q, k, v, positions, chunk.admitted, window=ring.window, **step
     )
     return [ring_partial, chunk_partial]
 
 
-def _accumulate_mass(
-    q, pool: PagePool, page_table, held, lengths, cached, lse, layer, *, scoring, positions, step
-):
+def _accumulate_mass(chunk: Chunk, cache: LayerCache, cached, lse, *, scoring, step):
     """Adds the chunk's attention mass to the cached slots' scores (pages, then the int8 tier)
-    by the scoring's rule (`update_scores`); lengths [B, K]: every tier's tokens per head."""
-    _, query_weights = scoring.mass_weights(positions)
-    num_kv_heads = page_table.shape[1]
-    update = functools.partial(scoring.update_scores, positions=positions, cached_lengths=lengths)
+    by the scoring's rule (`update_scores`). Returns (pool, the queries' mass weights)."""
+    _, query_weights = scoring.mass_weights(chunk.positions)
+    num_kv_heads = cache.page_table.shape[1]
+    update = functools.partial(
+        scoring.update_scores, positions=chunk.positions, cached_lengths=cache.lengths
+    )
 
     def mass(partial, k_pages, table, tokens, k_scales=None, k_channel_scales=None):
         if len(partial) == 3:  # the probabilities came with the attention
@@ -151,7 +184,7 @@ def _accumulate_mass(
                 partial[2], partial[1], lse, query_weights, num_kv_heads=num_kv_heads
             )
         return attention_ops.paged_attention_mass(
-            q,
+            chunk.q,
             k_pages,
             table,
             tokens,
@@ -162,58 +195,44 @@ def _accumulate_mass(
             k_channel_scales=k_channel_scales,
         )
 
-    pool_mass = mass(cached[0], pool.k_pages, page_table, held)
-    pool = accumulate_cached_mass(pool, page_table, held, pool_mass, update)
+    pool, table, held = cache.pool, cache.page_table, cache.held
+    pool = accumulate_cached_mass(
+        pool, table, held, mass(cached[0], pool.k_pages, table, held), update
+    )
     tier = pool.int8
     if tier is not None:
-        table, tier_held = tier.page_table[layer], tier.lengths[layer]
+        table, tier_held = tier.page_table[cache.layer], tier.lengths[cache.layer]
         tier_mass = mass(
             cached[1],
             tier.pool.k_pages,
             table,
             tier_held,
             tier.pool.k_scales,
-            tier.k_channel_scales[layer],
+            tier.k_channel_scales[cache.layer],
         )
         tier_pool = accumulate_cached_mass(tier.pool, table, tier_held, tier_mass, update)
         pool = dataclasses.replace(pool, int8=dataclasses.replace(tier, pool=tier_pool))
     return pool, query_weights
 
 
-def _mass_scores(
-    q, k, positions, pool, page_table, held, lengths, cached, lse, layer, *, scoring, step
-):
+def _mass_scores(chunk: Chunk, cache: LayerCache, cached, lse, *, scoring, step):
     """The chunk's attention mass: added to the cached slots' scores (`_accumulate_mass`), and
     the chunk's own tokens' scores f32 [B, K, C] by the scoring's rule. Returns (pool, scores)."""
-    pool, query_weights = _accumulate_mass(
-        q,
-        pool,
-        page_table,
-        held,
-        lengths,
-        cached,
-        lse,
-        layer,
-        scoring=scoring,
-        positions=positions,
-        step=step,
+    pool, query_weights = _accumulate_mass(chunk, cache, cached, lse, scoring=scoring, step=step)
+    chunk_mass = attention_ops.chunk_attention_mass(
+        chunk.q, chunk.k, chunk.positions, lse, query_weights, **step
     )
-    chunk_mass = attention_ops.chunk_attention_mass(q, k, positions, lse, query_weights, **step)
     return pool, scoring.update_scores(
-        None, chunk_mass, positions=positions, cached_lengths=lengths
+        None, chunk_mass, positions=chunk.positions, cached_lengths=cache.lengths
     )
 
 
-def _attend(
-    q, k, v, positions, admitted, pool, page_table, held, ring, layer, *, policy, read_budget, step
-):
+def _attend(chunk: Chunk, cache: LayerCache, *, policy, read_budget, step):
     """The chunk's attention over the cached pages (up to `held`), the ring and itself:
     (out f32 [B, N, C, H], lse [B, N, C], the cached partials with their probabilities)."""
-    cached = _cached_partials(
-        q, pool, page_table, held, layer, policy=policy, read_budget=read_budget, step=step
-    )
+    cached = _cached_partials(chunk, cache, policy=policy, read_budget=read_budget, step=step)
     partials = [partial[:2] for partial in cached]
-    partials += _chunk_partials(q, k, v, positions, admitted, ring, step=step)
+    partials += _chunk_partials(chunk, cache.ring, step=step)
     out, lse = partials[0]
     for partial in partials[1:]:
         out, lse = attention_ops.merge_partials(out, lse, *partial)
@@ -261,51 +280,60 @@ def attend_and_write(
     step = dict(sm_scale=sm_scale, backend=backend)
     tier = pool.int8
     held = lengths if tier is None else lengths - tier.lengths[layer]  # model-dtype tokens
-    valid = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
-    admitted = valid
+    admitted = jnp.broadcast_to((positions >= 0)[:, None, :], k.shape[:3])
     if policy.admission is not None:
         admitted &= policy.admission.admit(
             layer=layer, k=k, v=v, positions=positions, scores=write_scores, thresholds=thresholds
         )
+    chunk = Chunk(q, k, v, positions, admitted)
+    cache = LayerCache(pool, page_table, held, lengths, ring, layer)
     scoring = policy.attention_scoring
     read = dict(policy=policy, read_budget=read_budget, step=step)
-    mass = dict(scoring=scoring, step=step)
     if ring is None:
-        # The chunk goes to slots past `held`; reading the written pool up to `held` sees
-        # exactly the cached tokens (module docstring: XLA then needs no copy of the pool).
-        bounds = dict(key_min=pool.key_min, key_max=pool.key_max)  # before the write
-        pool, page_table, new_held = write_tokens(
-            pool, page_table, held, k, v, positions, admitted, write_scores
-        )
-        if tier is not None:  # the chunk stays in the window, in the last slots
-            written = new_held - held
-            pool, page_table, new_held = _spill(pool, page_table, new_held, layer, k.shape[2])
-            held = new_held - written
-        read_pool = dataclasses.replace(pool, **bounds)
-        out, lse, cached = _attend(
-            q, k, v, positions, admitted, read_pool, page_table, held, ring, layer, **read
-        )
-        if scoring is not None:
-            pool, scores = _mass_scores(
-                q, k, positions, pool, page_table, held, lengths, cached, lse, layer, **mass
-            )
-            pool = set_written_scores(pool, page_table, held, new_held, admitted, scores)
-        if tier is not None:
-            new_held = new_held + pool.int8.lengths[layer]
-        return out.astype(q.dtype), pool, page_table, new_held, ring
-    out, lse, cached = _attend(
-        q, k, v, positions, admitted, pool, page_table, held, ring, layer, **read
-    )
+        out, cache = _write_then_attend(chunk, cache, write_scores, read=read, scoring=scoring)
+        return out.astype(q.dtype), cache.pool, cache.page_table, cache.held, ring
+    out, lse, cached = _attend(chunk, cache, **read)
     new_scores = write_scores
     if scoring is not None:
-        pool, new_scores = _mass_scores(
-            q, k, positions, pool, page_table, held, lengths, cached, lse, layer, **mass
-        )
+        pool, new_scores = _mass_scores(chunk, cache, cached, lse, scoring=scoring, step=step)
     scores = jnp.zeros(k.shape[:3], jnp.float32) if new_scores is None else new_scores
     pool, page_table, held, ring = promote_and_push(
         pool, page_table, held, ring, k, v, positions, scores, admitted
     )
     return out.astype(q.dtype), pool, page_table, held, ring
+
+
+def _write_then_attend(chunk: Chunk, cache: LayerCache, write_scores, *, read, scoring):
+    """The step without a ring: write the chunk to slots past `held`, spill to the int8 tier,
+    then read the written pool up to the old `held`, which sees exactly the cached tokens (the
+    module docstring: XLA then needs no copy of the pool). Returns (out f32, the layer's view
+    after the step, its `held` counting every tier)."""
+    pool, layer, held = cache.pool, cache.layer, cache.held
+    bounds = dict(key_min=pool.key_min, key_max=pool.key_max)  # before the write
+    pool, page_table, new_held = write_tokens(
+        pool,
+        cache.page_table,
+        held,
+        chunk.k,
+        chunk.v,
+        chunk.positions,
+        chunk.admitted,
+        write_scores,
+    )
+    if pool.int8 is not None:  # the chunk stays in the window, in the last slots
+        written = new_held - held
+        pool, page_table, new_held = _spill(pool, page_table, new_held, layer, chunk.k.shape[2])
+        held = new_held - written
+    cache = dataclasses.replace(cache, pool=pool, page_table=page_table, held=held)
+    out, lse, cached = _attend(
+        chunk, dataclasses.replace(cache, pool=dataclasses.replace(pool, **bounds)), **read
+    )
+    if scoring is not None:
+        pool, scores = _mass_scores(chunk, cache, cached, lse, scoring=scoring, step=read["step"])
+        pool = set_written_scores(pool, page_table, held, new_held, chunk.admitted, scores)
+    if pool.int8 is not None:
+        new_held = new_held + pool.int8.lengths[layer]
+    return out, dataclasses.replace(cache, pool=pool, page_table=page_table, held=new_held)
 
 
 def _spill(pool: PagePool, page_table, held, layer, chunk: int):
