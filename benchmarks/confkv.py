@@ -65,11 +65,11 @@ from jaxkv.benchmarks.teacher_forced import (
     rng_for,
     teacher_forced,
 )
-from jaxkv.forward import forward_cached
 from jaxkv.model_sources import load_model, model_file_sha256
 from jaxkv.models.decoder import forward, logits_from_hidden
 from jaxkv.models.tokenizer import is_byte_tokenizer
 from jaxkv.policies.confkv import Ranking, confidence
+from jaxkv.step.forward import forward_cached
 from jaxkv.train import corpus as corpus_lib
 
 REFERENCE_MODEL = bundled.REFERENCE_MODEL

@@ -54,18 +54,13 @@ from jaxkv.benchmarks import harness
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig
 from jaxkv.cache.repack import device_decode_geometry, keeps_prefill_pool
-from jaxkv.generation import StepContext
-from jaxkv.generation.loop import (
-    decode_context,
-    decode_loop,
-    read_tokens,
-    repack_program,
-)
+from jaxkv.generation.loop import decode_loop, repack_program
 from jaxkv.generation.prefill import prefill_and_compress
 from jaxkv.generation.request import Prompts, default_prefill_chunk, prefill_geometry
 from jaxkv.models import configs
 from jaxkv.models.decoder import Model, param_shapes
 from jaxkv.sampling import Sampler
+from jaxkv.step.decode import StepContext, decode_context, read_tokens
 
 DEFAULT_POLICIES = [
     "full",

@@ -37,7 +37,6 @@ from jaxkv.cache.eviction import run_if
 from jaxkv.cache.geometry import table_pages_bucket
 from jaxkv.cache.rows import insert_row, release_rows
 from jaxkv.compile_log import compiling_as
-from jaxkv.generation.loop import StepContext, read_tokens
 from jaxkv.generation.prefill import prefill_chunks
 from jaxkv.generation.request import (
     checked_key,
@@ -47,10 +46,11 @@ from jaxkv.generation.request import (
     set_up,
 )
 from jaxkv.models.decoder import Model, logits_from_hidden
-from jaxkv.parts import DecodeContext, local_window
 from jaxkv.policies import FullCache, Policy, from_spec
 from jaxkv.policies.base import PolicyParams
 from jaxkv.sampling import Sampler
+from jaxkv.step.decode import StepContext, read_tokens
+from jaxkv.step.parts import DecodeContext, local_window
 
 
 class QueueFullError(ValueError):

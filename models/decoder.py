@@ -7,8 +7,8 @@ depth.
 
 The model provides its blocks (projections, RoPE, output projection + MLP, embedding, logits)
 and the cache-free `forward`; it knows nothing of the KV cache or of attention kernels: the
-cached forward that threads the paged KV state is `jaxkv.forward.forward_cached`, and kernel
-backends reach `forward` as its `attention_fn` (`jaxkv.forward.forward`).
+cached forward that threads the paged KV state is `jaxkv.step.forward.forward_cached`, and kernel
+backends reach `forward` as its `attention_fn` (`jaxkv.step.forward.forward`).
 
 Params layout (D hidden, N query heads, K KV heads, H head dim, F MLP width, V vocab):
   embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied);
@@ -272,7 +272,7 @@ def forward(
     """Causal forward over whole sequences without a cache: logits [B, T, V] (f32).
 
     attention_fn: the causal self-attention every layer runs (plain jnp by default; kernel
-      backends through `jaxkv.forward.forward`).
+      backends through `jaxkv.step.forward.forward`).
     remat: recompute each layer's activations in the backward pass instead of storing them
       (training at long context).
     """

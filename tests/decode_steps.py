@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv.forward import forward_cached
 from jaxkv.models.decoder import logits_from_hidden
-from jaxkv.parts import DecodeContext
+from jaxkv.step.forward import forward_cached
+from jaxkv.step.parts import DecodeContext
 
 
 @dataclasses.dataclass

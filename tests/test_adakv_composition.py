@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import bundled, parts, policies, prose
+from jaxkv import bundled, policies, prose
 from jaxkv.models import load_hf_checkpoint
+from jaxkv.step import parts
 
 PROMPT = list(" ".join(prose.paragraphs()[:2]).encode()[:300])
 

@@ -1,13 +1,25 @@
 """The import layers (docs/architecture.md): `lint-imports` keeps the contracts in pyproject.toml,
-and every module of the project imports on its own, first, in a fresh interpreter."""
+every module of the project imports on its own, first, in a fresh interpreter, and a decode
+step runs the engine's room and what lies below it."""
 
 from __future__ import annotations
 
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkv
+from jaxkv import policies
+from jaxkv.models import init_model
+from jaxkv.step.decode import StepContext, decode_step
+from tests.tiny_models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # One import package: models/, pallas_kernels/, train/ and benchmarks/ are its subpackages
@@ -77,3 +89,85 @@ def test_models_import_first_in_a_fresh_interpreter():
             timeout=300,
         )
         assert result.returncode == 0, f"import {name}:\n{result.stderr[-4000:]}"
+
+
+# --- What one decode step runs: the modules whose Python code executes while it is traced ----
+
+# docs/architecture.md states these counts ("The life of one decode step").
+STEP_COUNTS = re.compile(
+    r"full cache runs code in (\d+) modules of (\d+) packages; H2O in (\d+) of (\d+)\..*"
+    r"WG-KV and Fast KVzip .*?: (\d+) and (\d+) modules of (\d+)\."
+)
+
+
+def _modules_a_decode_step_runs(policy) -> set[str]:
+    """The jaxkv modules with a function called while `decode_step` of `policy` is traced over
+    the state `generate` leaves (a tiny model, one sequence)."""
+    model = init_model(tiny_config(), 0)
+    params = None
+    if policy.needs_params:
+        params = policy.init_params(model.config, jax.random.PRNGKey(0))
+    lengths = np.array([40])
+    out = jaxkv.generate(
+        model, [list(range(1, 41))], max_new_tokens=2, policy=policy, policy_params=params
+    )
+    ctx = StepContext(
+        prompt_lengths=jnp.asarray(lengths),
+        budget_tokens=jnp.asarray(policy.budget_tokens(lengths)),
+        budget_ratio=jnp.asarray(policy.budget_ratio(1)),
+        thresholds=jnp.asarray(policy.thresholds(1)),
+        key=jax.random.PRNGKey(0),
+        step=jnp.int32(1),
+        policy_params=params,
+        policy=policy.static(),
+    )
+    ran: set[str] = set()
+
+    def profile(frame, event, arg):
+        name = frame.f_globals.get("__name__", "")
+        if event == "call" and name.startswith(f"{PACKAGE}."):
+            ran.add(name)
+
+    step = jax.jit(lambda kv, tokens, positions: decode_step(model, kv, tokens, positions, ctx))
+    sys.setprofile(profile)
+    try:
+        step.trace(out.state, jnp.array([1]), jnp.array([41]))
+    finally:
+        sys.setprofile(None)
+    return ran
+
+
+def test_a_decode_step_runs_in_the_engine_room_and_below_it():
+    """The engine logic of a decode step is `jaxkv.step`'s four modules; the rest is attention,
+    storage, the model's blocks, the policy's own parts (and `compile_log`, jax's logging hook):
+    nothing of generation, the serving engine, benchmarks or training. The counts are the ones
+    docs/architecture.md states."""
+    measured = {}
+    for policy in (
+        policies.FullCache(),
+        policies.H2O(budget=32),
+        policies.WGKV(tau=0.3, window=8),
+        policies.FastKVzip(ratio=0.5),
+    ):
+        ran = _modules_a_decode_step_runs(policy)
+        packages = {module.rsplit(".", 1)[0] for module in ran}
+        assert {m for m in ran if m.startswith("jaxkv.step.")} == {
+            f"jaxkv.step.{m}" for m in ("parts", "layer", "forward", "decode")
+        }
+        gates = {"jaxkv.gates"} if policy.needs_params else set()
+        assert packages == {
+            "jaxkv",
+            "jaxkv.step",
+            "jaxkv.attention",
+            "jaxkv.cache",
+            "jaxkv.models",
+            "jaxkv.policies",
+            *gates,
+        }, packages
+        measured[policy.name] = (len(ran), len(packages))
+    (full, full_packages), (h2o, h2o_packages) = measured["full"], measured["h2o"]
+    (wgkv, gated_packages), (fastkvzip, _) = measured["wgkv"], measured["fastkvzip"]
+    assert measured["fastkvzip"][1] == gated_packages
+    counts = [full, full_packages, h2o, h2o_packages, wgkv, fastkvzip, gated_packages]
+    stated = STEP_COUNTS.search(" ".join((ROOT / "docs" / "architecture.md").read_text().split()))
+    assert stated is not None and [int(n) for n in stated.groups()] == counts

@@ -9,8 +9,8 @@ import pytest
 
 import jaxkv
 from jaxkv import attention, policies
-from jaxkv.forward import forward
 from jaxkv.models import init_model
+from jaxkv.step.forward import forward
 from tests.tiny_models import tiny_config
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -95,9 +95,7 @@ def test_chunk_attention_kernel_equals_xla_with_tail_padding(chunk, backend):
     index = np.arange(chunk)
     positions = jnp.asarray(np.where(index < lengths[:, None], 100 + index, -1), jnp.int32)
     want_out, want_lse = attention.chunk_attention(q, k, v, positions, sm_scale=0.3)
-    got_out, got_lse = attention.chunk_attention(
-        q, k, v, positions, sm_scale=0.3, backend=backend
-    )
+    got_out, got_lse = attention.chunk_attention(q, k, v, positions, sm_scale=0.3, backend=backend)
     np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), atol=1e-5)
     np.testing.assert_array_equal(np.isinf(got_lse), np.isinf(want_lse))
     finite = np.isfinite(np.asarray(want_lse))

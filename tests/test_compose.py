@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import parts, policies
+from jaxkv import policies
 from jaxkv.models import init_model
 from jaxkv.policies.compose import FIELDS, HOST_GROUPS, JOINT, fields_of
+from jaxkv.step import parts
 from tests.test_sharding import CONFIG, POLICIES, POLICY_PARAMS, sharded_test_prompts
 
 QUEST = policies.Quest(budget=16)

@@ -12,10 +12,10 @@ import pytest
 import jaxkv
 from jaxkv import policies
 from jaxkv.cache import KVState
-from jaxkv.forward import forward_cached
 from jaxkv.generation import StepContext, decode_step
 from jaxkv.generation.mesh import MODEL, ROWS, SHARD, program
 from jaxkv.models import init_model
+from jaxkv.step.forward import forward_cached
 from tests.tiny_models import tiny_config
 
 CONFIG = tiny_config(max_position_embeddings=512)

@@ -12,10 +12,10 @@ import jaxkv
 from jaxkv import attention, policies
 from jaxkv.cache.eviction import compact
 from jaxkv.cache.writes import accumulate_cached_mass
-from jaxkv.forward import forward_cached
 from jaxkv.generation import prefill as prefill_module
 from jaxkv.models import init_model
 from jaxkv.models.decoder import logits_from_hidden
+from jaxkv.step.forward import forward_cached
 from tests import dense_reference
 from tests.tiny_models import tiny_config
 

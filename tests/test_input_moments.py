@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.forward import chunk_covariance, chunk_moments, combine_covariances, combine_moments
+from jaxkv.step.forward import chunk_covariance, chunk_moments, combine_covariances, combine_moments
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64])

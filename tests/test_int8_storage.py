@@ -10,9 +10,9 @@ import pytest
 import jaxkv
 from jaxkv import policies
 from jaxkv.cache.int8 import quantize, start_int8
-from jaxkv.layer_step import attend_and_write, int8_tier_attention
 from jaxkv.models import init_model
 from jaxkv.models.configs import Family
+from jaxkv.step.layer import attend_and_write, int8_tier_attention
 from tests.tiny_models import tiny_config
 
 CONFIG = tiny_config(Family.LLAMA, max_position_embeddings=512)

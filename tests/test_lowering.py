@@ -24,15 +24,16 @@ import jax.numpy as jnp
 import pytest
 
 import jaxkv
-from jaxkv import attention, parts, policies
+from jaxkv import attention, policies
 from jaxkv import pallas_kernels as pk
 from jaxkv.cache import KVState
 from jaxkv.cache.int8 import start_int8
-from jaxkv.forward import forward, forward_cached
 from jaxkv.gates.wgkv import init_write_gates
 from jaxkv.models import init_model
 from jaxkv.models.configs import model_shape
 from jaxkv.models.decoder import Model, logits_from_hidden
+from jaxkv.step import parts
+from jaxkv.step.forward import forward, forward_cached
 from jaxkv.train import wgkv as wgkv_training
 from tests.tiny_models import tiny_config
 

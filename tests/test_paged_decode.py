@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from jaxkv.cache import KVState
-from jaxkv.forward import forward_cached
 from jaxkv.models import ModelConfig, forward, init_model
 from jaxkv.models.configs import Family, RopeScaling
 from jaxkv.models.decoder import logits_from_hidden
 from jaxkv.policies import FullCache
+from jaxkv.step.forward import forward_cached
 
 CONFIG = ModelConfig(
     family=Family.LLAMA,

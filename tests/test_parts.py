@@ -1,12 +1,13 @@
-"""Every registered policy is a record of parts (`jaxkv.parts`): each part it has satisfies its
+"""Every registered policy is a record of parts (`jaxkv.step.parts`): each part it has satisfies its
 protocol, and it has the parts its method needs, no more."""
 
 import dataclasses
 
 import pytest
 
-from jaxkv import parts, policies
+from jaxkv import policies
 from jaxkv.policies.scissorhands import UnimportanceCount
+from jaxkv.step import parts
 from tests.test_sharding import POLICIES
 
 # The parts each registered policy has, from its paper (and kvpress's press of the same name).

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import forward as forward_lib
 from jaxkv import policies
 from jaxkv.cache import KVState, write_tokens
 from jaxkv.cache.eviction import compact
 from jaxkv.models import init_model
 from jaxkv.models.configs import Family
 from jaxkv.models.decoder import logits_from_hidden
+from jaxkv.step import forward as forward_lib
 from tests import dense_reference
 from tests.tiny_models import tiny_config
 

@@ -17,8 +17,6 @@ import pytest
 
 import jaxkv
 from jaxkv import policies
-from jaxkv.forward import forward_cached
-from jaxkv.generation.loop import after_decode_step
 from jaxkv.models import init_model
 from jaxkv.models.configs import Family
 from jaxkv.models.decoder import (
@@ -28,7 +26,9 @@ from jaxkv.models.decoder import (
     logits_from_hidden,
 )
 from jaxkv.models.layers import rope_cos_sin
-from jaxkv.parts import DecodeContext
+from jaxkv.step.decode import after_decode_step
+from jaxkv.step.forward import forward_cached
+from jaxkv.step.parts import DecodeContext
 from tests.dense_reference import cached_keys_values
 from tests.tiny_models import tiny_config
 

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import parts, policies
+from jaxkv import policies
 from jaxkv.cache import KVState, PoolExhaustedError
-from jaxkv.forward import forward_cached
 from jaxkv.gates.wgkv import init_write_gates, write_gate_values
 from jaxkv.models import init_model
 from jaxkv.models.configs import Family
@@ -31,6 +30,8 @@ from jaxkv.models.decoder import (
     project_unrotated_keys_values,
 )
 from jaxkv.models.layers import apply_rope, rope_cos_sin
+from jaxkv.step import parts
+from jaxkv.step.forward import forward_cached
 from tests import dense_reference as decode_reference
 from tests.test_quest import _quest_select
 from tests.tiny_models import tiny_config

@@ -25,9 +25,9 @@ import numpy as np
 import optax
 
 from jaxkv import tasks
-from jaxkv.forward import forward
 from jaxkv.models import Family, Model, ModelConfig, byte_tokenizer, init_params
 from jaxkv.models.hf_loading import save_hf_checkpoint
+from jaxkv.step.forward import forward
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import mesh as mesh_lib
 from jaxkv.train import trainer

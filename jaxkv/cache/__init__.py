@@ -1,6 +1,6 @@
 """The ragged paged KV state, its page allocator, and the writes into it (storage only: the
 attention that reads it lives in `jaxkv.attention`, the step that reads then writes it in
-`jaxkv.layer_step`)."""
+`jaxkv.step.layer`)."""
 
 from jaxkv.cache.allocator import PageAllocator, allocate, release
 from jaxkv.cache.config import CacheConfig, Storage

@@ -3,7 +3,7 @@
 Every (layer, sequence, KV head) keeps at most `window` (F) of its newest tokens in the model-dtype
 pages of `KVState.pool`; when a write pushes a head past F, its oldest model-dtype tokens leave
 the window and are quantised into the int8 tier (`Int8Tier`, a second page pool with its own page
-tables), before the step's attention reads them (`jaxkv.layer_step`). Tokens never return to
+tables), before the step's attention reads them (`jaxkv.step.layer`). Tokens never return to
 the model dtype: after an eviction the window may hold fewer than F, and it refills with the
 next writes. The int8 tier's tokens are all older than the window's.
 

@@ -5,7 +5,7 @@ The ring is a dense side array (not pages of the pool): it is written every step
 whole, and its size is fixed, so paging it would add table lookups and nothing else. Slot
 `t % W` holds a sequence's t-th written token; the pointer is the count of tokens written.
 
-A chunk (prefill chunk or decode token, one code path: `jaxkv.layer_step.attend_and_write`)
+A chunk (prefill chunk or decode token, one code path: `jaxkv.step.layer.attend_and_write`)
 attends to the global pages, the ring and itself; a ring or chunk token j is visible to a query
 at position i when causal and (i - j < W or admitted(j)). Then the chunk enters the ring
 (`promote_and_push`), and the tokens it pushes out (the ring's oldest, or the chunk's own

@@ -2,7 +2,7 @@
 
 request   checks and pads the prompts, sizes the prefill pool, places the model on the mesh;
 prefill   chunked prefill with the policy's observations, then its compression;
-loop      the public `decode_step` and the decode loop (after the repack into its geometry);
+loop      the decode loop over `jaxkv.step.decode_step` (after the repack into its geometry);
 session   `Session`: `prefill`, `extend`, `fork` and `decode` over a prefilled context (import
           them from `jaxkv`: here `prefill` names the module);
 api       `generate`, `compress_prompt` and `ask`, built on sessions;
@@ -10,9 +10,10 @@ mesh      programs whose arguments are placed on a device mesh by name.
 """
 
 from jaxkv.generation.api import AskOutput, ask, compress_prompt, generate, generate_text
-from jaxkv.generation.loop import GenState, StepContext, decode_step, step_keys
+from jaxkv.generation.loop import GenState
 from jaxkv.generation.request import DEFAULT_PREFILL_CHUNK, PromptIds
 from jaxkv.generation.session import GenerateOutput, Session, extend_with_logits
+from jaxkv.step.decode import StepContext, decode_step, step_keys
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",

@@ -17,12 +17,12 @@ from jaxkv.cache import KVState
 from jaxkv.cache.geometry import pool_pages_bucket
 from jaxkv.cache.int8 import start_int8
 from jaxkv.cache.repack import grow
-from jaxkv.forward import combine_covariances, combine_moments, forward_cached
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.generation.request import Request, device_shares
 from jaxkv.models.decoder import Model
-from jaxkv.parts import PrefillObservations, observation_window
 from jaxkv.policies import Policy
+from jaxkv.step.forward import combine_covariances, combine_moments, forward_cached
+from jaxkv.step.parts import PrefillObservations, observation_window
 
 
 def _record_window_queries(window, queries, positions, lengths):

@@ -18,9 +18,9 @@ from jaxkv.cache.geometry import pool_pages_bucket, table_pages_bucket
 from jaxkv.models.configs import ModelConfig
 from jaxkv.models.decoder import Model
 from jaxkv.pallas_kernels.common import next_power_of_two
-from jaxkv.parts import local_window
 from jaxkv.policies import FullCache, Policy, from_spec
 from jaxkv.sharding import InferenceMesh
+from jaxkv.step.parts import local_window
 
 DEFAULT_PREFILL_CHUNK = 512
 

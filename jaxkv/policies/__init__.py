@@ -1,6 +1,5 @@
 """Cache policies (admission, eviction, selection) over the paged KV state."""
 
-from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies.base import (
     Budget,
     FullCache,
@@ -51,6 +50,7 @@ from jaxkv.policies.wgkv import (
     long_range_attention_mass,
     retrieval_heads,
 )
+from jaxkv.step.parts import DecodeContext, PrefillObservations
 
 __all__ = [
     "H2O",

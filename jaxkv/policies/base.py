@@ -2,7 +2,7 @@
 
 A policy decides which tokens the cache keeps; how the cache holds them (page size, dtype, int8
 tier) is the request's `jaxkv.cache.CacheConfig`. A policy is a record of optional parts
-(`jaxkv.parts`: admission, gate, attention_scoring, selection, prompt_compression,
+(`jaxkv.step.parts`: admission, gate, attention_scoring, selection, prompt_compression,
 chunk_eviction, decode_eviction), None unless the policy has them, each a small frozen object of
 one idea (`WGKV.gate` a `LearnedWriteGate`, `SnapKV.prompt_compression` a `ScoredCompression`
 of its scores). Besides its parts it answers on the host:
@@ -38,8 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import bundled, parts
+from jaxkv import bundled
 from jaxkv.models.configs import ModelConfig
+from jaxkv.step import parts
 
 # A policy's learned parameters: a pytree of arrays, every leaf stacked [L, ...] (gates).
 PolicyParams: TypeAlias = Any
@@ -163,7 +164,7 @@ class Budget:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Base class of cache policies: a frozen record of optional parts (`jaxkv.parts`), none by
+    """Base class of cache policies: a frozen record of optional parts (`jaxkv.step.parts`), none by
     default, so the base keeps every token.
 
     How the cache stores what a policy keeps (page size, dtype, int8 tier) is not the
@@ -184,7 +185,7 @@ class Policy:
     def __post_init__(self):
         """Validates the fields (subclasses call it first); nothing to check here."""
 
-    # --- parts (`jaxkv.parts`): None when the policy has no such part ---------------------
+    # --- parts (`jaxkv.step.parts`): None when the policy has no such part ---------------------
 
     @property
     def admission(self) -> parts.Admission | None:

@@ -2,7 +2,7 @@
 Quest(...))` admits with WG-KV's gates and lets Quest choose among the global pages (WG-KV's
 local ring is read whole whatever Quest picks).
 
-Every member of a policy belongs to one field of its record: a part (`jaxkv.parts.PARTS`) or a
+Every member of a policy belongs to one field of its record: a part (`jaxkv.step.parts.PARTS`) or a
 host-side group (`HOST_GROUPS`: its budget, its thresholds, its learned parameters). A
 composition takes each field from the one policy that has it; the members every policy answers
 together (`JOINT`: checks, flags, `static`, `for_tokenizer`) ask them all. Two rules refuse a
@@ -22,8 +22,8 @@ import dataclasses
 import itertools
 from typing import ClassVar
 
-from jaxkv import parts
 from jaxkv.policies import base
+from jaxkv.step import parts
 
 # A policy's host-side members, by the field of its record that answers them.
 HOST_GROUPS = {

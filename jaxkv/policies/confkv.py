@@ -35,9 +35,9 @@ import numpy as np
 from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head, run_if
-from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies import base
 from jaxkv.policies.eviction import check_evict_every
+from jaxkv.step.parts import DecodeContext, PrefillObservations
 
 
 class Ranking(enum.Enum):

@@ -25,8 +25,8 @@ from jaxkv.cache.eviction import (
     keep_top_per_head,
     run_if,
 )
-from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies.base import Budget, Policy, PromptCompressionPart, within_budget
+from jaxkv.step.parts import DecodeContext, PrefillObservations
 
 
 @flax.struct.dataclass

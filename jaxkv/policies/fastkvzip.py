@@ -37,9 +37,9 @@ from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place
 from jaxkv.gates import fastkvzip as gate
-from jaxkv.parts import DecodeContext
 from jaxkv.policies.base import Budget, Policy, register, within_budget
 from jaxkv.policies.kvzip import keep_top_globally
+from jaxkv.step.parts import DecodeContext
 
 LONG_CONTEXT = 16384
 LONG_CONTEXT_WINDOW = 4096

@@ -24,9 +24,9 @@ import numpy as np
 from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, rank_descending
-from jaxkv.parts import PrefillObservations
 from jaxkv.policies import base
 from jaxkv.policies.eviction import LayerView, map_layers
+from jaxkv.step.parts import PrefillObservations
 
 
 def nucleus_budget(probs: jax.Array, nucleus: float) -> jax.Array:

@@ -41,8 +41,8 @@ from jaxkv.models.decoder import (
     project_queries,
     scan_layers,
 )
-from jaxkv.parts import PrefillObservations
 from jaxkv.policies.base import Budget, Policy, PromptCompressionPart, register, within_budget
+from jaxkv.step.parts import PrefillObservations
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the previous context exactly, starting with"

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place, rank_descending, run_if
-from jaxkv.parts import DecodeContext, PrefillObservations
 from jaxkv.policies import base
 from jaxkv.policies.eviction import (
     DecodeEvictionPolicy,
@@ -31,6 +30,7 @@ from jaxkv.policies.eviction import (
     ScoredDecodeEviction,
     map_layers,
 )
+from jaxkv.step.parts import DecodeContext, PrefillObservations
 
 
 def sage_split(budget_tokens: jax.Array, group_size: int):

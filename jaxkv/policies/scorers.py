@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import collectives, parts
+from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.policies import base
 from jaxkv.policies.eviction import (
@@ -32,6 +32,7 @@ from jaxkv.policies.eviction import (
     ScoredCompression,
     group_mean,
 )
+from jaxkv.step import parts
 
 
 @base.register

@@ -270,9 +270,7 @@ class TestPagedDecodeMosaicInterpret(TestPagedDecodeInterpret):
 
     def decode(self, *args, block_sizes=None, **kwargs):
         del block_sizes  # the Triton kernel's tiles
-        return pk.paged_decode_attention(
-            *args, target="mosaic", interpret=self.INTERPRET, **kwargs
-        )
+        return pk.paged_decode_attention(*args, target="mosaic", interpret=self.INTERPRET, **kwargs)
 
 
 @pytest.mark.tpu

@@ -19,11 +19,11 @@ import jax.numpy as jnp
 from jaxkv import attention as attention_ops
 from jaxkv import collectives
 from jaxkv.cache import KVState, LocalRing
-from jaxkv.layer_step import attend_and_write
 from jaxkv.models import decoder, layers
 from jaxkv.models.configs import ModelConfig
 from jaxkv.models.decoder import Model
-from jaxkv.parts import PolicyParts, local_window
+from jaxkv.step.layer import attend_and_write
+from jaxkv.step.parts import PolicyParts, local_window
 
 
 def forward(
@@ -85,7 +85,7 @@ def forward_cached(
       tokens: int32 [B, C]; positions: int32 [B, C] original positions, -1 marks padding
         (not attended from, never written).
       kv: the KV state holding everything before this chunk.
-      policy: the cache policy (static; `jaxkv.parts`): its gate scores and its admission
+      policy: the cache policy (static; `jaxkv.step.parts`): its gate scores and its admission
         decides what is written, its attention scoring and selection act in the step.
       backend: "xla", "pallas" or "interpret", resolved here once (`jaxkv.attention.Backend`).
       collect_queries: also return every layer's rotated queries, "queries" [L, B, N, C, H].

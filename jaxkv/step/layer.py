@@ -41,7 +41,7 @@ from jaxkv.cache.int8 import spill_layer
 from jaxkv.cache.ring import promote_and_push
 from jaxkv.cache.state import Int8Tier, LocalRing, PagePool
 from jaxkv.cache.writes import accumulate_cached_mass, set_written_scores, write_tokens
-from jaxkv.parts import PolicyParts
+from jaxkv.step.parts import PolicyParts
 
 
 def int8_tier_attention(
@@ -268,7 +268,7 @@ def attend_and_write(
         chunk's earlier tokens, whether or not the policy admits those to the cache.
       layer: int32 [] this layer's index (the int8 tier's tables are indexed by it).
       policy: the static cache policy; the step reads its admission, attention scoring and
-        selection parts (`jaxkv.parts`).
+        selection parts (`jaxkv.step.parts`).
       read_budget: int32 [B] tokens' worth of pages the selection (Quest) reads.
       write_scores: f32 [B, K, C] a learned gate's per-token scores: they reach the admission's
         `admit` and are stored as the written tokens' scores.
