@@ -214,6 +214,34 @@ def test_a_tau_sweep_compiles_the_decode_loop_once(model):
     assert loop.decode_loop.jitted._cache_size() == before
 
 
+def test_alpha_and_beta_sweeps_compile_once_and_change_the_cache(model):
+    """Conf-KV's alpha (mass against recency) and beta (the EMA's decay) travel as thresholds
+    too: a sweep over them compiles prefill and the decode loop once, and each value acts:
+    alpha 0 keeps the newest positions, alpha 1 others; beta changes the scores."""
+    from jaxkv.generation import loop, prefill
+
+    prompt = [np.random.default_rng(4).integers(0, 64, 100).tolist()]
+
+    def run(alpha: float, beta: float):
+        policy = policies.ConfKV(
+            tight=32, loose=48, tau=0.5, protected=8, evict_every=1, alpha=alpha, beta=beta
+        )
+        out = jaxkv.generate(model, prompt, max_new_tokens=3, policy=policy, stop_tokens=())
+        held = np.asarray(out.state.positions(0))[0, 0]
+        return np.sort(held[held >= 0]), np.asarray(out.state.token_scores(0))[0, 0]
+
+    recency, _ = run(alpha=0.0, beta=0.9)
+    programs = (prefill.prefill_and_compress, loop.decode_loop)
+    before = [program.jitted._cache_size() for program in programs]
+    mass, scores = run(alpha=1.0, beta=0.9)
+    _, other_scores = run(alpha=1.0, beta=0.5)
+    assert [program.jitted._cache_size() for program in programs] == before
+    # The prompt and the 2 decode tokens written before the last: positions 0-101.
+    np.testing.assert_array_equal(recency, np.arange(102 - len(recency), 102))
+    assert not np.array_equal(mass, recency)
+    assert not np.allclose(scores, other_scores)
+
+
 def test_budget_switches_with_each_steps_confidence(model):
     """Per step (evict_every=1): numpy confidence from the step's logits -> tight or loose
     budget -> the per-layer rule's kept positions, against the cache after the hook."""

@@ -3,6 +3,7 @@ protocol, and it has the parts its method needs, no more."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from jaxkv import policies
@@ -81,3 +82,27 @@ def test_a_narrow_policy_s_parts_answer_their_protocol_and_nothing_else(name):
         protocol = _public_members(parts.PROTOCOLS[part])
         fields = {field.name for field in dataclasses.fields(obj)}
         assert _public_members(obj) - fields == protocol, part
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_a_budget_has_one_column_per_named_column(name):
+    """`budget_tokens` is [B] for one budget, else [B, n] with `budget_columns` naming the n
+    columns, which the parts read by name (`parts.budget_column`)."""
+    policy = policies.get(name, **POLICIES.get(name, {}))
+    budget = policy.budget_tokens(np.array([300, 400]))
+    columns = policy.budget_columns
+    assert budget.shape == ((2, len(columns)) if columns else (2,))
+    for index, column in enumerate(columns):
+        by_name = parts.budget_column(budget, columns, column)
+        np.testing.assert_array_equal(by_name, budget[:, index])
+
+
+def test_named_budget_columns_of_confkv_and_fastkvzip():
+    confkv = policies.ConfKV(tight=64, loose=128, tau=0.5, protected=8)
+    budget = confkv.budget_tokens(np.array([300]))
+    assert confkv.budget_columns == ("tight", "loose")
+    assert parts.budget_column(budget, confkv.budget_columns, "loose")[0] == 128
+    fastkvzip = policies.FastKVzip(ratio=0.25, window=16, decode_tokens=40)
+    budget = fastkvzip.budget_tokens(np.array([400]))
+    named = dict(zip(fastkvzip.budget_columns, budget[0], strict=True))
+    assert named == {"kept": 100, "window": 16, "decode": 40}

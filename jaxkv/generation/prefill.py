@@ -202,22 +202,35 @@ def _prefill_span(
 
 
 def _compress(
-    model, tokens, lengths, budget_tokens, kv, carry: _PrefillCarry, key, *, policy, int8_window
+    model,
+    tokens,
+    lengths,
+    budget_tokens,
+    thresholds,
+    kv,
+    carry: _PrefillCarry,
+    key,
+    *,
+    policy,
+    int8_window,
 ):
     """The policy's prompt compression (if any) from what prefill observed, then (with int8
     storage, window `int8_window` not None) every head's tokens but the newest `int8_window`
     move to int8. Returns (kv, last_hidden)."""
     compression = policy.prompt_compression
     if compression is not None:
-        kv = compression.compress(
-            kv, _observations(tokens, lengths, budget_tokens, carry, key, compression), model
+        observed = _observations(
+            tokens, lengths, budget_tokens, thresholds, carry, key, compression
         )
+        kv = compression.compress(kv, observed, model)
     if int8_window is not None:
         kv = start_int8(kv, int8_window)
     return kv, carry.last_hidden
 
 
-def _observations(tokens, lengths, budget_tokens, carry: _PrefillCarry, key, compression):
+def _observations(
+    tokens, lengths, budget_tokens, thresholds, carry: _PrefillCarry, key, compression
+):
     mean = var = None
     if carry.moments is not None:
         count, mean, m2 = carry.moments
@@ -229,6 +242,7 @@ def _observations(tokens, lengths, budget_tokens, carry: _PrefillCarry, key, com
     return PrefillObservations(
         prompt_lengths=lengths,
         budget_tokens=budget_tokens,
+        thresholds=thresholds,
         queries=carry.window,
         input_mean=mean,
         input_var=var,
@@ -295,6 +309,7 @@ def prefill_and_compress(
         tokens,
         lengths,
         budget_tokens,
+        thresholds,
         kv,
         carry,
         key,
@@ -320,6 +335,7 @@ compress = program(
     tokens=ROWS,
     lengths=ROWS,
     budget_tokens=ROWS,
+    thresholds=ROWS,
     kv=SHARD,
     carry=SHARD,
     key=SAME,
@@ -374,6 +390,7 @@ def prefill_chunks(model, request: Request, key, policy_params, backend: Backend
         tokens=prompts.tokens,
         lengths=prompts.lengths,
         budget_tokens=request.budget_tokens,
+        thresholds=request.thresholds,
         kv=kv,
         carry=carry,
         key=key,

@@ -7,9 +7,10 @@ chunk_eviction, decode_eviction), None unless the policy has them, each a small 
 one idea (`WGKV.gate` a `LearnedWriteGate`, `SnapKV.prompt_compression` a `ScoredCompression`
 of its scores). Besides its parts it answers on the host:
 
-  budgets   budget_tokens(...)     int32 [B] (or [B, n]) tokens per head, checked on the host
+  budgets   budget_tokens(...)     int32 [B] (or [B, n], columns `budget_columns`) tokens per
+                                   head, checked on the host
             budget_ratio(...)      f32 [B] the budget as a share of the growing sequence
-            thresholds(...)        f32 [B, n] thresholds (tau), columns `threshold_names`
+            thresholds(...)        f32 [B, n] thresholds (tau, ...), columns `threshold_names`
             planned_tokens(...)    int [B] the most a head holds after the prompt (plans)
             static()               the policy without per-request values: what jit sees
             decides_across_heads   flag: one budget shared by heads (pool sizing on a mesh)
@@ -25,7 +26,8 @@ of its scores). Besides its parts it answers on the host:
 Budgets vary per request, so they never reach jit as static fields: `generate` turns a policy's
 `budget` into an int32 array [B] of tokens per head (`budget_tokens`) and compiles the policy with
 its budget stripped (`static()`), so changing the budget does not recompile. Thresholds (WG-KV's
-and Conf-KV's `tau`, `threshold_names`) travel the same way, as f32 [B, n] (`thresholds`).
+`tau`, Conf-KV's `tau`, `alpha` and `beta`: `threshold_names`) travel the same way, as f32
+[B, n] (`thresholds`).
 """
 
 from __future__ import annotations
@@ -217,8 +219,14 @@ class Policy:
 
     # --- budgets, checked and turned into arrays on the host -------------------------------
 
+    # The names of the budget's columns for a policy with several budgets (Conf-KV's tight and
+    # loose); () for one budget, an array [B]. Parts read a column by its name
+    # (`jaxkv.step.parts.budget_column`).
+    budget_columns: ClassVar[tuple[str, ...]] = ()
+
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        """int32 [B] (or [B, n]) tokens per head; checks budgets against the prompts (host side)."""
+        """int32 [B] tokens per head, or [B, n] with the columns `budget_columns`; checks
+        budgets against the prompts (host side)."""
         return np.asarray(prompt_lengths, np.int32)
 
     def budget_ratio(self, batch: int) -> np.ndarray:
@@ -344,8 +352,9 @@ class SummedMass:
     heads). Conf-KV's `DecayedMass` overrides `mass_weights`, Scissorhands'
     `UnimportanceCount` `update_scores`."""
 
-    def mass_weights(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def mass_weights(self, positions: jax.Array, thresholds) -> tuple[jax.Array, jax.Array]:
         """decay f32 [B] (1) and per-query weights f32 [B, C] (1 for valid queries)."""
+        del thresholds
         return jnp.ones(positions.shape[:1], jnp.float32), (positions >= 0).astype(jnp.float32)
 
     def update_scores(
@@ -355,12 +364,13 @@ class SummedMass:
         *,
         positions: jax.Array,
         cached_lengths: jax.Array,
+        thresholds,
     ) -> jax.Array:
         """decay * old + mass (`mass_weights`' decay), and a new token's mass."""
         del cached_lengths
         if old is None:
             return mass
-        decay, _ = self.mass_weights(positions)
+        decay, _ = self.mass_weights(positions, thresholds)
         return decay[:, None, None] * old + mass
 
 

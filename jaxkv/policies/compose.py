@@ -27,7 +27,7 @@ from jaxkv.step import parts
 
 # A policy's host-side members, by the field of its record that answers them.
 HOST_GROUPS = {
-    "budget": ("budget_tokens", "budget_ratio", "planned_tokens"),
+    "budget": ("budget_columns", "budget_tokens", "budget_ratio", "planned_tokens"),
     "thresholds": ("threshold_names", "thresholds", "threshold"),
     "params": (
         "needs_params",

@@ -37,7 +37,7 @@ from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head, run_if
 from jaxkv.policies import base
 from jaxkv.policies.eviction import check_evict_every
-from jaxkv.step.parts import DecodeContext, PrefillObservations
+from jaxkv.step.parts import DecodeContext, PrefillObservations, budget_column
 
 
 class Ranking(enum.Enum):
@@ -124,26 +124,36 @@ def _min_max(values, candidates):
     )
 
 
-def rank_scores(mass, positions, held, protected, alpha: float) -> jax.Array:
-    """f32 [..., S]: alpha * norm(mass) + (1 - alpha) * norm(recency) over the candidates."""
+def rank_scores(mass, positions, held, protected, alpha) -> jax.Array:
+    """f32 [..., S]: alpha * norm(mass) + (1 - alpha) * norm(recency) over the candidates;
+    alpha a float or an array broadcasting against [..., S]."""
     candidates = held & ~protected
     recency = positions.astype(jnp.float32)
     return alpha * _min_max(mass, candidates) + (1 - alpha) * _min_max(recency, candidates)
 
 
-# Conf-KV's thresholds (`ConfKV.threshold_names`): logit(tau), column 0.
-THRESHOLD_NAMES = ("tau",)
+# Conf-KV's thresholds (`ConfKV.threshold_names`): logit(tau), the ranking's alpha and the EMA's
+# beta. They travel as arrays, so a sweep over any of them compiles once.
+THRESHOLD_NAMES = ("tau", "alpha", "beta")
+
+
+def threshold_column(thresholds: jax.Array, name: str) -> jax.Array:
+    """f32 [B]: Conf-KV's threshold `name` from its `thresholds` [B, 3]."""
+    return thresholds[:, THRESHOLD_NAMES.index(name)]
+
+
+# The columns of its budget (`ConfKV.budget_columns`): the tight and the loose budget.
+BUDGET_COLUMNS = ("tight", "loose")
 
 
 @dataclasses.dataclass(frozen=True)
 class CompositeRanking:
     """How Conf-KV evicts (both its parts): each head keeps its newest `protected` positions
-    and its best others by alpha x EMA attention mass + (1 - alpha) x recency (`rank_scores`;
-    at random for the RANDOM ablation), ranked per layer or per head; budgets per layer from
-    the pyramid. Attributes: as `ConfKV`'s."""
+    and its best others by alpha x EMA attention mass + (1 - alpha) x recency (`rank_scores`,
+    alpha from the thresholds; at random for the RANDOM ablation), ranked per layer or per
+    head; budgets per layer from the pyramid. Attributes: as `ConfKV`'s."""
 
     protected: int
-    alpha: float
     ranking: Ranking
     per_head: bool
     pyramid: bool
@@ -168,10 +178,13 @@ class CompositeRanking:
         layer_mean = jnp.mean(collectives.gather_heads(mass, axis=2), axis=2, keepdims=True)
         return jnp.broadcast_to(layer_mean, mass.shape)
 
-    def evict(self, kv: KVState, budgets, newest_positions, key, max_moves=None) -> KVState:
+    def evict(
+        self, kv: KVState, budgets, newest_positions, key, thresholds, max_moves=None
+    ) -> KVState:
         """Each head keeps its newest `protected` positions (up to newest_positions [B]) and its
-        best-ranked others, budgets [L, B] tokens in all, when it holds more; in place
-        (`evict_in_place`, up to `max_moves` moves per head) during decode."""
+        best-ranked others (alpha: the `thresholds` column), budgets [L, B] tokens in all, when
+        it holds more; in place (`evict_in_place`, up to `max_moves` moves per head) during
+        decode."""
         budgets = budgets[..., None]
 
         def evict(kv: KVState) -> KVState:
@@ -185,7 +198,8 @@ class CompositeRanking:
                 scores = jnp.broadcast_to(jax.random.uniform(key, shape), positions.shape)
             else:
                 mass = self.ranking_mass(kv)
-                scores = rank_scores(mass, positions, held, protected, self.alpha)
+                alpha = threshold_column(thresholds, "alpha")[None, :, None, None]
+                scores = rank_scores(mass, positions, held, protected, alpha)
             budget = jnp.broadcast_to(budgets, kv.lengths.shape)
             keep = keep_top_per_head(scores, budget, held, protected, max_evicted=max_moves)
             return compact(kv, keep) if max_moves is None else evict_in_place(kv, keep, max_moves)
@@ -204,21 +218,22 @@ class LooseBudgetCompression(base.PromptCompressionPart):
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         del model
-        budgets = self.rank.layer_budgets(obs.budget_tokens[:, 1], kv.num_layers)
-        return self.rank.evict(kv, budgets, obs.prompt_lengths - 1, obs.key)
+        loose = budget_column(obs.budget_tokens, BUDGET_COLUMNS, "loose")
+        budgets = self.rank.layer_budgets(loose, kv.num_layers)
+        return self.rank.evict(kv, budgets, obs.prompt_lengths - 1, obs.key, obs.thresholds)
 
 
 def confident_steps(logits: jax.Array, thresholds: jax.Array, weights) -> jax.Array:
     """bool [B]: c >= tau for a step's logits [B, V], as z >= the `thresholds` column (logit(tau),
     `is_confident`'s rule with tau traced)."""
     z = confidence_logit(confidence_features(logits), weights)
-    return z >= thresholds[:, THRESHOLD_NAMES.index("tau")]
+    return z >= threshold_column(thresholds, "tau")
 
 
 @dataclasses.dataclass(frozen=True)
 class ConfidenceEviction:
     """Conf-KV's decode eviction part: every `evict_every` steps each sequence evicts to its
-    tight budget (column 0) when the step's confidence c >= tau, else to its loose one."""
+    tight budget when the step's confidence c >= tau, else to its loose one."""
 
     rank: CompositeRanking
     weights: ConfidenceWeights
@@ -229,7 +244,7 @@ class ConfidenceEviction:
         return self.evict_every
 
     def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
-        loose = budget_tokens[:, 1].astype(np.float64)
+        loose = budget_column(budget_tokens, BUDGET_COLUMNS, "loose").astype(np.float64)
         scale = self.rank.gamma_max if self.rank.pyramid else 1.0
         widest = np.round(loose * scale).astype(np.int64)
         return np.minimum(widest + self.evict_every, np.asarray(prompt_lengths) + max_new_tokens)
@@ -239,26 +254,30 @@ class ConfidenceEviction:
 
     def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
         confident = confident_steps(ctx.logits, ctx.thresholds, self.weights)
-        budget = jnp.where(confident, ctx.budget_tokens[:, 0], ctx.budget_tokens[:, 1])
+        tight, loose = (budget_column(ctx.budget_tokens, BUDGET_COLUMNS, n) for n in BUDGET_COLUMNS)
+        budget = jnp.where(confident, tight, loose)
         budgets = self.rank.layer_budgets(budget, kv.num_layers)
         # Finished sequences (position -1) wrote nothing and are left as they are.
         budgets = jnp.where(ctx.positions >= 0, budgets, kv.max_tokens_per_head)
-        return self.rank.evict(kv, budgets, ctx.positions, ctx.key, max_moves=self.evict_every)
+        return self.rank.evict(
+            kv, budgets, ctx.positions, ctx.key, ctx.thresholds, max_moves=self.evict_every
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class DecayedMass(base.SummedMass):
-    """Conf-KV's attention scoring part: an EMA of the attention mass with decay `beta`."""
+    """Conf-KV's attention scoring part: an EMA of the attention mass with decay beta (the
+    `thresholds` column)."""
 
-    beta: float
-
-    def mass_weights(self, positions: jax.Array):
+    def mass_weights(self, positions: jax.Array, thresholds):
         """Sequential EMA over a chunk's queries in position order: the newest query's mass has
         weight (1 - beta), each older one a further factor beta; old scores decay by beta^n."""
+        beta = threshold_column(thresholds, "beta")
         valid = positions >= 0
         newest = jnp.max(positions, axis=-1, keepdims=True)
-        weights = jnp.where(valid, (1 - self.beta) * self.beta ** (newest - positions), 0.0)
-        return self.beta ** jnp.sum(valid, axis=-1).astype(jnp.float32), weights
+        age = (newest - positions).astype(jnp.float32)
+        weights = jnp.where(valid, (1 - beta[:, None]) * beta[:, None] ** age, 0.0)
+        return beta ** jnp.sum(valid, axis=-1).astype(jnp.float32), weights
 
 
 @base.register
@@ -274,8 +293,8 @@ class ConfKV(base.Policy):
         tau = 0 always picks the tight budget, tau = 1 never does. A threshold: it travels
         as the array logit(tau) (`thresholds`), so a tau sweep compiles once.
       protected: the newest positions never evicted (R).
-      beta: EMA decay of attention mass; alpha: weight of mass against recency (both static:
-        beta shapes the scoring in every layer step, alpha the prefill compression).
+      beta: EMA decay of attention mass; alpha: weight of mass against recency. Thresholds as
+        tau is: they travel as arrays (`thresholds`), so a sweep over them compiles once.
       pyramid: per-layer budgets B_t * (gamma_max - (gamma_max - gamma_min) * l / (L - 1)).
       ranking: COMPOSITE, or RANDOM for the matched-rate ablation.
       evict_every: decode steps between evictions, each down to that step's budget B_t; in
@@ -291,8 +310,8 @@ class ConfKV(base.Policy):
     loose: int | None = 512
     tau: float | None = 0.7
     protected: int = 64
-    beta: float = 0.9
-    alpha: float = 0.5
+    beta: float | None = 0.9
+    alpha: float | None = 0.5
     weights: ConfidenceWeights = ConfidenceWeights()
     pyramid: bool = False
     gamma_max: float = 1.5
@@ -307,9 +326,9 @@ class ConfKV(base.Policy):
         check_evict_every(self.evict_every)
         if self.tau is not None and not 0.0 <= self.tau <= 1.0:  # None: static()
             raise ValueError(f"tau={self.tau} must be in [0, 1]")
-        if not 0.0 <= self.beta < 1.0:
+        if self.beta is not None and not 0.0 <= self.beta < 1.0:
             raise ValueError(f"beta={self.beta} must be in [0, 1)")
-        if not 0.0 <= self.alpha <= 1.0:
+        if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha={self.alpha} must be in [0, 1]")
         if self.protected < 0:
             raise ValueError(f"protected={self.protected} must be >= 0")
@@ -329,6 +348,8 @@ class ConfKV(base.Policy):
                 f"budget ({smallest:g} tokens)"
             )
 
+    budget_columns: ClassVar[tuple[str, ...]] = BUDGET_COLUMNS
+
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
         """int32 [B, 2]: (tight, loose) per request."""
         if self.tight is None or self.loose is None:
@@ -336,8 +357,9 @@ class ConfKV(base.Policy):
         return np.tile(np.array([[self.tight, self.loose]], np.int32), (len(prompt_lengths), 1))
 
     def planned_tokens(self, budget_tokens, prompt_lengths):
-        """The loose budget (column 1 of `budget_tokens`): a head holds at most that much."""
-        return np.minimum(np.asarray(budget_tokens)[:, 1], prompt_lengths), "the loose budget"
+        """The loose budget: a head holds at most that much."""
+        loose = budget_column(np.asarray(budget_tokens), BUDGET_COLUMNS, "loose")
+        return np.minimum(loose, prompt_lengths), "the loose budget"
 
     def static(self) -> ConfKV:
         return dataclasses.replace(super().static(), tight=None, loose=None)
@@ -345,15 +367,16 @@ class ConfKV(base.Policy):
     threshold_names: ClassVar[tuple[str, ...]] = THRESHOLD_NAMES
 
     def thresholds(self, batch: int) -> np.ndarray:
-        """f32 [B, 1]: logit(tau), from float64 (`tau_logit`): c >= tau is decided as
-        z >= logit(tau), which tells apart taus that round to 1.0 in f32."""
+        """f32 [B, 3]: logit(tau), from float64 (`tau_logit`: c >= tau is decided as
+        z >= logit(tau), which tells apart taus that round to 1.0 in f32), alpha and beta."""
         if self.tau is None:
             raise ValueError("policy 'confkv': thresholds of a static() policy are gone")
-        return np.full((batch, 1), tau_logit(self.tau), np.float32)
+        values = [tau_logit(self.tau), self.alpha, self.beta]
+        return np.tile(np.asarray(values, np.float32), (batch, 1))
 
     @property
     def attention_scoring(self) -> DecayedMass:
-        return DecayedMass(self.beta)
+        return DecayedMass()
 
     @property
     def decode_eviction(self) -> ConfidenceEviction:
@@ -367,7 +390,6 @@ class ConfKV(base.Policy):
     def _ranking(self) -> CompositeRanking:
         return CompositeRanking(
             self.protected,
-            self.alpha,
             self.ranking,
             self.per_head,
             self.pyramid,

@@ -39,11 +39,15 @@ from jaxkv.cache.eviction import compact, evict_in_place
 from jaxkv.gates import fastkvzip as gate
 from jaxkv.policies.base import Budget, Policy, register, within_budget
 from jaxkv.policies.kvzip import keep_top_globally
-from jaxkv.step.parts import DecodeContext
+from jaxkv.step.parts import DecodeContext, budget_column
 
 LONG_CONTEXT = 16384
 LONG_CONTEXT_WINDOW = 4096
 SHORT_CONTEXT_WINDOW_FRACTION = 0.02
+
+# The columns of its budget (`FastKVzip.budget_columns`): tokens kept per head after the prompt,
+# the protected window, and a fixed decode budget (0: the ratio of the growing length).
+BUDGET_COLUMNS = ("kept", "window", "decode")
 
 
 def default_window(prompt_length: int) -> int:
@@ -150,7 +154,8 @@ class ChunkedPrefillEviction:
         return int(np.ceil(held).sum())
 
     def after_prefill_chunk(self, kv: KVState, *, seen, prompt_lengths, budget_tokens):
-        final, window = budget_tokens[:, 0], budget_tokens[:, 1]
+        final = budget_column(budget_tokens, BUDGET_COLUMNS, "kept")
+        window = budget_column(budget_tokens, BUDGET_COLUMNS, "window")
         total = _scaled_total(final, seen, prompt_lengths, _heads(kv))
         positions = kv.positions()
         newest = positions >= (seen - window)[None, :, None, None]
@@ -160,7 +165,7 @@ class ChunkedPrefillEviction:
 @dataclasses.dataclass(frozen=True)
 class BufferedDecodeEviction:
     """The decode eviction part: every `decode_buffer` steps each active sequence evicts
-    globally to floor(r * current length) (or a fixed `decode_tokens`, the third budget
+    globally to floor(r * current length) (or a fixed `decode_tokens`, the budget's "decode"
     column) per head on average, keeping its first `sinks` positions and newest
     `decode_buffer` tokens.
     """
@@ -175,11 +180,12 @@ class BufferedDecodeEviction:
     def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
         grown = np.asarray(prompt_lengths) + max_new_tokens
         kept = np.floor(ratio_of(budget_tokens, prompt_lengths) * grown).astype(np.int64)
-        fixed = budget_tokens[:, 2]
+        fixed = budget_column(budget_tokens, BUDGET_COLUMNS, "decode")
         kept = np.where(fixed > 0, fixed, kept)
         # Each eviction keeps max(floor(r * length), the forced sinks + newest buffer) per head
         # on average; a buffer's worth of tokens arrives before the next one.
-        held = np.maximum(np.maximum(kept, budget_tokens[:, 0]), self.sinks + self.decode_buffer)
+        prompt_kept = budget_column(budget_tokens, BUDGET_COLUMNS, "kept")
+        held = np.maximum(np.maximum(kept, prompt_kept), self.sinks + self.decode_buffer)
         return np.minimum(held + self.decode_buffer, grown)
 
     def step_record(self, logits) -> None:
@@ -189,8 +195,9 @@ class BufferedDecodeEviction:
         active = ctx.positions >= 0
         heads = _heads(kv)
         current = ctx.positions + 1
-        total = _scaled_total(ctx.budget_tokens[:, 0], current, ctx.prompt_lengths, heads)
-        fixed = ctx.budget_tokens[:, 2]
+        kept = budget_column(ctx.budget_tokens, BUDGET_COLUMNS, "kept")
+        total = _scaled_total(kept, current, ctx.prompt_lengths, heads)
+        fixed = budget_column(ctx.budget_tokens, BUDGET_COLUMNS, "decode")
         total = jnp.where(fixed > 0, fixed * heads, total)
         held_total = collectives.reduce_partial_sums(
             jnp.sum(kv.lengths, axis=(0, 2), dtype=jnp.int32)
@@ -204,7 +211,8 @@ class BufferedDecodeEviction:
 
 def ratio_of(budget_tokens, prompt_lengths) -> np.ndarray:
     """The kept share floor(r T) / T per prompt (r itself is stripped from the static copy)."""
-    return budget_tokens[:, 0] / np.maximum(np.asarray(prompt_lengths), 1)
+    kept = budget_column(budget_tokens, BUDGET_COLUMNS, "kept")
+    return kept / np.maximum(np.asarray(prompt_lengths), 1)
 
 
 @register
@@ -269,7 +277,11 @@ class FastKVzip(Policy):
     def static(self) -> FastKVzip:
         return dataclasses.replace(self, ratio=None, decode_tokens=None)
 
+    budget_columns: ClassVar[tuple[str, ...]] = BUDGET_COLUMNS
+
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        """int32 [B, 3]: the tokens kept per head after the prompt (floor(r T)), the protected
+        window, and a fixed decode budget (0: the ratio r of the growing length)."""
         kept, windows = kept_and_windows(self.ratio, self.window, prompt_lengths)
         decode = np.full(kept.shape, self.decode_tokens or 0)
         return np.stack([kept, windows, decode], axis=1).astype(np.int32)

@@ -55,13 +55,14 @@ class UnimportanceCount(base.SummedMass):
         *,
         positions: jax.Array,
         cached_lengths: jax.Array,
+        thresholds,
     ) -> jax.Array:
         """Prefill chunks: H2O's accumulated attention. A decode step: old + (mass < 1 / n)
         for each held slot (n = cached_lengths + 1), 0 for the new token, unchanged for a
         finished sequence (position -1)."""
         if positions.shape[-1] > 1:
             return super().update_scores(
-                old, mass, positions=positions, cached_lengths=cached_lengths
+                old, mass, positions=positions, cached_lengths=cached_lengths, thresholds=thresholds
             )
         if old is None:
             return jnp.zeros_like(mass)

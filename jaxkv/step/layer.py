@@ -169,13 +169,16 @@ def _chunk_partials(chunk: Chunk, ring: LocalRing | None, *, step):
     return [ring_partial, chunk_partial]
 
 
-def _accumulate_mass(chunk: Chunk, cache: LayerCache, cached, lse, *, scoring, step):
+def _accumulate_mass(chunk: Chunk, cache: LayerCache, cached, lse, *, scoring, thresholds, step):
     """Adds the chunk's attention mass to the cached slots' scores (pages, then the int8 tier)
     by the scoring's rule (`update_scores`). Returns (pool, the queries' mass weights)."""
-    _, query_weights = scoring.mass_weights(chunk.positions)
+    _, query_weights = scoring.mass_weights(chunk.positions, thresholds)
     num_kv_heads = cache.page_table.shape[1]
     update = functools.partial(
-        scoring.update_scores, positions=chunk.positions, cached_lengths=cache.lengths
+        scoring.update_scores,
+        positions=chunk.positions,
+        cached_lengths=cache.lengths,
+        thresholds=thresholds,
     )
 
     def mass(partial, k_pages, table, tokens, k_scales=None, k_channel_scales=None):
@@ -215,15 +218,21 @@ def _accumulate_mass(chunk: Chunk, cache: LayerCache, cached, lse, *, scoring, s
     return pool, query_weights
 
 
-def _mass_scores(chunk: Chunk, cache: LayerCache, cached, lse, *, scoring, step):
+def _mass_scores(chunk: Chunk, cache: LayerCache, cached, lse, *, scoring, thresholds, step):
     """The chunk's attention mass: added to the cached slots' scores (`_accumulate_mass`), and
     the chunk's own tokens' scores f32 [B, K, C] by the scoring's rule. Returns (pool, scores)."""
-    pool, query_weights = _accumulate_mass(chunk, cache, cached, lse, scoring=scoring, step=step)
+    pool, query_weights = _accumulate_mass(
+        chunk, cache, cached, lse, scoring=scoring, thresholds=thresholds, step=step
+    )
     chunk_mass = attention_ops.chunk_attention_mass(
         chunk.q, chunk.k, chunk.positions, lse, query_weights, **step
     )
     return pool, scoring.update_scores(
-        None, chunk_mass, positions=chunk.positions, cached_lengths=cache.lengths
+        None,
+        chunk_mass,
+        positions=chunk.positions,
+        cached_lengths=cache.lengths,
+        thresholds=thresholds,
     )
 
 
@@ -272,7 +281,8 @@ def attend_and_write(
       read_budget: int32 [B] tokens' worth of pages the selection (Quest) reads.
       write_scores: f32 [B, K, C] a learned gate's per-token scores: they reach the admission's
         `admit` and are stored as the written tokens' scores.
-      thresholds: f32 [B, n] the policy's thresholds (`Policy.thresholds`), for `admit`.
+      thresholds: f32 [B, n] the policy's thresholds (`Policy.thresholds`), for `admit` and
+        the attention scoring.
     Returns:
       (attn [B, N, C, H] in q.dtype, pool, page_table, lengths, ring).
     """
@@ -289,13 +299,14 @@ def attend_and_write(
     cache = LayerCache(pool, page_table, held, lengths, ring, layer)
     scoring = policy.attention_scoring
     read = dict(policy=policy, read_budget=read_budget, step=step)
+    mass = None if scoring is None else dict(scoring=scoring, thresholds=thresholds, step=step)
     if ring is None:
-        out, cache = _write_then_attend(chunk, cache, write_scores, read=read, scoring=scoring)
+        out, cache = _write_then_attend(chunk, cache, write_scores, read=read, mass=mass)
         return out.astype(q.dtype), cache.pool, cache.page_table, cache.held, ring
     out, lse, cached = _attend(chunk, cache, **read)
     new_scores = write_scores
-    if scoring is not None:
-        pool, new_scores = _mass_scores(chunk, cache, cached, lse, scoring=scoring, step=step)
+    if mass is not None:
+        pool, new_scores = _mass_scores(chunk, cache, cached, lse, **mass)
     scores = jnp.zeros(k.shape[:3], jnp.float32) if new_scores is None else new_scores
     pool, page_table, held, ring = promote_and_push(
         pool, page_table, held, ring, k, v, positions, scores, admitted
@@ -303,7 +314,7 @@ def attend_and_write(
     return out.astype(q.dtype), pool, page_table, held, ring
 
 
-def _write_then_attend(chunk: Chunk, cache: LayerCache, write_scores, *, read, scoring):
+def _write_then_attend(chunk: Chunk, cache: LayerCache, write_scores, *, read, mass):
     """The step without a ring: write the chunk to slots past `held`, spill to the int8 tier,
     then read the written pool up to the old `held`, which sees exactly the cached tokens (the
     module docstring: XLA then needs no copy of the pool). Returns (out f32, the layer's view
@@ -328,8 +339,8 @@ def _write_then_attend(chunk: Chunk, cache: LayerCache, write_scores, *, read, s
     out, lse, cached = _attend(
         chunk, dataclasses.replace(cache, pool=dataclasses.replace(pool, **bounds)), **read
     )
-    if scoring is not None:
-        pool, scores = _mass_scores(chunk, cache, cached, lse, scoring=scoring, step=read["step"])
+    if mass is not None:
+        pool, scores = _mass_scores(chunk, cache, cached, lse, **mass)
         pool = set_written_scores(pool, page_table, held, new_held, chunk.admitted, scores)
     if pool.int8 is not None:
         new_held = new_held + pool.int8.lengths[layer]

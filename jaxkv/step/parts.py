@@ -51,12 +51,14 @@ class PrefillObservations:
 
     Attributes:
       prompt_lengths: int32 [B].
-      budget_tokens: int32 [B] (or [B, n] for policies with several budgets) tokens per head.
+      budget_tokens: int32 [B] (or [B, n] for policies with several budgets, columns named by
+        `Policy.budget_columns`: `budget_column`) tokens per head.
       queries: [L, B, N, w, H] post-RoPE queries of each prompt's last w tokens (slot i holds
         position prompt_length - w + i; slots before position 0 are zero).
       input_mean, input_var: f32 [L, B, D] per-channel mean and unbiased variance of each
         layer's attention input (normed hidden state) over the prompt.
       key: PRNG key for stochastic policies.
+      thresholds: f32 [B, n] the policy's thresholds (`Policy.thresholds`; None: it has none).
       prompt_tokens: int32 [B, T_pad] the right-padded prompts (None unless the prompt
         compression sets `needs_prompt_tokens`: KVzip replays them).
       query_mean, query_covariance: f32 [L, B, N, H] and [L, B, N, H, H] mean and population
@@ -70,6 +72,7 @@ class PrefillObservations:
     input_mean: jax.Array | None
     input_var: jax.Array | None
     key: jax.Array
+    thresholds: jax.Array | None = None
     prompt_tokens: jax.Array | None = None
     query_mean: jax.Array | None = None
     query_covariance: jax.Array | None = None
@@ -157,12 +160,13 @@ class Gate(Protocol):
 class AttentionScoring(Protocol):
     """Attend time: every token's score accumulates the attention it receives (H2O, Conf-KV)."""
 
-    def mass_weights(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def mass_weights(self, positions: jax.Array, thresholds) -> tuple[jax.Array, jax.Array]:
         """score <- decay * score + sum_i weight_i * mass_i: decay f32 [B] and per-query
-        weights f32 [B, C] for a chunk's positions [B, C]."""
+        weights f32 [B, C] for a chunk's positions [B, C]; thresholds: the policy's f32 [B, n]
+        (Conf-KV's decay is one, None for a policy without)."""
 
     def update_scores(
-        self, old: jax.Array | None, mass: jax.Array, *, positions, cached_lengths
+        self, old: jax.Array | None, mass: jax.Array, *, positions, cached_lengths, thresholds
     ) -> jax.Array:
         """f32 [B, K, S] the scores after a chunk; old: the slots' scores before it, or None
         for the chunk's own tokens; mass f32 [B, K, S] weighted by `mass_weights` and averaged
@@ -289,3 +293,9 @@ def observation_window(policy: PolicyParts) -> int:
     """Last prompt queries recorded per layer for the prompt compression (0 without one)."""
     compression = policy.prompt_compression
     return 0 if compression is None else compression.observation_window
+
+
+def budget_column(budget_tokens, columns: tuple[str, ...], name: str):
+    """int32 [B]: the column `name` of a policy's budget array [B, n] (host or traced), whose
+    columns its `budget_columns` name."""
+    return budget_tokens[:, columns.index(name)]
