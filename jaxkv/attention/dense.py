@@ -53,7 +53,9 @@ def attention_from_scores(scores: jax.Array, v: jax.Array) -> tuple[jax.Array, j
     v [B, K, S, H]: out f32 [B, N, T, H], lse f32 [B, N, T]; fully masked rows give 0, -inf."""
     b, num_kv, g, t, _ = scores.shape
     n, h = num_kv * g, v.shape[-1]
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    # The shift by the row max leaves the result unchanged: no gradient flows through it (as
+    # in jax.nn.softmax), which also keeps -inf scores out of the backward pass.
+    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     probs = jnp.exp(scores - row_max)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
