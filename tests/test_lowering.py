@@ -168,9 +168,12 @@ def _paged_args(batch: int, tokens: int, pages_dtype, quantised: bool):
     "batch,tokens,int8,probs",
     [(8, 32768, False, False), (1, 131072, True, True), (32, 16384, True, False)],
 )
-def test_paged_decode_with_gqa_int8_scales_and_statistics(batch, tokens, int8, probs):
+@pytest.mark.parametrize("target", ["triton", "mosaic"])
+def test_paged_decode_with_gqa_int8_scales_and_statistics(batch, tokens, int8, probs, target):
     """Decode over 32K-128K-token page tables, 4 query heads per KV head in one program, int8
-    pages with token and channel scales, the logsumexp and the per-slot probabilities."""
+    pages with token and channel scales, the logsumexp and the per-slot probabilities: one
+    Triton call lowered for "cuda" (accumulator, max, sum, with probabilities the scores), one
+    Mosaic call for "tpu" (output, logsumexp, with probabilities the scores)."""
 
     def decode(q, k_pages, v_pages, page_table, lengths, *scales):
         names = ("k_scales", "v_scales", "k_channel_scales", "v_channel_scales")
@@ -184,13 +187,20 @@ def test_paged_decode_with_gqa_int8_scales_and_statistics(batch, tokens, int8, p
             sm_scale=HEAD_DIM**-0.5,
             return_stats=True,
             return_probs=probs,
+            target=target,
             **quant,
         )
 
     pages_dtype = jnp.int8 if int8 else BF16
-    text, lowered = lowered_for_cuda(decode, *_paged_args(batch, tokens, pages_dtype, int8))
-    results = PAGED_WITH_SCORES if probs else PAGED_RESULTS
-    assert triton_calls(text) == [TritonCall(PAGED, results, int8)]
+    args = _paged_args(batch, tokens, pages_dtype, int8)
+    if target == "triton":
+        text, lowered = lowered_for_cuda(decode, *args)
+        results = PAGED_WITH_SCORES if probs else PAGED_RESULTS
+        assert triton_calls(text) == [TritonCall(PAGED, results, int8)]
+    else:
+        text, lowered = lowered_for(("tpu",), decode, *args)
+        results = PAGED_TPU_RESULTS + probs
+        assert mosaic_calls(text) == [TritonCall(PAGED_TPU, results, int8)]
     out, stats = lowered.out_info
     assert out.shape == (batch, HEADS, HEAD_DIM) and stats.lse.shape == (batch, HEADS)
     assert stats.probs is None if not probs else stats.probs.shape == (batch, HEADS, tokens)
@@ -419,41 +429,7 @@ def test_fastkvzip_decode_step_and_prefill_chunk(chunk):
     assert calls == [CACHE_READ, CHUNK_SELF]
 
 
-# --- The TPU path: the Mosaic paged decode kernel, prefill attention in jnp -----------------------
-
-
-@pytest.mark.parametrize(
-    "batch,tokens,int8,probs",
-    [(8, 32768, False, False), (1, 131072, True, True), (32, 16384, True, False)],
-)
-def test_mosaic_paged_decode_with_gqa_int8_scales_and_statistics(batch, tokens, int8, probs):
-    """The TPU kernel at the benchmarks' decode shapes: one Mosaic call (output, logsumexp and
-    with probabilities the scores), int8 pools with their scales."""
-
-    def decode(q, k_pages, v_pages, page_table, lengths, *scales):
-        names = ("k_scales", "v_scales", "k_channel_scales", "v_channel_scales")
-        quant = dict(zip(names[: len(scales)], scales, strict=True))
-        return pk.paged_decode_attention(
-            q,
-            k_pages,
-            v_pages,
-            page_table,
-            lengths,
-            sm_scale=HEAD_DIM**-0.5,
-            return_stats=True,
-            return_probs=probs,
-            target="mosaic",
-            **quant,
-        )
-
-    pages_dtype = jnp.int8 if int8 else BF16
-    args = _paged_args(batch, tokens, pages_dtype, int8)
-    text, lowered = lowered_for(("tpu",), decode, *args)
-    results = PAGED_TPU_RESULTS + probs
-    assert mosaic_calls(text) == [TritonCall(PAGED_TPU, results, int8)]
-    out, stats = lowered.out_info
-    assert out.shape == (batch, HEADS, HEAD_DIM) and stats.lse.shape == (batch, HEADS)
-    assert stats.probs is None if not probs else stats.probs.shape == (batch, HEADS, tokens)
+# --- The TPU path: the Mosaic paged decode kernel and splash attention ----------------------------
 
 
 TPU_CACHE_READ = TritonCall(PAGED_TPU, PAGED_TPU_RESULTS, False)
