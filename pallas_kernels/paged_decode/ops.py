@@ -261,31 +261,22 @@ def _paged_decode(
     held = jnp.clip(lengths, 0, capacity)
     scales = (k_scales, v_scales, k_channel_scales, v_channel_scales)
     q_rows = q.reshape(batch, num_kv_heads, group, head_dim)
-    if target == "mosaic":
-        out, lse, *scores = paged_decode_mosaic(
-            q_rows,
-            k_pages,
-            v_pages,
-            page_table,
-            held,
-            *scales,
-            sm_scale=sm_scale,
-            return_scores=return_probs,
-            interpret=interpret,
-        )
-    else:
-        out, lse, *scores = _triton_rows(
-            q_rows,
-            k_pages,
-            v_pages,
-            page_table,
-            held,
-            scales,
-            sm_scale=sm_scale,
-            block_sizes=block_sizes,
-            return_scores=return_probs,
-            interpret=interpret,
-        )
+    rows_kernel = (
+        paged_decode_mosaic
+        if target == "mosaic"
+        else functools.partial(_triton_rows, block_sizes=block_sizes)
+    )
+    out, lse, *scores = rows_kernel(
+        q_rows,
+        k_pages,
+        v_pages,
+        page_table,
+        held,
+        *scales,
+        sm_scale=sm_scale,
+        return_scores=return_probs,
+        interpret=interpret,
+    )
     out = out.reshape(batch, num_heads, head_dim)
     if not return_stats:
         return out
@@ -299,15 +290,15 @@ def _triton_rows(
     v_pages,
     page_table,
     held,
-    scales,
-    *,
+    *scales,
     sm_scale,
     block_sizes,
     return_scores,
     interpret,
 ):
-    """The Triton kernel over q_rows [B, K, G, H]: out [B, K, G, H], lse [B, K, G] and with
-    `return_scores` the scores [B, K, >= G, >= M * p]."""
+    """The Triton kernel over q_rows [B, K, G, H] (the arguments of `paged_decode_mosaic`, plus
+    its tiles): out [B, K, G, H], lse [B, K, G] and with `return_scores` the scores
+    [B, K, >= G, >= M * p]."""
     batch, num_kv_heads, group, head_dim = q_rows.shape
     max_pages = page_table.shape[-1]
     block_h = block_sizes.rows_per_program(group)
