@@ -51,7 +51,7 @@ def _runs_by_default(name: str) -> bool:
     """A policy without parameters, or whose parameters ship for the reference model; the
     others (calibrated heads) run when given theirs."""
     policy = policies.get(name)
-    return not policy.needs_params or policy.shipped_params_path(bundled.REFERENCE) is not None
+    return policy.params is None or policy.params.shipped_path(bundled.REFERENCE) is not None
 
 
 FULL = Sweep(
@@ -74,12 +74,12 @@ def check_sweep(sweep: Sweep, policy_params: dict | None = None) -> None:
     for name in sweep.policies:
         if name not in known:
             raise ValueError(f"policy={name!r}: registered policies are {known}")
-        policy = policies.get(name)
-        has_params = (
-            name in (policy_params or {})
-            or policy.shipped_params_path(bundled.REFERENCE) is not None
-        )
-        if policy.needs_params and not has_params:
+        part = policies.get(name).params
+        if (
+            part is not None
+            and name not in (policy_params or {})
+            and part.shipped_path(bundled.REFERENCE) is None
+        ):
             raise ValueError(f"policy={name!r} needs policy_params: --params {name}=PATH")
     for budget in sweep.budgets:
         if not 0 < budget <= 1:
@@ -115,10 +115,10 @@ def run_sweep(model, sweep: Sweep, corpus, *, log=print, policy_params=None) -> 
         for task in sweep.tasks
     ]
     for name in sweep.policies:
-        policy = policies.get(name)
-        path = policy.shipped_params_path(bundled.REFERENCE)
+        part = policies.get(name).params
+        path = None if part is None else part.shipped_path(bundled.REFERENCE)
         if name not in policy_params and path is not None:
-            policy_params[name] = policy.load_params(path, model.config)
+            policy_params[name] = part.load(path, model.config)
     for name, budget, length, task in tqdm(cells, desc="quality", unit="cell"):
         policy = harness.build_policy(name, budget)
         params = policy_params.get(name)
@@ -168,7 +168,7 @@ def main(argv=None) -> dict:
     check_sweep(sweep, paths)
     model = load_hf_checkpoint(args.model, dtype="float32")
     params = {
-        name: policies.get(name).load_params(path, model.config) for name, path in paths.items()
+        name: policies.get(name).params.load(path, model.config) for name, path in paths.items()
     }
     heldout = corpus_lib.load_corpus("heldout")
     rows = run_sweep(model, sweep, heldout, policy_params=params)
@@ -176,9 +176,9 @@ def main(argv=None) -> dict:
         **harness.provenance("jaxkv bench quality", sys.argv[1:] if argv is None else argv),
         "model": str(args.model),
         "params": {
-            name: str(paths.get(name, policies.get(name).shipped_params_path(bundled.REFERENCE)))
+            name: str(paths.get(name, policies.get(name).params.shipped_path(bundled.REFERENCE)))
             for name in sweep.policies
-            if policies.get(name).needs_params
+            if policies.get(name).params is not None
         },
         "sweep": dataclasses.asdict(sweep),
         "rows": rows,

@@ -36,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 import jaxkv
-from jaxkv import bundled, policies
+from jaxkv import policies
 from jaxkv.benchmarks import harness, real_quality_report
 from jaxkv.benchmarks.needles import (
     ANSWER_TOKENS,
@@ -207,11 +207,11 @@ def main(argv: list[str] | None = None) -> dict:
     params = spec.parse_params(args.params)
     parsed = {entry: parse_policy_entry(entry) for entry in args.policies}
     for entry, (name, _) in parsed.items():
-        kind = policies.policy_class(name).params_kind
-        shipped = bundled.shipped_params_path(kind, shipped_name(args.model)) if kind else None
+        part = policies.get(name).params
+        shipped = part.shipped_path(shipped_name(args.model)) if part else None
         if name not in params and shipped is not None:
             params[name] = [shipped]
-        if policies.policy_class(name).needs_params and name not in params:
+        if policies.get(name).params is not None and name not in params:
             raise ValueError(
                 f"--policies {entry}: jaxkv ships no trained parameters of {name} for --model "
                 f"{args.model}; give them, --params {name}=PATH"
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     loaded = {
         source: harness.build_policy(
             name, args.budgets[0] if spec.takes_budget(name) else None, **options
-        ).load_params(source, model.config)
+        ).params.load(source, model.config)
         for name, options in parsed.values()
         for source in params.get(name, [])
     }

@@ -65,16 +65,16 @@ def pool_pages(model, args, requests: int, page_size: int) -> int:
 
 def learned_params(policy, model, args, given: dict):
     """A learned policy's parameters: --params, else the ones shipped for --model."""
-    if not policy.needs_params:
+    if policy.params is None:
         return None
     path = given.get(policy.name, [None])[-1]
-    path = path or policy.shipped_params_path(shipped_name(args.model))
+    path = path or policy.params.shipped_path(shipped_name(args.model))
     if path is None:
         raise ValueError(
             f"--policies {policy.name}: jaxkv ships no trained parameters of it for --model "
             f"{args.model}; give them, --params {policy.name}=PATH"
         )
-    return policy.load_params(path, model.config)
+    return policy.params.load(path, model.config)
 
 
 def run_policy(model, policy, trace: list[dict], args, num_pages: int, params) -> dict:

@@ -168,4 +168,4 @@ def build_policy(spec: str, cfg, seed: int = 0):
     """(policy, policy_params) for a spec: the policy's own fresh (untrained) parameters
     (`Policy.init_params`; duo_attention's first `retrieval_share` of every layer's heads)."""
     policy = parse_policy(spec)
-    return policy, policy.init_params(cfg, jax.random.PRNGKey(seed))
+    return policy, policy.params.init(cfg, jax.random.PRNGKey(seed))

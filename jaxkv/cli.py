@@ -61,7 +61,7 @@ def build_policy(args: argparse.Namespace):
 
 
 def _no_params_error(policy, model_arg: str) -> ValueError:
-    shipping = bundled.models_shipping(policy.params_kind) if policy.params_kind else []
+    shipping = bundled.models_shipping(policy.params.kind)
     shipped = (
         f"jaxkv ships them for {', '.join(shipping)}, not for --model {model_arg}"
         if shipping
@@ -85,18 +85,18 @@ def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]
     """(policy_params, where they came from): --gates, the ones jaxkv ships for --model
     (`jaxkv.bundled.SHIPPED_PARAMS`), ones the policy picks on the prompt (DuoAttention's
     retrieval heads), or None for a policy without parameters."""
-    if not policy.needs_params:
+    if policy.params is None:
         if args.gates is not None:
             raise ValueError(f"--gates: policy {policy.name!r} takes no parameters")
         return None, None
     from jaxkv.model_sources import shipped_name
 
     if args.gates is not None:
-        return policy.load_params(args.gates, model.config), str(args.gates)
-    shipped = policy.shipped_params_path(shipped_name(args.model))
+        return policy.params.load(args.gates, model.config), str(args.gates)
+    shipped = policy.params.shipped_path(shipped_name(args.model))
     if shipped is not None:
-        return policy.load_params(shipped, model.config), str(shipped)
-    picked = policy.prompt_params(model, prompt_ids)
+        return policy.params.load(shipped, model.config), str(shipped)
+    picked = policy.params.from_prompt(model, prompt_ids)
     if picked is not None:
         return picked, "picked on the prompt"
     raise _no_params_error(policy, args.model)

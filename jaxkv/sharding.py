@@ -178,7 +178,7 @@ class InferenceMesh:
         """The policy's parameters split by `policy.param_axes` (None stays None)."""
         if params is None:
             return None
-        return self.place(params, self.param_specs(params, policy.param_axes(params)))
+        return self.place(params, self.param_specs(params, policy.params.axes(params)))
 
     def place(self, tree: Any, specs: Any) -> Any:
         """`tree` put on the mesh by `specs` (a PartitionSpec tree of the same structure). With
@@ -234,7 +234,7 @@ def _sharded_program(fn, kinds, statics, inference_mesh: InferenceMesh, policy):
             if kind == "model":
                 specs.append(inference_mesh.model_specs(arg))
             elif kind == "params":
-                axes = None if arg is None else policy.param_axes(arg)
+                axes = None if arg is None else policy.params.axes(arg)
                 specs.append(inference_mesh.param_specs(arg, axes))
             elif kind == "same":
                 specs.append(PartitionSpec())

@@ -105,8 +105,8 @@ def _modules_a_decode_step_runs(policy) -> set[str]:
     the state `generate` leaves (a tiny model, one sequence)."""
     model = init_model(tiny_config(), 0)
     params = None
-    if policy.needs_params:
-        params = policy.init_params(model.config, jax.random.PRNGKey(0))
+    if policy.params is not None:
+        params = policy.params.init(model.config, jax.random.PRNGKey(0))
     lengths = np.array([40])
     out = jaxkv.generate(
         model, [list(range(1, 41))], max_new_tokens=2, policy=policy, policy_params=params
@@ -154,7 +154,7 @@ def test_a_decode_step_runs_in_the_engine_room_and_below_it():
         assert {m for m in ran if m.startswith("jaxkv.step.")} == {
             f"jaxkv.step.{m}" for m in ("parts", "layer", "forward", "decode")
         }
-        gates = {"jaxkv.gates"} if policy.needs_params else set()
+        gates = {"jaxkv.gates"} if policy.params is not None else set()
         assert packages == {
             "jaxkv",
             "jaxkv.step",

@@ -9,7 +9,7 @@ import pytest
 import jaxkv
 from jaxkv import policies
 from jaxkv.models import init_model
-from jaxkv.policies.compose import FIELDS, HOST_GROUPS, JOINT, fields_of
+from jaxkv.policies.compose import FIELDS, HOST_GROUPS, JOINT, RECORD_PARTS, fields_of
 from jaxkv.step import parts
 from tests.test_sharding import CONFIG, POLICIES, POLICY_PARAMS, sharded_test_prompts
 
@@ -92,7 +92,7 @@ def test_compositions_flatten_and_a_policy_without_fields_adds_nothing():
     lengths = np.array([40, 70])
     np.testing.assert_array_equal(nested.budget_tokens(lengths), QUEST.budget_tokens(lengths))
     np.testing.assert_array_equal(nested.thresholds(2), wgkv.thresholds(2))
-    assert nested.needs_params and nested.params_kind == "wgkv"
+    assert nested.params.kind == "wgkv"
 
 
 def test_learned_parameters_are_checked_by_their_owner_the_others_see_none():
@@ -106,11 +106,14 @@ def test_learned_parameters_are_checked_by_their_owner_the_others_see_none():
 
 def test_every_member_of_a_policy_belongs_to_one_field_of_its_record():
     """A member added to `Policy` and given no field would be answered by the base in a
-    composition; each member is a part, a host group's, a joint member or a class constant."""
+    composition; each member is a part, a host group's, a joint member, a class constant or
+    derived from those (`check_params`: the params part's check and the joint `check_model`)."""
     constants = {"name", "primary_knob"}
-    members = {name for name in dir(policies.Policy) if not name.startswith("_")} - constants
+    derived = {"check_params"}
+    members = {name for name in dir(policies.Policy) if not name.startswith("_")}
+    members -= constants | derived
     grouped = [m for group in HOST_GROUPS.values() for m in group]
-    placed = [*parts.PARTS, *grouped, *JOINT]
+    placed = [*RECORD_PARTS, *grouped, *JOINT]
     assert len(placed) == len(set(placed)), "a member is in two fields"
     assert members == set(placed)
     assert set(placed) <= set(vars(policies.Composed))
@@ -122,7 +125,7 @@ def test_a_policy_fills_exactly_the_fields_whose_members_it_answers(name):
     fields = fields_of(policy)
     assert set(parts.present(policy)) == set(fields) & set(parts.PARTS)
     assert ("thresholds" in fields) == bool(policy.threshold_names)
-    assert ("params" in fields) == policy.needs_params
+    assert ("params" in fields) == (policy.params is not None)
     lengths = np.array([30, 50])
     if "budget" not in fields:
         np.testing.assert_array_equal(policy.budget_tokens(lengths), lengths)

@@ -158,7 +158,7 @@ def test_learned_policies_with_a_ring_or_chunk_eviction_give_generate_s_tokens(m
     which bf16 rounding in the engine's batch geometry and in `generate`'s resolves apart."""
     model = model_f32
     policy = jaxkv.policies.get(name) if name == "wgkv" else jaxkv.policies.get(name, ratio=0.3)
-    params = policy.load_params(policy.shipped_params_path(bundled.REFERENCE), model.config)
+    params = policy.params.load(policy.params.shipped_path(bundled.REFERENCE), model.config)
     eng = Engine(
         model,
         policy,

@@ -76,8 +76,10 @@ def test_logit_bias_is_added_once():
 def test_fastkvzip_needs_policy_params():
     from jaxkv import policies
 
-    assert policies.FastKVzip.needs_params
-    assert policies.get("fastkvzip", ratio=0.5).needs_params
+    part = policies.get("fastkvzip", ratio=0.5).params
+    assert isinstance(part, policies.SinkGateParams) and part.kind == "fastkvzip"
+    with pytest.raises(ValueError, match="'fastkvzip' needs policy_params: the trained gates"):
+        policies.get("fastkvzip", ratio=0.5).check_params(None, CONFIG)
 
 
 def test_gate_matches_numpy_formula():

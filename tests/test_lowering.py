@@ -353,8 +353,8 @@ def cached_step_calls(
     model = _abstract_model(cfg)
     kv = _abstract_state(cfg, policy, batch, max_tokens, int8_window)
     params = None
-    if policy.needs_params:
-        params = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.PRNGKey(0)))
+    if policy.params is not None:
+        params = jax.eval_shape(lambda: policy.params.init(cfg, jax.random.PRNGKey(0)))
     read_budget = S((batch,), I32) if policy.selection is not None else None
     static = policy.static()
 

@@ -3,13 +3,14 @@ protocol, and it has the parts its method needs, no more."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
 from jaxkv import policies
 from jaxkv.policies.scissorhands import UnimportanceCount
 from jaxkv.step import parts
-from tests.test_sharding import POLICIES
+from tests.test_sharding import CONFIG, POLICIES
 
 # The parts each registered policy has, from its paper (and kvpress's press of the same name).
 EXPECTED = {
@@ -106,3 +107,34 @@ def test_named_budget_columns_of_confkv_and_fastkvzip():
     budget = fastkvzip.budget_tokens(np.array([400]))
     named = dict(zip(fastkvzip.budget_columns, budget[0], strict=True))
     assert named == {"kept": 100, "window": 16, "decode": 40}
+
+
+# The learned-parameters part of each policy that has one (`Policy.params`), by its kind.
+LEARNED = {"wgkv": "wgkv", "fastkvzip": "fastkvzip", "duo_attention": "duo_attention"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_the_params_part_makes_checks_and_places_its_own_parameters(name):
+    """The params part is one object: its fresh parameters pass its check and the policy's,
+    their axes name every leaf's dimensions, and a policy without one refuses parameters."""
+    policy = policies.get(name, **POLICIES.get(name, {}))
+    part = policy.params
+    if name not in LEARNED:
+        assert part is None
+        policy.check_params(None, CONFIG)
+        with pytest.raises(ValueError, match=f"policy {name!r} takes no policy_params"):
+            policy.check_params(np.zeros((CONFIG.num_layers,)), CONFIG)
+        return
+    assert isinstance(part, policies.LearnedParams) and part.kind == LEARNED[name]
+    params = part.init(CONFIG, jax.random.PRNGKey(0))
+    part.check(params, CONFIG)
+    policy.check_params(params, CONFIG)
+    with pytest.raises(ValueError, match=f"policy {name!r} needs policy_params: "):
+        policy.check_params(None, CONFIG)
+    axes = part.axes(params)
+    leaves = jax.tree.leaves(params)
+    axes_leaves = jax.tree.leaves(axes, is_leaf=lambda node: isinstance(node, tuple))
+    assert [len(a) for a in axes_leaves] == [np.ndim(leaf) for leaf in leaves]
+    assert all(a[0] == "layers" for a in axes_leaves)
+    assert part.shipped_path("no-such-model") is None
+    assert policy.static().params.kind == part.kind

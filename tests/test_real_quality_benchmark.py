@@ -209,7 +209,7 @@ def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, t
     gates_dir.mkdir()
     wgkv = policies.get("wgkv")
     save_write_gates(
-        wgkv.init_params(model.config, jax.random.PRNGKey(0)), gates_dir / "g.safetensors"
+        wgkv.params.init(model.config, jax.random.PRNGKey(0)), gates_dir / "g.safetensors"
     )
     common = ["--model", str(gguf), "--lengths", "512", "--samples", "2", "--out", str(tmp_path)]
     ships_none = r"--policies wgkv: jaxkv ships no trained parameters of wgkv for --model .*tiny"

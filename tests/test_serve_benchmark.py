@@ -36,7 +36,7 @@ TOY = [
 def test_a_sweep_over_pool_sizes_writes_a_row_each_and_the_plot(tmp_path):
     gates = tmp_path / "gates.safetensors"
     wgkv = policies.get("wgkv")
-    save_write_gates(wgkv.init_params(preset("tiny-random"), jax.random.PRNGKey(0)), gates)
+    save_write_gates(wgkv.params.init(preset("tiny-random"), jax.random.PRNGKey(0)), gates)
     argv = [*TOY, "--policies", "full", "wgkv", "--pool-requests", "1", "2"]
     report = serve.main([*argv, "--params", f"wgkv={gates}", "--out", str(tmp_path)])
     rows = [(row["pool_requests"], row["policy"]) for row in report["rows"]]

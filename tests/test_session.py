@@ -30,8 +30,10 @@ ANSWER_TOKENS = 10
 
 def loaded(policy: policies.Policy, model):
     """(policy, its bundled parameters for the reference model, or None)."""
-    path = policy.shipped_params_path(bundled.REFERENCE)
-    return policy, None if path is None else policy.load_params(path, model.config)
+    if policy.params is None:
+        return policy, None
+    path = policy.params.shipped_path(bundled.REFERENCE)
+    return policy, None if path is None else policy.params.load(path, model.config)
 
 
 # Every policy that compresses the prompt and evicts nothing within ANSWER_TOKENS decode steps,

@@ -29,7 +29,7 @@ def _config(model_name: str):
 
 @pytest.mark.parametrize(("model_name", "kind", "path"), SHIPPED)
 def test_every_shipped_parameter_set_loads_for_its_model_and_has_its_record(model_name, kind, path):
-    params = policies.get(kind).load_params(path, _config(model_name))
+    params = policies.get(kind).params.load(path, _config(model_name))
     assert params is not None
     directory = path if path.is_dir() else path.parent
     records = [directory / name for name in ("run.json", "training.json")]
@@ -81,4 +81,4 @@ def test_a_missing_gates_path_is_a_clear_error_for_every_learned_policy(tmp_path
         ("duo_attention", "no DuoAttention heads at"),
     ]:
         with pytest.raises(FileNotFoundError, match=match):
-            policies.get(kind).load_params(missing, config)
+            policies.get(kind).params.load(missing, config)

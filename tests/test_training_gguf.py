@@ -14,6 +14,7 @@ from jaxkv import policies, prose
 from jaxkv.model_sources import load_model
 from jaxkv.models import gguf_tokenizer, load_gguf, render_chat
 from jaxkv.models.tokenizer import max_token_bytes
+from jaxkv.policies import spec
 from jaxkv.policies.kvzip import context_prefix_ids
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import duo_attention, fastkvzip, wgkv
@@ -87,7 +88,7 @@ def test_train_wgkv_on_a_gguf_model_and_load_the_gates(gguf_path, tmp_path):
     assert summary["text"] == "docstrings"
     assert json.loads((out / "run.json").read_text())["command"] == summary["command"]
     model = load_gguf(gguf_path)
-    gates = policies.get("wgkv").load_params(out, model.config)
+    gates = policies.get("wgkv").params.load(out, model.config)
     assert gates["w1"].shape[0] == model.config.num_layers
 
 
@@ -100,14 +101,18 @@ def test_train_fastkvzip_on_a_gguf_model_and_load_the_gates(gguf_path, tmp_path)
     assert summary["train_tokens"] == 2 * 512 and summary["model"] == str(gguf_path)
     assert (summary["gate_dim"], summary["num_sinks"]) == (8, 4)
     model = load_gguf(gguf_path)
-    gates = policies.get("fastkvzip").load_params(out, model.config)
+    gates = policies.get("fastkvzip").params.load(out, model.config)
     policies.get("fastkvzip").check_params(gates, model.config)
     assert gates["sinks"].shape[-2:] == (4, 8)
 
 
 def test_policies_without_parameters_refuse_a_path(gguf_path):
+    with pytest.raises(ValueError, match=r"--params snapkv=.*: policy 'snapkv' takes no param"):
+        spec.parse_params([f"snapkv={gguf_path}"])
     with pytest.raises(ValueError, match=r"policy 'snapkv' takes no policy_params"):
-        policies.get("snapkv", budget=0.5).load_params(gguf_path, load_gguf(gguf_path).config)
+        policies.get("snapkv", budget=0.5).check_params(
+            {"w": np.zeros(2)}, load_gguf(gguf_path).config
+        )
 
 
 def test_copy_pairs_point_each_repeated_token_at_the_token_after_its_first_occurrence():
@@ -141,7 +146,7 @@ def test_duo_attention_heads_are_the_top_share_of_the_mean_score(gguf_path, tmp_
     expected = np.mean(per_context, axis=0)
     np.testing.assert_allclose(summary["scores"], expected, rtol=1e-5, atol=1e-7)
     assert not np.allclose(per_context[0], per_context[1])  # the contexts differ
-    heads = policies.get("duo_attention").load_params(out / "heads.npy", model.config)
+    heads = policies.get("duo_attention").params.load(out / "heads.npy", model.config)
     np.testing.assert_array_equal(heads, policies.retrieval_heads(expected, 0.5))
     layers, kv_heads = model.config.num_layers, model.config.num_kv_heads
     assert heads.sum() == summary["retrieval_heads"] == round(0.5 * layers * kv_heads)

@@ -533,17 +533,17 @@ def test_duo_attention_picks_its_retrieval_heads_on_the_prompt():
     duo = policies.DuoAttention(window=4, sinks=2, retrieval_share=0.5)
     mass = policies.long_range_attention_mass(model, jnp.asarray([ids]), sinks=2, window=4)
     expected = policies.retrieval_heads(mass, 0.5)
-    np.testing.assert_array_equal(duo.prompt_params(model, ids), expected)
+    np.testing.assert_array_equal(duo.params.from_prompt(model, ids), expected)
     composed = policies.compose(duo, policies.Quest(budget=8))
-    np.testing.assert_array_equal(composed.prompt_params(model, ids), expected)
-    assert policies.WGKV().prompt_params(model, ids) is None  # gates are never picked on a prompt
+    np.testing.assert_array_equal(composed.params.from_prompt(model, ids), expected)
+    assert policies.WGKV().params.from_prompt(model, ids) is None  # gates are learned, never picked
     assert duo.static().retrieval_share is None  # host-only: no recompile per share
     with pytest.raises(ValueError, match="needs more than sinks"):
-        duo.prompt_params(model, ids[:3])
+        duo.params.from_prompt(model, ids[:3])
     with pytest.raises(ValueError, match=r"retrieval_share=1.5 must be a number in \[0, 1\]"):
         policies.DuoAttention(retrieval_share=1.5)
     with pytest.raises(ValueError, match="reads its retrieval heads from heads.npy"):
-        duo.load_params("heads.npy", model.config)
+        duo.params.load("heads.npy", model.config)
 
 
 @pytest.mark.parametrize(

@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
     defaults = policies.DuoAttention()
     parser.add_argument("--score", choices=SCORES, default="copy", help="see above")
     parser.add_argument(
-        "--share", type=float, default=defaults.share, help="retrieval heads, in (0, 1)"
+        "--share", type=float, default=defaults.params.share, help="retrieval heads, in (0, 1)"
     )
     parser.add_argument("--contexts", type=int, default=16, help="calibration contexts")
     parser.add_argument("--length", type=int, default=2048, help="tokens per context")

@@ -142,8 +142,8 @@ def load_session(path: str | Path, model: Model, policy: Policy | str) -> Sessio
     arrays = ocp.PyTreeCheckpointer().restore(path / ARRAYS)
     kv = flax.serialization.from_state_dict(_empty_state(arrays, record), arrays["kv"])
     params = arrays.get("policy_params")
-    if params is not None and policy.needs_params:
-        template = policy.init_params(model.config, jax.random.PRNGKey(0))
+    if params is not None and policy.params is not None:
+        template = policy.params.init(model.config, jax.random.PRNGKey(0))
         params = flax.serialization.from_state_dict(template, params)
     params = jax.tree.map(jnp.asarray, params)
     return Session(

@@ -3,6 +3,7 @@
 from jaxkv.policies.base import (
     Budget,
     FullCache,
+    LearnedParams,
     Policy,
     SummedMass,
     get,
@@ -23,7 +24,7 @@ from jaxkv.policies.confkv import (
 )
 from jaxkv.policies.eviction import DecodeEvictionPolicy, EvictionPolicy, LayerView
 from jaxkv.policies.expected_attention import ExpectedAttention
-from jaxkv.policies.fastkvzip import FastKVzip
+from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.quest import Quest
@@ -45,7 +46,9 @@ from jaxkv.policies.wgkv import (
     WGKV,
     DuoAttention,
     LocalAttention,
+    RetrievalHeads,
     RingAdmission,
+    WriteGateParams,
     attention_mass,
     long_range_attention_mass,
     retrieval_heads,
@@ -72,6 +75,7 @@ __all__ = [
     "KVzip",
     "Knorm",
     "LayerView",
+    "LearnedParams",
     "LocalAttention",
     "ObservedAttention",
     "Policy",
@@ -79,13 +83,16 @@ __all__ = [
     "PyramidKV",
     "Quest",
     "Ranking",
+    "RetrievalHeads",
     "RingAdmission",
     "SageKV",
+    "SinkGateParams",
     "Scissorhands",
     "SlidingWindow",
     "SnapKV",
     "StreamingLLM",
     "SummedMass",
+    "WriteGateParams",
     "attention_mass",
     "compose",
     "confidence",

@@ -16,12 +16,13 @@ of its scores). Besides its parts it answers on the host:
             decides_across_heads   flag: one budget shared by heads (pool sizing on a mesh)
   prefill   check_prefill(...)     validate prompts x chunk
   text      for_tokenizer(...)     the policy with its own text in the model's tokens (KVzip)
-  params    needs_params           flag: runs only with `policy_params` (learned gates)
-            init_params / load_params  fresh ones / saved ones read from a path
-            shipped_params_path(m) where jaxkv ships trained ones for model m (jaxkv.bundled)
-            prompt_params(...)     ones picked on the request's own prompt (DuoAttention)
-            check_params(...)      validate the parameters against the model
-            param_axes(...)        their logical axes, to shard them with their KV heads
+  model     check_params(...)      validate `policy_params` (with the `params` part) and the
+                                   policy against the model
+
+Its learned parameters are a part too, `params` (a `LearnedParams`: WG-KV's write gates, Fast
+KVzip's sink-attention gates, DuoAttention's retrieval heads), None for a policy that runs
+without any: what they are (init, check, axes) and where they come from (a path, the copy jaxkv
+ships for a model, the request's own prompt).
 
 Budgets vary per request, so they never reach jit as static fields: `generate` turns a policy's
 `budget` into an int32 array [B] of tokens per head (`budget_tokens`) and compiles the policy with
@@ -32,6 +33,7 @@ its budget stripped (`static()`), so changing the budget does not recompile. Thr
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar, TypeAlias
@@ -174,8 +176,6 @@ class Policy:
     """
 
     name: ClassVar[str] = "base"
-    # Whether the policy runs only with `policy_params` (learned gates, calibrated head choices).
-    needs_params: ClassVar[bool] = False
     # Whether a budget is shared by a layer's or the model's KV heads (AdaKV, KVzip, Fast KVzip):
     # one head may keep more than its share, so on a mesh a device's pool is sized for its
     # heads keeping every head's share.
@@ -277,53 +277,74 @@ class Policy:
         del tokenizer
         return self
 
-    # --- learned parameters ------------------------------------------------------------
+    # --- learned parameters and the model ----------------------------------------------------
 
-    def init_params(self, model_config: ModelConfig, key: jax.Array) -> PolicyParams | None:
-        """Fresh (untrained) `policy_params` for the model, of the shapes `check_params` takes;
-        None for a policy without parameters. Benchmarks plan with their shapes."""
-        del model_config, key
-        return None
-
-    def load_params(self, path: str | Path, model_config: ModelConfig) -> PolicyParams:
-        """Saved `policy_params` (trained gates, chosen heads) read from `path` and checked
-        against the model; a policy without parameters refuses."""
-        del model_config
-        raise ValueError(f"policy {self.name!r} takes no policy_params (given {path})")
-
-    # The key of this policy's parameters in `jaxkv.bundled.SHIPPED_PARAMS` (None: it has none).
-    params_kind: ClassVar[str | None] = None
-
-    def shipped_params_path(self, model_name: str | None) -> Path | None:
-        """Where jaxkv ships trained `policy_params` of this policy for the model named
-        `model_name` (`jaxkv.bundled.REFERENCE` or a fetched model's name; package data, read
-        by `load_params`), or None: the caller gives them."""
-        return (
-            bundled.shipped_params_path(self.params_kind, model_name) if self.params_kind else None
-        )
-
-    def prompt_params(self, model, prompt_ids: list[int]) -> PolicyParams | None:
-        """`policy_params` picked on the request's own prompt (ids without padding) when none
-        are given, e.g. DuoAttention's retrieval heads from the prompt's attention; None for a
-        policy that cannot pick its own."""
-        del model, prompt_ids
+    @property
+    def params(self) -> LearnedParams | None:
+        """The learned-parameters part: what `policy_params` this policy runs with (None: it
+        takes none)."""
         return None
 
     def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
-        """Validates `policy_params` against the model on the host; raises ValueError.
-
-        A policy without parameters accepts only None.
-        """
-        del model_config
-        if params is not None:
+        """Validates `policy_params` against the `params` part (None for a policy without one)
+        and the policy against the model (`check_model`) on the host; raises ValueError."""
+        part = self.params
+        if part is None and params is not None:
             raise ValueError(f"policy {self.name!r} takes no policy_params, got some")
+        if part is not None and params is None:
+            raise ValueError(f"policy {self.name!r} needs policy_params: {part.description}")
+        if part is not None:
+            part.check(params, model_config)
+        self.check_model(model_config)
 
-    def param_axes(self, params: PolicyParams | None) -> PolicyParams | None:
-        """The logical axis names of each `policy_params` leaf (a tree like `params` with a
-        tuple per leaf, `jaxkv.collectives.LOGICAL_AXIS_RULES`), so that a mesh splits learned
-        gates with their KV heads; None: replicated (no parameters)."""
-        del params
+    def check_model(self, model_config: ModelConfig) -> None:
+        """Validates the policy against the model on the host (KVzip's repeat prompt against
+        the vocabulary); most fit every model."""
+        del model_config
+
+
+class LearnedParams(abc.ABC):
+    """The learned-parameters part of a policy (`Policy.params`): its `policy_params`, what
+    they are and where they come from. Subclasses are frozen dataclasses of the policy's
+    fields they read.
+
+    Attributes:
+      kind: the key of these parameters in `jaxkv.bundled.SHIPPED_PARAMS` (the trainer's name).
+      description: what to give when they are missing, for errors.
+    """
+
+    kind: ClassVar[str]
+    description: ClassVar[str]
+
+    @abc.abstractmethod
+    def init(self, model_config: ModelConfig, key: jax.Array) -> PolicyParams:
+        """Fresh (untrained) parameters of the shapes `check` takes; plans use their shapes."""
+
+    @abc.abstractmethod
+    def load(self, path: str | Path, model_config: ModelConfig) -> PolicyParams:
+        """Saved parameters read from `path` and checked against the model."""
+
+    @abc.abstractmethod
+    def check(self, params: PolicyParams, model_config: ModelConfig) -> None:
+        """Validates parameters against the model on the host; raises ValueError."""
+
+    @abc.abstractmethod
+    def axes(self, params: PolicyParams) -> Any:
+        """The logical axis names of each leaf (a tree like `params`, a tuple per leaf;
+        `jaxkv.collectives.LOGICAL_AXIS_RULES`), so that a mesh splits them with their KV
+        heads."""
+
+    def from_prompt(self, model, prompt_ids: list[int]) -> PolicyParams | None:
+        """Parameters picked on the request's own prompt (ids without padding) when none are
+        given, e.g. DuoAttention's retrieval heads; None for parameters that must be learned."""
+        del model, prompt_ids
         return None
+
+    def shipped_path(self, model_name: str | None) -> Path | None:
+        """Where jaxkv ships trained parameters for the model named `model_name`
+        (`jaxkv.bundled.REFERENCE` or a fetched model's name; package data, read by `load`),
+        or None: the caller gives them."""
+        return bundled.shipped_params_path(self.kind, model_name)
 
 
 def within_budget(budget_tokens: np.ndarray, prompt_lengths: np.ndarray) -> tuple[np.ndarray, str]:

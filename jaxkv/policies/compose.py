@@ -2,11 +2,11 @@
 Quest(...))` admits with WG-KV's gates and lets Quest choose among the global pages (WG-KV's
 local ring is read whole whatever Quest picks).
 
-Every member of a policy belongs to one field of its record: a part (`jaxkv.step.parts.PARTS`) or a
-host-side group (`HOST_GROUPS`: its budget, its thresholds, its learned parameters). A
-composition takes each field from the one policy that has it; the members every policy answers
-together (`JOINT`: checks, flags, `static`, `for_tokenizer`) ask them all. Two rules refuse a
-composition, each naming the field and both policies:
+Every member of a policy belongs to one field of its record: a part (`jaxkv.step.parts.PARTS`,
+and the learned parameters, `params`) or a host-side group (`HOST_GROUPS`: its budget, its
+thresholds). A composition takes each field from the one policy that has it; the members every
+policy answers together (`JOINT`: checks, flags, `static`, `for_tokenizer`) ask them all. Two
+rules refuse a composition, each naming the field and both policies:
 
 - a field in two policies (two gates, two budgets, ...): there is no merge of two of one kind;
   in particular a request carries one budget array, so a policy that compresses or evicts to a
@@ -25,23 +25,16 @@ from typing import ClassVar
 from jaxkv.policies import base
 from jaxkv.step import parts
 
+# The record's parts: the engine's and the learned parameters (host side).
+RECORD_PARTS = (*parts.PARTS, "params")
 # A policy's host-side members, by the field of its record that answers them.
 HOST_GROUPS = {
     "budget": ("budget_columns", "budget_tokens", "budget_ratio", "planned_tokens"),
     "thresholds": ("threshold_names", "thresholds", "threshold"),
-    "params": (
-        "needs_params",
-        "params_kind",
-        "init_params",
-        "load_params",
-        "shipped_params_path",
-        "prompt_params",
-        "param_axes",
-    ),
 }
 # Members every policy of a composition answers (see `Composed`).
-JOINT = ("check_prefill", "check_params", "decides_across_heads", "static", "for_tokenizer")
-FIELDS = (*parts.PARTS, *HOST_GROUPS)
+JOINT = ("check_prefill", "check_model", "decides_across_heads", "static", "for_tokenizer")
+FIELDS = (*RECORD_PARTS, *HOST_GROUPS)
 _WHY = {
     "budget": (
         " (a request carries one budget array, so a policy that keeps tokens to a budget and "
@@ -54,9 +47,8 @@ RUNS_TOGETHER = {frozenset(pair) for pair in (("admission", "selection"), ("gate
 
 def has_field(policy: base.Policy, field: str) -> bool:
     """Whether `policy` has the part `field`, or answers a host group other than as the base
-    `Policy` does (a policy without a budget keeps its whole prompt, one without parameters
-    takes none)."""
-    if field in parts.PARTS:
+    `Policy` does (a policy without a budget keeps its whole prompt)."""
+    if field in RECORD_PARTS:
         return getattr(policy, field) is not None
     cls = type(policy)
     return any(
@@ -72,9 +64,8 @@ def fields_of(policy: base.Policy) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class Composed(base.Policy):
     """The record merged from `policies`: each field (`FIELDS`) from the one policy that has
-    it; a field none has is answered as the base `Policy` does. Joint members: the prefill is
-    checked by all, the learned parameters by their owner (the others check None), the budget
-    decides across heads if any policy's does.
+    it; a field none has is answered as the base `Policy` does. Joint members: the prefill and
+    the model are checked by all, the budget decides across heads if any policy's does.
 
     Attributes:
       policies: two or more policies (compositions among them are flattened).
@@ -136,10 +127,9 @@ class Composed(base.Policy):
         for policy in self.policies:
             policy.check_prefill(prompt_lengths, chunk)
 
-    def check_params(self, params, model_config) -> None:
-        owner = self.owner("params")
+    def check_model(self, model_config) -> None:
         for policy in self.policies:
-            policy.check_params(params if policy is owner else None, model_config)
+            policy.check_model(model_config)
 
     def static(self) -> Composed:
         return Composed(tuple(policy.static() for policy in self.policies))
@@ -156,7 +146,7 @@ def _forwarded(field: str, member: str) -> property:
 
 
 # Every part and host member is its owner's: one loop, so no member can be forgotten.
-for _field in parts.PARTS:
+for _field in RECORD_PARTS:
     setattr(Composed, _field, _forwarded(_field, _field))
 for _field, _members in HOST_GROUPS.items():
     for _member in _members:

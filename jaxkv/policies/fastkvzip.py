@@ -37,7 +37,7 @@ from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place
 from jaxkv.gates import fastkvzip as gate
-from jaxkv.policies.base import Budget, Policy, register, within_budget
+from jaxkv.policies.base import Budget, LearnedParams, Policy, register, within_budget
 from jaxkv.policies.kvzip import keep_top_globally
 from jaxkv.step.parts import DecodeContext, budget_column
 
@@ -235,8 +235,6 @@ class FastKVzip(Policy):
     """
 
     name: ClassVar[str] = "fastkvzip"
-    needs_params: ClassVar[bool] = True
-    params_kind: ClassVar[str] = "fastkvzip"
     decides_across_heads: ClassVar[bool] = True
 
     ratio: float | None = None
@@ -299,10 +297,23 @@ class FastKVzip(Policy):
                 f"in chunks of {chosen}), or a smaller window="
             )
 
-    def init_params(self, model_config, key):
+    @property
+    def params(self) -> SinkGateParams:
+        return SinkGateParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkGateParams(LearnedParams):
+    """Fast KVzip's trained sink-attention gates (`jaxkv.gates.fastkvzip`): a dict of
+    [L, ...] arrays."""
+
+    kind: ClassVar[str] = "fastkvzip"
+    description: ClassVar[str] = "the trained gates (`jaxkv train fastkvzip` writes them)"
+
+    def init(self, model_config, key):
         return gate.init_params(model_config, key)
 
-    def load_params(self, path, model_config):
+    def load(self, path, model_config):
         """`path`: a gates .safetensors file, a directory holding `gates.safetensors`, or an
         orbax checkpoint directory."""
         path = Path(path)
@@ -321,10 +332,8 @@ class FastKVzip(Policy):
             return gate.load_orbax(path, model_config)
         return gate.load_safetensors(path, model_config)
 
-    def check_params(self, params, model_config) -> None:
-        if params is None:
-            raise ValueError(f"policy {self.name!r} needs policy_params: the trained gates")
+    def check(self, params, model_config) -> None:
         gate.check_params(params, model_config)
 
-    def param_axes(self, params):
+    def axes(self, params):
         return {name: gate.PARAM_AXES[name] for name in params}

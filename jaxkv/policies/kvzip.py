@@ -342,8 +342,7 @@ class KVzip(Policy):
     def for_tokenizer(self, tokenizer) -> KVzip:
         return dataclasses.replace(self, **repeat_prompt_ids(tokenizer))
 
-    def check_params(self, params, model_config) -> None:
-        super().check_params(params, model_config)
+    def check_model(self, model_config) -> None:
         defaults = (byte_ids(REPEAT_PROMPT), byte_ids(CONTINUE_PROMPT))
         byte_level = (self.repeat_ids, self.continue_ids) == defaults
         if byte_level and model_config.vocab_size > _BYTE_LEVEL_VOCAB_LIMIT:

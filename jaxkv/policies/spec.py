@@ -196,7 +196,7 @@ def parse_params(pairs: Sequence[str], *, option: str = "--params") -> dict[str,
         name, sep, path = pair.partition("=")
         if not sep or name not in known:
             raise ValueError(f"{option} {pair}: give NAME=PATH with NAME one of {known}")
-        if not base.policy_class(name).needs_params:
+        if base.get(name).params is None:
             raise ValueError(f"{option} {pair}: policy {name!r} takes no parameters")
         if not Path(path).exists():
             raise ValueError(f"{option} {pair}: no such file or directory")

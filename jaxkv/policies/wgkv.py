@@ -163,29 +163,36 @@ class WGKV(RingAdmission):
     """WG-KV: the learned write gate decides admission (policy_params: `jaxkv.gates.wgkv`)."""
 
     name: ClassVar[str] = "wgkv"
-    params_kind: ClassVar[str] = "wgkv"
     primary_knob: ClassVar[str] = "tau"
-    needs_params: ClassVar[bool] = True
 
-    def init_params(self, model_config, key):
-        return init_write_gates(model_config, key)
-
-    def load_params(self, path, model_config):
-        return load_write_gates(path, model_config)
-
-    def check_params(self, params, model_config) -> None:
-        if params is None:
-            raise ValueError(
-                "policy 'wgkv' needs policy_params: write gates from "
-                "jaxkv.gates.wgkv.init_write_gates or load_write_gates"
-            )
-        check_write_gates(params, model_config)
+    @property
+    def params(self) -> WriteGateParams:
+        return WriteGateParams()
 
     @property
     def gate(self) -> LearnedWriteGate:
         return LearnedWriteGate()
 
-    def param_axes(self, params):
+
+@dataclasses.dataclass(frozen=True)
+class WriteGateParams(base.LearnedParams):
+    """WG-KV's learned write gates (`jaxkv.gates.wgkv`): a dict of [L, ...] arrays."""
+
+    kind: ClassVar[str] = "wgkv"
+    description: ClassVar[str] = (
+        "write gates from jaxkv.gates.wgkv.init_write_gates or load_write_gates"
+    )
+
+    def init(self, model_config, key):
+        return init_write_gates(model_config, key)
+
+    def load(self, path, model_config):
+        return load_write_gates(path, model_config)
+
+    def check(self, params, model_config) -> None:
+        check_write_gates(params, model_config)
+
+    def axes(self, params):
         return {name: PARAM_AXES[name] for name in params}
 
 
@@ -219,19 +226,17 @@ class LocalAttention(RingAdmission):
 @dataclasses.dataclass(frozen=True)
 class DuoAttention(RingAdmission):
     """DuoAttention-style static admission: retrieval heads admit every token, streaming heads
-    only the sinks (then read the window). policy_params: bool [L, K], True for retrieval heads,
-    saved ones (`load_params`) or picked on the prompt itself (`prompt_params`).
+    only the sinks (then read the window). policy_params: bool [L, K], True for retrieval heads
+    (its `params` part, `RetrievalHeads`: saved ones or picked on the prompt itself).
 
     Attributes:
       sinks: leading positions every head admits.
-      retrieval_share: the share of all (layer, KV head) pairs that `prompt_params` and
-        `init_params` make retrieval heads, in [0, 1]; None: DEFAULT_RETRIEVAL_SHARE (saved
+      retrieval_share: the share of all (layer, KV head) pairs that heads picked on the prompt
+        and untrained ones make retrieval heads, in [0, 1]; None: DEFAULT_RETRIEVAL_SHARE (saved
         heads refuse a share, which they would ignore).
     """
 
     name: ClassVar[str] = "duo_attention"
-    needs_params: ClassVar[bool] = True
-    params_kind: ClassVar[str] = "duo_attention"
     sinks: int = 4
     retrieval_share: float | None = None
 
@@ -244,14 +249,43 @@ class DuoAttention(RingAdmission):
         ):
             raise ValueError(f"retrieval_share={share!r} must be a number in [0, 1]")
 
+    def static(self) -> DuoAttention:
+        return dataclasses.replace(super().static(), retrieval_share=None)  # host-side only
+
+    @property
+    def params(self) -> RetrievalHeads:
+        return RetrievalHeads(self.sinks, self.window, self.retrieval_share)
+
+    @property
+    def gate(self) -> RetrievalHeadGate:
+        return RetrievalHeadGate(self.sinks)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalHeads(base.LearnedParams):
+    """DuoAttention's retrieval heads: bool [L, K], True for a (layer, KV head) that admits
+    every token; saved ones (`load`) or picked on the prompt itself (`from_prompt`).
+
+    Attributes:
+      sinks, window: the policy's sinks and local window (what a streaming head reads).
+      retrieval_share: the share of (layer, KV head) pairs that `from_prompt` and `init` make
+        retrieval heads; None: DEFAULT_RETRIEVAL_SHARE (saved heads refuse a share).
+    """
+
+    kind: ClassVar[str] = "duo_attention"
+    description: ClassVar[str] = (
+        "bool [L, K] retrieval heads (a .npy from `jaxkv train duo_attention`) or none to pick "
+        "them on the prompt"
+    )
+    sinks: int
+    window: int
+    retrieval_share: float | None
+
     @property
     def share(self) -> float:
         return DEFAULT_RETRIEVAL_SHARE if self.retrieval_share is None else self.retrieval_share
 
-    def static(self) -> DuoAttention:
-        return dataclasses.replace(super().static(), retrieval_share=None)  # host-side only
-
-    def init_params(self, model_config, key):
+    def init(self, model_config, key):
         """Untrained heads for planning: the first `share` of every layer's KV heads."""
         del key
         count = int(round(self.share * model_config.num_kv_heads))
@@ -259,7 +293,7 @@ class DuoAttention(RingAdmission):
         heads[:, :count] = True
         return jnp.asarray(heads)
 
-    def load_params(self, path, model_config):
+    def load(self, path, model_config):
         """A saved bool [L, K] array (.npy)."""
         if self.retrieval_share is not None:
             raise ValueError(
@@ -272,10 +306,10 @@ class DuoAttention(RingAdmission):
                 "(`jaxkv train duo_attention` writes one)"
             )
         heads = np.load(path)
-        self.check_params(heads, model_config)
+        self.check(heads, model_config)
         return heads
 
-    def prompt_params(self, model, prompt_ids):
+    def from_prompt(self, model, prompt_ids):
         """bool [L, K]: the `share` of (layer, KV head) pairs with the most long-range attention
         mass on the prompt itself (`long_range_attention_mass`, `retrieval_heads`)."""
         window = min(self.window, len(prompt_ids) - self.sinks - 1)
@@ -288,9 +322,9 @@ class DuoAttention(RingAdmission):
         mass = long_range_attention_mass(model, tokens, sinks=self.sinks, window=window)
         return retrieval_heads(mass, self.share)
 
-    def check_params(self, params, model_config) -> None:
+    def check(self, params, model_config) -> None:
         expected = (model_config.num_layers, model_config.num_kv_heads)
-        shape = None if params is None else tuple(np.shape(params))
+        shape = tuple(np.shape(params))
         if shape != expected:
             raise ValueError(
                 f"policy 'duo_attention' needs policy_params of shape [L, K] = {expected} "
@@ -299,11 +333,7 @@ class DuoAttention(RingAdmission):
         if jnp.result_type(params) != jnp.bool_:
             raise ValueError(f"duo_attention policy_params must be bool, got {params.dtype}")
 
-    @property
-    def gate(self) -> RetrievalHeadGate:
-        return RetrievalHeadGate(self.sinks)
-
-    def param_axes(self, params):
+    def axes(self, params):
         del params
         return ("layers", "kv_heads")
 
