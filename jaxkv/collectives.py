@@ -13,7 +13,7 @@ manual inside `jax.shard_map`), which `jax.jit` keys its traces on: a jitted hel
 one device is traced again on the mesh, never reused without its collectives.
 
 `LOGICAL_AXIS_RULES` maps the logical axes of parameters (`jaxkv.models.decoder.PARAM_AXES`, a
-policy's `param_axes`) and of the stacked cache to the mesh's axes.
+policy's `params.axes`) and of the stacked cache to the mesh's axes.
 """
 
 from __future__ import annotations

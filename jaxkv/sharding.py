@@ -175,7 +175,7 @@ class InferenceMesh:
         return dataclasses.replace(model, params=self.param_specs(model.params, params_axes))
 
     def place_policy_params(self, policy, params: Any) -> Any:
-        """The policy's parameters split by `policy.param_axes` (None stays None)."""
+        """The policy's parameters split by `policy.params.axes` (None stays None)."""
         if params is None:
             return None
         return self.place(params, self.param_specs(params, policy.params.axes(params)))
@@ -199,7 +199,7 @@ class InferenceMesh:
 
         kinds, one per argument:
           "model"   the Model: its params split by `PARAM_AXES`, the config made local;
-          "params"  the policy's parameters, split by the `policy` static's `param_axes`;
+          "params"  the policy's parameters, split by the `policy` static's `params.axes`;
           "rows"    a batch array [B, ...] (host): each shard gets its rows;
           "shard" / "donate"  per-shard values stacked [S, ...] (a previous run's output);
                     "donate" hands the buffers to the program;
@@ -208,7 +208,7 @@ class InferenceMesh:
         """
         if len(kinds) != len(args):
             raise ValueError(f"{len(kinds)} kinds for {len(args)} arguments")
-        policy = statics.get("policy")  # splits "params" (`Policy.param_axes`)
+        policy = statics.get("policy")  # splits "params" (`policy.params.axes`)
         placed = []
         for kind, arg in zip(kinds, args, strict=True):
             if kind == "rows":

@@ -71,7 +71,7 @@ def test_bad_sweep_arguments(argv, message):
 
 def test_the_default_sweep_runs_the_bundled_gates_and_names_missing_parameters():
     """The default sweep runs WG-KV and Fast KVzip on the gates jaxkv ships for the reference
-    model (`Policy.shipped_params_path`); duo_attention ships none and is named when asked for
+    model (`LearnedParams.shipped_path`); duo_attention ships none and is named when asked for
     without --params."""
     assert {"fastkvzip", "wgkv"} <= set(quality.FULL.policies)
     assert "duo_attention" not in quality.FULL.policies

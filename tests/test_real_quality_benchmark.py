@@ -198,7 +198,7 @@ def test_paired_table_compares_each_policy_with_the_full_cache_episode_by_episod
 
 
 def test_learned_policies_run_with_their_saved_parameters(model_and_tokenizer, tmp_path, capsys):
-    """--params NAME=PATH: the policy loads its parameters (its own load_params), the row names
+    """--params NAME=PATH: the policy loads its parameters (its params part's load), the row names
     them, and a learned policy without them is refused before any model work."""
     from jaxkv.gates.wgkv import save_write_gates
 

@@ -28,7 +28,7 @@ class Placement(enum.Enum):
     """How a program's argument is split over a mesh (`InferenceMesh.run`)."""
 
     MODEL = "model"  # the Model: params split by the rules table, config made local
-    POLICY_PARAMS = "params"  # the policy's parameters, split by its `param_axes`
+    POLICY_PARAMS = "params"  # the policy's parameters, split by its params part's `axes`
     ROWS = "rows"  # a host batch array [B, ...]: each data shard gets its rows
     SHARD = "shard"  # per-device values stacked [S, ...] (a previous program's output)
     SAME = "same"  # the same value on every device
