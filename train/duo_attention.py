@@ -17,7 +17,7 @@ causal attention over contexts of the corpus's train split in the model's ids (o
         (`policies.long_range_attention_mass`, what `duo_attention` picks on a prompt).
 
 Writes heads.npy (bool [L, K], what `--params duo_attention=PATH` and
-`DuoAttention.load_params` read) and run.json (the command, every head's score, seconds).
+`RetrievalHeads.load` read) and run.json (the command, every head's score, seconds).
 
     jaxkv train duo_attention --model smollm2-135m-instruct --share 0.2 \
         --out assets/duo-heads/smollm2-135m-instruct/copy-0.2
