@@ -187,7 +187,8 @@ def _abstract_request(
         model, prompts, max_new_tokens - 1, max_new_tokens, policy, cache, None
     )
     budget_tokens = policy.budget_tokens(lengths)
-    params = policy.params.init(cfg, jax.random.PRNGKey(0))
+    part = policy.params
+    params = None if part is None else part.init(cfg, jax.random.PRNGKey(0))
     return _AbstractRequest(
         model=model,
         prompts=prompts,

@@ -166,6 +166,7 @@ def parse_policy(spec: str):
 
 def build_policy(spec: str, cfg, seed: int = 0):
     """(policy, policy_params) for a spec: the policy's own fresh (untrained) parameters
-    (`Policy.init_params`; duo_attention's first `retrieval_share` of every layer's heads)."""
+    (`policy.params.init`; duo_attention's first `retrieval_share` of every layer's heads)."""
     policy = parse_policy(spec)
-    return policy, policy.params.init(cfg, jax.random.PRNGKey(seed))
+    part = policy.params
+    return policy, None if part is None else part.init(cfg, jax.random.PRNGKey(seed))
