@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         shipped = part.shipped_path(shipped_name(args.model)) if part else None
         if name not in params and shipped is not None:
             params[name] = [shipped]
-        if policies.get(name).params is not None and name not in params:
+        if part is not None and name not in params:
             raise ValueError(
                 f"--policies {entry}: jaxkv ships no trained parameters of {name} for --model "
                 f"{args.model}; give them, --params {name}=PATH"

@@ -109,8 +109,8 @@ def test_named_budget_columns_of_confkv_and_fastkvzip():
     assert named == {"kept": 100, "window": 16, "decode": 40}
 
 
-# The learned-parameters part of each policy that has one (`Policy.params`), by its kind.
-LEARNED = {"wgkv": "wgkv", "fastkvzip": "fastkvzip", "duo_attention": "duo_attention"}
+# The policies with a learned-parameters part (`Policy.params`), each of the kind of its name.
+LEARNED = {"wgkv", "fastkvzip", "duo_attention"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -125,7 +125,7 @@ def test_the_params_part_makes_checks_and_places_its_own_parameters(name):
         with pytest.raises(ValueError, match=f"policy {name!r} takes no policy_params"):
             policy.check_params(np.zeros((CONFIG.num_layers,)), CONFIG)
         return
-    assert isinstance(part, policies.LearnedParams) and part.kind == LEARNED[name]
+    assert isinstance(part, policies.LearnedParams) and part.kind == name
     params = part.init(CONFIG, jax.random.PRNGKey(0))
     part.check(params, CONFIG)
     policy.check_params(params, CONFIG)
