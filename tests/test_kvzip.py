@@ -1,6 +1,8 @@
 """KVzip: reconstruction scores against a dense transformers forward of context + repeat + chunk,
 and the global-threshold selection against a plain-numpy ranking."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,3 +102,48 @@ def test_kvzip_policy_keeps_the_ratio_and_frees_pages(setup):
     assert int(state.pages_in_use()) == int(np.sum(-(-lengths // 8)))
     with pytest.raises(ValueError, match="ratio"):
         policies.KVzip(ratio=1.5)
+
+
+def test_kvzip_recent_keeps_every_heads_newest_positions_inside_the_ratio(setup):
+    _, model, contexts = setup
+    recent = 6
+    policy = policies.get(
+        "kvzip", ratio=0.3, chunk=CHUNK, repeat_ids=REPEAT, continue_ids=CONTINUE, recent=recent
+    )
+    cache = jaxkv.CacheConfig(page_size=8)
+    state = jaxkv.compress_prompt(model, contexts, policy, cache=cache, prefill_chunk=CHUNK)
+    full = jaxkv.compress_prompt(model, contexts, cache=cache, prefill_chunk=CHUNK)
+    padded = np.zeros((2, 96), np.int32)
+    for row, context in enumerate(contexts):
+        padded[row, : len(context)] = context
+    scores = np.asarray(
+        reconstruction_scores(
+            model,
+            full,
+            jnp.asarray(padded),
+            jnp.asarray(LENGTHS, jnp.int32),
+            chunk=CHUNK,
+            repeat_ids=REPEAT,
+            continue_ids=CONTINUE,
+        )
+    )
+    positions = np.asarray(state.positions())  # [L, B, K, S]
+    num_layers, _, num_heads, _ = positions.shape
+    for row, n in enumerate(LENGTHS):
+        total = int(0.3 * n) * num_layers * num_heads
+        row_scores = scores[:, row, :, :n].copy()
+        row_scores[..., n - recent :] = np.inf  # the newest `recent` of every head first
+        order = np.argsort(-row_scores.reshape(-1), kind="stable")[:total]
+        expected = np.zeros(row_scores.size, bool)
+        expected[order] = True
+        expected = expected.reshape(row_scores.shape)
+        for layer in range(num_layers):
+            for head in range(num_heads):
+                got = sorted(p for p in positions[layer, row, head] if p >= 0)
+                np.testing.assert_array_equal(got, np.flatnonzero(expected[layer, head]))
+    with pytest.raises(ValueError, match="recent=40"):
+        jaxkv.compress_prompt(
+            model, contexts, dataclasses.replace(policy, recent=40), cache=cache, prefill_chunk=CHUNK
+        )
+    with pytest.raises(ValueError, match="recent=-1"):
+        policies.KVzip(ratio=0.3, recent=-1)

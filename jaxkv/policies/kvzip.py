@@ -14,7 +14,9 @@ model's context: 512 by default here (the reference model is trained to 4K, its 
 
 `KVzip(ratio)` (the oracle Fast KVzip's gates imitate) keeps the best `ratio` of all KV pairs of
 a sequence with one threshold over layers x heads x tokens: head budgets come out non-uniform
-and `compact` frees the pages of the heads that keep little.
+and `compact` frees the pages of the heads that keep little. `KVzip(ratio, recent=R)` first keeps
+every head's newest R prompt positions, inside the same ratio: the shape of WG-KV's cache (a
+local ring plus the tokens admitted past it) with KVzip's scores choosing the admitted ones.
 """
 
 from __future__ import annotations
@@ -264,6 +266,7 @@ class ReplayCompression(PromptCompressionPart):
     chunk: int
     repeat_ids: tuple[int, ...]
     continue_ids: tuple[int, ...]
+    recent: int = 0
 
     needs_prompt_tokens: ClassVar[bool] = True
 
@@ -280,12 +283,15 @@ class ReplayCompression(PromptCompressionPart):
             repeat_ids=self.repeat_ids,
             continue_ids=self.continue_ids,
         )
-        held = kv.positions() >= 0
+        positions = kv.positions()
+        held = positions >= 0
+        protected = held & (positions >= obs.prompt_lengths[:, None, None] - self.recent)
         total = obs.budget_tokens * kv.num_layers * kv.lengths.shape[2] * collectives.head_shards()
         keep = collectives.over_all_heads(
-            lambda scores, held: keep_top_globally(scores, total, held, jnp.zeros_like(held)),
+            lambda scores, held, protected: keep_top_globally(scores, total, held, protected),
             scores,
             held,
+            protected,
             axis=2,
         )
         return compact(kv, keep)
@@ -303,6 +309,8 @@ class KVzip(Policy):
       chunk: replay chunk in tokens (module docstring).
       repeat_ids, continue_ids: the repeat prompts' token ids (byte-level by default: pass the
         tokenizer's ids of REPEAT_PROMPT / CONTINUE_PROMPT for other models).
+      recent: every head's newest `recent` prompt positions are kept whatever their score,
+        inside the ratio (0: none, the paper's).
     """
 
     name: ClassVar[str] = "kvzip"
@@ -312,6 +320,7 @@ class KVzip(Policy):
     chunk: int = DEFAULT_REPLAY_CHUNK
     repeat_ids: tuple[int, ...] = byte_ids(REPEAT_PROMPT)
     continue_ids: tuple[int, ...] = byte_ids(CONTINUE_PROMPT)
+    recent: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -319,6 +328,8 @@ class KVzip(Policy):
             Budget(ratio=self.ratio)  # validates (0, 1]
         if self.chunk < 1:
             raise ValueError(f"chunk={self.chunk} must be >= 1")
+        if isinstance(self.recent, bool) or not isinstance(self.recent, int) or self.recent < 0:
+            raise ValueError(f"recent={self.recent!r} must be an integer >= 0")
         if not self.repeat_ids or len(self.repeat_ids) > len(self.continue_ids) + OVERLAP:
             raise ValueError(
                 "repeat_ids must be non-empty and at most len(continue_ids) + 8 tokens long"
@@ -326,12 +337,23 @@ class KVzip(Policy):
 
     @property
     def prompt_compression(self) -> ReplayCompression:
-        return ReplayCompression(self.chunk, self.repeat_ids, self.continue_ids)
+        return ReplayCompression(self.chunk, self.repeat_ids, self.continue_ids, self.recent)
 
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
         if self.ratio is None:
             raise ValueError(f"policy {self.name!r} needs ratio= in (0, 1]")
-        return Budget(ratio=self.ratio).tokens_for(prompt_lengths)
+        lengths = np.asarray(prompt_lengths)
+        tokens = Budget(ratio=self.ratio).tokens_for(lengths)
+        too_small = (tokens < self.recent) & (tokens < lengths)
+        if np.any(too_small):
+            row = int(np.argmax(too_small))
+            raise ValueError(
+                f"policy {self.name!r}: ratio={self.ratio} keeps {int(tokens[row])} tokens a head "
+                f"on average, fewer than recent={self.recent} (batch row {row}: a prompt of "
+                f"{int(lengths[row])} tokens): give ratio >= {self.recent / lengths[row]:.3g} "
+                "or a smaller recent"
+            )
+        return tokens
 
     def planned_tokens(self, budget_tokens, prompt_lengths):
         return within_budget(budget_tokens, prompt_lengths)
