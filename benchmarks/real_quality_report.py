@@ -69,6 +69,17 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def budget_sweeps(rows: list[dict]) -> dict[tuple, dict]:
+    """{(policy, length, setting): {(budget, task): row}} for each line run at more than one
+    budget."""
+    by_line: dict[tuple, dict] = {}
+    for r in rows:
+        if r["budget"] is not None:
+            line = by_line.setdefault((r["policy"], r["length"], r["setting"]), {})
+            line[(r["budget"], r["task"])] = r
+    return {k: v for k, v in by_line.items() if len({b for b, _ in v}) > 1}
+
+
 def budget_table(rows: list[dict]) -> str:
     """One line per (policy, length, setting) run at more than one budget: exact match of each
     task and the share of the full cache's bytes at each budget, "-" where not run."""
@@ -77,12 +88,7 @@ def budget_table(rows: list[dict]) -> str:
         for r in rows
         if r["policy"] == "full"
     }
-    by_line: dict[tuple, dict] = {}
-    for r in rows:
-        if r["budget"] is not None:
-            line = by_line.setdefault((r["policy"], r["length"], r["setting"]), {})
-            line[(r["budget"], r["task"])] = r
-    swept = {k: v for k, v in by_line.items() if len({b for b, _ in v}) > 1}
+    swept = budget_sweeps(rows)
     budgets = sorted({b for line in swept.values() for b, _ in line})
     header = ["policy", "context", "setting"] + [
         f"{task} at {b:g}" for task in TASKS for b in budgets
@@ -235,12 +241,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def write(rows: list[dict], directory: Path) -> str:
-    """quality.md, quality-budgets.md (several budgets), quality-paired.md (cells compared with
+    """quality.md, quality-budgets.md (a policy at several budgets), quality-paired.md (cells compared with
     the full cache episode by episode) and quality.png of `rows` in `directory`; returns the
     first table."""
     table = markdown_table(rows)
     (directory / "quality.md").write_text(table)
-    if len({r["budget"] for r in rows if r["budget"] is not None}) > 1:
+    if budget_sweeps(rows):
         (directory / "quality-budgets.md").write_text(budget_table(rows))
     compared = paired_cells(rows)
     if compared:

@@ -137,6 +137,13 @@ def test_render_writes_the_table_of_a_saved_report(tmp_path):
         "| tova | 0.3 | 2048 | needle | aware | 8/16 | 6/16 | 2 | 0.50 | 0.50 |",
     ]
     assert not (tmp_path / "kvpress" / "quality-budgets.md").exists()
+    # Two policies at a budget each: no policy is swept, so no table of sweeps.
+    (tmp_path / "single").mkdir()
+    single = tmp_path / "single" / "quality.json"
+    single.write_text(json.dumps({"rows": [rows[0], rows[2], rows[3]]}))
+    real_quality.main(["--render", str(single)])
+    assert (tmp_path / "single" / "quality.md").exists()
+    assert not (tmp_path / "single" / "quality-budgets.md").exists()
     with pytest.raises(ValueError, match="--render"):
         real_quality.main(["--against", str(report)])
 
