@@ -241,9 +241,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def write(rows: list[dict], directory: Path) -> str:
-    """quality.md, quality-budgets.md (a policy at several budgets), quality-paired.md (cells compared with
-    the full cache episode by episode) and quality.png of `rows` in `directory`; returns the
-    first table."""
+    """quality.md, quality-budgets.md (a policy at several budgets), quality-paired.md (cells
+    compared with the full cache episode by episode) and quality.png of `rows` in `directory`;
+    returns the first table."""
     table = markdown_table(rows)
     (directory / "quality.md").write_text(table)
     if budget_sweeps(rows):

@@ -42,27 +42,32 @@ def dense_targets(hf, context):
     return best
 
 
-# 4096: the whole prefix in one block; 16 and 40: several (40 with a padded last block).
-@pytest.mark.parametrize("prefix_block", [4096, 16, 40])
-def test_reconstruction_scores_match_dense_attention(setup, monkeypatch, prefix_block):
-    hf, model, contexts = setup
-    monkeypatch.setattr(kvzip, "REPLAY_PREFIX_BLOCK", prefix_block)
+def full_cache_scores(model, contexts) -> np.ndarray:
+    """f32 [L, B, K, S]: `reconstruction_scores` of the contexts' full cache."""
     state = jaxkv.compress_prompt(
         model, contexts, cache=jaxkv.CacheConfig(page_size=8), prefill_chunk=CHUNK
     )
-    padded = np.zeros((2, 96), np.int32)
+    padded = np.zeros((len(contexts), 96), np.int32)
     for row, context in enumerate(contexts):
         padded[row, : len(context)] = context
     scores = reconstruction_scores(
         model,
         state,
         jnp.asarray(padded),
-        jnp.asarray(LENGTHS, jnp.int32),
+        jnp.asarray([len(c) for c in contexts], jnp.int32),
         chunk=CHUNK,
         repeat_ids=REPEAT,
         continue_ids=CONTINUE,
     )
-    scores = np.asarray(scores)
+    return np.asarray(scores)
+
+
+# 4096: the whole prefix in one block; 16 and 40: several (40 with a padded last block).
+@pytest.mark.parametrize("prefix_block", [4096, 16, 40])
+def test_reconstruction_scores_match_dense_attention(setup, monkeypatch, prefix_block):
+    hf, model, contexts = setup
+    monkeypatch.setattr(kvzip, "REPLAY_PREFIX_BLOCK", prefix_block)
+    scores = full_cache_scores(model, contexts)
     for row, context in enumerate(contexts):
         expected = dense_targets(hf, context)
         got = scores[:, row, :, : len(context)]
@@ -112,21 +117,7 @@ def test_kvzip_recent_keeps_every_heads_newest_positions_inside_the_ratio(setup)
     )
     cache = jaxkv.CacheConfig(page_size=8)
     state = jaxkv.compress_prompt(model, contexts, policy, cache=cache, prefill_chunk=CHUNK)
-    full = jaxkv.compress_prompt(model, contexts, cache=cache, prefill_chunk=CHUNK)
-    padded = np.zeros((2, 96), np.int32)
-    for row, context in enumerate(contexts):
-        padded[row, : len(context)] = context
-    scores = np.asarray(
-        reconstruction_scores(
-            model,
-            full,
-            jnp.asarray(padded),
-            jnp.asarray(LENGTHS, jnp.int32),
-            chunk=CHUNK,
-            repeat_ids=REPEAT,
-            continue_ids=CONTINUE,
-        )
-    )
+    scores = full_cache_scores(model, contexts)
     positions = np.asarray(state.positions())  # [L, B, K, S]
     num_layers, _, num_heads, _ = positions.shape
     for row, n in enumerate(LENGTHS):
@@ -142,8 +133,7 @@ def test_kvzip_recent_keeps_every_heads_newest_positions_inside_the_ratio(setup)
                 got = sorted(p for p in positions[layer, row, head] if p >= 0)
                 np.testing.assert_array_equal(got, np.flatnonzero(expected[layer, head]))
     with pytest.raises(ValueError, match="recent=40"):
-        jaxkv.compress_prompt(
-            model, contexts, dataclasses.replace(policy, recent=40), cache=cache, prefill_chunk=CHUNK
-        )
+        too_long = dataclasses.replace(policy, recent=40)
+        jaxkv.compress_prompt(model, contexts, too_long, cache=cache, prefill_chunk=CHUNK)
     with pytest.raises(ValueError, match="recent=-1"):
         policies.KVzip(ratio=0.3, recent=-1)
