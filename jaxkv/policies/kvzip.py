@@ -328,7 +328,11 @@ class KVzip(Policy):
             Budget(ratio=self.ratio)  # validates (0, 1]
         if self.chunk < 1:
             raise ValueError(f"chunk={self.chunk} must be >= 1")
-        if isinstance(self.recent, bool) or not isinstance(self.recent, int) or self.recent < 0:
+        if (
+            isinstance(self.recent, bool)
+            or not isinstance(self.recent, int | np.integer)
+            or self.recent < 0
+        ):
             raise ValueError(f"recent={self.recent!r} must be an integer >= 0")
         if not self.repeat_ids or len(self.repeat_ids) > len(self.continue_ids) + OVERLAP:
             raise ValueError(
