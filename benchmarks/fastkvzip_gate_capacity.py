@@ -33,15 +33,9 @@ import optax
 
 from jaxkv.benchmarks import harness
 from jaxkv.gates import fastkvzip as gate
-from jaxkv.train.fastkvzip import baseline_bce, bce, top_share
+from jaxkv.train.fastkvzip import baseline_bce, bce, entropy_bce, top_share
 
 PROBE_BIAS = -3.0  # sigmoid(-3) = 0.047: near the targets' mean at the start
-
-
-def entropy_bce(targets: np.ndarray) -> float:
-    """The mean binary entropy of soft targets: the BCE of a predictor that gives them exactly
-    (clipped as `bce` clips its scores)."""
-    return float(jnp.mean(bce(jnp.asarray(targets, jnp.float32), jnp.asarray(targets))))
 
 
 def init_probe(key: jax.Array, hidden_size: int, width: int, heads: int) -> dict:
@@ -90,10 +84,6 @@ def train_probe(
     return params
 
 
-def parameter_count(tree) -> int:
-    return sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree))
-
-
 def _scored(name: str, parameters: int, scores: jax.Array, targets: np.ndarray, bounds) -> dict:
     constant, entropy = bounds
     loss = float(jnp.mean(bce(scores, jnp.asarray(targets))))
@@ -113,7 +103,7 @@ def layer_report(layer: int, data, gates: dict, constant_bce: float, args) -> li
     val_h, val_targets = data["validation_h"][:, layer], data["validation_targets"][:, layer]
     bounds = (constant_bce, entropy_bce(val_targets))
     layer_gates = gate.layer_slice(gates, layer)
-    gate_size = parameter_count(layer_gates)
+    gate_size = harness.parameter_count(layer_gates)
     gate_rows = gate.gate_scores(layer_gates, jnp.asarray(val_h)[None])[0].T  # [N, K]
     rows = [_scored("sink-attention gates", gate_size, gate_rows, val_targets, bounds)]
     for width in args.hidden:
@@ -128,7 +118,11 @@ def layer_report(layer: int, data, gates: dict, constant_bce: float, args) -> li
             seed=args.seed + layer,
         )
         row = _scored(
-            f"mlp-{width}", parameter_count(probe), probe_scores(probe, val_h), val_targets, bounds
+            f"mlp-{width}",
+            harness.parameter_count(probe),
+            probe_scores(probe, val_h),
+            val_targets,
+            bounds,
         )
         rows.append({**row, "seconds": time.perf_counter() - began})
     return [

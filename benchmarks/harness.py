@@ -112,6 +112,11 @@ def pyplot():
     return plt
 
 
+def parameter_count(tree) -> int:
+    """How many numbers the arrays of a pytree hold."""
+    return sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree))
+
+
 def print_row(result: dict) -> None:
     """A child's result, on the marked line `run_child` reads."""
     print(ROW_MARKER + json.dumps(result, default=str), flush=True)

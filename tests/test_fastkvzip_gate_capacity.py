@@ -20,7 +20,7 @@ def test_bounds_and_overlap_by_hand():
     targets = np.array([[0.5, 0.1], [0.9, 0.25]], np.float32)
     clipped = np.clip(targets, 1e-6, 1 - 1e-6)
     entropy = -(clipped * np.log(clipped) + (1 - clipped) * np.log1p(-clipped)).mean()
-    assert capacity.entropy_bce(targets) == pytest.approx(entropy, rel=1e-5)
+    assert training.entropy_bce(targets) == pytest.approx(entropy, rel=1e-5)
     ranked = np.arange(10.0).reshape(5, 2)
     assert training.top_share(ranked, ranked) == 1.0
     assert training.top_share(-ranked, ranked) == 0.0

@@ -239,6 +239,12 @@ def bce(scores: jax.Array, targets: jax.Array) -> jax.Array:
     return -(targets * jnp.log(s) + (1 - targets) * jnp.log1p(-s))
 
 
+def entropy_bce(targets: np.ndarray) -> float:
+    """The mean binary entropy of soft targets: the BCE of a predictor that gives them exactly
+    (clipped as `bce` clips its scores)."""
+    return float(jnp.mean(bce(jnp.asarray(targets, jnp.float32), jnp.asarray(targets))))
+
+
 def per_layer_loss(params, h: jax.Array, targets: jax.Array) -> jax.Array:
     """f32 [L] mean BCE of each layer's gate; h [N, L, D], targets [N, L, K]."""
 
