@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", required=True, help="the model the targets were built with")
     parser.add_argument("--targets", type=Path, required=True, help="jaxkv train fastkvzip's .npz")
     parser.add_argument("--gates", type=Path, required=True, help="distilled WG-KV gates")
-    parser.add_argument("--save-gates", type=Path, required=True, help="where the fitted go")
+    parser.add_argument(
+        "--save-gates", type=Path, required=True, help="directory for the fitted gates"
+    )
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
