@@ -235,3 +235,10 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tiny_qwen2(directory: Path) -> Path:
+    """`directory/tiny.gguf`: a random Qwen2 (with q/k/v biases) in F16 and a tokenizer of its
+    own (not byte-level), the file the model-file tests share."""
+    path = directory / "tiny.gguf"
+    return write_gguf(path, random_model("qwen2-bias"), "qwen2", "F16", "qwen2")

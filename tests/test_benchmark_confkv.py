@@ -29,9 +29,7 @@ def reading():
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory):
     """A tiny model file with a tokenizer of its own (not byte-level)."""
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    gguf_files.write_gguf(path, gguf_files.random_model("qwen2-bias"), "qwen2", "F16", "qwen2")
-    return path
+    return gguf_files.write_tiny_qwen2(tmp_path_factory.mktemp("gguf"))
 
 
 @pytest.mark.parametrize("evict_every", [1, 8])

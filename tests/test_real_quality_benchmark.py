@@ -17,8 +17,7 @@ from tests import gguf_files
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    gguf_files.write_gguf(path, gguf_files.random_model("qwen2-bias"), "qwen2", "F16", "qwen2")
+    path = gguf_files.write_tiny_qwen2(tmp_path_factory.mktemp("gguf"))
     return load_gguf(path), gguf_tokenizer(path)
 
 

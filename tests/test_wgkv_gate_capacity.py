@@ -23,9 +23,7 @@ LENGTH = 64
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    gguf_files.write_gguf(path, gguf_files.random_model("qwen2-bias"), "qwen2", "F16", "qwen2")
-    return path
+    return gguf_files.write_tiny_qwen2(tmp_path_factory.mktemp("gguf"))
 
 
 @pytest.fixture(scope="module")
