@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib.util
 import json
 import logging
@@ -526,24 +527,37 @@ class _StderrHandler(logging.Handler):
         sys.stderr.write(self.format(record) + "\n")
 
 
-def _show_progress() -> None:
-    """The `jaxkv` logger's INFO messages (compiling ..., `jaxkv.compile_log`) on stderr, when
-    stderr is a terminal (a user waiting on a first call); piped output stays as it was."""
+@contextlib.contextmanager
+def _progress_on_stderr(to_logs: bool):
+    """Within the block, the `jaxkv` logger's INFO messages (compiling ..., `jaxkv.compile_log`;
+    a training run's resumption and checkpoints) go to stderr when stderr is a terminal (a user
+    waiting on a first call) or `to_logs` (training, whose stderr is often a log file); other
+    piped output stays as it was. The logger is as it was after the block."""
     log = logging.getLogger("jaxkv")
-    if not sys.stderr.isatty() or any(isinstance(h, _StderrHandler) for h in log.handlers):
+    if not (sys.stderr.isatty() or to_logs) or any(
+        isinstance(h, _StderrHandler) for h in log.handlers
+    ):
+        yield
         return
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("jaxkv: %(message)s"))
+    propagate, level = log.propagate, log.level
     log.addHandler(handler)
     log.propagate = False  # the root logger (absl's, where set) would print it twice
     log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
+        log.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _show_progress()
     try:
-        return args.run(args)
+        with _progress_on_stderr(to_logs=args.command == "train"):
+            return args.run(args)
     except (ValueError, KeyError, OSError) as error:
         # A KeyError's str() is its repr; the message itself reads better.
         message = error.args[0] if isinstance(error, KeyError) and error.args else error

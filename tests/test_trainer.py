@@ -4,6 +4,7 @@ checked, the stages' --mesh (sequence parallelism itself: tests/test_sequence_pa
 
 import dataclasses
 import json
+import logging
 import re
 
 import jax
@@ -76,7 +77,8 @@ def test_fsdp_shards_parameters_over_the_data_axis(train_text):
     assert state.params["final_norm"].sharding.spec == jax.sharding.PartitionSpec("data")
 
 
-def test_resumed_run_reaches_the_same_parameters(train_text, tmp_path):
+def test_resumed_run_reaches_the_same_parameters(train_text, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="jaxkv")
     whole, _ = _run(train_text, steps=6)
     first, logged_first = _run(
         train_text,
@@ -98,11 +100,29 @@ def test_resumed_run_reaches_the_same_parameters(train_text, tmp_path):
         metrics_path=tmp_path / "m.jsonl",
     )
     assert int(resumed.step) == 6
+    # Without a progress bar (a log file), the resumption and each checkpoint say so.
+    said = [r.getMessage() for r in caplog.records if r.name == "jaxkv.train.trainer"]
+    assert said[0].startswith("step 2 of 6: checkpoint saved, loss ")
+    assert said[1].startswith("step 3 of 6: checkpoint saved, loss ")
+    assert said[2] == f"resumed from the step-3 checkpoint in {tmp_path}"
+    assert [m.split(":")[0] for m in said[3:]] == ["step 4 of 6", "step 6 of 6"]
+    assert all(m.endswith(" s a step") for m in said[:2] + said[3:])
     # No step lost or repeated: steps 1-3, then 4-6.
     assert [r["step"] for r in logged_first + logged_rest] == [1, 2, 3, 4, 5, 6]
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
     assert _max_difference(resumed.params, whole.params) <= 1e-6
+
+
+@pytest.mark.parametrize("to_logs", [True, False])
+def test_the_cli_shows_training_logs_on_a_piped_stderr_only_while_it_runs(capsys, to_logs):
+    log = logging.getLogger("jaxkv.train.trainer")
+    with cli._progress_on_stderr(to_logs=to_logs):
+        log.info("step 20 of 100: checkpoint saved")
+    log.info("after the command")
+    err = capsys.readouterr().err
+    assert err == ("jaxkv: step 20 of 100: checkpoint saved\n" if to_logs else "")
+    assert not logging.getLogger("jaxkv").handlers
 
 
 def test_frozen_subtrees_do_not_move(train_text):

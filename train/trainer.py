@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,10 @@ from tqdm.auto import tqdm
 
 from jaxkv.train import mesh as mesh_lib
 from jaxkv.train.mesh import DATA_AXIS, FSDP_AXIS, make_mesh  # noqa: F401  (re-exported)
+
+# Where a run resumed and each checkpoint it saved, for a log file (the CLI shows the `jaxkv`
+# logger on stderr); a terminal sees the progress bar instead.
+LOG = logging.getLogger(__name__)
 
 Params = Any
 Batch = dict[str, np.ndarray]
@@ -315,6 +320,8 @@ def train(
         state = restore_latest(manager, state)
     train_step = make_train_step(loss_fn, optimizer, mesh, state, cfg.fsdp, sequence_dim)
     first = int(state.step)
+    if first:
+        LOG.info("resumed from the step-%d checkpoint in %s", first, checkpoint_dir)
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     logged: list[dict] = []
     started = time.perf_counter()
@@ -324,8 +331,10 @@ def train(
     metrics_file = open(metrics_path, "a") if write_metrics else None  # noqa: SIM115
     try:
         steps = range(first, last)
-        # On a terminal only (disable=None): a log file gets the metrics, not bar redraws.
-        for step in tqdm(steps, initial=first, total=cfg.steps, disable=None if progress else True):
+        # On a terminal only (disable=None): a log file gets the metrics and a line per
+        # checkpoint, not bar redraws.
+        bar = tqdm(steps, initial=first, total=cfg.steps, disable=None if progress else True)
+        for step in bar:
             batch = _shard_batch(batch_for_step(step), mesh, sequence_dim)
             state, metrics = train_step(state, batch)
             done = step + 1
@@ -342,6 +351,14 @@ def train(
                     metrics_file.flush()
             if manager is not None and (done % cfg.checkpoint_every == 0 or done == last):
                 manager.save(done, args=ocp.args.StandardSave(state), force=True)
+                if bar.disable:
+                    LOG.info(
+                        "step %d of %d: checkpoint saved, loss %.4g, %.1f s a step",
+                        done,
+                        cfg.steps,
+                        float(metrics["loss"]),
+                        (time.perf_counter() - started) / (done - first),
+                    )
         if manager is not None:
             manager.wait_until_finished()
     finally:
