@@ -534,9 +534,7 @@ def _progress_on_stderr(to_logs: bool):
     waiting on a first call) or `to_logs` (training, whose stderr is often a log file); other
     piped output stays as it was. The logger is as it was after the block."""
     log = logging.getLogger("jaxkv")
-    if not (sys.stderr.isatty() or to_logs) or any(
-        isinstance(h, _StderrHandler) for h in log.handlers
-    ):
+    if not (sys.stderr.isatty() or to_logs):
         yield
         return
     handler = _StderrHandler()

@@ -102,11 +102,11 @@ def test_resumed_run_reaches_the_same_parameters(train_text, tmp_path, caplog):
     assert int(resumed.step) == 6
     # Without a progress bar (a log file), the resumption and each checkpoint say so.
     said = [r.getMessage() for r in caplog.records if r.name == "jaxkv.train.trainer"]
-    assert said[0].startswith("step 2 of 6: checkpoint saved, loss ")
-    assert said[1].startswith("step 3 of 6: checkpoint saved, loss ")
+    assert said[0].startswith("step 2 of 6: loss ")
+    assert said[1].startswith("step 3 of 6: loss ")
     assert said[2] == f"resumed from the step-3 checkpoint in {tmp_path}"
     assert [m.split(":")[0] for m in said[3:]] == ["step 4 of 6", "step 6 of 6"]
-    assert all(m.endswith(" s a step") for m in said[:2] + said[3:])
+    assert all(m.endswith(" s a step; writing its checkpoint") for m in said[:2] + said[3:])
     # No step lost or repeated: steps 1-3, then 4-6.
     assert [r["step"] for r in logged_first + logged_rest] == [1, 2, 3, 4, 5, 6]
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
@@ -118,10 +118,10 @@ def test_resumed_run_reaches_the_same_parameters(train_text, tmp_path, caplog):
 def test_the_cli_shows_training_logs_on_a_piped_stderr_only_while_it_runs(capsys, to_logs):
     log = logging.getLogger("jaxkv.train.trainer")
     with cli._progress_on_stderr(to_logs=to_logs):
-        log.info("step 20 of 100: checkpoint saved")
+        log.info("step 20 of 100: loss 0.5")
     log.info("after the command")
     err = capsys.readouterr().err
-    assert err == ("jaxkv: step 20 of 100: checkpoint saved\n" if to_logs else "")
+    assert err == ("jaxkv: step 20 of 100: loss 0.5\n" if to_logs else "")
     assert not logging.getLogger("jaxkv").handlers
 
 

@@ -353,7 +353,7 @@ def train(
                 manager.save(done, args=ocp.args.StandardSave(state), force=True)
                 if bar.disable:
                     LOG.info(
-                        "step %d of %d: checkpoint saved, loss %.4g, %.1f s a step",
+                        "step %d of %d: loss %.4g, %.1f s a step; writing its checkpoint",
                         done,
                         cfg.steps,
                         float(metrics["loss"]),
