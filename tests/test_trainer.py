@@ -10,6 +10,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -133,6 +134,33 @@ def test_frozen_subtrees_do_not_move(train_text):
     assert _max_difference(state.params["layers"], params["layers"]) == 0.0
     assert _max_difference(state.params["embed"], params["embed"]) == 0.0
     assert _max_difference(state.params["final_norm"], params["final_norm"]) > 0.0
+
+
+def test_checkpoints_hold_what_trains_and_resume_with_the_frozen_rest(train_text, tmp_path):
+    params = init_params(CONFIG, jax.random.PRNGKey(0))
+    trainable = jax.tree.map(lambda _: False, params)
+    trainable["final_norm"] = True
+    whole, _ = _run(train_text, trainable=trainable, steps=4)
+    _run(
+        train_text,
+        trainable=trainable,
+        steps=4,
+        checkpoint_every=2,
+        checkpoint_dir=tmp_path,
+        stop_after=2,
+    )
+    saved = ocp.StandardCheckpointer().restore(tmp_path / "2" / "default")
+    assert int(saved["step"]) == 2
+    # The frozen embedding and layers are not in it: one leaf, the final norm's, moved.
+    (final_norm,) = saved["trainable_params"]
+    assert final_norm.shape == params["final_norm"].shape
+    assert np.max(np.abs(np.asarray(final_norm) - np.asarray(params["final_norm"]))) > 0.0
+    resumed, _ = _run(
+        train_text, trainable=trainable, steps=4, checkpoint_every=2, checkpoint_dir=tmp_path
+    )
+    assert int(resumed.step) == 4
+    assert _max_difference(resumed.params, whole.params) <= 1e-6
+    assert _max_difference(resumed.params["layers"], params["layers"]) == 0.0
 
 
 def test_corrupt_checkpoint_is_a_clear_error(train_text, tmp_path):

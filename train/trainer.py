@@ -224,19 +224,46 @@ def checkpoint_manager(directory: str | Path, cfg: TrainConfig) -> ocp.Checkpoin
     return ocp.CheckpointManager(Path(directory).absolute(), options=options)
 
 
-def restore_latest(manager: ocp.CheckpointManager, state: TrainState) -> TrainState:
-    """The latest saved state (with `state`'s shardings), or `state` when none is saved."""
+def _checkpointed(state: TrainState, trainable: Params | None) -> dict[str, Any]:
+    """What a checkpoint holds: the step, the optimizer state and the trainable parameters only
+    (as a list, in `params`' leaf order). Frozen ones, a distillation's backbone, come back from
+    the caller's `params`: a checkpoint costs what trains, not the model."""
+    leaves = jax.tree.leaves(state.params)
+    if trainable is not None:
+        leaves = [
+            leaf for leaf, train in zip(leaves, jax.tree.leaves(trainable), strict=True) if train
+        ]
+    return {"step": state.step, "trainable_params": leaves, "opt_state": state.opt_state}
+
+
+def _with_checkpoint(
+    state: TrainState, saved: dict[str, Any], trainable: Params | None
+) -> TrainState:
+    """`state` with a checkpoint's step, optimizer state and trainable parameters."""
+    leaves, treedef = jax.tree.flatten(state.params)
+    flags = [True] * len(leaves) if trainable is None else jax.tree.leaves(trainable)
+    restored = iter(saved["trainable_params"])
+    merged = [next(restored) if train else leaf for leaf, train in zip(leaves, flags, strict=True)]
+    return TrainState(saved["step"], treedef.unflatten(merged), saved["opt_state"])
+
+
+def restore_latest(
+    manager: ocp.CheckpointManager, state: TrainState, trainable: Params | None = None
+) -> TrainState:
+    """The latest saved state (with `state`'s shardings and its frozen parameters), or `state`
+    when none is saved."""
     step = manager.latest_step()
     if step is None:
         return state
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _checkpointed(state, trainable))
     try:
-        return manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        saved = manager.restore(step, args=ocp.args.StandardRestore(abstract))
     except Exception as error:  # orbax raises many types for corrupt or partial directories
         raise ValueError(
             f"checkpoint step {step} in {manager.directory} cannot be restored "
             f"(corrupt, partial, or from another model): {type(error).__name__}: {error}"
         ) from error
+    return _with_checkpoint(state, saved, trainable)
 
 
 def check_batch(batch: Batch, mesh: Mesh, sequence_dim: int | None = None) -> None:
@@ -298,7 +325,9 @@ def train(
 
     loss_fn(params, batch) -> (scalar loss, dict of scalar metrics); batches are dicts of
     arrays with the batch axis first. With `checkpoint_dir`, the latest checkpoint there is
-    restored first and saves happen every `cfg.checkpoint_every` steps and at the end.
+    restored first and saves happen every `cfg.checkpoint_every` steps and at the end; a
+    checkpoint holds the step, the optimizer state and the `trainable` parameters (the frozen
+    ones are `params`'s on resumption).
     `stop_after` ends the run early after that many steps in all (to test resumption).
     `optimizer` replaces the AdamW of `make_optimizer` (then cfg's learning rate, warmup, decay
     and clipping are unused; gate training uses SGD with momentum).
@@ -317,7 +346,7 @@ def train(
     manager = None
     if checkpoint_dir is not None and cfg.checkpoint_every:
         manager = checkpoint_manager(checkpoint_dir, cfg)
-        state = restore_latest(manager, state)
+        state = restore_latest(manager, state, trainable)
     train_step = make_train_step(loss_fn, optimizer, mesh, state, cfg.fsdp, sequence_dim)
     first = int(state.step)
     if first:
@@ -350,7 +379,9 @@ def train(
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
             if manager is not None and (done % cfg.checkpoint_every == 0 or done == last):
-                manager.save(done, args=ocp.args.StandardSave(state), force=True)
+                manager.save(
+                    done, args=ocp.args.StandardSave(_checkpointed(state, trainable)), force=True
+                )
                 if bar.disable:
                     LOG.info(
                         "step %d of %d: loss %.4g, %.1f s a step; writing its checkpoint",
