@@ -36,7 +36,7 @@ SHIPPED_PARAMS: dict[str, dict[str, Path]] = {
         "fastkvzip": FASTKVZIP_GATES,
     },
     SMOLLM2: {
-        "wgkv": WGKV_GATES / SMOLLM2 / "docstrings-lambda-0.3",
+        "wgkv": WGKV_GATES / SMOLLM2 / "docstrings-lambda-0.3-600",
         "fastkvzip": FASTKVZIP_GATES / SMOLLM2 / "docstrings-64-adamw",
         "duo_attention": DUO_HEADS / SMOLLM2 / "copy-0.2" / "heads.npy",
     },

@@ -42,7 +42,7 @@ def test_every_shipped_parameter_set_loads_for_its_model_and_has_its_record(mode
 def test_smollm2_ships_the_gates_and_heads_its_readme_results_use():
     shipped = bundled.SHIPPED_PARAMS[bundled.SMOLLM2]
     assert shipped["fastkvzip"].name == "docstrings-64-adamw"
-    assert shipped["wgkv"].name == "docstrings-lambda-0.3"
+    assert shipped["wgkv"].name == "docstrings-lambda-0.3-600"
     assert shipped["duo_attention"].parent.name == "copy-0.2"
 
 
