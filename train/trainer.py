@@ -224,16 +224,21 @@ def checkpoint_manager(directory: str | Path, cfg: TrainConfig) -> ocp.Checkpoin
     return ocp.CheckpointManager(Path(directory).absolute(), options=options)
 
 
+def _trains(params: Params, trainable: Params | None) -> list[bool]:
+    """Per leaf of `params` (in leaf order): whether it trains (None: every leaf)."""
+    if trainable is None:
+        return [True] * len(jax.tree.leaves(params))
+    return jax.tree.leaves(trainable)
+
+
 def _checkpointed(state: TrainState, trainable: Params | None) -> dict[str, Any]:
     """What a checkpoint holds: the step, the optimizer state and the trainable parameters only
     (as a list, in `params`' leaf order). Frozen ones, a distillation's backbone, come back from
     the caller's `params`: a checkpoint costs what trains, not the model."""
+    flags = _trains(state.params, trainable)
     leaves = jax.tree.leaves(state.params)
-    if trainable is not None:
-        leaves = [
-            leaf for leaf, train in zip(leaves, jax.tree.leaves(trainable), strict=True) if train
-        ]
-    return {"step": state.step, "trainable_params": leaves, "opt_state": state.opt_state}
+    trained = [leaf for leaf, train in zip(leaves, flags, strict=True) if train]
+    return {"step": state.step, "trainable_params": trained, "opt_state": state.opt_state}
 
 
 def _with_checkpoint(
@@ -241,7 +246,7 @@ def _with_checkpoint(
 ) -> TrainState:
     """`state` with a checkpoint's step, optimizer state and trainable parameters."""
     leaves, treedef = jax.tree.flatten(state.params)
-    flags = [True] * len(leaves) if trainable is None else jax.tree.leaves(trainable)
+    flags = _trains(state.params, trainable)
     restored = iter(saved["trainable_params"])
     merged = [next(restored) if train else leaf for leaf, train in zip(leaves, flags, strict=True)]
     return TrainState(saved["step"], treedef.unflatten(merged), saved["opt_state"])
