@@ -68,7 +68,12 @@ def causal_attention_tpu(
 @functools.lru_cache(maxsize=64)
 def _multi_query_kernel(group: int, tokens: int, return_lse: bool, interpret: bool):
     """Splash's multi-query kernel for `group` heads over `tokens` (a multiple of 128): q
-    [G, T, H], k, v [T, H]."""
+    [G, T, H], k, v [T, H].
+
+    The kernel holds its mask's block tables as arrays, and it is cached: they are built as
+    concrete arrays even when the first call comes from inside a trace (a jit, the layer scan),
+    or the cache would hand a later trace the first one's tracers.
+    """
     block = max(b for b in (MAX_BLOCK, MAX_BLOCK // 2, MIN_BLOCK) if tokens % b == 0)
     sizes = splash.BlockSizes(
         block_q=block,
@@ -81,11 +86,12 @@ def _multi_query_kernel(group: int, tokens: int, return_lse: bool, interpret: bo
         block_kv_dq=block,
     )
     mask = masks.MultiHeadMask([masks.CausalMask((tokens, tokens)) for _ in range(group)])
-    return splash.make_splash_mqa(
-        mask,
-        head_shards=1,
-        q_seq_shards=1,
-        block_sizes=sizes,
-        save_residuals=return_lse,
-        interpret=interpret,
-    )
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mqa(
+            mask,
+            head_shards=1,
+            q_seq_shards=1,
+            block_sizes=sizes,
+            save_residuals=return_lse,
+            interpret=interpret,
+        )
