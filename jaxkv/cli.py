@@ -58,7 +58,13 @@ def build_policy(args: argparse.Namespace):
     names = policies.registered()
     if args.policy not in names:
         raise ValueError(f"--policy {args.policy!r}: registered policies are {', '.join(names)}")
-    return policies.get(args.policy, **policy_kwargs(args.policy, args.policy_arg, args.budget))
+    policy = policies.get(args.policy, **policy_kwargs(args.policy, args.policy_arg, args.budget))
+    if policies.spec.takes_ratio_only(policy.name) and policy.ratio is None:
+        raise ValueError(
+            f"--policy {args.policy}: policy {policy.name!r} keeps a ratio of the prompt, give "
+            f"it: --policy {policy.name}:0.3 (or --budget 0.3)"
+        )
+    return policy
 
 
 def _no_params_error(policy, model_arg: str) -> ValueError:
@@ -80,6 +86,32 @@ def refuse_unused_options(args: argparse.Namespace) -> None:
             f"--full-precision-window: --storage {args.storage} keeps every token in the kv "
             "dtype; the window is for --storage int8"
         )
+
+
+def cache_config(args: argparse.Namespace, **more):
+    """The `jaxkv.CacheConfig` of --page-size, --storage and --full-precision-window, plus
+    `more` fields (the server's pool)."""
+    from jaxkv.cache import CacheConfig
+
+    window = args.full_precision_window
+    if window is not None:
+        more["full_precision_window"] = window
+    return CacheConfig(page_size=args.page_size, storage=args.storage, **more)
+
+
+def check_before_loading(args: argparse.Namespace) -> None:
+    """The checks of the options shared by generate, ask and serve that need no model, run
+    before it loads (tens of seconds for a real one): ValueError or FileNotFoundError naming
+    the option."""
+    from jaxkv.cache.config import check_count
+    from jaxkv.model_sources import check_model_arg
+
+    refuse_unused_options(args)
+    check_runs_here(args.backend)
+    check_count("--max-new-tokens", args.max_new_tokens, 1)
+    if args.gates is not None and not args.gates.exists():
+        raise FileNotFoundError(f"--gates {args.gates}: no such file or directory")
+    check_model_arg(args.model)
 
 
 def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]):
@@ -117,8 +149,7 @@ def _generate(args) -> int:
     from jaxkv.model_sources import load_model, stop_tokens
     from jaxkv.models import encode_chat
 
-    refuse_unused_options(args)
-    check_runs_here(args.backend)
+    check_before_loading(args)
     if args.prompt_file is not None:
         args.prompt = _read_text(args.prompt_file, "--prompt-file")
     if not args.prompt:
@@ -127,12 +158,7 @@ def _generate(args) -> int:
         raise ValueError("--system is a chat message: give --chat too")
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     policy = build_policy(args)
-    window = args.full_precision_window
-    cache = jaxkv.CacheConfig(
-        page_size=args.page_size,
-        storage=args.storage,
-        **({} if window is None else {"full_precision_window": window}),
-    )
+    cache = cache_config(args)
     model, tokenizer = load_model(args.model, args.dtype, args.seed)
     policy = policy.for_tokenizer(tokenizer)
     if args.chat:
@@ -237,15 +263,17 @@ def _ask(args) -> int:
     import jax
 
     import jaxkv
+    from jaxkv.generation.session import check_shared_decode
     from jaxkv.model_sources import load_model, stop_tokens
     from jaxkv.models import chat_halves
 
     if not args.question:
         raise ValueError("give at least one --question")
-    refuse_unused_options(args)
-    check_runs_here(args.backend)
+    check_before_loading(args)
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     policy = build_policy(args)
+    check_shared_decode(policy, args.max_new_tokens)
+    cache = cache_config(args)
     context = _read_text(args.context, "--context")
     model, tokenizer = load_model(args.model, args.dtype, args.seed)
     policy = policy.for_tokenizer(tokenizer)
@@ -265,7 +293,7 @@ def _ask(args) -> int:
         key=jax.random.PRNGKey(args.seed),
         stop_tokens=stop_tokens(tokenizer, model.config),
         pad_id=tokenizer.pad_id,
-        cache=jaxkv.CacheConfig(page_size=args.page_size, storage=args.storage),
+        cache=cache,
         backend=args.backend,
         policy_params=params,
         on_prefill_chunk=PrefillProgress() if sys.stderr.isatty() else None,
@@ -304,7 +332,7 @@ def _serve(args) -> int:
             f"jaxkv serve needs the serve extra ({error.name} is missing): "
             "pip install 'jaxkv[serve]'"
         ) from None
-    check_runs_here(args.backend)
+    check_before_loading(args)
     policy = build_policy(args)
     model, tokenizer = load_model(args.model, args.dtype, args.seed)
     policy = policy.for_tokenizer(tokenizer)

@@ -32,26 +32,39 @@ def model_path(model_arg: str | Path) -> Path:
     )
 
 
+def check_model_arg(model_arg: str | Path) -> Path | None:
+    """The file or directory `model_arg` names, or None for a preset, checked without loading
+    anything (a real model takes tens of seconds to load): a FileNotFoundError says what is
+    missing, a path that does not exist or an unfetched known model."""
+    path = model_path(model_arg)
+    if (path.is_file() and path.suffix == ".gguf") or path.is_dir():
+        return path
+    if str(model_arg) in PRESETS:
+        return None
+    known = (
+        f"give a checkpoint directory, a .gguf file, a known model "
+        f"({', '.join(downloads.KNOWN_MODELS)}) or a preset ({', '.join(sorted(PRESETS))})"
+    )
+    if path.is_file():
+        raise FileNotFoundError(f"--model {str(model_arg)!r}: a file that is not a .gguf; {known}")
+    raise FileNotFoundError(f"--model {str(model_arg)!r}: not found; {known}")
+
+
 def load_model(
     model_arg: str | Path, dtype: str | None = None, seed: int = 0
 ) -> tuple[Model, Tokenizer]:
     """(model, tokenizer) of a checkpoint directory, a .gguf file, a fetched model's name or a
     preset. dtype: the parameters' (default: the checkpoint's own; GGUF and presets: float32)."""
-    path = model_path(model_arg)
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype=dtype or "float32"), gguf_tokenizer(path)
-    if path.is_dir():
-        model = load_hf_checkpoint(path, dtype=dtype)
-        return model, load_tokenizer(path)  # never the byte-level one in its place
-    if str(model_arg) in PRESETS:
+    path = check_model_arg(model_arg)
+    if path is None:
         model = init_model(
             preset(str(model_arg)), seed=seed, dtype=dtype_from_name(dtype or "float32")
         )
         return model, byte_tokenizer()
-    raise FileNotFoundError(
-        f"--model {str(model_arg)!r}: neither a checkpoint directory, a .gguf file, a known model "
-        f"({', '.join(downloads.KNOWN_MODELS)}) nor a preset ({', '.join(sorted(PRESETS))})"
-    )
+    if path.is_dir():
+        model = load_hf_checkpoint(path, dtype=dtype)
+        return model, load_tokenizer(path)  # never the byte-level one in its place
+    return load_gguf(path, dtype=dtype or "float32"), gguf_tokenizer(path)
 
 
 def shipped_name(model_arg: str | Path) -> str | None:

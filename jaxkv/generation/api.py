@@ -15,11 +15,12 @@ from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig, check_count
 from jaxkv.cache.sharing import row_pages
-from jaxkv.generation.request import PromptIds, checked_stop_tokens
+from jaxkv.generation.request import PromptIds, checked_stop_tokens, resolved_policy
 from jaxkv.generation.session import (
     GenerateOutput,
     Session,
     _decode,
+    check_shared_decode,
     prefill,
     prefill_session,
     sampling_key,
@@ -271,7 +272,10 @@ def ask(
                 "differ): prefill the context with this model"
             )
         session = context
+        check_shared_decode(session.policy, max_new_tokens)
     else:
+        policy = resolved_policy(policy)
+        check_shared_decode(policy, max_new_tokens)  # before the context's prefill
         session = prefill(
             model,
             context,

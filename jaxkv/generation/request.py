@@ -231,6 +231,20 @@ class Request:
     policy_params: object  # likewise
 
 
+def resolved_policy(policy: Policy | str | None) -> Policy:
+    """The policy a public entry point was given: a Policy, a spec (`policies.from_spec`), or
+    None for the full cache."""
+    policy = FullCache() if policy is None else policy
+    if isinstance(policy, str):
+        policy = from_spec(policy)
+    if not isinstance(policy, Policy):
+        raise ValueError(
+            f"policy={policy!r} must be a jaxkv.policies.Policy or a spec such as "
+            "'snapkv:0.25' (policies.from_spec)"
+        )
+    return policy
+
+
 def set_up(
     model: Model,
     prompt_ids,
@@ -247,14 +261,7 @@ def set_up(
     room for `reserve_tokens` written after each prompt and `positions_after_prompt` more
     positions than the prompt (checked against the model's context)."""
     placement = sharding.as_inference_mesh(mesh)
-    policy = FullCache() if policy is None else policy
-    if isinstance(policy, str):
-        policy = from_spec(policy)
-    if not isinstance(policy, Policy):
-        raise ValueError(
-            f"policy={policy!r} must be a jaxkv.policies.Policy or a spec such as "
-            "'snapkv:0.25' (policies.from_spec)"
-        )
+    policy = resolved_policy(policy)
     cache = CacheConfig() if cache is None else cache
     if not isinstance(cache, CacheConfig):
         raise ValueError(f"cache={cache!r} must be a jaxkv.CacheConfig")

@@ -419,11 +419,18 @@ def fork(
 
 def _check_shared_decode(session: Session, max_new_tokens: int) -> None:
     """A forked session decodes only where no eviction runs: it would free shared pages."""
-    eviction = session.policy.decode_eviction
-    if not session.shared or eviction is None or max_new_tokens <= eviction.decode_interval:
+    if session.shared:
+        check_shared_decode(session.policy, max_new_tokens)
+
+
+def check_shared_decode(policy: Policy, max_new_tokens: int) -> None:
+    """ValueError unless `policy` decodes `max_new_tokens` tokens of rows that share pages
+    (a forked session, `ask`) without evicting: eviction would free pages the rows share."""
+    eviction = policy.decode_eviction
+    if eviction is None or max_new_tokens <= eviction.decode_interval:
         return
     raise ValueError(
-        f"policy {session.policy.name!r} evicts during decode every "
+        f"policy {policy.name!r} evicts during decode every "
         f"{eviction.decode_interval} step(s), which would free pages its rows share: decode "
         f"a forked session with max_new_tokens <= {eviction.decode_interval}, or with a "
         "policy that compresses the prompt only (e.g. 'kvzip:0.3', 'snapkv:0.3')"
