@@ -28,6 +28,19 @@ magic number for NAME is"). Writes OUT/MODEL/reuse-kvpress.json (and .md):
 
     python -m jaxkv.benchmarks.kvpress_reference --reuse --budgets 0.3 --lengths 2048 \\
         --questions 8 --out results/reuse/kvpress
+
+--ruler SAMPLES.jsonl is the kvpress side of `jaxkv bench ruler`: the samples it exported (their
+token ids) through each press at kvpress's compression ratios (`--ratios`, the share evicted),
+agnostic (the context prefilled under the press, then the question) and, for `--aware-presses`,
+aware (the whole prompt under the press); each answer decoded greedily for the task's answer
+tokens and scored by RULER's rule. Records as `jaxkv bench ruler` writes them
+(OUT/records.jsonl, resumable), so `jaxkv bench ruler --render --against OUT/records.jsonl`
+tables jaxkv minus kvpress:
+
+    python -m jaxkv.benchmarks.kvpress_reference \\
+        --ruler results/ruler/smollm2-135m-instruct-4k/samples.jsonl \\
+        --presses full snapkv streaming_llm --ratios 0.5 \\
+        --out results/ruler/smollm2-135m-instruct-4k/kvpress
 """
 
 from __future__ import annotations
@@ -55,6 +68,8 @@ from jaxkv.benchmarks.needles import (
     score,
 )
 from jaxkv.benchmarks.real_quality_report import cell_key, markdown_table
+from jaxkv.benchmarks.ruler_report import append_record, load_records, record_key
+from jaxkv.benchmarks.ruler_tasks import postprocess, sample_from_json, string_match_all
 from jaxkv.models import gguf_tokenizer
 
 # jaxkv's policy name -> kvpress 0.5.5's press class.
@@ -82,6 +97,9 @@ REUSE_PRESSES = ("full", "kvzip", "kvzip_scored_prefix", "snapkv", "tova", "stre
 # Options of one mode only: (option, its mode).
 _QUALITY_ONLY = ("tasks", "settings", "samples", "replace")
 _REUSE_ONLY = ("questions",)
+# --ruler: kvpress's leaderboard ratios, and the presses it runs query-aware.
+RULER_RATIOS = (0.25, 0.5, 0.75, 0.875)
+RULER_AWARE = ("snapkv", "pyramidkv")
 
 
 def load_model(path: Path):
@@ -342,6 +360,64 @@ def run_reuse(args: argparse.Namespace, argv: list[str]) -> dict:
     return report
 
 
+def ruler_cells(args: argparse.Namespace):
+    """(press, ratio, setting) in run order; the full cache once, at ratio 0."""
+    if "full" in args.presses:
+        yield "full", 0.0, "agnostic"
+    for setting in args.settings:
+        for ratio in args.ratios:
+            for name in args.presses:
+                if name != "full" and (setting == "agnostic" or name in RULER_AWARE):
+                    yield name, ratio, setting
+
+
+def run_ruler(args: argparse.Namespace) -> dict:
+    """--ruler: every exported sample through kvpress's presses; records appended as they end."""
+    lines = args.ruler.read_text().splitlines()
+    samples = [sample_from_json(json.loads(line)) for line in lines]
+    samples = [
+        s for s in samples if s.index < args.samples and (s.task in args.tasks or not args.tasks)
+    ]
+    path = downloads.model_path(args.model)
+    (model, stop), tokenizer = load_model(path), gguf_tokenizer(path)
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = args.out / "records.jsonl"
+    done = {record_key(r) for r in load_records(records)}
+    jobs = [
+        (name, ratio, setting, sample)
+        for name, ratio, setting in ruler_cells(args)
+        for sample in sorted(samples, key=lambda s: (s.index, s.task))
+        if (sample.task, sample.index, name, ratio, setting) not in done
+    ]
+    for name, ratio, setting, sample in tqdm(jobs, desc="kvpress ruler", unit="sample"):
+        model.set_attn_implementation(ATTENTION.get(name, "eager"))
+        press = make_press(name, None if name == "full" else 1.0 - ratio)
+        context, question = list(sample.context_ids), list(sample.question_ids)
+        if setting == "aware":
+            context, question = context + question, []
+        start = time.perf_counter()
+        tokens, held = answer(model, press, context, question, sample.max_new_tokens, stop)
+        generated = []
+        for token in tokens.tolist():
+            if token in stop:
+                break
+            generated.append(token)
+        prediction = postprocess(tokenizer.decode(generated))
+        record = {"task": sample.task, "index": sample.index, "policy": name, "ratio": ratio}
+        record |= {
+            "setting": setting,
+            "prediction": prediction,
+            "score": string_match_all(prediction, sample.outputs),
+            "outputs": list(sample.outputs),
+            "kv_bytes": float(held),
+            "context_tokens": len(sample.context_ids),
+            "prompt_tokens": len(sample.context_ids) + len(sample.question_ids),
+            "seconds": round(time.perf_counter() - start, 2),
+        }
+        append_record(records, record)
+    return {"records": len(load_records(records))}
+
+
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
     """The command line, checked, with each mode's defaults filled in (--reuse: `jaxkv bench
     reuse`'s document; otherwise `real_quality`'s episodes)."""
@@ -354,6 +430,15 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         "one compressed context",
     )
     parser.add_argument("--presses", nargs="+", help=f"--reuse: {' '.join(REUSE_PRESSES)}")
+    parser.add_argument(
+        "--ruler",
+        type=Path,
+        metavar="SAMPLES.jsonl",
+        help="`jaxkv bench ruler`'s exported samples: each through kvpress's presses",
+    )
+    parser.add_argument(
+        "--ratios", type=float, nargs="+", help="--ruler: compression ratios (share evicted)"
+    )
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.3])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
     parser.add_argument("--tasks", nargs="+")
@@ -379,6 +464,21 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     for budget in args.budgets:
         if not 0 < budget < 1:
             raise SystemExit(f"--budgets {budget}: a share of the prompt kept, in (0, 1)")
+    if args.ruler is not None:
+        defaults = {
+            "presses": ["full", *PRESSES],
+            "ratios": list(RULER_RATIOS),
+            "tasks": [],
+            "settings": ["agnostic", "aware"],
+            "samples": 1_000_000,
+            "out": args.ruler.parent / "kvpress",
+        }
+        for option, value in defaults.items():
+            if getattr(args, option) is None:
+                setattr(args, option, value)
+        return args
+    if args.ratios is not None:
+        raise SystemExit("--ratios: an option of --ruler")
     if args.reuse:
         if len(args.lengths) != 1:
             raise SystemExit("--lengths: --reuse compresses one context, of one length")
@@ -406,6 +506,8 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_arguments(argv)
+    if args.ruler is not None:
+        return run_ruler(args)
     if args.reuse:
         return run_reuse(args, argv)
     path = downloads.model_path(args.model)

@@ -1,0 +1,301 @@
+"""RULER's synthetic tasks on any model jaxkv loads, every policy at kvpress's compression ratios.
+
+    jaxkv bench ruler --model smollm2-135m-instruct --length 4096 --samples 20 \
+        --policies full kvzip snapkv --ratios 0.5 0.25 0.75 0.875 \
+        --out results/ruler/smollm2-135m-instruct-4k
+
+Samples (`ruler_tasks`: 11 tasks, RULER's QA tasks left out) are generated offline from
+`--seed` in the model's tokenizer and chat template, each prompt with its answer tokens within
+`--length`; every policy reads the same token ids. A compression ratio r is kvpress's: the share
+of the prompt evicted, a jaxkv budget of 1 - r. Settings (kvpress's):
+  agnostic  the context alone (instructions and haystack) is prefilled and compressed
+            (`jaxkv.prefill`), then the question read over the compressed cache and the answer
+            decoded greedily (`jaxkv.decode(session.extend(question))`);
+  aware     the whole prompt is compressed with the question in it (`jaxkv.generate`), for the
+            policies of `--aware-policies` (those kvpress runs query-aware).
+The full cache answers the same in both: it runs once, as ratio 0 agnostic. WG-KV has a
+threshold, not a budget: its tau for each ratio is read off a calibration (its kept share of
+the full cache's bytes at a grid of taus on the first sample of the first task, interpolated
+in log tau; `wgkv-calibration.json`).
+
+Each answered sample is a line of OUT/records.jsonl as soon as it finishes: a rerun of the
+command skips every (task, sample, policy, ratio, setting) already there. OUT/samples.jsonl is
+the samples' export (text and token ids, for `kvpress_reference --ruler`). Reports (rewritten at
+the end, or with --render alone): kvpress's leaderboard layout (`ruler_report`), the plot, and
+with --against the table of jaxkv minus kvpress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+import jaxkv
+from jaxkv import policies
+from jaxkv.benchmarks import harness, ruler_report
+from jaxkv.benchmarks.ruler_tasks import (
+    DEFAULT_SEED,
+    TASKS,
+    Sample,
+    build_sample,
+    postprocess,
+    sample_from_json,
+    string_match_all,
+)
+from jaxkv.model_sources import load_model, model_file_sha256, shipped_name, stop_tokens
+from jaxkv.policies import spec
+
+RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard
+SETTINGS = ("agnostic", "aware")
+AWARE_POLICIES = ("snapkv", "pyramidkv", "adakv")
+WGKV_TAUS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 0.6, 0.9)
+
+
+def load_samples(tokenizer, tasks, length: int, count: int, seed: int, out: Path) -> dict:
+    """{(task, index): Sample}: those OUT/samples.jsonl holds for this (length, seed), the rest
+    generated and appended to it."""
+    path = out / "samples.jsonl"
+    found = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if (record.get("length"), record.get("seed")) == (length, seed):
+                found[(record["task"], record["index"])] = sample_from_json(record)
+    wanted = [(t, i) for i in range(count) for t in tasks if (t, i) not in found]
+    for task, index in tqdm(wanted, desc="samples", unit="sample", disable=not wanted):
+        found[(task, index)] = build_sample(tokenizer, task, length, index, seed)
+        line = {**found[(task, index)].to_json(), "length": length, "seed": seed}
+        ruler_report.append_record(path, line)
+    return found
+
+
+def answer(
+    model, tokenizer, policy, params, sample: Sample, setting: str, stop, cap: int | None = None
+) -> dict:
+    """One sample under one policy and setting: the prediction, its score, the bytes held
+    (answer tokens: the task's, at most `cap`)."""
+    if cap is not None:
+        sample = dataclasses.replace(sample, max_new_tokens=min(cap, sample.max_new_tokens))
+    start = time.perf_counter()
+    if setting == "aware":
+        out = jaxkv.generate(
+            model,
+            [list(sample.context_ids + sample.question_ids)],
+            max_new_tokens=sample.max_new_tokens,
+            policy=policy,
+            stop_tokens=stop,
+            policy_params=params,
+        )
+        held = float(out.memory_bytes[0])
+    else:
+        reserve = len(sample.question_ids) + sample.max_new_tokens
+        session = jaxkv.prefill(
+            model, [list(sample.context_ids)], policy, reserve_tokens=reserve, policy_params=params
+        )
+        held = float(session.memory_bytes())
+        out = jaxkv.decode(
+            session.extend([list(sample.question_ids)]), sample.max_new_tokens, stop_tokens=stop
+        )
+    generated = [int(t) for t in out.tokens[0][: int(out.num_tokens[0])] if int(t) not in stop]
+    prediction = postprocess(tokenizer.decode(generated))
+    return {
+        "prediction": prediction,
+        "score": string_match_all(prediction, sample.outputs),
+        "outputs": list(sample.outputs),
+        "kv_bytes": held,
+        "context_tokens": len(sample.context_ids),
+        "prompt_tokens": len(sample.context_ids) + len(sample.question_ids),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def parse_policies(entries: list[str]) -> dict[str, tuple[str, dict]]:
+    """`NAME[:KEY=VALUE...]` -> (name, options); the budget comes from --ratios."""
+    parsed = {}
+    for entry in entries:
+        name, *pairs = entry.split(":")
+        if name not in policies.registered():
+            raise SystemExit(f"--policies {entry}: registered are {policies.registered()}")
+        if not spec.takes_budget(name) and name not in ("full", "wgkv"):
+            raise SystemExit(f"--policies {entry}: takes no budget, so no compression ratio")
+        parsed[entry] = (name, spec.policy_kwargs(name, pairs, None, pair_option=entry))
+    return parsed
+
+
+def shipped_params(name: str, model_arg: str, config):
+    """The learned parameters jaxkv ships for policy `name` and this model (None without)."""
+    part = policies.get(name).params
+    if part is None:
+        return None
+    path = part.shipped_path(shipped_name(model_arg))
+    if path is None:
+        raise SystemExit(f"--policies {name}: jaxkv ships no parameters of it for {model_arg}")
+    return part.load(path, config)
+
+
+def calibrate_wgkv(model, params, sample: Sample, ratios, out: Path, options: dict) -> dict:
+    """{ratio: tau} for WG-KV: its kept share of the full cache's bytes at each of WGKV_TAUS on
+    `sample`'s context, interpolated in log tau at each ratio's kept share (1 - ratio); saved
+    to and read from OUT/wgkv-calibration.json."""
+    path = out / "wgkv-calibration.json"
+    record = json.loads(path.read_text()) if path.exists() else {}
+    if record.get("sample") != [sample.task, sample.index]:
+        context = [list(sample.context_ids)]
+        full = jaxkv.prefill(model, context, "full").memory_bytes()
+        kept = []
+        for tau in tqdm(WGKV_TAUS, desc="wgkv calibration", unit="tau"):
+            policy = policies.get("wgkv", tau=tau, **options)
+            session = jaxkv.prefill(model, context, policy, policy_params=params)
+            kept.append(float(session.memory_bytes()) / float(full))
+        record = {"sample": [sample.task, sample.index], "taus": list(WGKV_TAUS), "kept": kept}
+    log_taus, kept = np.log(record["taus"]), np.asarray(record["kept"])
+    order = np.argsort(kept)  # kept falls as tau rises
+    taus = {str(r): float(np.exp(np.interp(1 - r, kept[order], log_taus[order]))) for r in ratios}
+    harness.save(out, "wgkv-calibration", {**record, "tau_per_ratio": taus})
+    return {float(r): t for r, t in taus.items()}
+
+
+def cells(parsed, ratios, settings, aware_policies):
+    """(entry, ratio, setting) in run order: setting, ratio, then policy; the full cache once."""
+    if any(name == "full" for name, _ in parsed.values()):
+        yield next(e for e, (n, _) in parsed.items() if n == "full"), 0.0, "agnostic"
+    for setting in settings:
+        for ratio in ratios:
+            for entry, (name, _) in parsed.items():
+                if name != "full" and (setting == "agnostic" or name in aware_policies):
+                    yield entry, ratio, setting
+
+
+def render(out: Path, against: Path | None = None) -> str:
+    """The reports of OUT/records.jsonl (and, --against, jaxkv minus kvpress)."""
+    run = json.loads((out / "run.json").read_text())
+    records = ruler_report.load_records(out / "records.jsonl")
+    tasks = [t for t in TASKS if any(r["task"] == t for r in records)]
+    rows = ruler_report.leaderboard(records, tasks)
+    ruler_report.write_cells(records, out, "ruler", run["length"], run["model_name"])
+    text = ruler_report.write_leaderboard(rows, tasks, out, run)
+    if rows:
+        ruler_report.plot(rows, out, run["title"])
+    if against is not None:
+        theirs = ruler_report.load_records(against)
+        table = ruler_report.versus_kvpress(records, theirs, tasks)
+        (out / "versus-kvpress.md").write_text(f"# jaxkv minus kvpress (x100)\n\n{table}")
+        text += "\n" + table
+    return text
+
+
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="jaxkv bench ruler", description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--length", type=int, default=4096, help="context tokens, answer included")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--policies", nargs="+", default=["full", "snapkv"])
+    parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
+    parser.add_argument("--aware-policies", nargs="+", default=list(AWARE_POLICIES))
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="answer tokens at most (default: RULER's per task: 128 NIAH, 30 vt, 120 cwe, 50 fwe)",
+    )
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--export-only", action="store_true", help="write samples.jsonl only")
+    parser.add_argument("--render", action="store_true", help="rewrite the reports, run nothing")
+    parser.add_argument("--against", type=Path, help="kvpress's records.jsonl to compare with")
+    args = parser.parse_args(argv)
+    for ratio in args.ratios:
+        if not 0 < ratio < 1:
+            raise SystemExit(f"--ratios {ratio}: the share evicted, in (0, 1)")
+    if args.samples < 1:
+        raise SystemExit(f"--samples {args.samples}: at least 1")
+    if args.out is None:
+        args.out = Path("results/ruler") / f"{Path(args.model).stem}-{args.length // 1024}k"
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_arguments(argv)
+    if args.render:
+        text = render(args.out, args.against)
+        print(text)
+        return {"report": text}
+    parsed = parse_policies(args.policies)
+    model, tokenizer = load_model(args.model)
+    args.out.mkdir(parents=True, exist_ok=True)
+    samples = load_samples(tokenizer, args.tasks, args.length, args.samples, args.seed, args.out)
+    run_path = args.out / "run.json"
+    previous = json.loads(run_path.read_text()) if run_path.exists() else {}
+    run = {
+        "title": f"RULER (synthetic) on {Path(args.model).stem} at {args.length} tokens",
+        "provenance": harness.provenance("jaxkv bench ruler", argv),
+        "commands": [*previous.get("commands", []), "jaxkv bench ruler " + " ".join(argv)],
+        "model": args.model,
+        "model_name": Path(args.model).stem,
+        "file_sha256": model_file_sha256(args.model),
+        "length": args.length,
+        "seed": args.seed,
+        "max_new_tokens": args.max_new_tokens,
+    }
+    harness.save(args.out, "run", run)
+    if args.export_only:
+        return {"samples": len(samples)}
+    params = {e: shipped_params(n, args.model, model.config) for e, (n, _) in parsed.items()}
+    taus = {}
+    for entry, (name, options) in parsed.items():
+        if name == "wgkv":
+            first = samples[(args.tasks[0], 0)]
+            taus[entry] = calibrate_wgkv(
+                model, params[entry], first, args.ratios, args.out, options
+            )
+    stop = stop_tokens(tokenizer, model.config)
+    done = {
+        ruler_report.record_key(r) for r in ruler_report.load_records(args.out / "records.jsonl")
+    }
+    jobs = [
+        (entry, ratio, setting, task, index)
+        for entry, ratio, setting in cells(parsed, args.ratios, args.settings, args.aware_policies)
+        for index in range(args.samples)
+        for task in args.tasks
+        if (task, index, entry, ratio, setting) not in done
+    ]
+    built = {}
+    for entry, ratio, setting, task, index in tqdm(jobs, desc="ruler", unit="sample"):
+        name, options = parsed[entry]
+        if (entry, ratio) not in built:
+            if name == "wgkv":
+                policy = policies.get("wgkv", tau=taus[entry][ratio], **options)
+            else:
+                budget = None if name == "full" else 1.0 - ratio
+                policy = harness.build_policy(name, budget, **options)
+            built[(entry, ratio)] = policy.for_tokenizer(tokenizer)
+        result = answer(
+            model,
+            tokenizer,
+            built[(entry, ratio)],
+            params[entry],
+            samples[(task, index)],
+            setting,
+            stop,
+        )
+        record = {"task": task, "index": index, "policy": entry, "ratio": ratio}
+        record = {**record, "setting": setting, **result}
+        if name == "wgkv":
+            record["tau"] = taus[entry][ratio]
+        ruler_report.append_record(args.out / "records.jsonl", record)
+    text = render(args.out)
+    print(text)
+    return {"report": text}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The RULER suite's results (`jaxkv bench ruler`, `ruler_shared`, and the kvpress side): per-sample
+records in a JSONL file (the resume point), then kvpress's leaderboard layout: one directory per
+(press, compression ratio, setting) holding `predictions.csv` and `metrics.json` ({task:
+{"string_match": score}}), and one table of every cell's task scores and their average
+(`leaderboard.csv`, `.json`, `.md`), a plot of the average against the compression ratio per
+policy, and the table of jaxkv minus kvpress for the presses both ran.
+
+Scores are RULER's: a task's score is the mean over its samples of `string_match_all`, x100; the
+average is the mean of the task scores (kvpress's `average_score`). A cell's kept share is the
+mean over its samples of the KV bytes held after compression over the full cache's on the same
+sample (agnostic: the context's).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from jaxkv.benchmarks import harness
+
+RECORD_KEY = ("task", "index", "policy", "ratio", "setting")
+
+
+def record_key(record: dict) -> tuple:
+    """The (task, sample, policy, ratio, setting) a record answers: what a rerun skips."""
+    return tuple(record[k] for k in RECORD_KEY)
+
+
+def load_records(path: Path) -> list[dict]:
+    """The records of a JSONL file, the last one of each key kept (a cut line is dropped)."""
+    if not path.exists():
+        return []
+    found: dict[tuple, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a run killed while writing its last line
+            continue
+        found[record_key(record)] = record
+    return list(found.values())
+
+
+def append_record(path: Path, record: dict) -> None:
+    """One record, on a line of its own, flushed: a run cut after it resumes past it."""
+    with path.open("a") as file:
+        file.write(json.dumps(record) + "\n")
+        file.flush()
+
+
+def cell_name(benchmark: str, length: int, model: str, policy: str, ratio: float, setting: str):
+    """kvpress's run directory name: dataset__data_dir__model__press__ratio[__query_aware]."""
+    name = f"{benchmark}__{length}__{model}__{policy}__{ratio:.2f}"
+    return name + ("__query_aware" if setting == "aware" else "")
+
+
+def _full_bytes(records: list[dict]) -> dict[tuple, float]:
+    return {
+        (r["task"], r["index"]): r["kv_bytes"]
+        for r in records
+        if r["policy"] == "full" and r.get("kv_bytes")
+    }
+
+
+def leaderboard(records: list[dict], tasks: list[str]) -> list[dict]:
+    """One row per (policy, ratio, setting): each task's score (x100) and samples, the average
+    over the tasks it has, and the mean kept share of the full cache's bytes."""
+    full = _full_bytes(records)
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        cells[(r["policy"], r["ratio"], r["setting"])].append(r)
+    rows = []
+    for (policy, ratio, setting), found in sorted(cells.items(), key=lambda c: _order(c[0])):
+        by_task = defaultdict(list)
+        for r in found:
+            by_task[r["task"]].append(r["score"])
+        scores = {t: 100 * float(np.mean(by_task[t])) for t in tasks if t in by_task}
+        shares = [
+            r["kv_bytes"] / (full[(r["task"], r["index"])] * _prompt_share(r))
+            for r in found
+            if (r["task"], r["index"]) in full and r.get("kv_bytes")
+        ]
+        rows.append(
+            {
+                "policy": policy,
+                "compression_ratio": ratio,
+                "setting": setting,
+                "tasks": scores,
+                "samples": {t: len(by_task[t]) for t in tasks if t in by_task},
+                "average": float(np.mean(list(scores.values()))) if scores else float("nan"),
+                "kept_share": float(np.mean(shares)) if shares else None,
+                "tau": found[0].get("tau"),
+            }
+        )
+    return rows
+
+
+def _prompt_share(record: dict) -> float:
+    """The tokens a record's cache was compressed from over the context's: an aware cell
+    compresses the question too, so its kept share is of a full cache of the whole prompt."""
+    if record["setting"] != "aware" or not record.get("context_tokens"):
+        return 1.0
+    return record["prompt_tokens"] / record["context_tokens"]
+
+
+def _order(cell: tuple) -> tuple:
+    policy, ratio, setting = cell
+    return (policy != "full", setting, policy, ratio)
+
+
+def markdown(rows: list[dict], tasks: list[str]) -> str:
+    """The leaderboard as a markdown table (scores x100; samples per task in the last column)."""
+    header = ["policy", "ratio", "setting", "kept", *tasks, "average", "samples"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for row in rows:
+        kept = "" if row["kept_share"] is None else f"{100 * row['kept_share']:.0f}%"
+        label = row["policy"] + (f" (tau {row['tau']:.3g})" if row.get("tau") else "")
+        scores = [f"{row['tasks'][t]:.1f}" if t in row["tasks"] else "" for t in tasks]
+        counts = "/".join(sorted({str(n) for n in row["samples"].values()}))
+        lines.append(
+            f"| {label} | {row['compression_ratio']:.3g} | {row['setting']} | {kept} | "
+            + " | ".join(scores)
+            + f" | {row['average']:.1f} | {counts} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_cells(records: list[dict], out: Path, benchmark: str, length: int, model: str) -> None:
+    """kvpress's per-run layout: OUT/cells/NAME/predictions.csv and metrics.json per cell."""
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        cells[(r["policy"], r["ratio"], r["setting"])].append(r)
+    for (policy, ratio, setting), found in cells.items():
+        directory = out / "cells" / cell_name(benchmark, length, model, policy, ratio, setting)
+        directory.mkdir(parents=True, exist_ok=True)
+        found = sorted(found, key=lambda r: (r["task"], r["index"]))
+        with (directory / "predictions.csv").open("w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(["task", "index", "predicted_answer", "answer", "score", "kv_bytes"])
+            for r in found:
+                writer.writerow(
+                    [r["task"], r["index"], r["prediction"], json.dumps(r["outputs"]), r["score"]]
+                    + [r.get("kv_bytes")]
+                )
+        by_task = defaultdict(list)
+        for r in found:
+            by_task[r["task"]].append(r["score"])
+        metrics = {
+            t: {"string_match": round(100 * float(np.mean(s)), 2)} for t, s in by_task.items()
+        }
+        (directory / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+def write_leaderboard(rows: list[dict], tasks: list[str], out: Path, run: dict) -> str:
+    """leaderboard.csv / .json / .md in OUT (the JSON opens with the run's provenance)."""
+    with (out / "leaderboard.csv").open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["policy", "compression_ratio", "setting", "kept_share", *tasks, "average"])
+        for row in rows:
+            writer.writerow(
+                [row["policy"], row["compression_ratio"], row["setting"], row["kept_share"]]
+                + [row["tasks"].get(t) for t in tasks]
+                + [row["average"]]
+            )
+    table = markdown(rows, tasks)
+    text = f"# {run['title']}\n\n{harness.provenance_line(run['provenance'])}\n\n{table}"
+    harness.save(out, "leaderboard", {**run, "rows": rows}, text)
+    return text
+
+
+def plot(rows: list[dict], out: Path, title: str) -> Path:
+    """Average score against compression ratio, one line per policy, a panel per setting."""
+    plt = harness.pyplot()
+    settings = sorted({r["setting"] for r in rows if r["policy"] != "full"}) or ["agnostic"]
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False)
+    full = [r["average"] for r in rows if r["policy"] == "full"]
+    for axis, setting in zip(axes[0], settings, strict=True):
+        lines = defaultdict(list)
+        for r in rows:
+            if r["policy"] != "full" and r["setting"] == setting:
+                lines[r["policy"]].append((r["compression_ratio"], r["average"]))
+        for policy, points in sorted(lines.items()):
+            points.sort()
+            axis.plot(*zip(*points, strict=True), marker="o", label=policy)
+        if full:
+            axis.axhline(full[0], color="black", linestyle="--", label="full")
+        axis.set(xlabel="compression ratio (share evicted)", ylabel="RULER average", title=setting)
+        axis.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = out / "ruler.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def versus_kvpress(ours: list[dict], theirs: list[dict], tasks: list[str]) -> str:
+    """jaxkv minus kvpress per task and on average, for every (press, ratio, setting) both ran,
+    over the samples both answered; and how many of the full cache's predictions are equal."""
+    mine = {record_key(r): r for r in ours}
+    shared = [(mine[record_key(r)], r) for r in theirs if record_key(r) in mine]
+    cells = defaultdict(list)
+    for a, b in shared:
+        cells[(a["policy"], a["ratio"], a["setting"])].append((a, b))
+    lines = [
+        "| policy | ratio | setting | " + " | ".join(tasks) + " | average | samples |",
+        "|" + " --- |" * (len(tasks) + 5),
+    ]
+    for (policy, ratio, setting), pairs in sorted(cells.items(), key=lambda c: _order(c[0])):
+        diffs = {}
+        for task in tasks:
+            found = [(a["score"], b["score"]) for a, b in pairs if a["task"] == task]
+            if found:
+                diffs[task] = 100 * (
+                    np.mean([x for x, _ in found]) - np.mean([y for _, y in found])
+                )
+        cells_text = [f"{diffs[t]:+.1f}" if t in diffs else "" for t in tasks]
+        average = np.mean(list(diffs.values())) if diffs else float("nan")
+        lines.append(
+            f"| {policy} | {ratio:.3g} | {setting} | "
+            + " | ".join(cells_text)
+            + f" | {average:+.1f} | {len(pairs)} |"
+        )
+    full = [(a, b) for a, b in shared if a["policy"] == "full"]
+    same = sum(a["prediction"].strip() == b["prediction"].strip() for a, b in full)
+    return "\n".join(lines) + f"\n\nFull cache: {same}/{len(full)} predictions identical.\n"

@@ -1,0 +1,228 @@
+"""Shared context, many questions (SCBench's shape): each context compressed once, then questions
+of different tasks (retrieval, multi-hop variable tracking, aggregation) asked over it through
+`jaxkv.ask` (the rows share the compressed context's pages); scores per question kind and
+position, and the bytes held, per policy and compression ratio.
+
+    jaxkv bench ruler_shared --model smollm2-135m-instruct --length 4096 --contexts 8 \
+        --questions 6 --policies full snapkv kvzip --ratios 0.5 \
+        --out results/ruler-shared/smollm2-135m-instruct-4k
+
+Contexts: `shared_context_tasks` (prose with four needles, a four-hop variable chain and a word
+list; question q of context c asks kind (q + c) mod 8 of its rota, so positions see every kind
+alike). `jaxkv.ask` answers each question alone over the one compressed copy (no earlier
+question or answer in its cache), so a position's score differs from another's only through the
+kinds asked there. Bytes: the context's pages held once (`AskOutput.shared_bytes`) and all rows
+together (`total_bytes`). WG-KV's tau per ratio comes from `--wgkv-calibration` (the file
+`jaxkv bench ruler` writes). A policy that evicts while decoding cannot share pages: `ask`
+refuses it and the cell is reported as skipped. Records: OUT/records.jsonl, one line per
+question as each context finishes; a rerun skips the contexts done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+import jaxkv
+from jaxkv import policies
+from jaxkv.benchmarks import harness, ruler_report
+from jaxkv.benchmarks.ruler_tasks import postprocess
+from jaxkv.benchmarks.shared_context_tasks import (
+    ANSWER_TOKENS,
+    QUESTION_KINDS,
+    SharedContext,
+    build_shared_context,
+    score,
+)
+from jaxkv.model_sources import load_model, model_file_sha256, shipped_name, stop_tokens
+from jaxkv.policies import spec
+
+
+def ask_context(model, tokenizer, policy, params, context: SharedContext, stop) -> list[dict]:
+    """One context's questions through `jaxkv.ask`: a record per question (its position)."""
+    start = time.perf_counter()
+    out = jaxkv.ask(
+        model,
+        list(context.context_ids),
+        [list(q) for q in context.questions],
+        policy,
+        max_new_tokens=ANSWER_TOKENS,
+        stop_tokens=stop,
+        policy_params=params,
+    )
+    seconds = round(time.perf_counter() - start, 2)
+    records = []
+    for position, (row, count) in enumerate(
+        zip(out.answers.tokens, out.answers.num_tokens, strict=True)
+    ):
+        generated = [int(t) for t in row[: int(count)] if int(t) not in stop]
+        prediction = postprocess(tokenizer.decode(generated))
+        outputs = context.outputs[position]
+        records.append(
+            {
+                "task": context.kinds[position],
+                "index": context.index * 16 + position,
+                "context": context.index,
+                "position": position,
+                "prediction": prediction,
+                "outputs": list(outputs),
+                "score": score(prediction, outputs),
+                "kv_bytes": float(out.shared_bytes),
+                "total_bytes": float(out.total_bytes),
+                "separate_bytes": float(out.separate_bytes),
+                "seconds": seconds,
+            }
+        )
+    return records
+
+
+def summary(records: list[dict]) -> list[dict]:
+    """Per (policy, ratio): mean score (x100) per kind and per position, and bytes held."""
+    full = {r["context"]: r["kv_bytes"] for r in records if r["policy"] == "full"}
+    cells = defaultdict(list)
+    for r in records:
+        cells[(r["policy"], r["ratio"])].append(r)
+    rows = []
+    for (policy, ratio), found in sorted(cells.items(), key=lambda c: (c[0][0] != "full", c[0])):
+        kinds, positions = defaultdict(list), defaultdict(list)
+        for r in found:
+            kinds[r["task"]].append(r["score"])
+            positions[r["position"]].append(r["score"])
+        shares = [r["kv_bytes"] / full[r["context"]] for r in found if r["context"] in full]
+        rows.append(
+            {
+                "policy": policy,
+                "compression_ratio": ratio,
+                "kinds": {k: 100 * float(np.mean(v)) for k, v in sorted(kinds.items())},
+                "positions": {p: 100 * float(np.mean(v)) for p, v in sorted(positions.items())},
+                "average": 100 * float(np.mean([r["score"] for r in found])),
+                "contexts": len({r["context"] for r in found}),
+                "shared_bytes": float(np.mean([r["kv_bytes"] for r in found])),
+                "total_bytes": float(np.mean([r["total_bytes"] for r in found])),
+                "kept_share": float(np.mean(shares)) if shares else None,
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    kinds = sorted({k for r in rows for k in r["kinds"]})
+    positions = sorted({p for r in rows for p in r["positions"]})
+    header = ["policy", "ratio", "kept", "context MB", "all rows MB", *kinds]
+    header += [f"q{p + 1}" for p in positions] + ["average", "contexts"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for r in rows:
+        kept = "" if r["kept_share"] is None else f"{100 * r['kept_share']:.0f}%"
+        cells = [r["policy"], f"{r['compression_ratio']:.3g}", kept]
+        cells += [f"{r['shared_bytes'] / 1e6:.1f}", f"{r['total_bytes'] / 1e6:.1f}"]
+        cells += [f"{r['kinds'][k]:.1f}" if k in r["kinds"] else "" for k in kinds]
+        cells += [f"{r['positions'][p]:.1f}" if p in r["positions"] else "" for p in positions]
+        cells += [f"{r['average']:.1f}", str(r["contexts"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render(out: Path) -> str:
+    run = json.loads((out / "run.json").read_text())
+    rows = summary(ruler_report.load_records(out / "records.jsonl"))
+    text = f"# {run['title']}\n\n{harness.provenance_line(run['provenance'])}\n\n"
+    text += markdown(rows)
+    if run.get("skipped"):
+        text += "\nSkipped (`ask` refuses them): " + ", ".join(run["skipped"]) + "\n"
+    harness.save(out, "shared", {**run, "rows": rows}, text)
+    return text
+
+
+def _policy(name: str, options: dict, ratio: float, taus: dict):
+    if name == "full":
+        return policies.get("full")
+    if name == "wgkv":
+        if str(ratio) not in taus:
+            raise SystemExit(f"wgkv at ratio {ratio}: give --wgkv-calibration with its tau")
+        return policies.get("wgkv", tau=taus[str(ratio)], **options)
+    return harness.build_policy(name, 1.0 - ratio, **options)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="jaxkv bench ruler_shared", description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--contexts", type=int, default=len(QUESTION_KINDS))
+    parser.add_argument("--questions", type=int, default=6, help="questions a context, 4-8")
+    parser.add_argument("--policies", nargs="+", default=["full", "snapkv"])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5])
+    parser.add_argument("--wgkv-calibration", type=Path, help="`jaxkv bench ruler`'s file")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--render", action="store_true", help="rewrite the report only")
+    args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = Path("results/ruler-shared") / f"{Path(args.model).stem}-{args.length // 1024}k"
+    if args.render:
+        return {"report": render(args.out)}
+    parsed = {}
+    for entry in args.policies:
+        name, *pairs = entry.split(":")
+        parsed[entry] = (name, spec.policy_kwargs(name, pairs, None, pair_option=entry))
+    taus = {}
+    if args.wgkv_calibration is not None:
+        taus = json.loads(args.wgkv_calibration.read_text())["tau_per_ratio"]
+    model, tokenizer = load_model(args.model)
+    contexts = [
+        build_shared_context(tokenizer, args.length, c, args.questions)
+        for c in range(args.contexts)
+    ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_path = args.out / "run.json"
+    previous = json.loads(run_path.read_text()) if run_path.exists() else {}
+    run = {
+        "title": f"Shared context, {args.questions} questions, on {Path(args.model).stem} at "
+        f"{args.length} tokens",
+        "provenance": harness.provenance("jaxkv bench ruler_shared", argv),
+        "commands": [*previous.get("commands", []), "jaxkv bench ruler_shared " + " ".join(argv)],
+        "model": args.model,
+        "file_sha256": model_file_sha256(args.model),
+        "length": args.length,
+        "skipped": previous.get("skipped", []),
+    }
+    harness.save(args.out, "run", run)
+    records_path = args.out / "records.jsonl"
+    done = {
+        (r["policy"], r["ratio"], r["context"]) for r in ruler_report.load_records(records_path)
+    }
+    cells = [(e, 0.0) for e, (n, _) in parsed.items() if n == "full"]
+    cells += [(e, r) for r in args.ratios for e, (n, _) in parsed.items() if n != "full"]
+    stop = stop_tokens(tokenizer, model.config)
+    for entry, ratio in tqdm(cells, desc="ruler_shared", unit="cell"):
+        name, options = parsed[entry]
+        part = policies.get(name).params
+        params = (
+            part.load(part.shipped_path(shipped_name(args.model)), model.config) if part else None
+        )
+        policy = _policy(name, options, ratio, taus).for_tokenizer(tokenizer)
+        for context in contexts:
+            if (entry, ratio, context.index) in done:
+                continue
+            try:
+                records = ask_context(model, tokenizer, policy, params, context, stop)
+            except ValueError as error:  # ask refuses a policy evicting during decode
+                run["skipped"] = sorted({*run["skipped"], f"{entry}: {error}"})
+                harness.save(args.out, "run", run)
+                break
+            for record in records:
+                record = {**record, "policy": entry, "ratio": ratio, "setting": "shared"}
+                ruler_report.append_record(records_path, record)
+    text = render(args.out)
+    print(text)
+    return {"report": text}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""RULER's synthetic tasks (`benchmarks/ruler_tasks.py`), its runner (`jaxkv bench ruler`) and the
+shared-context suite's contexts, on the bundled byte-level reference model."""
+
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import re
+
+import pytest
+
+from jaxkv import bundled
+from jaxkv.benchmarks import ruler, ruler_tasks, shared_context_tasks
+from jaxkv.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(bundled.REFERENCE_MODEL)
+
+
+def test_string_match_all_is_rulers_share_of_references_found():
+    refs = ["4821937", "1111111", "UUID-abc"]
+    assert ruler_tasks.string_match_all("They are 4821937 and uuid-ABC.", refs) == 2 / 3
+    assert ruler_tasks.string_match_all("nothing here", refs) == 0.0
+    assert ruler_tasks.string_match_all("4821937, 1111111, uuid-abc", refs) == 1.0
+    # substring match, as RULER's `r.lower() in pred.lower()`: a longer number contains it
+    assert ruler_tasks.string_match_all("48219370", ["4821937"]) == 1.0
+    assert ruler_tasks.string_match_part("maybe Paris", ["paris", "London"]) == 1.0
+    assert ruler_tasks.string_match_part("Rome", ["paris", "London"]) == 0.0
+    assert ruler_tasks.postprocess("  A\x00B\tC \n") == "A\nB\nC"
+
+
+@pytest.mark.parametrize("task", ruler_tasks.TASKS)
+def test_samples_fit_hold_their_answers_and_repeat_from_the_seed(tokenizer, task):
+    length = 2048
+    sample = ruler_tasks.build_sample(tokenizer, task, length, 0)
+    assert sample == ruler_tasks.build_sample(tokenizer, task, length, 0)
+    assert sample != ruler_tasks.build_sample(tokenizer, task, length, 1)
+    assert ruler_tasks.build_sample(tokenizer, task, length, 0, seed=1) != sample
+    assert 0.85 * length < sample.num_tokens <= length  # the largest haystack that fits
+    context = tokenizer.decode(sample.context_ids)
+    assert context == sample.context and all(o in context for o in sample.outputs)
+    question = tokenizer.decode(sample.question_ids)
+    assert question.endswith(sample.answer_prefix)
+    assert not any(o in question for o in sample.outputs)
+    family = ruler_tasks.family(task)
+    assert sample.max_new_tokens == ruler_tasks.ANSWER_TOKENS[family]
+    assert ruler_tasks.sample_from_json(json.loads(json.dumps(sample.to_json()))) == sample
+    if family == "niah":
+        spec = ruler_tasks.NIAH[task]
+        assert len(sample.outputs) == spec.num_values * spec.num_queries
+        for value in sample.outputs:
+            assert re.search(
+                rf"One of the special magic {spec.values} for \S+ is: {value}\.", context
+            )
+    if task == "vt":  # the chain's first variable holds the number, each next one the last
+        names = sample.outputs
+        value = re.search(rf"VAR {names[0]} = (\d+)", context).group(1)
+        assert f"value {value}" in sample.question
+        for a, b in zip(names, names[1:], strict=False):
+            assert f"VAR {b} = VAR {a}" in context
+    if task in ("cwe", "fwe"):
+        listed = sample.context.rsplit("\n", 1)[-1] if task == "cwe" else sample.context
+        counts = collections.Counter(re.findall(r"[a-z]+|\.\.\.", listed))
+        top = [w for w, _ in counts.most_common(len(sample.outputs) + 1) if w != "..."]
+        assert set(top[: len(sample.outputs)]) == set(sample.outputs)
+
+
+def test_shared_contexts_hold_every_answer_and_rotate_the_kinds(tokenizer):
+    contexts = [shared_context_tasks.build_shared_context(tokenizer, 1536, c, 6) for c in range(2)]
+    for context in contexts:
+        text = tokenizer.decode(context.context_ids)
+        assert all(o in text for outputs in context.outputs for o in outputs)
+        assert len(context.context_ids) + max(map(len, context.questions)) <= 1536
+    assert contexts[1].kinds == contexts[0].kinds[1:] + shared_context_tasks.QUESTION_KINDS[6:7]
+    assert shared_context_tasks.build_shared_context(tokenizer, 1536, 0, 6) == contexts[0]
+
+
+def test_runner_writes_the_leaderboard_and_resumes(tmp_path, monkeypatch):
+    out = tmp_path / "ruler"
+    argv = ["--model", str(bundled.REFERENCE_MODEL), "--length", "768"]
+    argv += ["--tasks", "niah_single_1", "niah_multikey_2", "--samples", "2"]
+    argv += ["--policies", "full", "snapkv", "--ratios", "0.5", "--max-new-tokens", "6"]
+    argv += ["--out", str(out)]
+    ruler.main(argv)
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    cells = {(r["policy"], r["ratio"], r["setting"]) for r in records}
+    assert cells == {
+        ("full", 0.0, "agnostic"),
+        ("snapkv", 0.5, "agnostic"),
+        ("snapkv", 0.5, "aware"),
+    }
+    assert len(records) == 3 * 2 * 2
+    assert all(0.0 <= r["score"] <= 1.0 and r["prompt_tokens"] <= 768 for r in records)
+    board = list(csv.DictReader((out / "leaderboard.csv").open()))
+    assert [(b["policy"], b["setting"]) for b in board][0] == ("full", "agnostic")
+    report = json.loads((out / "leaderboard.json").read_text())
+    assert report["provenance"]["command"].startswith("jaxkv bench ruler --model")
+    snap = next(r for r in report["rows"] if r["policy"] == "snapkv" and r["setting"] == "agnostic")
+    assert 0.4 < snap["kept_share"] < 0.6
+    cell = out / "cells" / "ruler__768__reference-model__snapkv__0.50__query_aware"
+    assert set(json.loads((cell / "metrics.json").read_text())) == {
+        "niah_single_1",
+        "niah_multikey_2",
+    }
+    assert (out / "ruler.png").exists() and len(
+        (out / "samples.jsonl").read_text().splitlines()
+    ) == 4
+
+    def never(*args, **kwargs):
+        raise AssertionError("a finished sample was run again")
+
+    monkeypatch.setattr(ruler, "answer", never)
+    ruler.main(argv)  # every key is in records.jsonl: nothing runs
+    assert len((out / "records.jsonl").read_text().splitlines()) == 12
