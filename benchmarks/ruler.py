@@ -250,13 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.export_only:
         return {"samples": len(samples)}
     params = {e: shipped_params(n, args.model, model.config) for e, (n, _) in parsed.items()}
-    taus = {}
-    for entry, (name, options) in parsed.items():
-        if name == "wgkv":
-            first = samples[(args.tasks[0], 0)]
-            taus[entry] = calibrate_wgkv(
-                model, params[entry], first, args.ratios, args.out, options
-            )
+    taus = {}  # WG-KV's, calibrated when its first sample comes
     stop = stop_tokens(tokenizer, model.config)
     done = {
         ruler_report.record_key(r) for r in ruler_report.load_records(args.out / "records.jsonl")
@@ -271,6 +265,11 @@ def main(argv: list[str] | None = None) -> dict:
     built = {}
     for entry, ratio, setting, task, index in tqdm(jobs, desc="ruler", unit="sample"):
         name, options = parsed[entry]
+        if name == "wgkv" and entry not in taus:
+            first = samples[(args.tasks[0], 0)]
+            taus[entry] = calibrate_wgkv(
+                model, params[entry], first, args.ratios, args.out, options
+            )
         if (entry, ratio) not in built:
             if name == "wgkv":
                 policy = policies.get("wgkv", tau=taus[entry][ratio], **options)
@@ -286,6 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
             samples[(task, index)],
             setting,
             stop,
+            args.max_new_tokens,
         )
         record = {"task": task, "index": index, "policy": entry, "ratio": ratio}
         record = {**record, "setting": setting, **result}
