@@ -1,8 +1,11 @@
 """Sessions: prefill once, extend, fork into rows that share the context's pages, decode (and
 decode again); `ask` answers as each question asked alone over the same compressed context."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import jaxkv
@@ -10,7 +13,11 @@ from jaxkv import CacheConfig, Sampler, bundled, policies, prose
 from jaxkv.cache.sharing import row_pages
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.models.configs import Family
+from jaxkv.policies.kvzip import byte_ids
+from tests import gguf_files
 from tests.tiny_models import tiny_config
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -230,8 +237,10 @@ def test_a_saved_session_refuses_another_model_or_policy(model, tmp_path):
     path = jaxkv.save_session(session, tmp_path / "doc")
     with pytest.raises(ValueError, match="exists"):
         jaxkv.save_session(session, path)
-    with pytest.raises(ValueError, match="saved with policy SnapKV"):
+    with pytest.raises(ValueError, match=r"SnapKV policy: budget.ratio \(saved 0.5, given 0.4\)"):
         jaxkv.load_session(path, model, "snapkv:0.4")
+    with pytest.raises(ValueError, match="saved with policy SnapKV, not H2O"):
+        jaxkv.load_session(path, model, "h2o:0.5")
     other = dataclasses_replace_first_weight(model)
     with pytest.raises(ValueError, match="saved with another model"):
         jaxkv.load_session(path, other, "snapkv:0.5")
@@ -245,3 +254,71 @@ def dataclasses_replace_first_weight(model):
     params = jax.tree.map(lambda x: x, model.params)
     params["embed"] = params["embed"].at[0, 0].add(1)
     return model.replace(params=params)
+
+
+def saved_array_bytes(path: Path) -> int:
+    """Bytes of the arrays a saved session's checkpoint holds."""
+    arrays = ocp.PyTreeCheckpointer().restore(path / "arrays")
+    return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(arrays))
+
+
+@pytest.mark.parametrize("spec", ["kvzip:0.3", "h2o:0.3", "quest:0.3"])
+def test_a_saved_session_holds_its_pages_only_and_reads_on_as_before(model, tmp_path, spec):
+    session = jaxkv.prefill(model, CONTEXT, spec)
+    path = jaxkv.save_session(session, tmp_path / "doc")
+    kv, held = session.kv, session.memory_bytes()
+    heads = kv.num_layers * kv.page_table.shape[-2]
+    metadata = kv.page_table.nbytes + session.last_hidden.nbytes
+    assert held <= saved_array_bytes(path) <= held + heads * kv.pool.page_bytes + metadata
+    loaded = jaxkv.load_session(path, model, spec)
+    assert loaded.kv.pool.num_pages == kv.pool.num_pages and loaded.memory_bytes() == held
+    np.testing.assert_array_equal(
+        jaxkv.decode(loaded.extend(QUESTIONS[0]), ANSWER_TOKENS).tokens,
+        jaxkv.decode(session.extend(QUESTIONS[0]), ANSWER_TOKENS).tokens,
+    )
+    if spec.startswith("kvzip"):  # rows sharing pages: saved once, loaded shared
+        rows = session.fork(QUESTIONS)
+        loaded_rows = jaxkv.load_session(jaxkv.save_session(rows, tmp_path / "rows"), model, spec)
+        assert loaded_rows.memory_bytes() == rows.memory_bytes()
+        np.testing.assert_array_equal(
+            jaxkv.decode(loaded_rows, ANSWER_TOKENS).tokens,
+            jaxkv.decode(rows, ANSWER_TOKENS).tokens,
+        )
+
+
+def test_a_kvzip_session_loaded_with_other_repeat_prompts_names_them_and_the_fix(model, tmp_path):
+    fitted = policies.get(
+        "kvzip", budget=0.3, repeat_ids=byte_ids("\n\nRepeat."), continue_ids=byte_ids("\n\nOn.")
+    )
+    path = jaxkv.save_session(jaxkv.prefill(model, CONTEXT[:200], fitted), tmp_path / "doc")
+    with pytest.raises(ValueError) as refused:
+        jaxkv.load_session(path, model, "kvzip:0.3")
+    message = str(refused.value)
+    assert "KVzip policy: repeat_ids, continue_ids differ" in message
+    assert "policy.for_tokenizer(tokenizer)" in message and len(message) < 400
+
+
+def readme_session_snippet() -> str:
+    """The Python block of the README's "Compress once, ask many" section."""
+    section = README.read_text().split("### Compress once, ask many")[1].split("\n### ")[0]
+    return section.split("```python\n")[1].split("```")[0]
+
+
+def test_the_readme_session_snippet_runs_as_written_on_a_chat_model(tmp_path, monkeypatch):
+    """The snippet, with a tiny GGUF model (its own BPE tokenizer and ChatML template) in place
+    of SmolLM2: KVzip fitted to the tokenizer, the chat halves, the reloaded session."""
+    gguf = gguf_files.write_tiny_qwen2(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "report.txt").write_text(" ".join(prose.paragraphs()[:3])[:400])
+    snippet = readme_session_snippet()
+    assert '"smollm2-135m-instruct"' in snippet
+    names = {}
+    exec(snippet.replace('"smollm2-135m-instruct"', repr(str(gguf))), names)
+    tok, q1 = names["tok"], names["q1"]
+    context = tok.decode(names["context_ids"], skip_special_tokens=False)
+    assert context.startswith("<|im_start|>user\n")
+    assert tok.decode(q1, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert names["asked"].answers.tokens.shape == (2, 32)
+    np.testing.assert_array_equal(
+        jaxkv.decode(names["session"].extend(q1), 32).tokens, names["out"].tokens
+    )

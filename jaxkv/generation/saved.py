@@ -1,17 +1,21 @@
 """Sessions saved to a directory and loaded by another process: a compressed document reused.
 
-    save_session(session, "doc.session")
-    session = load_session("doc.session", model, "kvzip:0.3")
+    policy = policies.from_spec("kvzip:0.3").for_tokenizer(tokenizer)
+    save_session(prefill(model, context_ids, policy), "doc.session")
+    session = load_session("doc.session", model, policy)   # in another process
 
 The directory holds the session's arrays (an orbax checkpoint: the KV state, lengths, last
 hidden states, budgets, the policy's parameters) and `session.json`: what they were made with.
-Loading checks the model (its configuration and a digest of its parameters) and the policy
-against that record and refuses a mismatch by name: a session only means something with the
-model and policy that wrote it.
+The KV state is saved with its held pages only (`repack` into a pool of that many pages, the
+page tables renumbered); loading gives it back its pool's free pages, so the loaded session
+reads on, forks and decodes as the saved one. Loading checks the model (its configuration and
+a digest of its parameters) and the policy against that record and refuses a mismatch by name:
+a session only means something with the model and policy that wrote it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -25,11 +29,13 @@ import orbax.checkpoint as ocp
 from jaxkv.attention import Backend
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig
+from jaxkv.cache.repack import grow
+from jaxkv.generation.loop import repack_program
 from jaxkv.generation.session import Session
 from jaxkv.models.decoder import Model
 from jaxkv.policies import Policy, from_spec
 
-FORMAT = 1
+FORMAT = 2  # 2: the held pages only
 RECORD = "session.json"
 ARRAYS = "arrays"
 
@@ -44,9 +50,51 @@ def model_digest(model: Model) -> str:
     return digest.hexdigest()
 
 
+def held_pages_only(kv: KVState) -> KVState:
+    """`kv` in a pool of the pages it holds (at least one), renumbered in table order."""
+    held = max(int(kv.pages_in_use()), 1)
+    return repack_program(
+        None, kv=kv, num_pages=held, max_pages=kv.page_table.shape[-1], int8_geometry=None
+    )
+
+
+def policy_fields(value, path: str = "") -> dict[str, str]:
+    """A policy's fields by path ("ratio", "policies[1].budget.ratio"), each as its repr, and
+    each record's class at its own path ("" the policy's): what tells two policies apart."""
+    if dataclasses.is_dataclass(value):
+        prefix = f"{path}." if path else ""
+        own = {path: type(value).__name__}
+        parts = {prefix + f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    elif isinstance(value, tuple) and any(map(dataclasses.is_dataclass, value)):
+        own, parts = {}, {f"{path}[{i}]": item for i, item in enumerate(value)}
+    else:
+        return {path: repr(value)}
+    nested = (policy_fields(item, name) for name, item in parts.items())
+    return own | {key: text for fields in nested for key, text in fields.items()}
+
+
+def policy_difference(saved: dict[str, str], given: dict[str, str]) -> str | None:
+    """How a policy differs from the saved one, from both's `policy_fields`, in words: its
+    class, else the fields that differ (with both values where they are short); None when
+    nothing does."""
+    if saved[""] != given[""]:
+        return f"policy {saved['']}, not {given['']}"
+    differing = [key for key in {**saved, **given} if saved.get(key) != given.get(key)]
+    if not differing:
+        return None
+    changes = ", ".join(_change(key, saved.get(key), given.get(key)) for key in differing)
+    return f"another {saved['']} policy: {changes} differ{'s' if len(differing) == 1 else ''}"
+
+
+def _change(key: str, saved: str | None, given: str | None) -> str:
+    if max(len(str(saved)), len(str(given))) > 24:  # token tuples: the name says enough
+        return key
+    return f"{key} (saved {saved}, given {given})"
+
+
 def _arrays(session: Session) -> dict:
     return {
-        "kv": flax.serialization.to_state_dict(session.kv),
+        "kv": flax.serialization.to_state_dict(held_pages_only(session.kv)),
         "last_hidden": np.asarray(session.last_hidden),
         "lengths": np.asarray(session.lengths),
         "budget_tokens": np.asarray(session.budget_tokens),
@@ -72,6 +120,8 @@ def save_session(session: Session, path: str | Path) -> Path:
         "model": model_digest(session.model),
         "model_config": repr(session.model.config),
         "policy": repr(session.policy),
+        "policy_fields": policy_fields(session.policy),
+        "pool_pages": session.kv.pool.num_pages,
         "cache": _cache_record(session.cache),
         "backend": session.backend.value,
         "shared": session.shared,
@@ -126,7 +176,8 @@ def _empty_state(arrays: dict, record: dict) -> KVState:
 
 def load_session(path: str | Path, model: Model, policy: Policy | str) -> Session:
     """The session saved at `path`, for `model` and `policy` (or its spec): both must be the
-    ones it was saved with (ValueError naming which differs)."""
+    ones it was saved with (ValueError naming what differs). A policy fitted to a tokenizer
+    at prefill (KVzip's repeat prompt: `policy.for_tokenizer(tokenizer)`) is given fitted."""
     path = Path(path).absolute()
     record = _record(path)
     policy = from_spec(policy) if isinstance(policy, str) else policy
@@ -135,12 +186,16 @@ def load_session(path: str | Path, model: Model, policy: Policy | str) -> Sessio
             f"the session at {str(path)!r} was saved with another model (config "
             f"{record['model_config']}); load it with that model"
         )
-    if repr(policy) != record["policy"]:
+    difference = policy_difference(record["policy_fields"], policy_fields(policy))
+    if difference is not None:
         raise ValueError(
-            f"the session at {str(path)!r} was saved with policy {record['policy']}, not {policy!r}"
+            f"the session at {str(path)!r} was saved with {difference}; load it with the "
+            "policy it was saved with (fitted to the model's tokenizer if it was at prefill: "
+            "policy.for_tokenizer(tokenizer))"
         )
     arrays = ocp.PyTreeCheckpointer().restore(path / ARRAYS)
     kv = flax.serialization.from_state_dict(_empty_state(arrays, record), arrays["kv"])
+    kv = grow(jax.tree.map(jnp.asarray, kv), record["pool_pages"])
     params = arrays.get("policy_params")
     if params is not None and policy.params is not None:
         template = policy.params.init(model.config, jax.random.PRNGKey(0))
@@ -148,12 +203,12 @@ def load_session(path: str | Path, model: Model, policy: Policy | str) -> Sessio
     params = jax.tree.map(jnp.asarray, params)
     return Session(
         model=model,
-        kv=jax.tree.map(jnp.asarray, kv),
+        kv=kv,
         last_hidden=jnp.asarray(arrays["last_hidden"]),
         lengths=np.asarray(arrays["lengths"], np.int32),
         budget_tokens=np.asarray(arrays["budget_tokens"], np.int32),
         budget_ratio=np.asarray(arrays["budget_ratio"], np.float32),
-        # The policy's own fields (its repr is the saved one's, checked above).
+        # The policy's own fields (the saved one's, checked above).
         thresholds=policy.thresholds(len(arrays["lengths"])),
         policy_params=params,
         policy=policy,

@@ -1,6 +1,7 @@
 """Sessions: a prefilled (and compressed) context as a value that reads more, forks and decodes.
 
-    session = prefill(model, context_ids, "kvzip:0.3")    # prefill + the policy's compression
+    policy = from_spec("kvzip:0.3").for_tokenizer(tokenizer)  # its prompt in the model's ids
+    session = prefill(model, context_ids, policy)          # prefill + the policy's compression
     session = session.extend(more_ids)                     # read more tokens over it
     out = decode(session, max_new_tokens=64)               # decode; `session` stays valid
     rows = session.fork(questions)                         # N rows over one copy of the context
@@ -210,6 +211,8 @@ def prefill(
 ) -> Session:
     """Prefills the prompts and applies the policy's compression: a `Session`.
 
+    A policy that feeds the model text of its own (KVzip's repeat prompt) is given fitted to
+    the model's tokenizer: `policies.from_spec("kvzip:0.3").for_tokenizer(tokenizer)`.
     `key` seeds stochastic policies (GVote); the same key gives the same result.
     `reserve_tokens`: room in the state for that many tokens after each prompt (`extend` and
     `decode` make more room when they need it, at the cost of a copy).
