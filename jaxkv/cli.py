@@ -202,6 +202,7 @@ def _generate(args) -> int:
         "storage": args.storage,
         "backend": args.backend,
         "prompt_tokens": len(prompt_ids),
+        "prompt_compressed": bool(out.compressed[0]),  # False: kept whole (too short to compress)
         "generated_tokens": n,
         "pages_in_use_after_prefill": int(out.pages_in_use[0]),
         "pages_in_use_final": int(out.pages_in_use[-1]),
@@ -308,6 +309,7 @@ def _ask(args) -> int:
         "policy": args.policy,
         "policy_params": params_source,
         "context_tokens": len(context_ids),
+        "context_compressed": bool(out.answers.compressed[0]),
         "questions": len(questions),
         "kv_bytes_shared_context": out.shared_bytes,
         "kv_bytes_per_row": [int(b) for b in out.row_bytes],

@@ -37,7 +37,7 @@ from jaxkv.cache.eviction import run_if
 from jaxkv.cache.geometry import table_pages_bucket
 from jaxkv.cache.rows import insert_row, release_rows
 from jaxkv.compile_log import compiling_as
-from jaxkv.generation.prefill import prefill_chunks
+from jaxkv.generation.prefill import prefill_chunks, rows_compressed
 from jaxkv.generation.request import (
     checked_key,
     checked_stop_tokens,
@@ -63,12 +63,15 @@ class TokenEvent:
 
     reason: why the request finished, None while it runs: "stop" (a stop token), "length"
       (max_new_tokens), "too_large" (its compressed prompt needs more pages than the pool has).
+    compressed: on the first token after a request's prefill, whether the policy compressed its
+      prompt (False: kept whole, e.g. shorter than what the policy compresses); None on others.
     """
 
     request_id: int
     token: int
     finished: bool
     reason: str | None = None
+    compressed: bool | None = None
 
 
 @dataclasses.dataclass
@@ -430,6 +433,7 @@ class Engine:
             return
         if row.page_table.shape[-1] > self.kv.page_table.shape[-1]:
             raise ValueError(f"request {request.id} is longer than max_context={self.max_context}")
+        compressed = bool(rows_compressed(row, setup.prompts.lengths, None)[0])
         with compiling_as("the engine's admission"):
             self.kv = _insert(self.kv, row, np.int32(slot))
         self.kv.check()
@@ -454,16 +458,18 @@ class Engine:
             top_k,
             top_p,
         )
-        self._emit(slot, request, int(token), events)
+        self._emit(slot, request, int(token), events, compressed=compressed)
 
-    def _emit(self, slot: int, request: _Request, token: int, events: list) -> bool:
+    def _emit(
+        self, slot: int, request: _Request, token: int, events: list, compressed: bool | None = None
+    ) -> bool:
         request.generated.append(token)
         reason = None
         if token in request.stop:
             reason = "stop"
         elif len(request.generated) >= request.max_new_tokens:
             reason = "length"
-        events.append(TokenEvent(request.id, token, reason is not None, reason))
+        events.append(TokenEvent(request.id, token, reason is not None, reason, compressed))
         if reason is not None:
             self._free([slot])
         return reason is not None

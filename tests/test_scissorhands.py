@@ -284,7 +284,7 @@ def test_bad_arguments(kwargs, match):
 
 def test_bad_geometry_is_refused(model):
     prompt = [list(range(30))]
-    with pytest.raises(ValueError, match="smaller than sinks"):
+    with pytest.raises(ValueError, match="smaller than the 10 tokens each head protects"):
         jaxkv.compress_prompt(model, prompt, policies.Scissorhands(budget=8, sinks=4, recent=6))
     with pytest.raises(ValueError, match="prefill_chunk=1"):
         jaxkv.compress_prompt(model, prompt, policies.Scissorhands(budget=8), prefill_chunk=1)

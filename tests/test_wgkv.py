@@ -538,8 +538,8 @@ def test_duo_attention_picks_its_retrieval_heads_on_the_prompt():
     np.testing.assert_array_equal(composed.params.from_prompt(model, ids), expected)
     assert policies.WGKV().params.from_prompt(model, ids) is None  # gates are learned, never picked
     assert duo.static().retrieval_share is None  # host-only: no recompile per share
-    with pytest.raises(ValueError, match="needs more than sinks"):
-        duo.params.from_prompt(model, ids[:3])
+    # Too short to measure long-range attention (<= sinks + 1 tokens): every head retrieves.
+    assert np.all(duo.params.from_prompt(model, ids[:3]))
     with pytest.raises(ValueError, match=r"retrieval_share=1.5 must be a number in \[0, 1\]"):
         policies.DuoAttention(retrieval_share=1.5)
     with pytest.raises(ValueError, match="reads its retrieval heads from heads.npy"):

@@ -399,6 +399,24 @@ def prefill_chunks(model, request: Request, key, policy_params, backend: Backend
     )
 
 
+def rows_compressed(
+    kv: KVState, tokens_read: np.ndarray, placement: sharding.InferenceMesh | None
+) -> np.ndarray:
+    """bool [B] (host): whether the policy dropped any of the `tokens_read` int [B] tokens of
+    each row, i.e. some (layer, KV head) holds fewer (its pages in both tiers, plus its local
+    ring); False for a row kept whole (a policy that keeps everything, a budget covering the
+    prompt, a prompt shorter than what the policy compresses). On a mesh `kv` is every
+    device's, stacked."""
+    if placement is None:
+        held = sharding.to_host(kv.lengths)
+    else:
+        held = placement.unshard(kv.lengths, row_axis=1, head_axis=2)
+    if kv.ring is not None:
+        count = kv.ring.count if placement is None else placement.unshard(kv.ring.count, 1)
+        held = held + np.minimum(sharding.to_host(count), kv.ring.window)[..., None]
+    return np.any(held < np.asarray(tokens_read)[None, :, None], axis=(0, 2))
+
+
 def run_to_end(steps, on_step: Callable | None = None):
     """The return value of a generator such as `prefill_chunks`, run to its end, calling
     `on_step(value)` with each value it yields."""

@@ -42,7 +42,7 @@ from jaxkv.generation.loop import (
     token_listener,
 )
 from jaxkv.generation.mesh import SHARD, program
-from jaxkv.generation.prefill import read_tokens, run_prefill
+from jaxkv.generation.prefill import read_tokens, rows_compressed, run_prefill
 from jaxkv.generation.request import (
     DEFAULT_PREFILL_CHUNK,
     PromptIds,
@@ -75,6 +75,9 @@ class GenerateOutput:
         weights); None for policies that record nothing.
       state: the final KV state; on a mesh, every device's state stacked on a leading axis
         [S] (`jaxkv.sharding`: shard s holds data shard s // model, model shard s % model).
+      compressed: bool [B] whether the policy had dropped any token each row had read when
+        the decode began (`generate`: its prompt); False for a row kept whole, e.g. a prompt
+        shorter than what the policy compresses (`Session.compressed`).
       decode_seconds: wall time of the decode (its compilation included on a first call).
       prefill_seconds: wall time of the prefill and compression (`generate`; None for
         `decode`, whose session was prefilled before).
@@ -87,6 +90,7 @@ class GenerateOutput:
     memory_bytes: np.ndarray
     policy_trace: np.ndarray | None
     state: KVState
+    compressed: np.ndarray
     decode_seconds: float = 0.0
     prefill_seconds: float | None = None
 
@@ -137,6 +141,12 @@ class Session:
     def memory_bytes(self) -> int:
         """Bytes the KV state holds (shared pages once); host-side int."""
         return self.kv.memory_bytes()
+
+    def compressed(self) -> np.ndarray:
+        """bool [B] (host): whether the policy dropped any token each row has read; False for
+        a row held whole (a prompt shorter than what the policy compresses, a budget covering
+        it, a policy that keeps everything)."""
+        return rows_compressed(self.kv, self.lengths, self.placement)
 
     def extend(self, token_ids: PromptIds, *, prefill_chunk: int | None = None) -> Session:
         """This session with more tokens read (`extend`)."""
@@ -504,6 +514,7 @@ def _decode(
     _check_positions(session, max_new_tokens, "new tokens")
     _check_shared_decode(session, max_new_tokens)
     policy, placement = session.policy, session.placement
+    compressed = session.compressed()  # before the loop, which may consume the state
     kv = to_decode_geometry(
         session.kv,
         policy,
@@ -536,12 +547,16 @@ def _decode(
             backend=session.backend,
             listener=listener,
         )
-        out = _output(state, max_new_tokens, stop_tokens, placement)
+        out = _output(state, max_new_tokens, stop_tokens, placement, compressed)
     return dataclasses.replace(out, decode_seconds=time.perf_counter() - start)
 
 
 def _output(
-    state: GenState, max_new_tokens: int, stop_tokens, placement: InferenceMesh | None
+    state: GenState,
+    max_new_tokens: int,
+    stop_tokens,
+    placement: InferenceMesh | None,
+    compressed: np.ndarray,
 ) -> GenerateOutput:
     """The host-side result of the decode loop (a mesh's rows joined, its pages summed)."""
     state.kv.check()
@@ -571,4 +586,5 @@ def _output(
         memory_bytes=memory_bytes,
         policy_trace=policy_trace,
         state=state.kv,
+        compressed=compressed,
     )

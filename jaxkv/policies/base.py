@@ -355,6 +355,14 @@ def within_budget(budget_tokens: np.ndarray, prompt_lengths: np.ndarray) -> tupl
     return np.minimum(budget, lengths), "the budget per head"
 
 
+def keep_short_prompts_whole(tokens, prompt_lengths, least) -> np.ndarray:
+    """int32 [B]: `tokens` per head, or the whole prompt where that is fewer than `least` (what
+    a policy keeps of every prompt it compresses: its sinks and windows), so that a prompt too
+    short to compress to its budget is kept whole. tokens, least: int [B] or scalars."""
+    lengths = np.asarray(prompt_lengths)
+    return np.where(tokens < least, lengths, tokens).astype(np.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptCompressionPart:
     """Base of the prompt compression parts: what prefill records for `compress`, by default

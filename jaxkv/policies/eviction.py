@@ -25,7 +25,13 @@ from jaxkv.cache.eviction import (
     keep_top_per_head,
     run_if,
 )
-from jaxkv.policies.base import Budget, Policy, PromptCompressionPart, within_budget
+from jaxkv.policies.base import (
+    Budget,
+    Policy,
+    PromptCompressionPart,
+    keep_short_prompts_whole,
+    within_budget,
+)
 from jaxkv.step.parts import DecodeContext, PrefillObservations
 
 
@@ -230,30 +236,28 @@ class EvictionPolicy(Policy):
         """Newest positions always kept: the recent window and the observation window."""
         return max(self.recent, self.observation_window)
 
+    @property
+    def protected_tokens(self) -> int:
+        """Positions every head keeps whatever its budget: the sinks and the protected window."""
+        return self.sinks + self.protected_recent
+
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        """int32 [B]: the budget's tokens per head, or the whole prompt where the budget is
+        smaller than the protected tokens (a prompt too short to compress around its sinks and
+        window is kept whole). A token budget smaller than them is refused: it is wrong for
+        every prompt long enough to compress."""
         if self.budget is None:
             raise ValueError(f"policy {self.name!r} needs budget= (a ratio or a token count)")
-        lengths = np.asarray(prompt_lengths)
-        shortest = int(lengths.min())
-        if self.observation_window >= shortest:
+        protected = self.protected_tokens
+        if self.budget.tokens is not None and self.budget.tokens < protected:
             raise ValueError(
-                f"policy {self.name!r}: window={self.observation_window} must be smaller than the "
-                f"prompt (batch row {int(lengths.argmin())} has the shortest prompt: {shortest} "
-                f"tokens): give window={shortest - 1} or less, or leave that row out of this batch"
+                f"policy {self.name!r}: budget of {self.budget.tokens} tokens is smaller than "
+                f"the {protected} tokens each head protects (its sinks and window): give "
+                f"budget >= {protected} tokens (or a ratio: a prompt too short for it is kept "
+                "whole), or a smaller window/sinks"
             )
-        tokens = self.budget.tokens_for(lengths)
-        protected = self.sinks + self.protected_recent
-        too_small = (tokens < protected) & (tokens < lengths)
-        if np.any(too_small):
-            row = int(np.argmax(too_small))
-            raise ValueError(
-                f"policy {self.name!r}: budget of {int(tokens[row])} tokens is smaller "
-                f"than sinks + window = {self.sinks} + {self.protected_recent} (batch row {row}: "
-                f"a prompt of {int(lengths[row])} tokens): give budget >= {protected} tokens (a "
-                f"ratio >= {protected / lengths[row]:.3g} for this prompt), or a smaller "
-                "window/sinks"
-            )
-        return tokens
+        tokens = self.budget.tokens_for(prompt_lengths)
+        return keep_short_prompts_whole(tokens, prompt_lengths, protected)
 
     def planned_tokens(self, budget_tokens, prompt_lengths):
         return within_budget(budget_tokens, prompt_lengths)
@@ -300,10 +304,12 @@ class ScoredDecodeEviction:
     def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
         grown = np.asarray(prompt_lengths) + max_new_tokens
         budget = np.maximum(budget_tokens, np.floor(self.ratio * grown)).astype(np.int64)
+        budget = np.maximum(budget, self.sinks + self.recent)
         return np.minimum(budget + self.evict_every, grown)
 
     def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
-        budget = decode_budget(ctx)[None, :, None]
+        # Never below what it protects (a prompt kept whole may be shorter than that).
+        budget = jnp.maximum(decode_budget(ctx), self.sinks + self.recent)[None, :, None]
 
         def evict(kv: KVState) -> KVState:
             positions = kv.positions()

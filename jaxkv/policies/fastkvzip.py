@@ -14,9 +14,10 @@ during chunked prefill and every 128 decode steps, with one threshold over layer
   peak is that, not the full context.
 - Window: w = ceil(2% of the prompt) for prompts shorter than 16K tokens (the paper's prefill
   chunk; the reference model's contexts are 2-8K), 4096 from there (the paper's value);
-  `window=` overrides it. The budget floor(r * T) must be >= w and the prefill chunk >= w;
-  without a `prefill_chunk`, `generate` prefills in the paper's 16K chunks once w is 4096, else
-  in its default chunks (`prefill_chunk`).
+  `window=` overrides it. A prompt whose budget floor(r * T) is smaller than w is kept whole
+  (its decode keeps its whole length too: its ratio is 1); the prefill chunk must be >= the w of
+  every prompt compressed. Without a `prefill_chunk`, `generate` prefills in the paper's 16K
+  chunks once w is 4096, else in its default chunks (`prefill_chunk`).
 - Decode: a token's gate score is computed when it is written (the same per-token function the
   paper applies to its 128-token buffer of hidden states). Every `decode_buffer` = 128 generated
   tokens, each sequence evicts globally down to floor(r * current length) per head on average,
@@ -37,7 +38,14 @@ from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place
 from jaxkv.gates import fastkvzip as gate
-from jaxkv.policies.base import Budget, LearnedParams, Policy, register, within_budget
+from jaxkv.policies.base import (
+    Budget,
+    LearnedParams,
+    Policy,
+    keep_short_prompts_whole,
+    register,
+    within_budget,
+)
 from jaxkv.policies.kvzip import keep_top_globally
 from jaxkv.step.parts import DecodeContext, budget_column
 
@@ -68,20 +76,14 @@ def protected_windows(window: int | None, prompt_lengths: np.ndarray) -> np.ndar
 def kept_and_windows(
     ratio: float | None, window: int | None, prompt_lengths: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """int32 [B] floor(r * T) tokens kept per head and the window w of each prompt; a
-    ValueError naming the row where the budget is smaller than its window."""
+    """int32 [B] tokens kept per head and the window w of each prompt: floor(r * T), or the
+    whole prompt T where that is fewer than w (a prompt too short to compress around its window
+    is kept whole)."""
     if ratio is None:
         raise ValueError("policy 'fastkvzip' needs ratio= in (0, 1]")
     lengths = np.asarray(prompt_lengths)
-    kept = Budget(ratio=ratio).tokens_for(lengths)
     windows = protected_windows(window, lengths)
-    if np.any(kept < windows):
-        row = int(np.argmax(kept < windows))
-        raise ValueError(
-            f"policy 'fastkvzip': ratio={ratio} keeps {int(kept[row])} tokens per head "
-            f"of row {row} ({int(lengths[row])} tokens), fewer than the protected "
-            f"window w={int(windows[row])}: raise the ratio or give window="
-        )
+    kept = keep_short_prompts_whole(Budget(ratio=ratio).tokens_for(lengths), lengths, windows)
     return kept, windows
 
 
@@ -288,7 +290,11 @@ class FastKVzip(Policy):
         return within_budget(budget_tokens, prompt_lengths)
 
     def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
-        widest = int(protected_windows(self.window, np.asarray(prompt_lengths)).max())
+        """The chunk must hold the window of every prompt it compresses (not of those kept
+        whole)."""
+        lengths = np.asarray(prompt_lengths)
+        kept, windows = kept_and_windows(self.ratio, self.window, lengths)
+        widest = int(np.max(windows, where=kept < lengths, initial=0))
         if chunk < widest:
             chosen = self.chunk_eviction.prefill_chunk(prompt_lengths, widest)
             raise ValueError(

@@ -129,11 +129,6 @@ class GVote(base.Policy):
     def prompt_compression(self) -> VoteCompression:
         return VoteCompression(self.nucleus, self.num_samples, self.future_positions)
 
-    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        if np.asarray(prompt_lengths).min() < 2:
-            raise ValueError("policy 'gvote' needs prompts of at least 2 tokens")
-        return np.asarray(prompt_lengths, np.int32)
-
     def planned_tokens(self, budget_tokens, prompt_lengths):
         """The votes decide how much each head keeps: a plan can only assume the whole prompt."""
         del budget_tokens

@@ -43,7 +43,14 @@ from jaxkv.models.decoder import (
     project_queries,
     scan_layers,
 )
-from jaxkv.policies.base import Budget, Policy, PromptCompressionPart, register, within_budget
+from jaxkv.policies.base import (
+    Budget,
+    Policy,
+    PromptCompressionPart,
+    keep_short_prompts_whole,
+    register,
+    within_budget,
+)
 from jaxkv.step.parts import PrefillObservations
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
@@ -310,7 +317,7 @@ class KVzip(Policy):
       repeat_ids, continue_ids: the repeat prompts' token ids (byte-level by default: pass the
         tokenizer's ids of REPEAT_PROMPT / CONTINUE_PROMPT for other models).
       recent: every head's newest `recent` prompt positions are kept whatever their score,
-        inside the ratio (0: none, the paper's).
+        inside the ratio (0: none, the paper's); a prompt whose ratio keeps fewer is kept whole.
     """
 
     name: ClassVar[str] = "kvzip"
@@ -344,20 +351,13 @@ class KVzip(Policy):
         return ReplayCompression(self.chunk, self.repeat_ids, self.continue_ids, self.recent)
 
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        """int32 [B]: floor(ratio * T) tokens a head on average, or the whole prompt where that
+        is fewer than `recent` (a prompt too short to compress around its window is kept
+        whole)."""
         if self.ratio is None:
             raise ValueError(f"policy {self.name!r} needs ratio= in (0, 1]")
-        lengths = np.asarray(prompt_lengths)
-        tokens = Budget(ratio=self.ratio).tokens_for(lengths)
-        too_small = (tokens < self.recent) & (tokens < lengths)
-        if np.any(too_small):
-            row = int(np.argmax(too_small))
-            raise ValueError(
-                f"policy {self.name!r}: ratio={self.ratio} keeps {int(tokens[row])} tokens a head "
-                f"on average, fewer than recent={self.recent} (batch row {row}: a prompt of "
-                f"{int(lengths[row])} tokens): give ratio >= {self.recent / lengths[row]:.3g} "
-                "or a smaller recent"
-            )
-        return tokens
+        tokens = Budget(ratio=self.ratio).tokens_for(prompt_lengths)
+        return keep_short_prompts_whole(tokens, prompt_lengths, self.recent)
 
     def planned_tokens(self, budget_tokens, prompt_lengths):
         return within_budget(budget_tokens, prompt_lengths)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place, rank_descending, run_if
 from jaxkv.policies import base
+from jaxkv.policies.base import keep_short_prompts_whole
 from jaxkv.policies.eviction import (
     DecodeEvictionPolicy,
     LayerView,
@@ -31,6 +32,9 @@ from jaxkv.policies.eviction import (
     map_layers,
 )
 from jaxkv.step.parts import DecodeContext, PrefillObservations
+
+# The smallest budget SAGE-KV splits (a quarter of it sinks, the rest candidates and recents).
+MIN_BUDGET = 4
 
 
 def sage_split(budget_tokens: jax.Array, group_size: int):
@@ -71,7 +75,9 @@ class SageCompression(base.PromptCompressionPart):
         chosen = (rank_descending(ranked) < per_head) & candidate_per_query_head
         num_layers, batch, _, slots = chosen.shape
         union = jnp.any(chosen.reshape(num_layers, batch, num_kv_heads, group, slots), axis=3)
-        return compact(kv, is_sink | is_recent | union)
+        # A budget of the whole prompt keeps it whole (the union may hold fewer than G * k).
+        whole = (obs.budget_tokens >= obs.prompt_lengths)[None, :, None, None]
+        return compact(kv, is_sink | is_recent | union | (whole & (positions >= 0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +128,16 @@ class SageKV(DecodeEvictionPolicy):
         return SageCompression.observation_window
 
     def budget_tokens(self, prompt_lengths):
+        """`EvictionPolicy.budget_tokens`, with the whole prompt where a ratio gives fewer than
+        `MIN_BUDGET` tokens (too few to split); a token budget below it is refused."""
+        if self.budget is not None and self.budget.tokens is not None:
+            if self.budget.tokens < MIN_BUDGET:
+                raise ValueError(
+                    f"policy 'sage_kv': budget of {self.budget.tokens} tokens is below "
+                    f"{MIN_BUDGET}: give budget >= {MIN_BUDGET} tokens (or a ratio)"
+                )
         tokens = super().budget_tokens(prompt_lengths)
-        if (tokens < 4).any():
-            raise ValueError(f"policy 'sage_kv': budget of {int(tokens.min())} tokens is below 4")
-        return tokens
+        return keep_short_prompts_whole(tokens, prompt_lengths, MIN_BUDGET)
 
     def layer_scores(self, view: LayerView) -> jax.Array:
         """The last query's attention per query head, f32 [B, N, S] (not per KV head)."""

@@ -262,6 +262,12 @@ class AdaKV(EvictionPolicy):
     def protected_recent(self) -> int:
         return max(self.recent, self.inner.protected_recent)
 
+    @property
+    def protected_tokens(self) -> int:
+        """The inner policy's sinks count too (its prompt compression protects them)."""
+        compression = self.prompt_compression
+        return compression.sinks + compression.protected_recent
+
     def budget_ratio(self, batch: int) -> np.ndarray:
         return self.inner.budget_ratio(batch)
 

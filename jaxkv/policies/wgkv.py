@@ -311,13 +311,13 @@ class RetrievalHeads(base.LearnedParams):
 
     def from_prompt(self, model, prompt_ids):
         """bool [L, K]: the `share` of (layer, KV head) pairs with the most long-range attention
-        mass on the prompt itself (`long_range_attention_mass`, `retrieval_heads`)."""
+        mass on the prompt itself (`long_range_attention_mass`, `retrieval_heads`). A prompt of
+        at most sinks + 1 tokens has no long-range attention to measure: every head is a
+        retrieval head (nothing is dropped, as for any prompt too short to compress)."""
         window = min(self.window, len(prompt_ids) - self.sinks - 1)
         if window < 1:
-            raise ValueError(
-                f"policy 'duo_attention' picks retrieval heads on the prompt, which needs more "
-                f"than sinks + 1 = {self.sinks + 1} tokens; give saved heads (bool [L, K] .npy)"
-            )
+            cfg = model.config
+            return jnp.ones((cfg.num_layers, cfg.num_kv_heads), bool)
         tokens = jnp.asarray([prompt_ids], jnp.int32)
         mass = long_range_attention_mass(model, tokens, sinks=self.sinks, window=window)
         return retrieval_heads(mass, self.share)
