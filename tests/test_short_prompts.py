@@ -1,7 +1,8 @@
 """Every prompt is served (issue 70.4): a prompt (a row) shorter than what a policy compresses
 around its windows, sinks or smallest budget is kept whole, and the outputs say so
 (`GenerateOutput.compressed`, `Session.compressed`, the engine's first token, the CLI's
-report); values wrong on every prompt are still refused before anything compiles."""
+report); values wrong on every prompt are still refused before anything compiles. And KVzip's
+replay of a prompt shorter than its chunk is one chunk of the prompt's padded length (70.7)."""
 
 import json
 
@@ -14,6 +15,7 @@ from jaxkv import cli, policies
 from jaxkv.gates import fastkvzip as fastkvzip_gates
 from jaxkv.gates import wgkv as wgkv_gates
 from jaxkv.models import init_model
+from jaxkv.policies import kvzip
 from jaxkv.sharding import make_inference_mesh
 from tests.tiny_models import tiny_config
 
@@ -197,3 +199,16 @@ def test_values_wrong_on_every_prompt_are_refused_before_compiling(model, policy
     with pytest.raises(ValueError, match=match):
         jaxkv.compress_prompt(model, [_prompt(length)], policy)
 
+
+def test_kvzip_replays_a_short_prompt_in_one_chunk_of_its_padded_length(model, monkeypatch):
+    chunks = []
+    scores = kvzip.reconstruction_scores
+
+    def recorded(*args, chunk, **kwargs):
+        chunks.append(chunk)
+        return scores(*args, chunk=chunk, **kwargs)
+
+    monkeypatch.setattr(kvzip, "reconstruction_scores", recorded)
+    jax.clear_caches()
+    jaxkv.compress_prompt(model, [_prompt(31)], policies.KVzip(ratio=0.3, **KVZIP_IDS))
+    assert chunks == [32]  # the prompt's padded length, not the 512-token chunk

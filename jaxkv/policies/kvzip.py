@@ -10,7 +10,9 @@ group's query heads, the softmax running over the whole context, the repeat prom
 
 The replay chunk is 2000 tokens in the paper's code for contexts of 100K+; it scales with the
 model's context: 512 by default here (the reference model is trained to 4K, its contexts are
-2-4K, so a 2-4K context replays in 4-8 chunks).
+2-4K, so a 2-4K context replays in 4-8 chunks). A shorter context replays in one chunk of its
+padded length (prefill pads a prompt to a power of two), so the replay costs about what the
+prompt's prefill does, never a 512-token forward pass.
 
 `KVzip(ratio)` (the oracle Fast KVzip's gates imitate) keeps the best `ratio` of all KV pairs of
 a sequence with one threshold over layers x heads x tokens: head budgets come out non-uniform
@@ -279,14 +281,15 @@ class ReplayCompression(PromptCompressionPart):
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         tokens = obs.prompt_tokens
-        pad = -tokens.shape[1] % self.chunk
-        tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
+        # A prompt shorter than a chunk replays in one chunk of its padded length.
+        chunk = min(self.chunk, tokens.shape[1])
+        tokens = jnp.pad(tokens, ((0, 0), (0, -tokens.shape[1] % chunk)))
         scores = reconstruction_scores(
             model,
             kv,
             tokens,
             obs.prompt_lengths,
-            chunk=self.chunk,
+            chunk=chunk,
             repeat_ids=self.repeat_ids,
             continue_ids=self.continue_ids,
         )
