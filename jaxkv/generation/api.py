@@ -15,6 +15,7 @@ from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig, check_count
 from jaxkv.cache.sharing import row_pages
+from jaxkv.compile_log import counting_compiles
 from jaxkv.generation.request import PromptIds, checked_stop_tokens, resolved_policy
 from jaxkv.generation.session import (
     GenerateOutput,
@@ -94,21 +95,22 @@ def generate(
     checked_stop_tokens(model, stop_tokens)
     policy_key, key = jax.random.split(key)
     start = time.perf_counter()
-    session = prefill_session(
-        model,
-        prompt_ids,
-        policy,
-        reserve_tokens=max_new_tokens - 1,  # the last sampled token is never written
-        positions_after_prompt=max_new_tokens,
-        cache=cache,
-        prefill_chunk=prefill_chunk,
-        key=policy_key,
-        backend=backend,
-        policy_params=policy_params,
-        mesh=mesh,
-        on_prefill_chunk=on_prefill_chunk,
-    )
-    jax.block_until_ready(session.last_hidden)
+    with counting_compiles() as compiled:
+        session = prefill_session(
+            model,
+            prompt_ids,
+            policy,
+            reserve_tokens=max_new_tokens - 1,  # the last sampled token is never written
+            positions_after_prompt=max_new_tokens,
+            cache=cache,
+            prefill_chunk=prefill_chunk,
+            key=policy_key,
+            backend=backend,
+            policy_params=policy_params,
+            mesh=mesh,
+            on_prefill_chunk=on_prefill_chunk,
+        )
+        jax.block_until_ready(session.last_hidden)
     prefilled = time.perf_counter()
     out = _decode(
         session,
@@ -120,7 +122,9 @@ def generate(
         consume=True,
         on_token=on_token,
     )
-    return dataclasses.replace(out, prefill_seconds=prefilled - start)
+    return dataclasses.replace(
+        out, prefill_seconds=prefilled - start, prefill_compile_seconds=compiled.seconds
+    )
 
 
 def generate_text(
@@ -207,7 +211,8 @@ class AskOutput:
     """Answers to several questions over one compressed context (`ask`; host values).
 
     Attributes:
-      answers: the rows' `GenerateOutput` (row i answers question i).
+      answers: the rows' `GenerateOutput` (row i answers question i); its prefill times are
+        the context's prefill (when `ask` was given its ids) and the questions' reading.
       shared_bytes: bytes of the context's pages all rows share, held once.
       row_bytes: int64 [N] bytes each row holds alone: its copy of the context's partial last
         pages, its question and its answer (and its local ring, for ring policies).
@@ -265,6 +270,7 @@ def ask(
     sampler, key = sampling_key(sampler, key)
     checked_stop_tokens(model, stop_tokens)
     policy_key, key = jax.random.split(key)
+    start = time.perf_counter()
     if isinstance(context, Session):
         if not _same_model(context.model, model):
             raise ValueError(
@@ -276,18 +282,24 @@ def ask(
     else:
         policy = resolved_policy(policy)
         check_shared_decode(policy, max_new_tokens)  # before the context's prefill
-        session = prefill(
-            model,
-            context,
-            policy,
-            cache=cache,
-            prefill_chunk=prefill_chunk,
-            key=policy_key,
-            backend=backend,
-            policy_params=policy_params,
-            on_prefill_chunk=on_prefill_chunk,
+    with counting_compiles() as compiled:
+        if not isinstance(context, Session):
+            session = prefill(
+                model,
+                context,
+                policy,
+                cache=cache,
+                prefill_chunk=prefill_chunk,
+                key=policy_key,
+                backend=backend,
+                policy_params=policy_params,
+                on_prefill_chunk=on_prefill_chunk,
+            )
+        rows = session.fork(
+            questions, reserve_tokens=max_new_tokens - 1, prefill_chunk=prefill_chunk
         )
-    rows = session.fork(questions, reserve_tokens=max_new_tokens - 1, prefill_chunk=prefill_chunk)
+        jax.block_until_ready(rows.last_hidden)
+    prefilled = time.perf_counter()
     answers = _decode(
         rows,
         max_new_tokens,
@@ -296,6 +308,10 @@ def ask(
         stop_tokens=stop_tokens,
         pad_id=pad_id,
         consume=True,
+    )
+    # Its prefill: the context's (when given ids), its fork and the questions' reading.
+    answers = dataclasses.replace(
+        answers, prefill_seconds=prefilled - start, prefill_compile_seconds=compiled.seconds
     )
     pages = row_pages(answers.state)
     page_bytes = answers.state.pool.page_bytes

@@ -33,6 +33,7 @@ from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig, check_count
 from jaxkv.cache.geometry import decode_steps_bucket, pool_pages_bucket, table_pages_bucket
 from jaxkv.cache.sharing import duplicate_entries, fork_pages_needed, fork_rows
+from jaxkv.compile_log import counting_compiles
 from jaxkv.generation.loop import (
     GenState,
     decode_loop,
@@ -79,8 +80,11 @@ class GenerateOutput:
         the decode began (`generate`: its prompt); False for a row kept whole, e.g. a prompt
         shorter than what the policy compresses (`Session.compressed`).
       decode_seconds: wall time of the decode (its compilation included on a first call).
+      decode_compile_seconds: the part of `decode_seconds` spent compiling (0 when every
+        program was compiled before).
       prefill_seconds: wall time of the prefill and compression (`generate`; None for
-        `decode`, whose session was prefilled before).
+        `decode`, whose session was prefilled before), compilation included.
+      prefill_compile_seconds: the part of `prefill_seconds` spent compiling (None with it).
     """
 
     tokens: np.ndarray
@@ -92,12 +96,15 @@ class GenerateOutput:
     state: KVState
     compressed: np.ndarray
     decode_seconds: float = 0.0
+    decode_compile_seconds: float = 0.0
     prefill_seconds: float | None = None
+    prefill_compile_seconds: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
-        """Tokens generated (all rows) per second of decode."""
-        return float(np.sum(self.num_tokens)) / max(self.decode_seconds, 1e-9)
+        """Tokens generated (all rows) per second of decode, its compilation left out."""
+        running = self.decode_seconds - self.decode_compile_seconds
+        return float(np.sum(self.num_tokens)) / max(running, 1e-9)
 
 
 @flax.struct.dataclass
@@ -526,7 +533,7 @@ def _decode(
         duplicate_entries=duplicate_entries(session.kv) if session.shared else 0,
     )
     loop = decode_loop if consume else decode_loop_keeping_kv
-    with token_listener(on_token) as listener:
+    with token_listener(on_token) as listener, counting_compiles() as compiled:
         state = loop(
             placement,
             model=session.model,
@@ -548,7 +555,9 @@ def _decode(
             listener=listener,
         )
         out = _output(state, max_new_tokens, stop_tokens, placement, compressed)
-    return dataclasses.replace(out, decode_seconds=time.perf_counter() - start)
+    return dataclasses.replace(
+        out, decode_seconds=time.perf_counter() - start, decode_compile_seconds=compiled.seconds
+    )
 
 
 def _output(
