@@ -5,14 +5,16 @@ A benchmark measures; this module records how (`provenance`: the command, date, 
 source commit and machine), writes the JSON and markdown next to each other (`save`), so every
 number in the README and `docs/` traces back to a command and a file, and runs rows that need a
 fresh process (their own memory peak, device count or XLA flags) through `run_child` and
-`print_row`. Shared by several benchmarks: the timing and bandwidth probe (`seconds_per_call`,
-`copy_bandwidth`), a sweep cell's policy (`build_policy`), the Wilson interval of a share of
-correct answers (`wilson_interval`) and the interval of one policy's correct answers over
-another's on the same episodes (`paired_ratio_interval`).
+`print_row`. Shared by several benchmarks: their options' help (`HelpFormatter`,
+`MODEL_HELP`), the timing and bandwidth probe (`seconds_per_call`, `copy_bandwidth`), a sweep
+cell's policy (`build_policy`), the Wilson interval of a share of correct answers
+(`wilson_interval`) and the interval of one policy's correct answers over another's on the same
+episodes (`paired_ratio_interval`).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -35,6 +37,18 @@ from jaxkv import policies
 ROW_MARKER = "JAXKV_ROW_JSON "
 # Where children run: the directory that holds the jaxkv package (a checkout or site-packages).
 CHILD_CWD = Path(jaxkv.__file__).resolve().parents[1]
+
+
+# --model's help: what `jaxkv.model_sources.load_model` takes.
+MODEL_HELP = (
+    "a fetched model's name (`jaxkv fetch NAME`), a checkpoint directory, a .gguf file or a "
+    "preset name"
+)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """A benchmark's `-h`: its module docstring as written, each option's default after its
+    help."""
 
 
 def source_commit() -> str | None:

@@ -151,14 +151,23 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="jaxkv bench reuse", description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser = argparse.ArgumentParser(
+        prog="jaxkv bench reuse", description=__doc__, formatter_class=harness.HelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m-instruct", help=harness.MODEL_HELP)
     parser.add_argument(
-        "--policies", nargs="+", default=["kvzip:0.3"], help="policy specs, e.g. kvzip:0.3"
+        "--policies", nargs="+", default=["kvzip:0.3"], help="policy specs, a row each"
     )
     parser.add_argument("--length", type=int, default=2048, help="context tokens (at most)")
-    parser.add_argument("--questions", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=Path("results/reuse"))
+    parser.add_argument(
+        "--questions", type=int, default=8, help="questions over the context, a needle each"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/reuse"),
+        help="where the report goes: reuse.json and reuse.md in a folder per model",
+    )
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     rows = []

@@ -32,6 +32,7 @@ import numpy as np
 import jaxkv
 from jaxkv import policies
 from jaxkv.benchmarks import harness
+from jaxkv.engine import TooLargeForPoolError
 from jaxkv.model_sources import load_model, shipped_name
 from jaxkv.policies import spec as spec_lib
 from jaxkv.prose import prose
@@ -92,14 +93,19 @@ def run_policy(model, policy, trace: list[dict], args, num_pages: int, params) -
     start = time.perf_counter()
     pending = list(enumerate(trace))
     submitted, first, last, counts, too_large = {}, {}, {}, {}, set()
+    refused = 0  # at submit: more pages than the pool holds, planned
     running, decode_tokens, decode_seconds, prefill_seconds = [], 0, 0.0, 0.0
     while pending or engine.has_work():
         now = time.perf_counter() - start
         while pending and pending[0][1]["arrival"] <= now:
             index, request = pending.pop(0)
-            rid = engine.submit(
-                request["prompt"], max_new_tokens=request["max_new_tokens"], stop_tokens=()
-            )
+            try:
+                rid = engine.submit(
+                    request["prompt"], max_new_tokens=request["max_new_tokens"], stop_tokens=()
+                )
+            except TooLargeForPoolError:
+                refused += 1
+                continue
             submitted[rid] = start + request["arrival"]
         if not engine.has_work():
             time.sleep(max(0.0, pending[0][1]["arrival"] - now))
@@ -130,8 +136,8 @@ def run_policy(model, policy, trace: list[dict], args, num_pages: int, params) -
     tpot = [(last[rid] - first[rid]) / max(counts[rid] - 1, 1) for rid in served] or [np.nan]
     return {
         "num_pages": num_pages,
-        "requests": len(submitted),
-        "too_large": len(too_large),
+        "requests": len(submitted) + refused,
+        "too_large": len(too_large) + refused,
         "running_mean": float(np.mean(running)),
         "running_peak": int(np.max(running)),
         "tokens_per_second": sum(counts.values()) / elapsed,
@@ -141,7 +147,7 @@ def run_policy(model, policy, trace: list[dict], args, num_pages: int, params) -
         "tpot_p50": float(np.percentile(tpot, 50)),
         "tpot_p99": float(np.percentile(tpot, 99)),
         "preemptions": engine.preemptions,
-        "requests_per_second": len(submitted) / elapsed,
+        "requests_per_second": (len(submitted) + refused) / elapsed,
         "seconds": elapsed,
         "seconds_in_prefill_steps": prefill_seconds,
         "seconds_in_decode_steps": decode_seconds,
@@ -175,15 +181,22 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="jaxkv bench serve", description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--policies", nargs="+", default=["full", "snapkv:0.3", "kvzip:0.3"])
-    parser.add_argument("--requests", type=int, default=16)
+    parser = argparse.ArgumentParser(
+        prog="jaxkv bench serve", description=__doc__, formatter_class=harness.HelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m-instruct", help=harness.MODEL_HELP)
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["full", "snapkv:0.3", "kvzip:0.3"],
+        help="policy specs, a run each over the same trace",
+    )
+    parser.add_argument("--requests", type=int, default=16, help="requests in the trace")
     parser.add_argument("--rate", type=float, default=0.5, help="arrivals per second")
-    parser.add_argument("--min-prompt", type=int, default=1024)
-    parser.add_argument("--max-prompt", type=int, default=2048)
-    parser.add_argument("--min-new", type=int, default=64)
-    parser.add_argument("--max-new", type=int, default=256)
+    parser.add_argument("--min-prompt", type=int, default=1024, help="shortest prompt, tokens")
+    parser.add_argument("--max-prompt", type=int, default=2048, help="longest prompt, tokens")
+    parser.add_argument("--min-new", type=int, default=64, help="fewest new tokens a request")
+    parser.add_argument("--max-new", type=int, default=256, help="most new tokens a request")
     parser.add_argument(
         "--pool-requests",
         type=int,
@@ -191,10 +204,21 @@ def main(argv: list[str] | None = None) -> dict:
         default=[4],
         help="pool sizes, in full-cache requests of the longest prompt + output (one run each)",
     )
-    parser.add_argument("--params", nargs="+", default=[], metavar="NAME=PATH")
-    parser.add_argument("--max-slots", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("results/serve"))
+    parser.add_argument(
+        "--params",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="a learned policy's parameters (without: the ones jaxkv ships for --model)",
+    )
+    parser.add_argument("--max-slots", type=int, default=16, help="requests decoded at once")
+    parser.add_argument("--seed", type=int, default=0, help="the trace's prompts and arrivals")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/serve"),
+        help="where the report goes: serve.json, serve.md (and serve.png) in a folder per model",
+    )
     args = parser.parse_args(argv)
     if min(args.pool_requests) < 1:
         raise ValueError(f"--pool-requests {args.pool_requests}: each must be >= 1")

@@ -67,6 +67,15 @@ def build_policy(args: argparse.Namespace):
     return policy
 
 
+def policy_budget(policy) -> float | int | None:
+    """The budget a policy runs with, for reports: a ratio of the prompt or a token count (its
+    `budget`, or KVzip's and Fast KVzip's `ratio`); None for a policy without one."""
+    budget = getattr(policy, "budget", None)
+    if budget is None:
+        return getattr(policy, "ratio", None)
+    return budget.ratio if budget.ratio is not None else budget.tokens
+
+
 def _no_params_error(policy, model_arg: str) -> ValueError:
     shipping = bundled.models_shipping(policy.params.kind)
     shipped = (
@@ -196,7 +205,7 @@ def _generate(args) -> int:
     report = {
         "model": args.model,
         "policy": args.policy,
-        "budget": args.budget,
+        "budget": policy_budget(policy),
         "policy_args": args.policy_arg,
         "policy_params": params_source,
         "storage": args.storage,
@@ -328,14 +337,25 @@ def _serve(args) -> int:
     try:
         import uvicorn
 
-        from jaxkv.serve import create_app
+        from jaxkv.serve import RequestDefaults, create_app
     except ImportError as error:
         raise ValueError(
             f"jaxkv serve needs the serve extra ({error.name} is missing): "
             "pip install 'jaxkv[serve]'"
         ) from None
+    if args.storage != "model":
+        raise ValueError(
+            f"--storage {args.storage}: the engine keeps every token in the kv dtype (--storage "
+            "model)"
+        )
     check_before_loading(args)
     policy = build_policy(args)
+    defaults = RequestDefaults(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
     model, tokenizer = load_model(args.model, args.dtype, args.seed)
     policy = policy.for_tokenizer(tokenizer)
     params, _ = policy_params(args, policy, model, [])
@@ -349,7 +369,14 @@ def _serve(args) -> int:
         policy_params=params,
         backend=args.backend,
     )
-    app = create_app(engine, tokenizer, model_name=args.model, policy_spec=args.policy)
+    app = create_app(
+        engine,
+        tokenizer,
+        model_name=args.model,
+        policy_spec=args.policy,
+        defaults=defaults,
+        warm_up_first=not args.no_warm_up,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -515,6 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server over the continuous-batching engine (serve extra)",
+        description="An OpenAI-compatible HTTP server over the continuous-batching engine. "
+        "--max-new-tokens, --temperature, --top-k and --top-p are the defaults of a request that "
+        "leaves max_tokens, temperature, top_k or top_p out.",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -522,6 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
     serve.add_argument("--max-context", type=int, default=None, help="prompt + generation")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests (503 past)")
+    serve.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="serve at once: no short request through the engine first (the first request "
+        "then waits for its programs to compile)",
+    )
     _add_model_options(serve, max_new_tokens=16)
     serve.set_defaults(run=_serve)
     fetch = commands.add_parser(

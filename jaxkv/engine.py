@@ -5,13 +5,15 @@
     for event in engine.stream():           # TokenEvent(request_id, token, finished, reason)
         ...
 
-Each `step` (1) runs one prefill chunk of the request being admitted (its own small state, so
-a long prompt never stalls the running requests for its whole prefill), and once its prefill is
-compressed moves it into a free slot if the pages its policy holds fit in the pool; (2) runs one
-decode step for every running slot (one jitted program of fixed shapes: slots and pool are
-sized once), preempting the newest request (its pages freed, its prompt and tokens so far
-prefilled again later) when the step's new pages would not fit; (3) returns the slots and pages
-of finished requests at once. A smaller cache per request therefore admits more requests.
+`submit` refuses a request that its plan says the pool could not hold even alone
+(`TooLargeForPoolError`, `pages_needed_alone`). Each `step` (1) runs one prefill chunk of the
+request being admitted (its own small state, so a long prompt never stalls the running requests
+for its whole prefill), and once its prefill is compressed moves it into a free slot if the pages
+its policy holds fit in the pool; (2) runs one decode step for every running slot (one jitted
+program of fixed shapes: slots and pool are sized once), preempting the newest request (its pages
+freed, its prompt and tokens so far prefilled again later) when the step's new pages would not
+fit, never the only one running; (3) returns the slots and pages of finished requests at once. A
+smaller cache per request therefore admits more requests.
 
 Greedy and sampled tokens equal `generate` on the same prompt, policy and key: a request keeps
 its own PRNG key, step count and budget, and the policy's decode eviction runs for a row on the
@@ -21,6 +23,7 @@ tokens it had (exact for policies that do not compress the prompt).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import functools
@@ -45,6 +48,7 @@ from jaxkv.generation.request import (
     prompt_lists,
     set_up,
 )
+from jaxkv.models.configs import ModelConfig
 from jaxkv.models.decoder import Model, logits_from_hidden
 from jaxkv.policies import FullCache, Policy, from_spec
 from jaxkv.policies.base import PolicyParams
@@ -57,12 +61,29 @@ class QueueFullError(ValueError):
     """`Engine.submit` found the waiting queue at its bound (`max_waiting`)."""
 
 
+class TooLargeForPoolError(ValueError):
+    """`Engine.submit`: the request's plan needs more pages than the pool holds, even alone.
+
+    Attributes:
+      pages_needed: the plan's pages (`pages_needed_alone`).
+      num_pages: the pool's pages.
+      field: what to shrink: "prompt_ids" (the prompt does not fit with a single new token) or
+        "max_new_tokens" (a smaller one fits).
+    """
+
+    def __init__(self, message: str, *, pages_needed: int, num_pages: int, field: str):
+        super().__init__(message)
+        self.pages_needed, self.num_pages, self.field = pages_needed, num_pages, field
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
     """A token produced for a request (or its end without one: token -1).
 
     reason: why the request finished, None while it runs: "stop" (a stop token), "length"
-      (max_new_tokens), "too_large" (its compressed prompt needs more pages than the pool has).
+      (max_new_tokens), "too_large" (it needed more pages than the pool has while running alone:
+      its compressed prompt or its growth came out larger than `pages_needed_alone` planned, which
+      `submit` checks).
     compressed: on the first token after a request's prefill, whether the policy compressed its
       prompt (False: kept whole, e.g. shorter than what the policy compresses); None on others.
     """
@@ -88,6 +109,34 @@ class _Request:
     generated: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
     order: int = 0  # admission order, for choosing whom to preempt
+
+
+def pages_needed_alone(
+    policy: Policy, config: ModelConfig, prompt_length: int, max_new_tokens: int, page_size: int
+) -> int:
+    """The most pages of the pool one request holds in the engine, alone (host; from shapes, as
+    `jaxkv bench plan` plans a request).
+
+    Each of its layers x KV heads holds at most the policy's planned tokens after the prompt
+    (`Policy.planned_tokens`: the budget; the whole prompt where what is kept depends on the
+    data, e.g. WG-KV's gates or GVote's votes) and grows by max_new_tokens - 1 (the last token is
+    sampled, never written), to its decode eviction's `decode_tokens_bound` where that is lower;
+    admission asks room for one more token than the prompt holds. A plan below the whole prompt
+    is an average that heads may split unevenly (a budget shared across heads, PyramidKV's
+    layers): each head then rounds up to a page of its own.
+    """
+    lengths = np.array([prompt_length])
+    budget = policy.budget_tokens(lengths)
+    held = int(policy.planned_tokens(budget, lengths)[0][0])
+    grown = held + max_new_tokens - 1
+    if policy.decode_eviction is not None:
+        bound = policy.decode_eviction.decode_tokens_bound(budget, lengths, max_new_tokens)
+        grown = min(grown, int(bound[0]))
+    tokens = max(grown, held + 1)
+    heads = config.num_layers * config.num_kv_heads
+    if held >= prompt_length and not policy.decides_across_heads:
+        return heads * -(-tokens // page_size)  # every head holds at most `tokens`
+    return (heads * tokens + heads * (page_size - 1)) // page_size
 
 
 def _sampling_key(key: jax.Array, step: jax.Array) -> jax.Array:
@@ -289,8 +338,10 @@ class Engine:
         stop_tokens: Sequence[int] | None = None,
     ) -> int:
         """Queues one prompt (token ids); returns its request id. Checked here, before anything
-        runs: the ids, max_new_tokens >= 1, prompt + max_new_tokens <= max_context, the key
-        (required when sampling), the stop tokens; QueueFullError past `max_waiting`."""
+        runs: the ids, max_new_tokens >= 1, prompt + max_new_tokens <= max_context, the
+        policy's budget, the pages the request may hold alone against the pool
+        (`TooLargeForPoolError`), the key (required when sampling), the stop tokens;
+        QueueFullError past `max_waiting`."""
         rows = prompt_lists(prompt_ids)
         if len(rows) != 1:
             raise ValueError(f"prompt_ids holds {len(rows)} prompts: submit one at a time")
@@ -301,7 +352,7 @@ class Engine:
                 f"prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds the "
                 f"engine's max_context={self.max_context}"
             )
-        self.policy.budget_tokens(np.array([length]))  # the policy's own checks, named
+        self._check_fits_alone(length, max_new_tokens)
         sampler = Sampler() if sampler is None else sampler
         if key is None:
             if not sampler.greedy:
@@ -326,6 +377,35 @@ class Engine:
         self._waiting.append(request)
         return request.id
 
+    def _check_fits_alone(self, length: int, max_new_tokens: int) -> None:
+        """TooLargeForPoolError when the request's plan needs more pages than the pool has
+        (the policy's own budget checks run first, named)."""
+
+        def needed(new_tokens: int) -> int:
+            return pages_needed_alone(
+                self.policy, self.model.config, length, new_tokens, self.cache.page_size
+            )
+
+        pool = self.kv.pool.num_pages
+        pages = needed(max_new_tokens)
+        if pages <= pool:
+            return
+        # needed() grows with max_new_tokens: the count of smaller ones that fit is the largest.
+        fitting = bisect.bisect_right(range(1, max_new_tokens), pool, key=needed)
+        advice = (
+            f"give max_new_tokens <= {fitting}, or a shorter prompt"
+            if fitting
+            else "give a shorter prompt"
+        )
+        raise TooLargeForPoolError(
+            f"prompt of {length} tokens + max_new_tokens={max_new_tokens} may need {pages} pages "
+            f"with policy {self.policy.name!r}, more than the pool's num_pages={pool} hold: "
+            f"{advice}, or a larger pool",
+            pages_needed=pages,
+            num_pages=pool,
+            field="max_new_tokens" if fitting else "prompt_ids",
+        )
+
     def cancel(self, request_id: int) -> bool:
         """Ends a waiting or running request now, its pages returned; False if unknown."""
         for request in list(self._waiting):
@@ -349,7 +429,9 @@ class Engine:
         return busy or bool(self._waiting) or any(r is not None for r in self._slots)
 
     def stats(self) -> dict:
-        """Requests running and waiting, pages in use and the pool's size (host values)."""
+        """Requests running and waiting, pages in use and the pool's size, the bytes of a
+        local ring beside the pool (WG-KV's: every slot's, reserved at creation; 0 without one)
+        and the KV bytes held in all (pages in use and ring; host values)."""
         return {
             "running": sum(r is not None for r in self._slots),
             "waiting": len(self._waiting)
@@ -357,6 +439,8 @@ class Engine:
             + (self._prefilled is not None),
             "pages_in_use": int(self.kv.pages_in_use()),
             "num_pages": self.kv.pool.num_pages,
+            "ring_bytes": self.kv.ring_bytes,
+            "kv_bytes_in_use": self.kv.memory_bytes(),
             "preemptions": self.preemptions,
         }
 
@@ -416,20 +500,20 @@ class Engine:
             self._admit(events)
 
     def _admit(self, events: list[TokenEvent]) -> None:
-        """Moves the prefilled request into a free slot when its pages fit (plus one page per
-        head for its next token)."""
+        """Moves the prefilled request into a free slot when its pages fit (plus a page for
+        each head whose last page is full: its next token's)."""
         request, setup, row, last_hidden = self._prefilled
         row.check()
         slot = self._free_slot()
-        held = int(row.pages_in_use())
-        heads = row.num_layers * row.page_table.shape[-2]
+        lengths = np.asarray(row.full_precision_lengths())
+        needed = int(row.pages_in_use()) + int(np.sum(lengths % self.kv.pool.page_size == 0))
         free = int(self.kv.pool.allocator.num_free)
-        if held + heads > self.kv.pool.num_pages:
-            # It could never fit: it ends here, the engine goes on with the others.
+        if needed > self.kv.pool.num_pages:
+            # Larger than planned at submit: it ends here, the engine goes on with the others.
             self._prefilled = None
             events.append(TokenEvent(request.id, -1, True, "too_large"))
             return
-        if slot is None or held + heads > free:
+        if slot is None or needed > free:
             return
         if row.page_table.shape[-1] > self.kv.page_table.shape[-1]:
             raise ValueError(f"request {request.id} is longer than max_context={self.max_context}")
@@ -486,20 +570,26 @@ class Engine:
         lengths = np.asarray(self.kv.full_precision_lengths())[:, running]
         return int(np.sum(lengths % self.kv.pool.page_size == 0))
 
-    def _preempt_until_it_fits(self, running: list[int]) -> list[int]:
+    def _preempt_until_it_fits(self, running: list[int], events: list[TokenEvent]) -> list[int]:
+        """The running slots left once the step's new pages fit: the newest request is preempted
+        while they do not. The only one running is never preempted (nothing would free a page
+        for it when it comes back): it ends with reason "too_large"."""
         while running and self._pages_needed(running) > int(self.kv.pool.allocator.num_free):
             victim = max(running, key=lambda slot: self._slots[slot].order)
             request = self._slots[victim]
             self._free([victim])
-            request.preemptions += 1
-            self.preemptions += 1
-            self._waiting.appendleft(request)
+            if len(running) == 1:
+                events.append(TokenEvent(request.id, -1, True, "too_large"))
+            else:
+                request.preemptions += 1
+                self.preemptions += 1
+                self._waiting.appendleft(request)
             running = [slot for slot in running if slot != victim]
         return running
 
     def _decode(self, events: list[TokenEvent]) -> None:
         running = [i for i, r in enumerate(self._slots) if r is not None]
-        running = self._preempt_until_it_fits(running)
+        running = self._preempt_until_it_fits(running, events)
         if not running:
             return
         b = self.max_slots

@@ -2,13 +2,15 @@
 tokens, a smaller cache admits more of them, the pool never overflows (preemption instead), and
 a stream of requests compiles a bounded number of times."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
 
 import jaxkv
 from jaxkv import CacheConfig, Sampler, bundled, engine, prose
-from jaxkv.engine import Engine, QueueFullError
+from jaxkv.engine import Engine, QueueFullError, TooLargeForPoolError, pages_needed_alone
 from jaxkv.models import load_hf_checkpoint
 
 TEXT = " ".join(prose.paragraphs()[:8]).encode()
@@ -61,8 +63,27 @@ def test_staggered_requests_give_generate_s_tokens(model, policy):
         "waiting": 0,
         "pages_in_use": 0,
         "num_pages": 1024,
+        "ring_bytes": 0,
+        "kv_bytes_in_use": 0,
         "preemptions": 0,
     }
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv:0.3", "h2o:0.3", "kvzip:0.3"])
+def test_the_plan_at_submit_bounds_the_pages_a_request_holds(model, policy):
+    """`pages_needed_alone` is what `submit` refuses by: a request never holds more (the full
+    cache holds exactly that), whether its policy compresses the prompt, evicts during decode
+    or splits its budget across heads (KVzip)."""
+    eng = Engine(model, policy, cache=CacheConfig(num_pages=1024), max_slots=3, max_context=1024)
+    planned = pages_needed_alone(eng.policy, model.config, len(PROMPTS[2]), 40, 16)
+    eng.submit(PROMPTS[2], max_new_tokens=40, stop_tokens=())
+    peak = 0
+    while eng.has_work():
+        eng.step()
+        peak = max(peak, eng.stats()["pages_in_use"])
+    assert 0 < peak <= planned
+    if policy == "full":
+        assert peak == planned == 12 * -(-(480 + 39) // 16)
 
 
 def test_a_smaller_cache_admits_more_requests_into_the_same_pool(model):
@@ -87,6 +108,26 @@ def test_a_full_pool_preempts_and_every_request_still_completes_exactly(model):
     assert eng.preemptions > 0
     for request, index in ids.items():
         assert tokens[request] == reference(model, "full", short[index], 120)
+
+
+def test_the_only_running_request_is_never_preempted(model, monkeypatch):
+    """A request alone that needs a page the pool does not have ends with reason too_large (as
+    one whose plan at submit came out too small would): preempting it would free nothing for
+    its return."""
+    monkeypatch.setattr(engine, "pages_needed_alone", lambda *args: 0)  # its plan: fits
+    # 12 heads x 25 pages: 400 tokens a head, the prompt's 200 and 200 more.
+    eng = Engine(model, "full", cache=CacheConfig(num_pages=300), max_slots=3, max_context=1024)
+    request = eng.submit(PROMPTS[0][:200], max_new_tokens=500, stop_tokens=())
+    events = []
+    for _ in range(500):  # the request's steps, bounded
+        events += eng.step()
+        if not eng.has_work():
+            break
+    assert not eng.has_work() and eng.preemptions == 0
+    expected = reference(model, "full", PROMPTS[0][:200], 201, stop_tokens=())
+    assert [event.token for event in events[:-1]] == expected
+    assert events[-1] == engine.TokenEvent(request, -1, True, "too_large")
+    assert eng.stats()["pages_in_use"] == 0
 
 
 def test_cancelling_returns_the_pages_at_once(model):
@@ -128,6 +169,9 @@ def test_bad_requests_are_refused_at_submit_and_the_engine_keeps_serving(model):
         Engine(model, cache=CacheConfig(), max_slots=2)
     with pytest.raises(ValueError, match="max_context=9000 exceeds"):
         Engine(model, cache=CacheConfig(num_pages=64), max_slots=2, max_context=9000)
+    tiny_budget = Engine(model, "snapkv:8", cache=CacheConfig(num_pages=96), max_slots=2)
+    with pytest.raises(ValueError, match="budget of 8 tokens is smaller"):
+        tiny_budget.submit(PROMPTS[0], max_new_tokens=2)  # the policy's own checks
     eng = Engine(model, "snapkv:0.3", cache=CacheConfig(num_pages=96), max_slots=2, max_waiting=2)
     with pytest.raises(ValueError, match="exceeds the engine's max_context=8192"):
         eng.submit([1] * 8190, max_new_tokens=8)
@@ -135,15 +179,47 @@ def test_bad_requests_are_refused_at_submit_and_the_engine_keeps_serving(model):
         eng.submit(PROMPTS[0], max_new_tokens=0)
     with pytest.raises(ValueError, match="PRNG key is required"):
         eng.submit(PROMPTS[0], max_new_tokens=2, sampler=Sampler(temperature=1.0))
-    with pytest.raises(ValueError, match="budget of 30 tokens is smaller"):
-        eng.submit(PROMPTS[0][:100], max_new_tokens=2)
-    too_large = eng.submit(PROMPTS[2], max_new_tokens=2)  # 480 tokens x 12 heads at 30%
     fits = eng.submit(PROMPTS[0][:250], max_new_tokens=2)
+    also_fits = eng.submit(PROMPTS[1][:250], max_new_tokens=2)
     with pytest.raises(QueueFullError, match="max_waiting=2"):
         eng.submit(PROMPTS[0], max_new_tokens=2)
     events = list(eng.stream())
-    assert [e.reason for e in events if e.request_id == too_large] == ["too_large"]
-    assert [e.finished for e in events if e.request_id == fits] == [False, True]
+    for request in (fits, also_fits):
+        assert [e.finished for e in events if e.request_id == request] == [False, True]
+
+
+def test_a_request_the_pool_could_never_hold_is_refused_before_it_runs(model):
+    """The plan at submit (`pages_needed_alone`) against the pool: the error names the pages and
+    what to shrink, the prompt, or max_new_tokens when a smaller one fits (the largest is said,
+    and it fits); nothing is queued."""
+    eng = Engine(model, "snapkv:0.3", cache=CacheConfig(num_pages=96), max_slots=2)
+    with pytest.raises(TooLargeForPoolError, match="num_pages=96 hold: give a shorter prompt"):
+        eng.submit(PROMPTS[2], max_new_tokens=2)  # 480 tokens, 144 kept a head, 12 heads
+    with pytest.raises(TooLargeForPoolError, match="num_pages=96 hold: give max_new_tokens <= "):
+        eng.submit(PROMPTS[0][:250], max_new_tokens=200)
+    with pytest.raises(TooLargeForPoolError) as refused:
+        eng.submit(PROMPTS[0][:250], max_new_tokens=200)
+    error = refused.value
+    assert (error.field, error.num_pages) == ("max_new_tokens", 96) and error.pages_needed > 96
+    largest = int(re.search(r"max_new_tokens <= (\d+)", str(error)).group(1))
+    with pytest.raises(TooLargeForPoolError):
+        eng.submit(PROMPTS[0][:250], max_new_tokens=largest + 1)
+    assert not eng.has_work()
+    eng.submit(PROMPTS[0][:250], max_new_tokens=largest)
+    assert eng.has_work()
+
+
+def test_a_local_ring_is_counted_beside_the_pages(model_f32):
+    """WG-KV's ring lives beside the pool, one per slot: the stats say its bytes and count them
+    in the KV bytes held."""
+    policy = jaxkv.policies.get("wgkv")
+    params = policy.params.load(policy.params.shipped_path(bundled.REFERENCE), model_f32.config)
+    eng = Engine(
+        model_f32, policy, cache=CacheConfig(num_pages=64), max_slots=2, policy_params=params
+    )
+    stats = eng.stats()
+    assert stats["ring_bytes"] == eng.kv.ring.nbytes > 0
+    assert stats["kv_bytes_in_use"] == stats["ring_bytes"] and stats["pages_in_use"] == 0
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """`jaxkv serve`'s OpenAI-compatible API, through the `openai` client against a server this test
 starts on 127.0.0.1 (every request bounded in time, the server stopped at the end): answers as
-`generate`, streaming, chat, errors in OpenAI's shape, a bounded load, disconnects, overload."""
+`generate`, streaming, chat, the server's defaults, errors in OpenAI's shape (a request too large
+for the pool, before or while it runs), a bounded load, disconnects, overload, a dead engine,
+the warm-up, Prometheus metrics."""
 
 import concurrent.futures
 import contextlib
@@ -15,9 +17,9 @@ import pytest
 import uvicorn
 
 import jaxkv
-from jaxkv import CacheConfig, bundled, prose
+from jaxkv import CacheConfig, bundled, engine, prose
 from jaxkv.models import byte_tokenizer, load_hf_checkpoint
-from jaxkv.serve import create_app
+from jaxkv.serve import RequestDefaults, create_app
 
 # A chat template for the byte-level reference model (it ships none).
 TEMPLATE = (
@@ -38,19 +40,24 @@ def tokenizer():
     return dataclasses.replace(byte_tokenizer(), chat_template=TEMPLATE)
 
 
+def snapkv_engine(model, **options) -> jaxkv.Engine:
+    defaults = dict(cache=CacheConfig(num_pages=1024), max_slots=8, max_context=2048)
+    return jaxkv.Engine(model, "snapkv:0.3", **(defaults | options))
+
+
 @contextlib.contextmanager
-def running_server(model, tokenizer, **engine_options):
-    """A server on a free 127.0.0.1 port in a thread; yields its base URL; stops it."""
-    options = dict(cache=CacheConfig(num_pages=1024), max_slots=8, max_context=2048)
-    engine = jaxkv.Engine(model, "snapkv:0.3", **(options | engine_options))
-    app = create_app(engine, tokenizer, model_name="reference", policy_spec="snapkv:0.3")
+def serving(engine, tokenizer, **app_options):
+    """The app over `engine` on a free 127.0.0.1 port in a thread (no warm-up unless asked);
+    yields its base URL; stops it."""
+    app_options = {"warm_up_first": False} | app_options
+    app = create_app(engine, tokenizer, "reference", "snapkv:0.3", **app_options)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + TIMEOUT
     while not server.started:
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
@@ -62,9 +69,18 @@ def running_server(model, tokenizer, **engine_options):
         assert not thread.is_alive()
 
 
+def running_server(model, tokenizer, **engine_options):
+    """A snapkv:0.3 server (`serving`) over an engine of these options."""
+    return serving(snapkv_engine(model, **engine_options), tokenizer)
+
+
+# The module's server: a request that leaves them out gets 6 tokens, greedy.
+DEFAULTS = RequestDefaults(max_new_tokens=6, temperature=0.0)
+
+
 @pytest.fixture(scope="module")
 def base_url(model, tokenizer):
-    with running_server(model, tokenizer) as url:
+    with serving(snapkv_engine(model), tokenizer, defaults=DEFAULTS) as url:
         yield url
 
 
@@ -75,7 +91,12 @@ def client(base_url):
 
 def metrics(base_url) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics", timeout=TIMEOUT).text
-    return {name: float(value) for name, value in (line.split() for line in text.splitlines())}
+    samples = (line.split() for line in text.splitlines() if not line.startswith("#"))
+    return {name: float(value) for name, value in samples}
+
+
+def post(base_url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{base_url}{path}", json=body, timeout=TIMEOUT)
 
 
 def test_a_completion_is_generate_s_answer_streamed_or_not(client, model, tokenizer):
@@ -122,12 +143,67 @@ def test_chat_and_stop_strings_and_seeds(client, tokenizer):
     assert sampled[0] == sampled[1] != sampled[2]
 
 
+def test_fields_left_out_get_the_server_defaults(client, model, tokenizer):
+    """The server's defaults (`jaxkv serve --max-new-tokens 6 --temperature 0`), and OpenAI's
+    current name of the limit, max_completion_tokens."""
+    ids = tokenizer.encode(PROMPT)
+    out = jaxkv.generate(model, [ids], max_new_tokens=6, policy="snapkv:0.3")
+    reply = client.completions.create(model="reference", prompt=PROMPT)
+    assert reply.choices[0].text == tokenizer.decode(out.tokens[0, : out.num_tokens[0]])
+    assert reply.usage.completion_tokens == 6
+    messages = [{"role": "user", "content": PROMPT}]
+    limited = client.chat.completions.create(
+        model="reference", messages=messages, max_completion_tokens=3
+    )
+    assert limited.usage.completion_tokens == 3
+    assert limited.choices[0].finish_reason == "length"
+
+
 def test_models_health_and_metrics(client, base_url):
     assert [card.id for card in client.models.list().data] == ["reference"]
     assert httpx.get(f"{base_url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
     numbers = metrics(base_url)
-    assert numbers["jaxkv_pages_total"] == 1024
+    assert numbers["jaxkv_pool_pages"] == 1024
     assert numbers["jaxkv_requests_running"] == 0 and numbers["jaxkv_pages_in_use"] == 0
+    assert numbers["jaxkv_ring_bytes"] == 0 and numbers["jaxkv_kv_bytes_in_use"] == 0
+
+
+def test_metrics_are_prometheus_text_with_help_and_type(base_url):
+    reply = httpx.get(f"{base_url}/metrics", timeout=TIMEOUT)
+    assert reply.headers["content-type"].startswith("text/plain; version=0.0.4")
+    lines = reply.text.splitlines()
+    samples = [index for index, line in enumerate(lines) if not line.startswith("#")]
+    assert len(samples) == len(lines) // 3 >= 8
+    for index in samples:
+        name = lines[index].split()[0]
+        assert lines[index - 2].startswith(f"# HELP {name} ")
+        kind = "counter" if name.endswith("_total") else "gauge"
+        assert lines[index - 1] == f"# TYPE {name} {kind}"
+
+
+def test_unknown_routes_and_malformed_json_answer_in_openai_s_shape(base_url):
+    missing = httpx.get(f"{base_url}/v1/nothing", timeout=TIMEOUT)
+    assert missing.status_code == 404
+    assert missing.json() == {
+        "error": {
+            "message": "Invalid URL (GET /v1/nothing)",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    wrong_method = httpx.get(f"{base_url}/v1/completions", timeout=TIMEOUT)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    malformed = httpx.post(
+        f"{base_url}/v1/completions",
+        content=b'{"prompt": "x", not json',
+        headers={"content-type": "application/json"},
+        timeout=TIMEOUT,
+    )
+    assert malformed.status_code == 400
+    error = malformed.json()["error"]
+    assert error["param"] is None and error["message"].startswith("the body is not valid JSON")
 
 
 @pytest.mark.parametrize(
@@ -138,6 +214,8 @@ def test_models_health_and_metrics(client, base_url):
         ({"prompt": "x" * 3000, "max_tokens": 4}, "prompt"),
         ({"prompt": PROMPT, "policy": "h2o:0.5"}, "policy"),
         ({"max_tokens": 4}, "prompt"),
+        ({"prompt": PROMPT, "top_k": 0}, "top_k"),
+        ({"prompt": PROMPT, "max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
     ],
 )
 def test_bad_requests_get_openai_shaped_400s_and_the_server_keeps_serving(base_url, body, param):
@@ -152,7 +230,7 @@ def test_bad_requests_get_openai_shaped_400s_and_the_server_keeps_serving(base_u
         headers={"content-type": "application/json"},
         timeout=TIMEOUT,
     )
-    assert malformed.status_code == 400 and "error" in malformed.json()
+    assert malformed.status_code == 400 and malformed.json()["error"]["param"] is None
     ok = httpx.post(
         f"{base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=TIMEOUT
     )
@@ -207,3 +285,76 @@ def test_overload_queues_then_answers_503_and_never_crashes(model, tokenizer):
         }
         assert len(texts) == 1  # greedy: the same answer whoever waited
         assert post(0).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def small_pool_url(model, tokenizer):
+    """A server whose pool holds 64 pages: 5 a head of the model's 12."""
+    with running_server(model, tokenizer, cache=CacheConfig(num_pages=64)) as url:
+        yield url
+
+
+def test_a_request_the_pool_cannot_hold_is_refused_before_it_runs(small_pool_url):
+    """400 naming the pool and the field to shrink: the prompt (messages), or the limit when a
+    smaller one fits."""
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2}
+    reply = post(small_pool_url, "/v1/chat/completions", chat)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
+    assert "the pool's num_pages=64" in error["message"]
+    for limit in ("max_tokens", "max_completion_tokens"):
+        # 225 tokens: 67 kept a head, 62 pages with a new token, 135 with 100 (the plan's).
+        body = {"prompt": PROMPT[:224], limit: 100}
+        error = post(small_pool_url, "/v1/completions", body).json()["error"]
+        assert (error["param"], error["code"]) == (limit, "context_length_exceeded")
+        assert "give max_new_tokens <= " in error["message"]
+    assert metrics(small_pool_url)["jaxkv_requests_waiting"] == 0
+
+
+def test_a_request_larger_than_its_plan_ends_in_an_error_not_length(small_pool_url, monkeypatch):
+    """The engine's too_large (a request that needed more pages than the pool has while
+    running alone) is an OpenAI error, never finish_reason "length": a 400 response, or an
+    error event in the stream, which the client raises."""
+    monkeypatch.setattr(engine, "pages_needed_alone", lambda *args: 0)  # a plan that fits
+    client = openai.OpenAI(
+        base_url=f"{small_pool_url}/v1", api_key="none", timeout=TIMEOUT, max_retries=0
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="reference", prompt=PROMPT, max_tokens=2)
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "prompt"
+    assert "more pages than the pool's 64 hold" in refused.value.message
+    chunks = client.completions.create(model="reference", prompt=PROMPT, max_tokens=2, stream=True)
+    with pytest.raises(openai.APIError, match="more pages than the pool's 64 hold"):
+        list(chunks)
+    assert metrics(small_pool_url)["jaxkv_pages_in_use"] == 0
+
+
+def test_health_and_requests_say_so_when_the_engine_thread_has_died(model, tokenizer):
+    broken = snapkv_engine(model)
+
+    def step():
+        raise RuntimeError("the device is gone")
+
+    broken.step = step
+    with serving(broken, tokenizer) as url:
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+        failed = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert failed.status_code == 500
+        assert failed.json()["error"]["type"] == "server_error"
+        assert "RuntimeError: the device is gone" in failed.json()["error"]["message"]
+        health = httpx.get(f"{url}/health", timeout=TIMEOUT)
+        assert health.status_code == 503
+        assert health.json() == {"status": "error", "error": "RuntimeError: the device is gone"}
+        refused = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert refused.status_code == 503 and "engine has stopped" in refused.text
+
+
+def test_the_warm_up_runs_a_request_through_the_engine_before_the_server_is_ready(model, tokenizer):
+    eng = snapkv_engine(model)
+    submitted = []
+    submit = eng.submit
+    eng.submit = lambda *args, **kwargs: submitted.append(submit(*args, **kwargs))
+    with serving(eng, tokenizer, warm_up_first=True) as url:
+        assert len(submitted) == 1 and not eng.has_work()  # it ran to its end, before `started`
+        assert metrics(url)["jaxkv_generation_tokens_total"] == 0  # not a client's tokens
