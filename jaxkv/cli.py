@@ -31,6 +31,7 @@ DEFAULT_PROMPT = (
     "The special magic number for amber-otter is "
 )
 
+LOG = logging.getLogger("jaxkv")
 
 CLI_OPTIONS = dict(pair_option="--policy-arg", budget_option="--budget")
 
@@ -108,19 +109,23 @@ def cache_config(args: argparse.Namespace, **more):
     return CacheConfig(page_size=args.page_size, storage=args.storage, **more)
 
 
-def check_before_loading(args: argparse.Namespace) -> None:
-    """The checks of the options shared by generate, ask and serve that need no model, run
-    before it loads (tens of seconds for a real one): ValueError or FileNotFoundError naming
-    the option."""
+def policy_before_loading(args: argparse.Namespace):
+    """The policy of the options (`build_policy`), after every check of the options shared by
+    generate, ask and serve that needs no model, so that they fail before it loads (tens of
+    seconds for a real one): ValueError or FileNotFoundError naming the option."""
     from jaxkv.cache.config import check_count
     from jaxkv.model_sources import check_model_arg
 
     refuse_unused_options(args)
     check_runs_here(args.backend)
     check_count("--max-new-tokens", args.max_new_tokens, 1)
+    policy = build_policy(args)
+    if args.gates is not None and policy.params is None:
+        raise ValueError(f"--gates: policy {policy.name!r} takes no parameters")
     if args.gates is not None and not args.gates.exists():
         raise FileNotFoundError(f"--gates {args.gates}: no such file or directory")
     check_model_arg(args.model)
+    return policy
 
 
 def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]):
@@ -128,8 +133,6 @@ def policy_params(args: argparse.Namespace, policy, model, prompt_ids: list[int]
     (`jaxkv.bundled.SHIPPED_PARAMS`), ones the policy picks on the prompt (DuoAttention's
     retrieval heads), or None for a policy without parameters."""
     if policy.params is None:
-        if args.gates is not None:
-            raise ValueError(f"--gates: policy {policy.name!r} takes no parameters")
         return None, None
     from jaxkv.model_sources import shipped_name
 
@@ -158,7 +161,7 @@ def _generate(args) -> int:
     from jaxkv.model_sources import load_model, stop_tokens
     from jaxkv.models import encode_chat
 
-    check_before_loading(args)
+    policy = policy_before_loading(args)
     if args.prompt_file is not None:
         args.prompt = _read_text(args.prompt_file, "--prompt-file")
     if not args.prompt:
@@ -166,7 +169,6 @@ def _generate(args) -> int:
     if args.system is not None and not args.chat:
         raise ValueError("--system is a chat message: give --chat too")
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    policy = build_policy(args)
     cache = cache_config(args)
     model, tokenizer = load_model(args.model, args.dtype, args.seed)
     policy = policy.for_tokenizer(tokenizer)
@@ -195,7 +197,7 @@ def _generate(args) -> int:
         backend=args.backend,
         policy_params=params,
         on_token=streamed,
-        on_prefill_chunk=PrefillProgress() if sys.stderr.isatty() else None,
+        on_prefill_chunk=PrefillProgress(policy),
     )
     n = int(out.num_tokens[0])
     written = len(prompt_ids) + n - 1  # the last token sampled is never written
@@ -217,9 +219,7 @@ def _generate(args) -> int:
         "pages_in_use_final": int(out.pages_in_use[-1]),
         "kv_bytes_final": int(out.memory_bytes[-1]),
         "kv_share_of_full_cache": round(int(out.memory_bytes[-1]) / full_bytes, 4),
-        "prefill_seconds": round(out.prefill_seconds, 3),
-        "decode_seconds": round(out.decode_seconds, 3),
-        "decode_tokens_per_second": round(out.tokens_per_second, 2),
+        **timings(out),
     }
     if streamed is None:
         print(f"output: {tokenizer.decode(out.tokens[0, :n])!r}")
@@ -229,14 +229,37 @@ def _generate(args) -> int:
     return 0
 
 
-class PrefillProgress:
-    """`on_prefill_chunk` of `jaxkv generate` on a terminal: a progress bar over the prefill's
-    chunks on stderr, drawn from the first chunk on and gone when the last is done."""
+def timings(out) -> dict:
+    """The report's times of a `GenerateOutput`: wall seconds of prefill and decode, the part of
+    each spent compiling, and tokens per second of decode once compiled."""
+    return {
+        "prefill_seconds": round(out.prefill_seconds, 3),
+        "prefill_compile_seconds": round(out.prefill_compile_seconds, 3),
+        "decode_seconds": round(out.decode_seconds, 3),
+        "decode_compile_seconds": round(out.decode_compile_seconds, 3),
+        "decode_tokens_per_second": round(out.tokens_per_second, 2),
+    }
 
-    def __init__(self):
-        self.bar = None
+
+class PrefillProgress:
+    """`on_prefill_chunk` of `jaxkv generate` and `ask`: the prefill's chunks on stderr, a
+    progress bar on a terminal (gone when the last is done), else a log line at each tenth;
+    then, for a policy that compresses the prompt, that it does (KVzip's replay of a long
+    prompt takes as long as its prefill)."""
+
+    def __init__(self, policy):
+        self.policy, self.bar, self.tenths = policy, None, 0
 
     def __call__(self, done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            self._draw(done, total)
+        elif done * 10 // total > self.tenths:
+            self.tenths = done * 10 // total
+            LOG.info("prefill: %d of %d chunks", done, total)
+        if done == total and self.policy.prompt_compression is not None:
+            LOG.info("compressing the prompt (policy %s) ...", self.policy.name)
+
+    def _draw(self, done: int, total: int) -> None:
         if self.bar is None:
             self.bar = tqdm(total=total, desc="prefill", unit="chunk", leave=False)
         self.bar.update(done - self.bar.n)
@@ -279,9 +302,8 @@ def _ask(args) -> int:
 
     if not args.question:
         raise ValueError("give at least one --question")
-    check_before_loading(args)
+    policy = policy_before_loading(args)
     sampler = jaxkv.Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    policy = build_policy(args)
     check_shared_decode(policy, args.max_new_tokens)
     cache = cache_config(args)
     context = _read_text(args.context, "--context")
@@ -306,7 +328,7 @@ def _ask(args) -> int:
         cache=cache,
         backend=args.backend,
         policy_params=params,
-        on_prefill_chunk=PrefillProgress() if sys.stderr.isatty() else None,
+        on_prefill_chunk=PrefillProgress(policy),
     )
     answers, stops = out.answers, set(stop_tokens(tokenizer, model.config))
     for index, question in enumerate(args.question):
@@ -325,6 +347,7 @@ def _ask(args) -> int:
         "kv_bytes_total": out.total_bytes,
         "kv_bytes_one_copy_per_question": out.separate_bytes,
         "share_of_one_copy_per_question": round(out.total_bytes / out.separate_bytes, 4),
+        **timings(out.answers),
     }
     print(json.dumps(report, indent=2))
     return 0
@@ -348,8 +371,7 @@ def _serve(args) -> int:
             f"--storage {args.storage}: the engine keeps every token in the kv dtype (--storage "
             "model)"
         )
-    check_before_loading(args)
-    policy = build_policy(args)
+    policy = policy_before_loading(args)
     defaults = RequestDefaults(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -586,6 +608,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that log their progress to stderr even when it is a file: long runs that a user
+# redirects (`jaxkv ask ... 2> log`) and then waits on.
+LOGGING_COMMANDS = ("generate", "ask", "train")
+
+
 class _StderrHandler(logging.Handler):
     """Writes records to whatever `sys.stderr` is when they come."""
 
@@ -596,31 +623,30 @@ class _StderrHandler(logging.Handler):
 @contextlib.contextmanager
 def _progress_on_stderr(to_logs: bool):
     """Within the block, the `jaxkv` logger's INFO messages (compiling ..., `jaxkv.compile_log`;
-    a training run's resumption and checkpoints) go to stderr when stderr is a terminal (a user
-    waiting on a first call) or `to_logs` (training, whose stderr is often a log file); other
-    piped output stays as it was. The logger is as it was after the block."""
-    log = logging.getLogger("jaxkv")
+    prefill progress; a training run's resumption and checkpoints) go to stderr when stderr is
+    a terminal (a user waiting on a first call) or `to_logs` (commands whose stderr is often a
+    log file); other piped output stays as it was. The logger is as it was after the block."""
     if not (sys.stderr.isatty() or to_logs):
         yield
         return
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("jaxkv: %(message)s"))
-    propagate, level = log.propagate, log.level
-    log.addHandler(handler)
-    log.propagate = False  # the root logger (absl's, where set) would print it twice
-    log.setLevel(logging.INFO)
+    propagate, level = LOG.propagate, LOG.level
+    LOG.addHandler(handler)
+    LOG.propagate = False  # the root logger (absl's, where set) would print it twice
+    LOG.setLevel(logging.INFO)
     try:
         yield
     finally:
-        log.removeHandler(handler)
-        log.propagate = propagate
-        log.setLevel(level)
+        LOG.removeHandler(handler)
+        LOG.propagate = propagate
+        LOG.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with _progress_on_stderr(to_logs=args.command == "train"):
+        with _progress_on_stderr(to_logs=args.command in LOGGING_COMMANDS):
             return args.run(args)
     except (ValueError, KeyError, OSError) as error:
         # A KeyError's str() is its repr; the message itself reads better.

@@ -292,6 +292,9 @@ def test_ask_answers_each_question_over_one_shared_copy_of_the_context(tmp_path,
         report["kv_bytes_per_row"]
     )
     assert report["kv_bytes_total"] < report["kv_bytes_one_copy_per_question"]
+    assert 0 < report["prefill_compile_seconds"] <= report["prefill_seconds"]
+    assert 0 < report["decode_compile_seconds"] <= report["decode_seconds"]
+    assert report["decode_tokens_per_second"] > 0
 
 
 @pytest.mark.parametrize(
@@ -343,3 +346,27 @@ def test_options_are_checked_before_the_model_loads(
     extra = ["--context", str(context), "--question", "q?"] if command == "ask" else []
     assert cli.main([command, *extra, *argv]) == 2
     assert match in _error(capsys)
+
+
+def test_a_redirected_run_logs_its_prefill_and_reports_times_without_compiling(capsys):
+    """stderr is not a terminal here: the prefill's chunks, the compression and the
+    compilations still show as log lines, and the rate leaves the compilation out."""
+    prompt = "def lookup(table, key):\n    return table[key]\n" * 25  # 1,150 bytes: 3 chunks
+    argv = ["generate", "--policy", "snapkv:0.5", "--prompt", prompt, "--max-new-tokens", "6"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert [line for line in lines if "prefill:" in line] == [
+        f"jaxkv: prefill: {done} of 3 chunks" for done in (1, 2, 3)
+    ]
+    assert "jaxkv: compressing the prompt (policy snapkv) ..." in lines
+    assert any(line.startswith("jaxkv: compiled ") for line in lines)
+    report = json.loads(captured.out[captured.out.index("{") :])
+    assert 0 < report["prefill_compile_seconds"] <= report["prefill_seconds"]
+    assert 0 < report["decode_compile_seconds"] <= report["decode_seconds"]
+    running = report["decode_seconds"] - report["decode_compile_seconds"]
+    rate = report["generated_tokens"] / running
+    assert report["decode_tokens_per_second"] == pytest.approx(rate, rel=0.25)  # rounded times
+    assert (
+        report["decode_tokens_per_second"] > report["generated_tokens"] / report["decode_seconds"]
+    )
