@@ -242,7 +242,11 @@ TINY_CLI = ["generate", "--model", "tiny-random", "--max-new-tokens", "2", "--pa
         ),
     ],
 )
-def test_options_the_policy_or_storage_would_ignore_are_refused(capsys, argv, match):
+def test_options_the_policy_or_storage_would_ignore_are_refused(
+    capsys, tmp_path, monkeypatch, argv, match
+):
+    monkeypatch.chdir(tmp_path)
+    np.save("heads.npy", np.ones((2, 2), bool))  # --gates heads.npy exists: the conflict is said
     assert cli.main([*TINY_CLI, *argv]) == 2
     assert match in _cli_error(capsys)
 
