@@ -179,7 +179,7 @@ def render(out: Path, against: Path | None = None) -> str:
     records = ruler_report.load_records(out / "records.jsonl")
     tasks = [t for t in TASKS if any(r["task"] == t for r in records)]
     rows = ruler_report.leaderboard(records, tasks)
-    ruler_report.write_cells(records, out, "ruler", run["length"], run["model_name"])
+    ruler_report.write_cells(records, out, "ruler", run)
     text = ruler_report.write_leaderboard(rows, tasks, out, run)
     if rows:
         ruler_report.plot(rows, out, run["title"])

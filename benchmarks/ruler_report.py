@@ -1,9 +1,9 @@
 """The RULER suite's results (`jaxkv bench ruler`, `ruler_shared`, and the kvpress side): per-sample
 records in a JSONL file (the resume point), then kvpress's leaderboard layout: one directory per
 (press, compression ratio, setting) holding `predictions.csv` and `metrics.json` ({task:
-{"string_match": score}}), and one table of every cell's task scores and their average
-(`leaderboard.csv`, `.json`, `.md`), a plot of the average against the compression ratio per
-policy, and the table of jaxkv minus kvpress for the presses both ran.
+{"string_match": score}}, and the run's "provenance"), and one table of every cell's task scores and
+their average (`leaderboard.csv`, `.json`, `.md`), a plot of the average against the compression
+ratio per policy, and the table of jaxkv minus kvpress for the presses both ran.
 
 Scores are RULER's: a task's score is the mean over its samples of `string_match_all`, x100; the
 average is the mean of the task scores (kvpress's `average_score`). A cell's kept share is the
@@ -128,8 +128,10 @@ def markdown(rows: list[dict], tasks: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_cells(records: list[dict], out: Path, benchmark: str, length: int, model: str) -> None:
-    """kvpress's per-run layout: OUT/cells/NAME/predictions.csv and metrics.json per cell."""
+def write_cells(records: list[dict], out: Path, benchmark: str, run: dict) -> None:
+    """kvpress's per-run layout: OUT/cells/NAME/predictions.csv and metrics.json per cell (its
+    task scores, and the run's provenance beside them)."""
+    length, model = run["length"], run["model_name"]
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         cells[(r["policy"], r["ratio"], r["setting"])].append(r)
@@ -151,6 +153,7 @@ def write_cells(records: list[dict], out: Path, benchmark: str, length: int, mod
         metrics = {
             t: {"string_match": round(100 * float(np.mean(s)), 2)} for t, s in by_task.items()
         }
+        metrics["provenance"] = run["provenance"]
         (directory / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
 
 
