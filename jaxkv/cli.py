@@ -384,7 +384,7 @@ def _serve(args) -> int:
     engine = jaxkv.Engine(
         model,
         policy,
-        cache=jaxkv.CacheConfig(page_size=args.page_size, num_pages=args.num_pages),
+        cache=cache_config(args, num_pages=args.num_pages),
         max_slots=args.max_slots,
         max_context=args.max_context,
         max_waiting=args.max_waiting,
