@@ -69,8 +69,9 @@ def test_ask_reports_the_context_s_prefill(model):
     assert reported == [1, 2, 3, 4, 5]
 
 
-def test_the_cli_bar_counts_the_chunks_and_closes_after_the_last():
-    progress = cli.PrefillProgress()
+def test_the_cli_bar_counts_the_chunks_and_closes_after_the_last(monkeypatch):
+    monkeypatch.setattr(cli.sys.stderr, "isatty", lambda: True)
+    progress = cli.PrefillProgress(policies.get("snapkv", budget=0.5))
     for done in (1, 2, 3):
         progress(done, 3)
     assert (progress.bar.n, progress.bar.total) == (3, 3)

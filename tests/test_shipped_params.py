@@ -58,13 +58,14 @@ def test_shipped_name_knows_the_reference_model_and_fetched_models_by_name_or_fi
     assert shipped_name(tmp_path / "other.gguf") is None
 
 
-@pytest.mark.parametrize("policy", ["fastkvzip", "wgkv"])
+@pytest.mark.parametrize("spec", ["fastkvzip:0.3", "wgkv"])
 def test_a_learned_policy_on_a_model_without_shipped_gates_names_the_models_that_have_them(
-    tmp_path, capsys, policy
+    tmp_path, capsys, spec
 ):
+    policy = spec.split(":")[0]
     gguf = tmp_path / "tiny.gguf"
     gguf_files.write_gguf(gguf, gguf_files.random_model("qwen2-bias"), "qwen2", "F16", "qwen2")
-    argv = ["generate", "--model", str(gguf), "--prompt", "hello", "--policy", policy]
+    argv = ["generate", "--model", str(gguf), "--prompt", "hello", "--policy", spec]
     assert cli.main(argv) == 2
     error = capsys.readouterr().err
     assert f"policy {policy!r} needs trained parameters" in error
