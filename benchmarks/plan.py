@@ -59,8 +59,9 @@ from jaxkv.generation.prefill import prefill_and_compress
 from jaxkv.generation.request import Prompts, default_prefill_chunk, prefill_geometry
 from jaxkv.models import configs
 from jaxkv.models.decoder import Model, param_shapes
-from jaxkv.sampling import Sampler
+from jaxkv.sampling import SamplingRows
 from jaxkv.step.decode import StepContext, decode_context, read_tokens
+from jaxkv.step.rows import Rows
 
 DEFAULT_POLICIES = [
     "full",
@@ -235,18 +236,13 @@ def _decode_cost(r: _AbstractRequest, policy, decode_kv: KVState, max_new_tokens
             model=r.model,
             kv=decode_kv,
             last_hidden=jax.ShapeDtypeStruct((batch, r.model.config.hidden_size), r.model.dtype),
-            lengths=r.rows,
-            budget_tokens=r.budget,
-            budget_ratio=_budget_ratio(policy, batch),
-            thresholds=r.thresholds,
+            rows=_abstract_rows(r, policy),
             max_new_tokens=jax.ShapeDtypeStruct((), jnp.int32),
-            key=r.key,
             stop_tokens=jax.ShapeDtypeStruct((1,), jnp.int32),
             policy_params=r.params,
             listener=None,
             steps_bucket=max_new_tokens,
             policy=r.static,
-            sampler=Sampler(),
             pad_id=0,
             backend=r.backend,
         )
@@ -257,16 +253,27 @@ def _budget_ratio(policy, batch: int) -> jax.ShapeDtypeStruct:
     return abstract(jnp.asarray(policy.budget_ratio(batch)))
 
 
-def _read_costs(r: _AbstractRequest, policy, decode_kv: KVState) -> dict[str, ProgramCost | None]:
-    """One decode step's reading, and the eviction apart (None if it never evicts)."""
-    cfg, batch = r.model.config, len(r.lengths)
-    context_arrays = StepContext(
+def _abstract_rows(r: _AbstractRequest, policy) -> Rows:
+    """The decode's per-row state (`jaxkv.step.rows.Rows`), abstract."""
+    batch = len(r.lengths)
+    per_row = jax.ShapeDtypeStruct((batch,), jnp.float32)
+    return Rows(
         prompt_lengths=r.rows,
         budget_tokens=r.budget,
         budget_ratio=_budget_ratio(policy, batch),
         thresholds=r.thresholds,
-        key=r.key,
-        step=jax.ShapeDtypeStruct((), jnp.int32),
+        keys=jax.ShapeDtypeStruct((batch, 2), jnp.uint32),
+        steps=r.rows,
+        positions=r.rows,
+        sampling=SamplingRows(temperature=per_row, top_k=r.rows, top_p=per_row),
+    )
+
+
+def _read_costs(r: _AbstractRequest, policy, decode_kv: KVState) -> dict[str, ProgramCost | None]:
+    """One decode step's reading, and the eviction apart (None if it never evicts)."""
+    cfg, batch = r.model.config, len(r.lengths)
+    context_arrays = StepContext(
+        rows=_abstract_rows(r, policy),
         policy_params=r.params,
         policy=r.static,
         backend=r.backend,

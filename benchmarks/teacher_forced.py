@@ -15,10 +15,11 @@ import numpy as np
 
 import jaxkv
 from jaxkv import policies
-from jaxkv.generation import StepContext, decode_step
+from jaxkv.generation import Rows, StepContext, decode_step
 from jaxkv.models import Tokenizer
 from jaxkv.policies.confkv import confidence, confident_steps
 from jaxkv.prose import prose
+from jaxkv.step.rows import row_keys
 from jaxkv.train import corpus as corpus_lib
 
 BOS = 256  # the byte-level model's
@@ -96,22 +97,24 @@ def _read(
     mean tokens held per head [N].
     """
 
-    context = StepContext(
+    batch = starts.shape[0]
+    rows = Rows.start(
         prompt_lengths=starts,
         budget_tokens=budget_tokens,
         budget_ratio=budget_ratio,
         thresholds=thresholds,
-        key=key,
-        step=jnp.zeros((), jnp.int32),
-        policy_params=policy_params,
-        policy=policy,
+        keys=row_keys(key, jnp.arange(batch)),
+        sampling=jaxkv.Sampler().rows(batch),
     )
+    everyone = jnp.ones((batch,), bool)
+    # As in `generate`: step i reads the token sampled after i + 1 were generated.
+    rows = rows.advanced(everyone)
+    context = StepContext(rows=rows, policy_params=policy_params, policy=policy)
 
-    def step(kv, xs):
-        token, target, i = xs
-        positions = starts + i
-        # As in `generate`: the step after i + 1 tokens of the continuation were generated.
-        kv, logits = decode_step(model, kv, token, positions, context.replace(step=i + 1))
+    def step(carry, xs):
+        kv, rows = carry
+        token, target = xs
+        kv, logits = decode_step(model, kv, token, everyone, context.replace(rows=rows))
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), target[:, None], axis=-1)[:, 0]
         int8_pages = 0 if kv.pool.int8 is None else kv.pool.int8.pages_in_use()
         pages = jnp.stack([kv.pages_in_use(), jnp.asarray(int8_pages, jnp.int32)])
@@ -120,10 +123,9 @@ def _read(
             confident = confident_steps(logits, thresholds, policy.weights)
         else:
             confident = jnp.zeros(logits.shape[:1], bool)
-        return kv, (nll, confidence(logits), confident, pages, held)
+        return (kv, rows.advanced(everyone)), (nll, confidence(logits), confident, pages, held)
 
-    steps = jnp.arange(tokens.shape[1])
-    _, out = jax.lax.scan(step, kv, (tokens.T, targets.T, steps))
+    _, out = jax.lax.scan(step, (kv, rows), (tokens.T, targets.T))
     return out
 
 

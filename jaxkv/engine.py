@@ -36,7 +36,6 @@ import numpy as np
 from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import CacheConfig, KVState
 from jaxkv.cache.config import check_count
-from jaxkv.cache.eviction import run_if
 from jaxkv.cache.geometry import table_pages_bucket
 from jaxkv.cache.rows import insert_row, release_rows
 from jaxkv.compile_log import compiling_as
@@ -53,8 +52,9 @@ from jaxkv.models.decoder import Model, logits_from_hidden
 from jaxkv.policies import FullCache, Policy, from_spec
 from jaxkv.policies.base import PolicyParams
 from jaxkv.sampling import Sampler
-from jaxkv.step.decode import StepContext, read_tokens
-from jaxkv.step.parts import DecodeContext, local_window
+from jaxkv.step.decode import StepContext, decode_and_sample, next_tokens
+from jaxkv.step.parts import local_window
+from jaxkv.step.rows import Rows, row_keys
 
 
 class QueueFullError(ValueError):
@@ -139,116 +139,28 @@ def pages_needed_alone(
     return (heads * tokens + heads * (page_size - 1)) // page_size
 
 
-def _sampling_key(key: jax.Array, step: jax.Array) -> jax.Array:
-    """The key `generate` samples a row's token `step` with (its one row: row 0)."""
-    step_key = jnp.where(
-        step == 0, jax.random.fold_in(key, 0), jax.random.fold_in(jax.random.fold_in(key, step), 0)
-    )
-    return jax.random.fold_in(step_key, 0)
-
-
-def sample_rows(logits, keys, temperature, top_k, top_p) -> jax.Array:
-    """int32 [B] tokens from logits [B, V], each row with its own key and settings (the
-    `Sampler` rules: temperature 0 is greedy; top_k 0 and top_p > 1 keep every token)."""
-
-    def one(row_logits, key, temperature, top_k, top_p):
-        scaled = row_logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
-        ranked = jnp.sort(scaled)[::-1]
-        kth = ranked[jnp.clip(top_k - 1, 0, ranked.shape[0] - 1)]
-        scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
-        ranked = jnp.sort(scaled)[::-1]
-        probs = jax.nn.softmax(ranked)
-        kept = (jnp.cumsum(probs) - probs) < top_p
-        threshold = jnp.min(jnp.where(kept, ranked, jnp.inf))
-        scaled = jnp.where((top_p <= 1.0) & (scaled < threshold), -jnp.inf, scaled)
-        drawn = jax.random.categorical(key, scaled[None], axis=-1)[0]
-        return jnp.where(temperature > 0, drawn, jnp.argmax(row_logits)).astype(jnp.int32)
-
-    def greedy():
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    # All-greedy steps (the common case) skip the per-row vocabulary sorts.
-    return jax.lax.cond(
-        jnp.any(temperature > 0),
-        lambda: jax.vmap(one)(logits, keys, temperature, top_k, top_p),
-        greedy,
-    )
-
-
 @functools.partial(jax.jit, static_argnames=("policy", "backend"), donate_argnames=("kv",))
-def _decode_rows(
-    model,
-    kv,
-    tokens,
-    positions,
-    steps,
-    prompt_lengths,
-    budget_tokens,
-    budget_ratio,
-    thresholds,
-    keys,
-    temperature,
-    top_k,
-    top_p,
-    policy_params,
-    *,
-    policy,
-    backend,
-):
-    """One decode step of every slot (position -1: an idle slot, nothing written): the model,
-    the policy's decode eviction for the rows due (`steps` % its interval == 0, as in
-    `generate`), and each row's next token. Donates `kv`. Returns (kv, tokens int32 [B])."""
-    context = StepContext(
-        prompt_lengths=prompt_lengths,
-        budget_tokens=budget_tokens,
-        budget_ratio=budget_ratio,
-        thresholds=thresholds,
-        key=keys[0],
-        step=jnp.zeros((), jnp.int32),
-        policy_params=policy_params,
-        policy=policy,
-        backend=backend,
-    )
-    kv, logits = read_tokens(model, kv, tokens, positions, context)
-    eviction = policy.decode_eviction
-    if eviction is not None:
-        due = (positions >= 0) & (steps % eviction.decode_interval == 0)
-        decode_context = DecodeContext(
-            prompt_lengths=prompt_lengths,
-            budget_tokens=budget_tokens,
-            budget_ratio=budget_ratio,
-            thresholds=thresholds,
-            positions=jnp.where(due, positions, -1),  # rows not due are left as they are
-            logits=logits,
-            key=jax.random.fold_in(keys[0], 1),
-            step=jnp.zeros((), jnp.int32),
-            group_size=model.config.group_size,
-        )
-        kv = run_if(jnp.any(due), lambda kv: eviction.on_decode(kv, decode_context), kv)
-    sample_keys = jax.vmap(_sampling_key)(keys, steps)
-    return kv, sample_rows(logits, sample_keys, temperature, top_k, top_p)
+def _decode_slots(model, kv, tokens, active, rows, policy_params, *, policy, backend):
+    """One decode step of the active slots (bool [B]; the others write nothing), as
+    `generate`'s loop runs it (`decode_and_sample`). Donates `kv`. Returns (kv, tokens int32
+    [B], rows)."""
+    context = StepContext(rows=rows, policy_params=policy_params, policy=policy, backend=backend)
+    kv, _, tokens, rows = decode_and_sample(model, kv, tokens, active, context)
+    return kv, tokens, rows
 
 
 @jax.jit
-def _first_token(model, last_hidden, key, step, temperature, top_k, top_p):
-    """The token a prefilled request samples at `step` (0 for a new one), as `generate` does."""
+def _first_token(model, last_hidden, row: Rows):
+    """The token a prefilled request samples next (`next_tokens` of its one row, as `generate`
+    samples its first), and the row after it."""
     logits = logits_from_hidden(model.params, model.config, last_hidden)
-    keys = _sampling_key(key, step)[None]
-    settings = (jnp.reshape(value, (1,)) for value in (temperature, top_k, top_p))
-    return sample_rows(logits, keys, *settings)[0]
+    tokens, row = next_tokens(logits, row, jnp.ones((1,), bool))
+    return tokens[0], row
 
 
 _insert = jax.jit(insert_row, donate_argnames=("kv",))
+_insert_rows = jax.jit(Rows.insert, donate_argnums=(0,))
 _release = jax.jit(release_rows, donate_argnames=("kv",))
-
-
-def _sampler_arrays(sampler: Sampler) -> tuple[float, int, float]:
-    """(temperature, top_k (0: none), top_p (2.0: none)) of a sampler, as `sample_rows` reads."""
-    return (
-        sampler.temperature,
-        0 if sampler.top_k is None else sampler.top_k,
-        2.0 if sampler.top_p is None else sampler.top_p,
-    )
 
 
 class Engine:
@@ -320,10 +232,7 @@ class Engine:
         self._prefilled: tuple[_Request, object, KVState, jax.Array] | None = None
         self._next_id = 0
         self._admitted = 0
-        self._budget_tokens: np.ndarray | None = None
-        self._budget_ratio = np.zeros((self.max_slots,), np.float32)
-        self._thresholds = self.policy.thresholds(self.max_slots)  # one policy for every slot
-        self._prompt_lengths = np.zeros((self.max_slots,), np.int32)
+        self._rows: Rows | None = None  # every slot's row state, from the first admission on
         self.preemptions = 0
 
     # --- requests ------------------------------------------------------------------------
@@ -525,24 +434,25 @@ class Engine:
         self._slots[slot] = request
         request.order = self._admitted
         self._admitted += 1
-        budget = np.asarray(setup.budget_tokens)
-        if self._budget_tokens is None:
-            self._budget_tokens = np.zeros((self.max_slots, *budget.shape[1:]), budget.dtype)
-        self._budget_tokens[slot] = budget[0]
-        self._budget_ratio[slot] = setup.policy.budget_ratio(1)[0]
-        # What was prefilled: the prompt, and after a preemption the tokens generated so far.
-        self._prompt_lengths[slot] = len(request.prompt) + len(request.generated)
-        temperature, top_k, top_p = _sampler_arrays(request.sampler)
-        token = _first_token(
-            self.model,
-            last_hidden,
-            request.key,
-            len(request.generated),
-            temperature,
-            top_k,
-            top_p,
-        )
+        token, row = _first_token(self.model, last_hidden, self._row(request, setup))
+        if self._rows is None:
+            self._rows = row.repeated(self.max_slots)
+        self._rows = _insert_rows(self._rows, np.int32(slot), row)
         self._emit(slot, request, int(token), events, compressed=compressed)
+
+    def _row(self, request: _Request, setup) -> Rows:
+        """The request's row state after its prefill: what was prefilled (its prompt, and after
+        a preemption the tokens it had generated, whose count its keys go on from)."""
+        generated = len(request.generated)
+        return Rows.start(
+            prompt_lengths=[len(request.prompt) + generated],
+            budget_tokens=setup.budget_tokens,
+            budget_ratio=setup.policy.budget_ratio(1),
+            thresholds=setup.thresholds,
+            keys=row_keys(request.key, [0]),
+            sampling=request.sampler.rows(1),
+            steps=[generated],
+        )
 
     def _emit(
         self, slot: int, request: _Request, token: int, events: list, compressed: bool | None = None
@@ -592,37 +502,16 @@ class Engine:
         running = self._preempt_until_it_fits(running, events)
         if not running:
             return
-        b = self.max_slots
-        tokens = np.zeros((b,), np.int32)
-        positions = np.full((b,), -1, np.int32)
-        steps = np.zeros((b,), np.int32)
-        keys = np.zeros((b, 2), np.uint32)
-        temperature, top_k, top_p = (
-            np.zeros((b,), np.float32),
-            np.zeros((b,), np.int32),
-            np.full((b,), 2.0, np.float32),
-        )
+        tokens = np.zeros((self.max_slots,), np.int32)
+        active = np.zeros((self.max_slots,), bool)
         for slot in running:
-            request = self._slots[slot]
-            tokens[slot] = request.generated[-1]
-            positions[slot] = len(request.prompt) + len(request.generated) - 1
-            steps[slot] = len(request.generated)
-            keys[slot] = np.asarray(request.key)
-            temperature[slot], top_k[slot], top_p[slot] = _sampler_arrays(request.sampler)
-        self.kv, new_tokens = _decode_rows(
+            tokens[slot], active[slot] = self._slots[slot].generated[-1], True
+        self.kv, new_tokens, self._rows = _decode_slots(
             self.model,
             self.kv,
             tokens,
-            positions,
-            steps,
-            self._prompt_lengths,
-            self._budget_tokens,
-            self._budget_ratio,
-            self._thresholds,
-            keys,
-            temperature,
-            top_k,
-            top_p,
+            active,
+            self._rows,
             self.policy_params,
             policy=self.policy.static(),
             backend=self.backend,

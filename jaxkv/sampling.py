@@ -6,8 +6,10 @@ import dataclasses
 import math
 import numbers
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,28 +43,53 @@ class Sampler:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def __call__(self, logits: jax.Array, key: jax.Array) -> jax.Array:
-        """Samples int32 [B] from f32 logits [B, V]."""
-        if self.greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logits = logits.astype(jnp.float32) / self.temperature
-        if self.top_k is not None:
-            logits = _keep_top_k(logits, self.top_k)
-        if self.top_p is not None:
-            logits = _keep_top_p(logits, self.top_p)
-        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    def rows(self, batch: int) -> SamplingRows:
+        """These settings for each of `batch` rows (`sample_rows`' arrays, host)."""
+        return SamplingRows(
+            temperature=np.full((batch,), self.temperature, np.float32),
+            top_k=np.full((batch,), 0 if self.top_k is None else self.top_k, np.int32),
+            top_p=np.full((batch,), 2.0 if self.top_p is None else self.top_p, np.float32),
+        )
 
 
-def _keep_top_k(logits: jax.Array, k: int) -> jax.Array:
-    k = min(k, logits.shape[-1])
-    threshold = jax.lax.top_k(logits, k)[0][..., -1:]
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+@flax.struct.dataclass
+class SamplingRows:
+    """Each row's sampler settings (a `Sampler` per row, as arrays: rows of one batch may sample
+    differently without a recompile).
+
+    Attributes:
+      temperature: f32 [B] (0: greedy).
+      top_k: int32 [B] (0: no limit).
+      top_p: f32 [B] (above 1: no limit).
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
 
 
-def _keep_top_p(logits: jax.Array, top_p: float) -> jax.Array:
-    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    kept = mass_before < top_p  # the token that crosses top_p is kept too
-    threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+def sample_rows(logits: jax.Array, keys: jax.Array, settings: SamplingRows) -> jax.Array:
+    """int32 [B] tokens from logits [B, V], row b with its key keys[b] and its settings (the
+    `Sampler` rules: temperature first, then top-k, then top-p over what top-k kept; the most
+    likely token is always kept). A step whose rows are all greedy skips the vocabulary sorts."""
+
+    def one(row_logits, key, temperature, top_k, top_p):
+        scaled = row_logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+        ranked = jnp.sort(scaled)[::-1]
+        kth = ranked[jnp.clip(top_k - 1, 0, ranked.shape[0] - 1)]
+        scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
+        ranked = jnp.sort(scaled)[::-1]
+        probs = jax.nn.softmax(ranked)
+        kept = (jnp.cumsum(probs) - probs) < top_p  # the token that crosses top_p is kept too
+        threshold = jnp.min(jnp.where(kept, ranked, jnp.inf))
+        scaled = jnp.where((top_p <= 1.0) & (scaled < threshold), -jnp.inf, scaled)
+        drawn = jax.random.categorical(key, scaled)
+        return jnp.where(temperature > 0, drawn, jnp.argmax(row_logits)).astype(jnp.int32)
+
+    def greedy():
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled():
+        return jax.vmap(one)(logits, keys, settings.temperature, settings.top_k, settings.top_p)
+
+    return jax.lax.cond(jnp.any(settings.temperature > 0), sampled, greedy)

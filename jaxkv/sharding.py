@@ -200,7 +200,8 @@ class InferenceMesh:
         kinds, one per argument:
           "model"   the Model: its params split by `PARAM_AXES`, the config made local;
           "params"  the policy's parameters, split by the `policy` static's `params.axes`;
-          "rows"    a batch array [B, ...] (host): each shard gets its rows;
+          "rows"    a batch array [B, ...] (host), or a pytree of them: each shard gets its
+                    rows;
           "shard" / "donate"  per-shard values stacked [S, ...] (a previous run's output);
                     "donate" hands the buffers to the program;
           "same"    the same value on every device.
@@ -211,8 +212,8 @@ class InferenceMesh:
         policy = statics.get("policy")  # splits "params" (`policy.params.axes`)
         placed = []
         for kind, arg in zip(kinds, args, strict=True):
-            if kind == "rows":
-                arg = self.split_rows(arg)
+            if kind == "rows":  # an array or a pytree of them (`jaxkv.step.rows.Rows`)
+                arg = jax.tree.map(self.split_rows, arg)
             elif kind == "model":  # a no-op when already placed (`generate` places it once)
                 arg = self.place(arg, self.model_specs(arg))
             elif kind == "params":

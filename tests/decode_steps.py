@@ -19,6 +19,7 @@ import jaxkv
 from jaxkv.models.decoder import logits_from_hidden
 from jaxkv.step.forward import forward_cached
 from jaxkv.step.parts import DecodeContext
+from jaxkv.step.rows import Rows, row_keys
 
 
 @dataclasses.dataclass
@@ -34,7 +35,7 @@ class Step:
 
 
 @functools.partial(jax.jit, static_argnames="policy")
-def _step(model, kv, token, position, prompt_length, budget_tokens, thresholds, step, policy):
+def _step(model, kv, token, position, prompt_length, budget_tokens, thresholds, policy):
     hidden, kv, _ = forward_cached(
         model,
         token[None, None],
@@ -51,8 +52,7 @@ def _step(model, kv, token, position, prompt_length, budget_tokens, thresholds, 
         thresholds=thresholds,
         positions=position[None],
         logits=logits,
-        key=jax.random.PRNGKey(0),
-        step=step,
+        keys=jax.random.PRNGKey(0)[None],
         group_size=model.config.group_size,
     )
     return kv, policy.decode_eviction.on_decode(kv, ctx), logits[0]
@@ -81,7 +81,6 @@ def teacher_forced_steps(model, prompt: list[int], policy, continuation: list[in
             jnp.int32(len(prompt)),
             budget_tokens,
             jnp.asarray(policy.thresholds(1)),
-            jnp.int32(i + 1),
             policy.static(),
         )
         steps.append(
@@ -94,3 +93,18 @@ def teacher_forced_steps(model, prompt: list[int], policy, continuation: list[in
             )
         )
     return prompt_state, steps
+
+
+def policy_rows(policy, lengths, steps=None) -> Rows:
+    """The greedy decode state (`Rows`, key 0) of `policy` over prompts of `lengths` (int [B])
+    that have sampled `steps` tokens (default none)."""
+    lengths = np.asarray(lengths, np.int32)
+    return Rows.start(
+        prompt_lengths=lengths,
+        budget_tokens=policy.budget_tokens(lengths),
+        budget_ratio=policy.budget_ratio(len(lengths)),
+        thresholds=policy.thresholds(len(lengths)),
+        keys=row_keys(jax.random.PRNGKey(0), np.arange(len(lengths))),
+        sampling=jaxkv.Sampler().rows(len(lengths)),
+        steps=steps,
+    )

@@ -19,6 +19,7 @@ import jaxkv
 from jaxkv import policies
 from jaxkv.models import init_model
 from jaxkv.step.decode import StepContext, decode_step
+from tests.decode_steps import policy_rows
 from tests.tiny_models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,14 +113,7 @@ def _modules_a_decode_step_runs(policy) -> set[str]:
         model, [list(range(1, 41))], max_new_tokens=2, policy=policy, policy_params=params
     )
     ctx = StepContext(
-        prompt_lengths=jnp.asarray(lengths),
-        budget_tokens=jnp.asarray(policy.budget_tokens(lengths)),
-        budget_ratio=jnp.asarray(policy.budget_ratio(1)),
-        thresholds=jnp.asarray(policy.thresholds(1)),
-        key=jax.random.PRNGKey(0),
-        step=jnp.int32(1),
-        policy_params=params,
-        policy=policy.static(),
+        rows=policy_rows(policy, lengths, steps=[1]), policy_params=params, policy=policy.static()
     )
     ran: set[str] = set()
 
@@ -128,10 +122,10 @@ def _modules_a_decode_step_runs(policy) -> set[str]:
         if event == "call" and name.startswith(f"{PACKAGE}."):
             ran.add(name)
 
-    step = jax.jit(lambda kv, tokens, positions: decode_step(model, kv, tokens, positions, ctx))
+    step = jax.jit(lambda kv, tokens, active: decode_step(model, kv, tokens, active, ctx))
     sys.setprofile(profile)
     try:
-        step.trace(out.state, jnp.array([1]), jnp.array([41]))
+        step.trace(out.state, jnp.array([1]), jnp.array([True]))
     finally:
         sys.setprofile(None)
     return ran

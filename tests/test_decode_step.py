@@ -16,6 +16,7 @@ from jaxkv.generation import StepContext, decode_step
 from jaxkv.generation.mesh import MODEL, ROWS, SHARD, program
 from jaxkv.models import init_model
 from jaxkv.step.forward import forward_cached
+from tests.decode_steps import policy_rows
 from tests.tiny_models import tiny_config
 
 CONFIG = tiny_config(max_position_embeddings=512)
@@ -28,24 +29,17 @@ def model():
 
 
 @functools.partial(jax.jit, static_argnames="policy")
-def _teacher_forced(model, kv, tokens, starts, budget_tokens, budget_ratio, thresholds, policy):
+def _teacher_forced(model, kv, tokens, rows, policy):
     """Reads tokens [B, N] with `decode_step`: (argmax of each step's logits [B, N], kv)."""
-    context = StepContext(
-        prompt_lengths=starts,
-        budget_tokens=budget_tokens,
-        budget_ratio=budget_ratio,
-        thresholds=thresholds,
-        key=jax.random.PRNGKey(0),
-        step=jnp.zeros((), jnp.int32),
-        policy=policy,
-    )
+    everyone = jnp.ones(tokens.shape[:1], bool)
+    rows = rows.advanced(everyone)  # as in `generate`: the first token was sampled
 
-    def step(kv, xs):
-        token, i = xs
-        kv, logits = decode_step(model, kv, token, starts + i, context.replace(step=i + 1))
-        return kv, jnp.argmax(logits, axis=-1)
+    def step(carry, token):
+        kv, rows = carry
+        kv, logits = decode_step(model, kv, token, everyone, StepContext(rows, policy=policy))
+        return (kv, rows.advanced(everyone)), jnp.argmax(logits, axis=-1)
 
-    kv, predicted = jax.lax.scan(step, kv, (tokens.T, jnp.arange(tokens.shape[1])))
+    (kv, _), predicted = jax.lax.scan(step, (kv, rows), tokens.T)
     return predicted.T, kv
 
 
@@ -65,14 +59,7 @@ def test_decode_step_reproduces_generate_token_for_token(model, policy):
     kv = jaxkv.compress_prompt(model, prompts, policy, reserve_tokens=STEPS)
     starts = np.array([len(p) for p in prompts], np.int32)
     predicted, kv = _teacher_forced(
-        model,
-        kv,
-        jnp.asarray(out.tokens[:, :-1]),
-        starts,
-        policy.budget_tokens(starts),
-        policy.budget_ratio(len(prompts)),
-        policy.thresholds(len(prompts)),
-        policy=policy.static(),
+        model, kv, jnp.asarray(out.tokens[:, :-1]), policy_rows(policy, starts), policy.static()
     )
     np.testing.assert_array_equal(np.asarray(predicted), out.tokens[:, 1:])
     # The same tokens held per head as the loop's final state (evicting policies included).
@@ -115,15 +102,7 @@ def _abstract_step(spec: str):
             dtype=jnp.float32,
         )
     )
-    context = StepContext(
-        prompt_lengths=jnp.full((1,), 400, jnp.int32),
-        budget_tokens=policy.budget_tokens(np.array([400])),
-        budget_ratio=policy.budget_ratio(1),
-        thresholds=policy.thresholds(1),
-        key=jax.random.PRNGKey(0),
-        step=jnp.zeros((), jnp.int32),
-        policy=policy.static(),
-    )
+    context = StepContext(rows=policy_rows(policy, [400]), policy=policy.static())
     return init_model(cfg, seed=0), kv, context
 
 
@@ -164,7 +143,7 @@ def test_decode_eviction_compacts_the_pool_in_place(spec):
     compaction) holds no copy of a pool: a `lax.cond` around the eviction made XLA copy the
     whole pool into the conditional (`run_if`)."""
     model, kv, context = _abstract_step(spec)
-    rows = jnp.zeros((1,), jnp.int32)
-    hlo = jax.jit(decode_step, donate_argnums=1).lower(model, kv, rows, rows, context)
+    tokens, active = jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)
+    hlo = jax.jit(decode_step, donate_argnums=1).lower(model, kv, tokens, active, context)
     copies = _pool_copies(hlo.compile().as_text())
     assert not copies, f"{len(copies)} copies of a pool"

@@ -152,7 +152,13 @@ def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):
         model, "snapkv:0.3", cache=CacheConfig(num_pages=1024), max_slots=3, max_context=1024
     )
     run_staggered(eng, {0: [(0, 4, {})]})  # compiled once
-    programs = (engine._decode_rows, engine._insert, engine._release, engine._first_token)
+    programs = (
+        engine._decode_slots,
+        engine._insert,
+        engine._insert_rows,
+        engine._release,
+        engine._first_token,
+    )
     before = [program._cache_size() for program in programs]
     rng = np.random.default_rng(0)
     arrivals = {

@@ -12,6 +12,7 @@ import jaxkv
 from jaxkv import Sampler, policies
 from jaxkv.models import ModelConfig, init_model
 from jaxkv.models.configs import Family
+from jaxkv.sampling import sample_rows
 
 CONFIG = ModelConfig(
     family=Family.QWEN3,
@@ -41,7 +42,8 @@ def test_sampler_top_k_and_top_p_restrict_the_support():
     keys = jax.random.split(jax.random.PRNGKey(0), 2000)
 
     def draws(sampler):
-        return np.asarray(jax.vmap(lambda k: sampler(logits, k))(keys))[:, 0]
+        rows = jnp.repeat(logits, len(keys), axis=0)
+        return np.asarray(sample_rows(rows, keys, sampler.rows(len(keys))))
 
     assert set(draws(Sampler(temperature=1.0, top_k=2))) == {0, 1}
     assert set(draws(Sampler(temperature=1.0, top_p=0.79))) == {0, 1}  # 0.5 + 0.3 crosses 0.79
@@ -49,7 +51,7 @@ def test_sampler_top_k_and_top_p_restrict_the_support():
     counts = np.bincount(draws(Sampler(temperature=1.0)), minlength=4) / len(keys)
     np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.04)
     assert set(draws(Sampler(temperature=1.0, top_k=1))) == {0}
-    assert int(Sampler()(logits, keys[0])[0]) == 0
+    assert int(sample_rows(logits, keys[:1], Sampler().rows(1))[0]) == 0
 
 
 def test_sampler_rejects_bad_settings():

@@ -26,9 +26,9 @@ from jaxkv.models.decoder import (
     logits_from_hidden,
 )
 from jaxkv.models.layers import rope_cos_sin
-from jaxkv.step.decode import after_decode_step
+from jaxkv.step.decode import StepContext, after_decode_step, decode_context
 from jaxkv.step.forward import forward_cached
-from jaxkv.step.parts import DecodeContext
+from jaxkv.step.rows import Rows
 from tests.dense_reference import cached_keys_values
 from tests.tiny_models import tiny_config
 
@@ -56,16 +56,18 @@ def _step(model, kv, token, position, prompt_length, budget_tokens, thresholds, 
         policy=policy,
         thresholds=thresholds,
     )
-    ctx = DecodeContext(
+    rows = Rows.start(
         prompt_lengths=prompt_length[None],
         budget_tokens=budget_tokens,
         budget_ratio=jnp.zeros((1,), jnp.float32),
         thresholds=thresholds,
-        positions=position[None],
-        logits=logits_from_hidden(model.params, model.config, hidden[:, 0]),
-        key=jax.random.PRNGKey(0),
-        step=step,
-        group_size=model.config.group_size,
+        keys=jax.random.PRNGKey(0)[None],
+        sampling=jaxkv.Sampler().rows(1),
+        steps=step[None],
+    )
+    logits = logits_from_hidden(model.params, model.config, hidden[:, 0])
+    ctx = decode_context(
+        StepContext(rows=rows, policy=policy), position[None], logits, model.config.group_size
     )
     return kv, after_decode_step(policy, kv, ctx)
 

@@ -2,7 +2,8 @@
 
 request   checks and pads the prompts, sizes the prefill pool, places the model on the mesh;
 prefill   chunked prefill with the policy's observations, then its compression;
-loop      the decode loop over `jaxkv.step.decode_step` (after the repack into its geometry);
+loop      the decode loop over `jaxkv.step.decode.decode_and_sample` (after the repack into
+          its geometry);
 session   `Session`: `prefill`, `extend`, `fork` and `decode` over a prefilled context (import
           them from `jaxkv`: here `prefill` names the module);
 api       `generate`, `compress_prompt` and `ask`, built on sessions;
@@ -13,7 +14,8 @@ from jaxkv.generation.api import AskOutput, ask, compress_prompt, generate, gene
 from jaxkv.generation.loop import GenState
 from jaxkv.generation.request import DEFAULT_PREFILL_CHUNK, PromptIds
 from jaxkv.generation.session import GenerateOutput, Session, extend_with_logits
-from jaxkv.step.decode import StepContext, decode_step, step_keys
+from jaxkv.step.decode import StepContext, decode_step
+from jaxkv.step.rows import Rows
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
@@ -24,10 +26,10 @@ __all__ = [
     "GenState",
     "GenerateOutput",
     "PromptIds",
+    "Rows",
     "StepContext",
     "compress_prompt",
     "decode_step",
     "generate",
     "generate_text",
-    "step_keys",
 ]

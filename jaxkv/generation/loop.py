@@ -25,9 +25,9 @@ from jaxkv.cache import (
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.models.decoder import Model, logits_from_hidden
 from jaxkv.policies import Policy
-from jaxkv.sampling import Sampler
 from jaxkv.sharding import InferenceMesh
-from jaxkv.step.decode import StepContext, decode_step, step_keys
+from jaxkv.step.decode import StepContext, decode_and_sample, next_tokens
+from jaxkv.step.rows import Rows
 
 
 @flax.struct.dataclass
@@ -36,7 +36,8 @@ class GenState:
 
     Attributes:
       kv: the KV state.
-      context: the step's `StepContext` (its `step`: tokens generated so far).
+      context: the step's `StepContext` (its `rows`: each row's state).
+      step: int32 [] tokens generated so far (every row of `generate` steps together).
       tokens: int32 [B, S] generated tokens (pad after a stop token); S is max_new_tokens
         rounded up to its bucket (`jaxkv.cache.geometry`), the loop stops at max_new_tokens.
       last_token: int32 [B] the newest token, fed to the next step.
@@ -52,6 +53,7 @@ class GenState:
 
     kv: KVState
     context: StepContext
+    step: jax.Array
     tokens: jax.Array
     last_token: jax.Array
     max_new_tokens: jax.Array
@@ -61,32 +63,12 @@ class GenState:
     policy_trace: jax.Array | None
     listener: jax.Array | None = None
 
-    @property
-    def step(self) -> jax.Array:
-        return self.context.step
 
-
-def _loop_step(
-    model: Model, state: GenState, *, sampler: Sampler, stop_tokens, pad_id: int
-) -> GenState:
-    ctx = state.context
-    positions = jnp.where(state.done, -1, ctx.prompt_lengths + ctx.step - 1)
-    kv, logits = decode_step(model, state.kv, state.last_token, positions, ctx)
-    token = _sample(sampler, logits, step_keys(ctx)[0])
-    return _record(state, kv, logits, token, stop_tokens, pad_id)
-
-
-def _sample(sampler: Sampler, logits: jax.Array, key: jax.Array) -> jax.Array:
-    """int32 [B] tokens from logits [B, V]; row b draws with `fold_in(key, b)` (b: its row in
-    the whole request), so sampled tokens do not depend on the batch's split over a mesh."""
-    if sampler.greedy:
-        return sampler(logits, key)
-    row_keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(
-        collectives.global_rows(logits.shape[0])
+def _loop_step(model: Model, state: GenState, *, stop_tokens, pad_id: int) -> GenState:
+    kv, logits, token, rows = decode_and_sample(
+        model, state.kv, state.last_token, ~state.done, state.context
     )
-    return jax.vmap(lambda row_logits, row_key: sampler(row_logits[None], row_key)[0])(
-        logits, row_keys
-    )
+    return _record(state, kv, logits, token, rows, stop_tokens, pad_id)
 
 
 # Host listeners of streamed tokens, by id: the decode loop calls back with an id (an array,
@@ -114,7 +96,9 @@ def _deliver(listener, step, tokens, done) -> None:
     _LISTENERS[int(listener)](int(step), np.asarray(tokens), np.asarray(done))
 
 
-def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: int) -> GenState:
+def _record(
+    state: GenState, kv: KVState, logits, token, rows: Rows, stop_tokens, pad_id: int
+) -> GenState:
     token = jnp.where(state.done, pad_id, token)
     done = state.done | jnp.any(token[:, None] == stop_tokens[None, :], axis=-1)
     if state.listener is not None:
@@ -128,7 +112,8 @@ def _record(state: GenState, kv: KVState, logits, token, stop_tokens, pad_id: in
         tokens=state.tokens.at[:, state.step].set(token),
         last_token=token,
         done=done,
-        context=state.context.replace(step=state.step + 1),
+        context=state.context.replace(rows=rows),
+        step=state.step + 1,
         pages_in_use=state.pages_in_use.at[state.step].set(kv.pages_in_use()),
         int8_pages_in_use=state.int8_pages_in_use.at[state.step].set(
             0 if kv.pool.int8 is None else kv.pool.int8.pages_in_use()
@@ -199,43 +184,29 @@ def _decode_loop(
     model,
     kv,
     last_hidden,
-    lengths,
-    budget_tokens,
-    budget_ratio,
-    thresholds,
+    rows,
     max_new_tokens,
-    key,
     stop_tokens,
     policy_params,
     listener,
     *,
     steps_bucket,
     policy,
-    sampler,
     pad_id,
     backend,
 ) -> GenState:
     """Decodes in a `lax.while_loop` until `max_new_tokens` (traced; the per-step arrays have
-    `steps_bucket` entries), all sequences stopped, or the pool overflowed. `decode_loop`
+    `steps_bucket` entries), all sequences stopped, or the pool overflowed; each row as its
+    `rows` say (`jaxkv.step.rows.Rows`: its policy values, key and sampler). `decode_loop`
     donates `kv` (the loop updates the pool in place); `decode_loop_keeping_kv` leaves it valid
     (a session decoded again), at the cost of a copy."""
     logits = logits_from_hidden(model.params, model.config, last_hidden)
-    b = lengths.shape[0]
+    b = last_hidden.shape[0]
     records = _step_record(policy, logits) is not None
-    context = StepContext(
-        prompt_lengths=lengths,
-        budget_tokens=budget_tokens,
-        budget_ratio=budget_ratio,
-        thresholds=thresholds,
-        key=key,
-        step=jnp.zeros((), jnp.int32),
-        policy_params=policy_params,
-        policy=policy,
-        backend=backend,
-    )
     state = GenState(
         kv=kv,
-        context=context,
+        context=StepContext(rows=rows, policy_params=policy_params, policy=policy, backend=backend),
+        step=jnp.zeros((), jnp.int32),
         tokens=jnp.full((b, steps_bucket), pad_id, jnp.int32),
         last_token=jnp.zeros((b,), jnp.int32),
         max_new_tokens=max_new_tokens,
@@ -245,8 +216,8 @@ def _decode_loop(
         policy_trace=jnp.zeros((steps_bucket, b), jnp.float32) if records else None,
         listener=listener,
     )
-    token = _sample(sampler, logits, jax.random.fold_in(key, 0))
-    state = _record(state, kv, logits, token, stop_tokens, pad_id)
+    token, rows = next_tokens(logits, rows, jnp.ones((b,), bool))
+    state = _record(state, kv, logits, token, rows, stop_tokens, pad_id)
 
     def keep_going(state: GenState):
         # Every device of a mesh runs the same number of steps (the steps hold collectives).
@@ -254,9 +225,7 @@ def _decode_loop(
         overflow = collectives.any_shard(state.kv.pool.overflow)
         return (state.step < state.max_new_tokens) & ~finished & ~overflow
 
-    step = functools.partial(
-        _loop_step, model, sampler=sampler, stop_tokens=stop_tokens, pad_id=pad_id
-    )
+    step = functools.partial(_loop_step, model, stop_tokens=stop_tokens, pad_id=pad_id)
     state = jax.lax.while_loop(keep_going, step, state)
     return state.replace(context=state.context.replace(policy_params=None))  # not an output
 
@@ -265,16 +234,12 @@ _DECODE_PLACEMENTS = dict(
     model=MODEL,
     kv=SHARD,
     last_hidden=SHARD,
-    lengths=ROWS,
-    budget_tokens=ROWS,
-    budget_ratio=ROWS,
-    thresholds=ROWS,
+    rows=ROWS,
     max_new_tokens=SAME,
-    key=SAME,
     stop_tokens=SAME,
     policy_params=POLICY_PARAMS,
     listener=SAME,
 )
-_DECODE_STATIC = ("steps_bucket", "policy", "sampler", "pad_id", "backend")
+_DECODE_STATIC = ("steps_bucket", "policy", "pad_id", "backend")
 decode_loop = program(static=_DECODE_STATIC, donate=("kv",), **_DECODE_PLACEMENTS)(_decode_loop)
 decode_loop_keeping_kv = program(static=_DECODE_STATIC, **_DECODE_PLACEMENTS)(_decode_loop)

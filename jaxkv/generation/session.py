@@ -57,6 +57,7 @@ from jaxkv.policies import Policy
 from jaxkv.policies.base import PolicyParams
 from jaxkv.sampling import Sampler
 from jaxkv.sharding import InferenceMesh
+from jaxkv.step.rows import Rows, row_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,18 @@ class Session:
     @property
     def batch(self) -> int:
         return len(self.lengths)
+
+    def rows(self, sampler: Sampler, key: jax.Array) -> Rows:
+        """The state each row decodes from (`jaxkv.step.rows.Rows`, host): what it has read,
+        its policy values, its key (row b: `fold_in(key, b)`) and the sampler's settings."""
+        return Rows.start(
+            prompt_lengths=self.lengths,
+            budget_tokens=self.budget_tokens,
+            budget_ratio=self.budget_ratio,
+            thresholds=self.thresholds,
+            keys=row_keys(key, np.arange(self.batch)),
+            sampling=sampler.rows(self.batch),
+        )
 
     def memory_bytes(self) -> int:
         """Bytes the KV state holds (shared pages once); host-side int."""
@@ -539,17 +552,12 @@ def _decode(
             model=session.model,
             kv=kv,
             last_hidden=session.last_hidden,
-            lengths=session.lengths,
-            budget_tokens=session.budget_tokens,
-            budget_ratio=session.budget_ratio,
-            thresholds=session.thresholds,
+            rows=session.rows(sampler, key),
             max_new_tokens=np.int32(max_new_tokens),
-            key=key,
             stop_tokens=jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
             policy_params=session.policy_params,
             steps_bucket=decode_steps_bucket(max_new_tokens),
             policy=policy.static(),
-            sampler=sampler,
             pad_id=pad_id,
             backend=session.backend,
             listener=listener,

@@ -38,6 +38,7 @@ from jaxkv.cache.eviction import compact, evict_in_place, keep_top_per_head, run
 from jaxkv.policies import base
 from jaxkv.policies.eviction import check_evict_every
 from jaxkv.step.parts import DecodeContext, PrefillObservations, budget_column
+from jaxkv.step.rows import row_keys
 
 
 class Ranking(enum.Enum):
@@ -179,7 +180,7 @@ class CompositeRanking:
         return jnp.broadcast_to(layer_mean, mass.shape)
 
     def evict(
-        self, kv: KVState, budgets, newest_positions, key, thresholds, max_moves=None
+        self, kv: KVState, budgets, newest_positions, keys, thresholds, max_moves=None
     ) -> KVState:
         """Each head keeps its newest `protected` positions (up to newest_positions [B]) and its
         best-ranked others (alpha: the `thresholds` column), budgets [L, B] tokens in all, when
@@ -194,8 +195,9 @@ class CompositeRanking:
             protected = held & newest
             if self.ranking is Ranking.RANDOM:
                 heads = positions.shape[2] if self.per_head else 1
-                shape = (*positions.shape[:2], heads, positions.shape[3])
-                scores = jnp.broadcast_to(jax.random.uniform(key, shape), positions.shape)
+                shape = (positions.shape[0], heads, positions.shape[3])
+                drawn = jax.vmap(lambda key: jax.random.uniform(key, shape), out_axes=1)(keys)
+                scores = jnp.broadcast_to(drawn, positions.shape)
             else:
                 mass = self.ranking_mass(kv)
                 alpha = threshold_column(thresholds, "alpha")[None, :, None, None]
@@ -220,7 +222,8 @@ class LooseBudgetCompression(base.PromptCompressionPart):
         del model
         loose = budget_column(obs.budget_tokens, BUDGET_COLUMNS, "loose")
         budgets = self.rank.layer_budgets(loose, kv.num_layers)
-        return self.rank.evict(kv, budgets, obs.prompt_lengths - 1, obs.key, obs.thresholds)
+        keys = row_keys(obs.key, collectives.global_rows(obs.prompt_lengths.shape[0]))
+        return self.rank.evict(kv, budgets, obs.prompt_lengths - 1, keys, obs.thresholds)
 
 
 def confident_steps(logits: jax.Array, thresholds: jax.Array, weights) -> jax.Array:
@@ -260,7 +263,7 @@ class ConfidenceEviction:
         # Finished sequences (position -1) wrote nothing and are left as they are.
         budgets = jnp.where(ctx.positions >= 0, budgets, kv.max_tokens_per_head)
         return self.rank.evict(
-            kv, budgets, ctx.positions, ctx.key, ctx.thresholds, max_moves=self.evict_every
+            kv, budgets, ctx.positions, ctx.keys, ctx.thresholds, max_moves=self.evict_every
         )
 
 

@@ -91,11 +91,10 @@ class DecodeContext:
     Attributes:
       prompt_lengths, budget_tokens: int32 [B] (budget_tokens [B, n] for policies with several).
       budget_ratio: f32 [B] the budget's ratio of the sequence (0 for a token budget).
-      positions: int32 [B] position of the token just written (-1 for finished sequences).
+      positions: int32 [B] position of the token just written (-1: a row that wrote none or
+        whose eviction is not due this step, left as it is).
       logits: f32 [B, V] this step's next-token logits (before sampling).
-      key: PRNG key of this step for stochastic policies.
-      step: int32 [] decode tokens written so far, this one included (on_decode runs on the
-        steps where step % `decode_interval` == 0).
+      keys: uint32 [B, 2] each row's PRNG key of this step, for stochastic policies.
       thresholds: f32 [B, n] the policy's thresholds (`Policy.thresholds`; None: it has none).
       group_size: static G, query heads per KV head.
     """
@@ -105,8 +104,7 @@ class DecodeContext:
     budget_ratio: jax.Array
     positions: jax.Array
     logits: jax.Array
-    key: jax.Array
-    step: jax.Array
+    keys: jax.Array
     thresholds: jax.Array | None = None
     group_size: int = flax.struct.field(pytree_node=False, default=1)
 
