@@ -146,7 +146,7 @@ def test_a_decode_step_runs_in_the_engine_room_and_below_it():
         ran = _modules_a_decode_step_runs(policy)
         packages = {module.rsplit(".", 1)[0] for module in ran}
         assert {m for m in ran if m.startswith("jaxkv.step.")} == {
-            f"jaxkv.step.{m}" for m in ("parts", "layer", "forward", "decode")
+            f"jaxkv.step.{m}" for m in ("rows", "parts", "layer", "forward", "decode")
         }
         gates = {"jaxkv.gates"} if policy.params is not None else set()
         assert packages == {

@@ -344,57 +344,102 @@ grow_pool = program(static=("num_pages",), kv=SHARD)(grow)
 empty_carry = program(static=("batch", "policy"), model=MODEL)(_empty_carry)
 
 
-def prefill_chunks(model, request: Request, key, policy_params, backend: Backend):
-    """Chunked prefill one program call per chunk, as a generator: yields the number of chunks
-    done after each one (a caller can run other work in between: the engine's decode steps),
-    and returns (kv, last_hidden) after the compression. For a policy that admits an unknown
-    share of the prompt (`request.grows`) the pool starts at the policy's guess and, before each
-    chunk, grows (x2, bucketed) when fewer pages are free than the chunk could need, so that it
-    holds what is admitted plus about one chunk. On a mesh every device's pool has the same
-    size: the fullest device decides."""
-    prompts, policy, mesh = request.prompts, request.policy.static(), request.placement
-    kv = request.kv
+@flax.struct.dataclass
+class ChunkedPrefill:
+    """A prefill in flight, one program call per chunk (`start_chunked_prefill`, then
+    `prefill_next_chunk` until `done`, then `finish_chunked_prefill`): a caller can run other
+    work in between (the engine's decode steps) or report progress.
+
+    Attributes:
+      kv: the state after the chunks read so far.
+      carry: what the chunks recorded for the compression (`prefill_span`'s carry).
+      chunks_done: chunks read so far (host int).
+      num_chunks: chunks in all (host int).
+    """
+
+    kv: KVState
+    carry: object
+    chunks_done: int = flax.struct.field(pytree_node=False)
+    num_chunks: int = flax.struct.field(pytree_node=False)
+
+    @property
+    def done(self) -> bool:
+        return self.chunks_done == self.num_chunks
+
+
+def start_chunked_prefill(model, request: Request) -> ChunkedPrefill:
+    """A chunked prefill of the set-up request, no chunk read yet."""
+    _, rows = device_shares(model, request.prompts.lengths, request.placement)[0]
+    carry = empty_carry(
+        request.placement, model=model, batch=len(rows), policy=request.policy.static()
+    )
+    return ChunkedPrefill(
+        kv=request.kv, carry=carry, chunks_done=0, num_chunks=request.prompts.num_chunks
+    )
+
+
+def prefill_next_chunk(
+    model, request: Request, prefill: ChunkedPrefill, policy_params, backend: Backend
+) -> ChunkedPrefill:
+    """The prefill with its next chunk read. For a policy that admits an unknown share of the
+    prompt (`request.grows`) the pool starts at the policy's guess and, before each chunk,
+    grows (x2, bucketed) when fewer pages are free than the chunk could need, so that it holds
+    what is admitted plus about one chunk. On a mesh every device's pool has the same size: the
+    fullest device decides."""
+    prompts, mesh, kv = request.prompts, request.placement, prefill.kv
+    index = prefill.chunks_done
+    if index >= prefill.num_chunks:
+        raise ValueError(f"the prefill has read its {prefill.num_chunks} chunks: finish it")
     local_cfg, rows = device_shares(model, prompts.lengths, mesh)[0]
     heads = local_cfg.num_layers * local_cfg.num_kv_heads * len(rows)
     chunk_need = heads * (-(-prompts.chunk // kv.pool.page_size) + 1)
-    carry = empty_carry(mesh, model=model, batch=len(rows), policy=policy)
-    for index in range(prompts.num_chunks):
-        kv.check()
-        free = int(np.min(sharding.to_host(kv.pool.allocator.num_free)))
-        if request.grows and free < chunk_need:
-            in_use = kv.pool.num_pages - free
-            wanted = max(2 * kv.pool.num_pages, in_use + chunk_need)
-            kv = grow_pool(mesh, kv=kv, num_pages=pool_pages_bucket(wanted, kv.pool.page_size))
-        kv, carry = prefill_span(
-            mesh,
-            model=model,
-            tokens=prompts.tokens,
-            lengths=prompts.lengths,
-            first_chunk=np.int32(index),
-            end_chunk=np.int32(index + 1),
-            budget_tokens=request.budget_tokens,
-            thresholds=request.thresholds,
-            kv=kv,
-            carry=carry,
-            policy_params=policy_params,
-            offsets=np.zeros_like(prompts.lengths),
-            chunk=prompts.chunk,
-            policy=policy,
-            backend=backend,
-            evict_chunks=True,
-        )
-        yield index + 1
-    return compress(
+    kv.check()
+    free = int(np.min(sharding.to_host(kv.pool.allocator.num_free)))
+    if request.grows and free < chunk_need:
+        in_use = kv.pool.num_pages - free
+        wanted = max(2 * kv.pool.num_pages, in_use + chunk_need)
+        kv = grow_pool(mesh, kv=kv, num_pages=pool_pages_bucket(wanted, kv.pool.page_size))
+    kv, carry = prefill_span(
         mesh,
+        model=model,
+        tokens=prompts.tokens,
+        lengths=prompts.lengths,
+        first_chunk=np.int32(index),
+        end_chunk=np.int32(index + 1),
+        budget_tokens=request.budget_tokens,
+        thresholds=request.thresholds,
+        kv=kv,
+        carry=prefill.carry,
+        policy_params=policy_params,
+        offsets=np.zeros_like(prompts.lengths),
+        chunk=prompts.chunk,
+        policy=request.policy.static(),
+        backend=backend,
+        evict_chunks=True,
+    )
+    return prefill.replace(kv=kv, carry=carry, chunks_done=index + 1)
+
+
+def finish_chunked_prefill(
+    model, request: Request, prefill: ChunkedPrefill, key
+) -> tuple[KVState, jax.Array]:
+    """The policy's compression after the last chunk: (kv, last_hidden [B, D])."""
+    if not prefill.done:
+        raise ValueError(
+            f"the prefill has read {prefill.chunks_done} of its {prefill.num_chunks} chunks"
+        )
+    prompts = request.prompts
+    return compress(
+        request.placement,
         model=model,
         tokens=prompts.tokens,
         lengths=prompts.lengths,
         budget_tokens=request.budget_tokens,
         thresholds=request.thresholds,
-        kv=kv,
-        carry=carry,
+        kv=prefill.kv,
+        carry=prefill.carry,
         key=key,
-        policy=policy,
+        policy=request.policy.static(),
         int8_window=request.cache.int8_window,
     )
 
@@ -415,18 +460,6 @@ def rows_compressed(
         count = kv.ring.count if placement is None else placement.unshard(kv.ring.count, 1)
         held = held + np.minimum(sharding.to_host(count), kv.ring.window)[..., None]
     return np.any(held < np.asarray(tokens_read)[None, :, None], axis=(0, 2))
-
-
-def run_to_end(steps, on_step: Callable | None = None):
-    """The return value of a generator such as `prefill_chunks`, run to its end, calling
-    `on_step(value)` with each value it yields."""
-    while True:
-        try:
-            value = next(steps)
-        except StopIteration as done:
-            return done.value
-        if on_step is not None:
-            on_step(value)
 
 
 @program(
@@ -491,13 +524,16 @@ def run_prefill(
     on_chunk: Callable[[int, int], None] | None = None,
 ) -> tuple[KVState, jax.Array]:
     """Prefill and compression of a set-up request: (kv, last_hidden [B, D]). With `on_chunk`
-    and more than one chunk, one program call per chunk (`prefill_chunks`, as for a growing
+    and more than one chunk, one program call per chunk (`ChunkedPrefill`, as for a growing
     pool), calling `on_chunk(chunks done, chunks in all)` after each."""
     prompts = request.prompts
     if request.grows or (on_chunk is not None and prompts.num_chunks > 1):
-        report = None if on_chunk is None else (lambda done: on_chunk(done, prompts.num_chunks))
-        steps = prefill_chunks(model, request, key, policy_params, backend)
-        kv, last_hidden = run_to_end(steps, report)
+        prefill = start_chunked_prefill(model, request)
+        while not prefill.done:
+            prefill = prefill_next_chunk(model, request, prefill, policy_params, backend)
+            if on_chunk is not None:
+                on_chunk(prefill.chunks_done, prefill.num_chunks)
+        kv, last_hidden = finish_chunked_prefill(model, request, prefill, key)
     else:
         kv, last_hidden = prefill_and_compress(
             request.placement,

@@ -6,19 +6,23 @@
         ...
 
 `submit` refuses a request that its plan says the pool could not hold even alone
-(`TooLargeForPoolError`, `pages_needed_alone`). Each `step` (1) runs one prefill chunk of the
-request being admitted (its own small state, so a long prompt never stalls the running requests
-for its whole prefill), and once its prefill is compressed moves it into a free slot if the pages
-its policy holds fit in the pool; (2) runs one decode step for every running slot (one jitted
-program of fixed shapes: slots and pool are sized once), preempting the newest request (its pages
-freed, its prompt and tokens so far prefilled again later) when the step's new pages would not
-fit, never the only one running; (3) returns the slots and pages of finished requests at once. A
-smaller cache per request therefore admits more requests.
+(`TooLargeForPoolError`, `pages_needed_alone`). Each `step` is a plan and its execution: the
+scheduler (`jaxkv.engine.scheduler.plan_step`, pure host code over page counts) decides from
+what the engine holds which prefilled request is admitted into a free slot, which running
+requests are preempted (the newest, while the step's new pages would not fit; never the only
+one), which slots decode; the engine then runs the plan with its jitted programs: the admission
+(the request's pages into the pool, its row state into the slots'), one decode step of every
+running slot (one program of fixed shapes: slots and pool are sized once), then the next chunk of
+the prefill in flight (its own small state, so a long prompt never stalls the running requests
+for its whole prefill). A request's first token is sampled as its prefill ends, before it waits
+for a slot. Finished requests return their slots and pages at once, so a smaller cache per
+request admits more requests.
 
-Greedy and sampled tokens equal `generate` on the same prompt, policy and key: a request keeps
-its own PRNG key, step count and budget, and the policy's decode eviction runs for a row on the
-steps it would in `generate`. A preempted request is prefilled again over its prompt and the
-tokens it had (exact for policies that do not compress the prompt).
+Every slot carries its request's row state (`jaxkv.step.rows.Rows`: prompt length, budget, key,
+step, sampler settings) and runs `generate`'s own decode step (`decode_and_sample`), so greedy
+and sampled tokens equal `generate` on the same prompt, policy and key. A preempted request is
+prefilled again over its prompt and the tokens it had (exact for policies that do not compress
+the prompt).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +44,16 @@ from jaxkv.cache.config import check_count
 from jaxkv.cache.geometry import table_pages_bucket
 from jaxkv.cache.rows import insert_row, release_rows
 from jaxkv.compile_log import compiling_as
-from jaxkv.generation.prefill import prefill_chunks, rows_compressed
+from jaxkv.engine.scheduler import Prefilled, Running, View, plan_step
+from jaxkv.generation.prefill import (
+    ChunkedPrefill,
+    finish_chunked_prefill,
+    prefill_next_chunk,
+    rows_compressed,
+    start_chunked_prefill,
+)
 from jaxkv.generation.request import (
+    Request,
     checked_key,
     checked_stop_tokens,
     prompt_lengths,
@@ -111,6 +124,23 @@ class _Request:
     order: int = 0  # admission order, for choosing whom to preempt
 
 
+class _Prefilling(NamedTuple):
+    """A request whose prefill is in flight."""
+
+    request: _Request
+    setup: Request
+    prefill: ChunkedPrefill
+
+
+class _Prefilled(NamedTuple):
+    """A prefilled request waiting for a slot: its one-row state (compressed) and its row state
+    (its first token sampled)."""
+
+    request: _Request
+    kv: KVState
+    row: Rows
+
+
 def pages_needed_alone(
     policy: Policy, config: ModelConfig, prompt_length: int, max_new_tokens: int, page_size: int
 ) -> int:
@@ -156,6 +186,15 @@ def _first_token(model, last_hidden, row: Rows):
     logits = logits_from_hidden(model.params, model.config, last_hidden)
     tokens, row = next_tokens(logits, row, jnp.ones((1,), bool))
     return tokens[0], row
+
+
+@jax.jit
+def _row_pages(kv: KVState) -> tuple[jax.Array, jax.Array]:
+    """int32 [B] each row's pages held, and the pages its next decode step may allocate (one per
+    (layer, KV head) whose last page is full)."""
+    held = jnp.sum(kv.page_table >= 0, axis=(0, 2, 3))
+    full = kv.full_precision_lengths() % kv.pool.page_size == 0
+    return held, jnp.sum(full, axis=(0, 2))
 
 
 _insert = jax.jit(insert_row, donate_argnames=("kv",))
@@ -228,8 +267,8 @@ class Engine:
         )
         self._slots: list[_Request | None] = [None] * self.max_slots
         self._waiting: collections.deque[_Request] = collections.deque()
-        self._prefilling: tuple[_Request, Iterator, object] | None = None
-        self._prefilled: tuple[_Request, object, KVState, jax.Array] | None = None
+        self._prefilling: _Prefilling | None = None
+        self._prefilled: _Prefilled | None = None
         self._next_id = 0
         self._admitted = 0
         self._rows: Rows | None = None  # every slot's row state, from the first admission on
@@ -321,10 +360,10 @@ class Engine:
             if request.id == request_id:
                 self._waiting.remove(request)
                 return True
-        if self._prefilling is not None and self._prefilling[0].id == request_id:
+        if self._prefilling is not None and self._prefilling.request.id == request_id:
             self._prefilling = None
             return True
-        if self._prefilled is not None and self._prefilled[0].id == request_id:
+        if self._prefilled is not None and self._prefilled.request.id == request_id:
             self._prefilled = None
             return True
         for slot, request in enumerate(self._slots):
@@ -366,22 +405,58 @@ class Engine:
                 tokens[event.request_id].append(event.token)
         return dict(tokens)
 
-    # --- the step --------------------------------------------------------------------------
+    # --- the step: plan, execute ------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
-        """One prefill chunk of the request being admitted (and its admission once it fits),
-        then one decode step of every running request; the tokens produced."""
+        """One step: the scheduler's plan (`jaxkv.engine.scheduler.plan_step`) of what the
+        engine holds now, executed in its order (admission, preemption, a decode step of every
+        running request, the next prefill chunk); the tokens produced."""
+        plan = plan_step(self._view())
         events: list[TokenEvent] = []
-        self._advance_prefill(events)
-        with compiling_as("the engine's decode step"):
-            self._decode(events)
+        if plan.refuse:
+            events.append(TokenEvent(self._prefilled.request.id, -1, True, "too_large"))
+            self._prefilled = None
+        for slot in plan.preempt:
+            self._preempt(slot)
+        for slot in plan.too_large:
+            request = self._slots[slot]
+            self._free([slot])
+            events.append(TokenEvent(request.id, -1, True, "too_large"))
+        if plan.admit is not None:
+            self._admit(plan.admit)
+        if plan.decode:
+            with compiling_as("the engine's decode step"):
+                self._decode(plan.decode, events)
+        if plan.prefill:
+            self._advance_prefill(events)
         return events
 
-    def _free_slot(self) -> int | None:
-        return next((i for i, r in enumerate(self._slots) if r is None), None)
+    def _view(self) -> View:
+        """What the scheduler sees: each slot's pages and the pool's (one small program)."""
+        held, growth = (np.asarray(x) for x in _row_pages(self.kv))
+        running = tuple(
+            Running(slot, request.order, int(held[slot]), int(growth[slot]))
+            for slot, request in enumerate(self._slots)
+            if request is not None
+        )
+        prefilled = None
+        if self._prefilled is not None:
+            row_held, row_growth = (int(x[0]) for x in _row_pages(self._prefilled.kv))
+            prefilled = Prefilled(held_pages=row_held, growth_pages=row_growth)
+        return View(
+            running=running,
+            free_slots=tuple(i for i, r in enumerate(self._slots) if r is None),
+            prefilled=prefilled,
+            prefilling=self._prefilling is not None,
+            waiting=len(self._waiting),
+            free_pages=int(self.kv.pool.allocator.num_free),
+            num_pages=self.kv.pool.num_pages,
+        )
 
     def _advance_prefill(self, events: list[TokenEvent]) -> None:
-        if self._prefilling is None and self._prefilled is None and self._waiting:
+        """The next chunk of the prefill in flight (the queue's first request's, started here
+        when none is); after its last, the compression and the request's first token."""
+        if self._prefilling is None:
             request = self._waiting.popleft()
             setup = set_up(
                 self.model,
@@ -393,52 +468,36 @@ class Engine:
                 prefill_chunk=self.prefill_chunk,
                 policy_params=self.policy_params,
             )
-            steps = prefill_chunks(
-                self.model, setup, request.prefill_key, self.policy_params, self.backend
-            )
-            self._prefilling = (request, steps, setup)
-        if self._prefilling is not None:
-            request, steps, setup = self._prefilling
-            try:
-                if next(steps) == setup.prompts.num_chunks:  # the last chunk: compress too
-                    next(steps)
-            except StopIteration as done:
-                self._prefilling = None
-                self._prefilled = (request, setup, *done.value)
-        if self._prefilled is not None:
-            self._admit(events)
-
-    def _admit(self, events: list[TokenEvent]) -> None:
-        """Moves the prefilled request into a free slot when its pages fit (plus a page for
-        each head whose last page is full: its next token's)."""
-        request, setup, row, last_hidden = self._prefilled
-        row.check()
-        slot = self._free_slot()
-        lengths = np.asarray(row.full_precision_lengths())
-        needed = int(row.pages_in_use()) + int(np.sum(lengths % self.kv.pool.page_size == 0))
-        free = int(self.kv.pool.allocator.num_free)
-        if needed > self.kv.pool.num_pages:
-            # Larger than planned at submit: it ends here, the engine goes on with the others.
-            self._prefilled = None
-            events.append(TokenEvent(request.id, -1, True, "too_large"))
+            self._prefilling = _Prefilling(request, setup, start_chunked_prefill(self.model, setup))
+        request, setup, prefill = self._prefilling
+        prefill = prefill_next_chunk(self.model, setup, prefill, self.policy_params, self.backend)
+        self._prefilling = _Prefilling(request, setup, prefill)
+        if not prefill.done:
             return
-        if slot is None or needed > free:
-            return
-        if row.page_table.shape[-1] > self.kv.page_table.shape[-1]:
+        self._prefilling = None
+        kv, last_hidden = finish_chunked_prefill(self.model, setup, prefill, request.prefill_key)
+        kv.check()
+        if kv.page_table.shape[-1] > self.kv.page_table.shape[-1]:
             raise ValueError(f"request {request.id} is longer than max_context={self.max_context}")
-        compressed = bool(rows_compressed(row, setup.prompts.lengths, None)[0])
-        with compiling_as("the engine's admission"):
-            self.kv = _insert(self.kv, row, np.int32(slot))
-        self.kv.check()
+        compressed = bool(rows_compressed(kv, setup.prompts.lengths, None)[0])
+        token, row = _first_token(self.model, last_hidden, self._row(request, setup))
+        if not self._emit(request, int(token), events, compressed=compressed):
+            self._prefilled = _Prefilled(request, kv, row)
+
+    def _admit(self, slot: int) -> None:
+        """Moves the prefilled request into `slot`: its pages into the pool, its row state into
+        the slots'."""
+        request, kv, row = self._prefilled
         self._prefilled = None
+        with compiling_as("the engine's admission"):
+            self.kv = _insert(self.kv, kv, np.int32(slot))
+            if self._rows is None:
+                self._rows = row.repeated(self.max_slots)
+            self._rows = _insert_rows(self._rows, np.int32(slot), row)
+        self.kv.check()
         self._slots[slot] = request
         request.order = self._admitted
         self._admitted += 1
-        token, row = _first_token(self.model, last_hidden, self._row(request, setup))
-        if self._rows is None:
-            self._rows = row.repeated(self.max_slots)
-        self._rows = _insert_rows(self._rows, np.int32(slot), row)
-        self._emit(slot, request, int(token), events, compressed=compressed)
 
     def _row(self, request: _Request, setup) -> Rows:
         """The request's row state after its prefill: what was prefilled (its prompt, and after
@@ -455,8 +514,16 @@ class Engine:
         )
 
     def _emit(
-        self, slot: int, request: _Request, token: int, events: list, compressed: bool | None = None
+        self,
+        request: _Request,
+        token: int,
+        events: list,
+        *,
+        slot: int | None = None,
+        compressed: bool | None = None,
     ) -> bool:
+        """Records the request's new token; True when it finished (its `slot`, if it holds one,
+        released)."""
         request.generated.append(token)
         reason = None
         if token in request.stop:
@@ -464,7 +531,7 @@ class Engine:
         elif len(request.generated) >= request.max_new_tokens:
             reason = "length"
         events.append(TokenEvent(request.id, token, reason is not None, reason, compressed))
-        if reason is not None:
+        if reason is not None and slot is not None:
             self._free([slot])
         return reason is not None
 
@@ -475,36 +542,19 @@ class Engine:
         for slot in slots:
             self._slots[slot] = None
 
-    def _pages_needed(self, running: list[int]) -> int:
-        """Pages the next decode step may allocate: one per head whose last page is full."""
-        lengths = np.asarray(self.kv.full_precision_lengths())[:, running]
-        return int(np.sum(lengths % self.kv.pool.page_size == 0))
+    def _preempt(self, slot: int) -> None:
+        """The slot's request back to the front of the queue, its pages freed: it is prefilled
+        again over its prompt and the tokens it had."""
+        request = self._slots[slot]
+        self._free([slot])
+        request.preemptions += 1
+        self.preemptions += 1
+        self._waiting.appendleft(request)
 
-    def _preempt_until_it_fits(self, running: list[int], events: list[TokenEvent]) -> list[int]:
-        """The running slots left once the step's new pages fit: the newest request is preempted
-        while they do not. The only one running is never preempted (nothing would free a page
-        for it when it comes back): it ends with reason "too_large"."""
-        while running and self._pages_needed(running) > int(self.kv.pool.allocator.num_free):
-            victim = max(running, key=lambda slot: self._slots[slot].order)
-            request = self._slots[victim]
-            self._free([victim])
-            if len(running) == 1:
-                events.append(TokenEvent(request.id, -1, True, "too_large"))
-            else:
-                request.preemptions += 1
-                self.preemptions += 1
-                self._waiting.appendleft(request)
-            running = [slot for slot in running if slot != victim]
-        return running
-
-    def _decode(self, events: list[TokenEvent]) -> None:
-        running = [i for i, r in enumerate(self._slots) if r is not None]
-        running = self._preempt_until_it_fits(running, events)
-        if not running:
-            return
+    def _decode(self, slots: Sequence[int], events: list[TokenEvent]) -> None:
         tokens = np.zeros((self.max_slots,), np.int32)
         active = np.zeros((self.max_slots,), bool)
-        for slot in running:
+        for slot in slots:
             tokens[slot], active[slot] = self._slots[slot].generated[-1], True
         self.kv, new_tokens, self._rows = _decode_slots(
             self.model,
@@ -518,5 +568,5 @@ class Engine:
         )
         self.kv.check()
         new_tokens = np.asarray(new_tokens)
-        for slot in running:
-            self._emit(slot, self._slots[slot], int(new_tokens[slot]), events)
+        for slot in slots:
+            self._emit(self._slots[slot], int(new_tokens[slot]), events, slot=slot)
