@@ -432,7 +432,7 @@ class Engine:
         return events
 
     def _view(self) -> View:
-        """What the scheduler sees: each slot's pages and the pool's (one small program)."""
+        """What the scheduler sees: each slot's pages (one small program) and the pool's."""
         held, growth = (np.asarray(x) for x in _row_pages(self.kv))
         running = tuple(
             Running(slot, request.order, int(held[slot]), int(growth[slot]))
@@ -441,8 +441,12 @@ class Engine:
         )
         prefilled = None
         if self._prefilled is not None:
-            row_held, row_growth = (int(x[0]) for x in _row_pages(self._prefilled.kv))
-            prefilled = Prefilled(held_pages=row_held, growth_pages=row_growth)
+            kv = self._prefilled.kv  # its own pool: every page is the row's
+            lengths = np.asarray(kv.full_precision_lengths())
+            prefilled = Prefilled(
+                held_pages=int(kv.pages_in_use()),
+                growth_pages=int(np.sum(lengths % kv.pool.page_size == 0)),
+            )
         return View(
             running=running,
             free_slots=tuple(i for i, r in enumerate(self._slots) if r is None),
