@@ -35,15 +35,16 @@ def _kept(state) -> list[list[int]]:
     return [sorted(p[p >= 0].tolist()) for p in positions.reshape(-1, positions.shape[-1])]
 
 
-EVICTION_STEPS: list[int] = []
+EVICTION_POSITIONS: list[int] = []
 
 
 @dataclasses.dataclass(frozen=True)
 class _CountingEviction(ScoredDecodeEviction):
-    """A decode eviction part that records the decode steps on which it runs."""
+    """A decode eviction part that records the position its one row wrote when it runs (-1:
+    the row was not due)."""
 
     def on_decode(self, kv, ctx):
-        jax.debug.callback(lambda step: EVICTION_STEPS.append(int(step)), ctx.step)
+        jax.debug.callback(lambda at: EVICTION_POSITIONS.append(int(at[0])), ctx.positions)
         return super().on_decode(kv, ctx)
 
 
@@ -63,12 +64,13 @@ def test_window_eviction_runs_every_n_steps_and_equals_per_step_eviction_then(mo
     per_step = jaxkv.generate(
         model, prompt, policy=policies.StreamingLLM(budget=20, evict_every=1), **kwargs
     )
-    EVICTION_STEPS.clear()
+    EVICTION_POSITIONS.clear()
     blocked = jaxkv.generate(
         model, prompt, policy=_CountingStreamingLLM(budget=20, evict_every=4), **kwargs
     )
-    # Steps 1..8 write a token each; the hook (and its compaction) runs on steps 4 and 8 only.
-    assert EVICTION_STEPS == [4, 8]
+    # Steps 1..8 write a token each (step s at position 59 + s); the hook (and its compaction)
+    # runs on steps 4 and 8 only.
+    assert EVICTION_POSITIONS == [63, 67]
     assert _kept(blocked.state) == _kept(per_step.state)  # step 8 evicted: the same window
     assert np.all(np.asarray(blocked.state.lengths) == 20)
     # Between evictions the heads hold up to 4 tokens more: pages (of 4 tokens) grow, then drop.
