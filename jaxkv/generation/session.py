@@ -147,7 +147,7 @@ class Session:
         return len(self.lengths)
 
     def rows(self, sampler: Sampler, key: jax.Array) -> Rows:
-        """The state each row decodes from (`jaxkv.step.rows.Rows`, host): what it has read,
+        """The state each row decodes from (`jaxkv.step.rows.Rows`): what it has read,
         its policy values, its key (row b: `fold_in(key, b)`) and the sampler's settings."""
         return Rows.start(
             prompt_lengths=self.lengths,

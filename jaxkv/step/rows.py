@@ -73,10 +73,6 @@ class Rows:
             sampling=sampling,
         )
 
-    @property
-    def batch(self) -> int:
-        return self.steps.shape[0]
-
     def step_keys(self) -> tuple[jax.Array, jax.Array]:
         """(sampling keys, policy keys) uint32 [B, 2] of each row's current step."""
 
