@@ -1,7 +1,10 @@
-"""Rows of a long-lived state that requests come and go through (`jaxkv.engine`): a request's
-compressed state moves into a free row's pages, and a finished row gives its pages back.
+"""Rows of a long-lived state that requests come and go through (`jaxkv.engine`): a program
+runs on some rows (`take_rows`, then `put_rows`: the pool is shared, only the rows' tables,
+lengths and local rings are gathered), a row moves to another without copying a page
+(`move_row`), a one-row state with its own pool moves in (`insert_row`: a preempted request
+swapped back from the host) and a finished row gives its pages back (`release_rows`).
 
-Both are pure functions of the state, jitted by the caller with the state donated, so a row
+All are pure functions of the state, jitted by the caller with the state donated, so a row
 changes in place and the pool's size never does.
 """
 
@@ -14,6 +17,42 @@ import jax.numpy as jnp
 
 from jaxkv.cache.allocator import allocate, release
 from jaxkv.cache.state import KVState
+
+
+def _row_fields(kv: KVState):
+    """The per-row fields of `kv` (row axis 1 in each): tables, lengths, the local ring."""
+    if kv.pool.int8 is not None:
+        raise ValueError("rows of a state with an int8 tier are not moved (no engine runs one)")
+    return kv.page_table, kv.lengths, kv.ring
+
+
+def _with_row_fields(kv: KVState, fields) -> KVState:
+    table, lengths, ring = fields
+    return dataclasses.replace(kv, page_table=table, lengths=lengths, ring=ring)
+
+
+def take_rows(kv: KVState, rows: jax.Array) -> KVState:
+    """The state of rows `rows` (int32 [R], distinct) over the same pool: what a program runs
+    on, then gives back with `put_rows`."""
+    return _with_row_fields(kv, jax.tree.map(lambda x: x[:, rows], _row_fields(kv)))
+
+
+def put_rows(kv: KVState, rows: jax.Array, part: KVState) -> KVState:
+    """`kv` with rows `rows` (int32 [R], distinct) replaced by `part`'s (a `take_rows` state
+    after a program ran on it) and `part`'s pool, where those rows' pages live."""
+    fields = jax.tree.map(
+        lambda whole, new: whole.at[:, rows].set(new), _row_fields(kv), _row_fields(part)
+    )
+    return dataclasses.replace(_with_row_fields(kv, fields), pool=part.pool)
+
+
+def move_row(kv: KVState, source: jax.Array, destination: jax.Array) -> KVState:
+    """`kv` with row `source`'s pages, lengths and ring moved to the empty row `destination`
+    (int32 []), `source` left empty; no page is copied."""
+    empty = release_rows(take_rows(kv, source[None]), jnp.ones((1,), bool))
+    empty = dataclasses.replace(empty, pool=kv.pool)  # the pages are not freed: they move
+    moved = put_rows(kv, destination[None], take_rows(kv, source[None]))
+    return put_rows(moved, source[None], empty)
 
 
 def insert_row(kv: KVState, row: KVState, slot: jax.Array) -> KVState:

@@ -300,6 +300,12 @@ class KVState:
         """int32 [L, B, K]: tokens held in the model-dtype pages (all of them without int8)."""
         return self.lengths if self.pool.int8 is None else self.lengths - self.pool.int8.lengths
 
+    def tokens_held(self) -> jax.Array:
+        """int32 [L, B, K]: tokens each head holds, in its pages (both tiers) and its ring."""
+        if self.ring is None:
+            return self.lengths
+        return self.lengths + jnp.minimum(self.ring.count, self.ring.window)[..., None]
+
     def pages_in_use(self) -> jax.Array:
         """int32 []: model-dtype pages held (the int8 tier's: `pool.int8.pages_in_use()`)."""
         return self.pool.allocator.pages_in_use()

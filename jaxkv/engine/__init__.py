@@ -6,23 +6,24 @@
         ...
 
 `submit` refuses a request that its plan says the pool could not hold even alone
-(`TooLargeForPoolError`, `pages_needed_alone`). Each `step` is a plan and its execution: the
-scheduler (`jaxkv.engine.scheduler.plan_step`, pure host code over page counts) decides from
-what the engine holds which prefilled request is admitted into a free slot, which running
-requests are preempted (the newest, while the step's new pages would not fit; never the only
-one), which slots decode; the engine then runs the plan with its jitted programs: the admission
-(the request's pages into the pool, its row state into the slots'), one decode step of every
-running slot (one program of fixed shapes: slots and pool are sized once), then the next chunk of
-the prefill in flight (its own small state, so a long prompt never stalls the running requests
-for its whole prefill). A request's first token is sampled as its prefill ends, before it waits
-for a slot. Finished requests return their slots and pages at once, so a smaller cache per
-request admits more requests.
+(`TooLargeForPoolError`, `pages_needed_alone`). Every page a request holds is the pool's, from
+its first prompt chunk on: the engine's state has `max_slots` decode slots and `max_prefills`
+prefill rows over one pool. Each `step` is a plan and its execution: the scheduler
+(`jaxkv.engine.scheduler.plan_step`, pure host code over page counts) decides which prefilled
+requests move into free slots, which are preempted when the running requests' next step would
+not fit (swapped out to the host, their state kept whole), which slots decode, and which
+prefill rows read their next chunk under the step's token budget (`max_batched_tokens`: vLLM's
+knob, decode rows counted). The engine runs the plan with its jitted programs
+(`jaxkv.engine.programs`): one decode step of every running slot, then one chunk of every
+prefill row the plan reads, batched into one forward pass (several requests' chunks widen the
+matmuls); a row whose prompt is read is compressed by the policy and samples its first token.
+Finished requests return their pages at once, so a smaller cache per request admits more
+requests.
 
 Every slot carries its request's row state (`jaxkv.step.rows.Rows`: prompt length, budget, key,
-step, sampler settings) and runs `generate`'s own decode step (`decode_and_sample`), so greedy
-and sampled tokens equal `generate` on the same prompt, policy and key. A preempted request is
-prefilled again over its prompt and the tokens it had (exact for policies that do not compress
-the prompt).
+step, sampler settings) and runs `generate`'s own decode step (`decode_and_sample`), and every
+prefill row reads its prompt in `generate`'s chunks, so greedy and sampled tokens equal
+`generate` on the same prompt, policy and key, preempted or not.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import functools
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,31 +40,27 @@ import numpy as np
 from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import CacheConfig, KVState
 from jaxkv.cache.config import check_count
-from jaxkv.cache.geometry import table_pages_bucket
-from jaxkv.cache.rows import insert_row, release_rows
+from jaxkv.cache.geometry import pool_pages_bucket, table_pages_bucket
 from jaxkv.compile_log import compiling_as
-from jaxkv.engine.scheduler import Prefilled, Running, View, plan_step
-from jaxkv.generation.prefill import (
-    ChunkedPrefill,
-    finish_chunked_prefill,
-    prefill_next_chunk,
-    rows_compressed,
-    start_chunked_prefill,
-)
+from jaxkv.engine import programs
+from jaxkv.engine.scheduler import Prefilling, Ready, Running, View, Waiting, plan_step
+from jaxkv.generation.prefill import empty_carry
 from jaxkv.generation.request import (
-    Request,
+    DEFAULT_PREFILL_CHUNK,
+    Prompts,
     checked_key,
+    checked_prompts,
     checked_stop_tokens,
-    prompt_lengths,
+    default_prefill_chunk,
+    pad_prompts,
     prompt_lists,
-    set_up,
 )
 from jaxkv.models.configs import ModelConfig
-from jaxkv.models.decoder import Model, logits_from_hidden
+from jaxkv.models.decoder import Model
+from jaxkv.pallas_kernels.common import next_power_of_two
 from jaxkv.policies import FullCache, Policy, from_spec
 from jaxkv.policies.base import PolicyParams
 from jaxkv.sampling import Sampler
-from jaxkv.step.decode import StepContext, decode_and_sample, next_tokens
 from jaxkv.step.parts import local_window
 from jaxkv.step.rows import Rows, row_keys
 
@@ -110,10 +105,18 @@ class TokenEvent:
 
 @dataclasses.dataclass
 class _Request:
-    """A request's host-side bookkeeping (mutable: the engine's own)."""
+    """A request's host-side bookkeeping (mutable: the engine's own).
+
+    Where it is: in the queue; in prefill row `row` (reading its prompt, `read` tokens so far,
+    until `state` is set); ready (`state` set: its row state after its first token), in its
+    prefill row or swapped out to the host (`swapped`: its one-row KV state); in a slot.
+    """
 
     id: int
-    prompt: list[int]
+    prompts: Prompts  # its prompt, padded into its chunks
+    budget_tokens: np.ndarray
+    thresholds: np.ndarray
+    peak_pages: int  # the most pages it holds from its first chunk to its first decode step
     max_new_tokens: int
     sampler: Sampler
     key: jax.Array  # the decode key (`generate` splits the request key into prefill, decode)
@@ -121,40 +124,69 @@ class _Request:
     stop: frozenset[int]
     generated: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
-    order: int = 0  # admission order, for choosing whom to preempt
+    order: int = -1  # when it first started its prefill, for whom to admit or preempt first
+    row: int | None = None
+    read: int = 0
+    state: Rows | None = None
+    swapped: KVState | None = None
+    swapped_pages: tuple[int, int] = (0, 0)  # (held, growth) of its swapped-out state
+
+    @property
+    def length(self) -> int:
+        return int(self.prompts.lengths[0])
+
+    @property
+    def next_chunk(self) -> int:
+        return min(self.prompts.chunk, self.length - self.read)
 
 
-class _Prefilling(NamedTuple):
-    """A request whose prefill is in flight."""
-
-    request: _Request
-    setup: Request
-    prefill: ChunkedPrefill
+def _heads(config: ModelConfig) -> int:
+    return config.num_layers * config.num_kv_heads
 
 
-class _Prefilled(NamedTuple):
-    """A prefilled request waiting for a slot: its one-row state (compressed) and its row state
-    (its first token sampled)."""
+def prefill_peak_pages(
+    policy: Policy, config: ModelConfig, prompt_length: int, chunk: int, page_size: int
+) -> int:
+    """The most pages of the pool a request holds from its first prompt chunk to its first
+    decode step (host): every head's prompt and one token more, or a chunk eviction's bound
+    (Fast KVzip: what it keeps plus a chunk) where that is lower. A policy that admits or
+    compresses holds at most the whole prompt while it reads it."""
+    full = _heads(config) * -(-(prompt_length + 1) // page_size)
+    if policy.chunk_eviction is None:
+        return full
+    lengths = np.array([prompt_length])
+    return min(full, policy.chunk_eviction.prefill_pages(lengths, chunk, config, page_size, 1))
 
-    request: _Request
-    kv: KVState
-    row: Rows
+
+def engine_chunk(policy: Policy, prompt_length: int, prefill_chunk: int | None) -> int:
+    """The chunk a prompt of `prompt_length` tokens is read in (`generate`'s)."""
+    lengths = np.array([prompt_length])
+    chunk = default_prefill_chunk(policy, lengths) if prefill_chunk is None else prefill_chunk
+    return pad_prompts([[0] * prompt_length], lengths, chunk).chunk
 
 
 def pages_needed_alone(
-    policy: Policy, config: ModelConfig, prompt_length: int, max_new_tokens: int, page_size: int
+    policy: Policy,
+    config: ModelConfig,
+    prompt_length: int,
+    max_new_tokens: int,
+    page_size: int,
+    prefill_chunk: int | None = None,
 ) -> int:
     """The most pages of the pool one request holds in the engine, alone (host; from shapes, as
-    `jaxkv bench plan` plans a request).
+    `jaxkv bench plan` plans a request): its prefill's peak (`prefill_peak_pages`) or its
+    decode's, whichever is larger.
 
-    Each of its layers x KV heads holds at most the policy's planned tokens after the prompt
-    (`Policy.planned_tokens`: the budget; the whole prompt where what is kept depends on the
-    data, e.g. WG-KV's gates or GVote's votes) and grows by max_new_tokens - 1 (the last token is
-    sampled, never written), to its decode eviction's `decode_tokens_bound` where that is lower;
-    admission asks room for one more token than the prompt holds. A plan below the whole prompt
-    is an average that heads may split unevenly (a budget shared across heads, PyramidKV's
-    layers): each head then rounds up to a page of its own.
+    At decode each of its layers x KV heads holds at most the policy's planned tokens after the
+    prompt (`Policy.planned_tokens`: the budget; the whole prompt where what is kept depends on
+    the data, e.g. WG-KV's gates or GVote's votes) and grows by max_new_tokens - 1 (the last
+    token is sampled, never written), to its decode eviction's `decode_tokens_bound` where that
+    is lower; admission asks room for one more token than the prompt holds. A plan below the
+    whole prompt is an average that heads may split unevenly (a budget shared across heads,
+    PyramidKV's layers): each head then rounds up to a page of its own.
     """
+    chunk = engine_chunk(policy, prompt_length, prefill_chunk)
+    peak = prefill_peak_pages(policy, config, prompt_length, chunk, page_size)
     lengths = np.array([prompt_length])
     budget = policy.budget_tokens(lengths)
     held = int(policy.planned_tokens(budget, lengths)[0][0])
@@ -163,43 +195,10 @@ def pages_needed_alone(
         bound = policy.decode_eviction.decode_tokens_bound(budget, lengths, max_new_tokens)
         grown = min(grown, int(bound[0]))
     tokens = max(grown, held + 1)
-    heads = config.num_layers * config.num_kv_heads
+    heads = _heads(config)
     if held >= prompt_length and not policy.decides_across_heads:
-        return heads * -(-tokens // page_size)  # every head holds at most `tokens`
-    return (heads * tokens + heads * (page_size - 1)) // page_size
-
-
-@functools.partial(jax.jit, static_argnames=("policy", "backend"), donate_argnames=("kv",))
-def _decode_slots(model, kv, tokens, active, rows, policy_params, *, policy, backend):
-    """One decode step of the active slots (bool [B]; the others write nothing), as
-    `generate`'s loop runs it (`decode_and_sample`). Donates `kv`. Returns (kv, tokens int32
-    [B], rows)."""
-    context = StepContext(rows=rows, policy_params=policy_params, policy=policy, backend=backend)
-    kv, _, tokens, rows = decode_and_sample(model, kv, tokens, active, context)
-    return kv, tokens, rows
-
-
-@jax.jit
-def _first_token(model, last_hidden, row: Rows):
-    """The token a prefilled request samples next (`next_tokens` of its one row, as `generate`
-    samples its first), and the row after it."""
-    logits = logits_from_hidden(model.params, model.config, last_hidden)
-    tokens, row = next_tokens(logits, row, jnp.ones((1,), bool))
-    return tokens[0], row
-
-
-@jax.jit
-def _row_pages(kv: KVState) -> tuple[jax.Array, jax.Array]:
-    """int32 [B] each row's pages held, and the pages its next decode step may allocate (one per
-    (layer, KV head) whose last page is full)."""
-    held = jnp.sum(kv.page_table >= 0, axis=(0, 2, 3))
-    full = kv.full_precision_lengths() % kv.pool.page_size == 0
-    return held, jnp.sum(full, axis=(0, 2))
-
-
-_insert = jax.jit(insert_row, donate_argnames=("kv",))
-_insert_rows = jax.jit(Rows.insert, donate_argnums=(0,))
-_release = jax.jit(release_rows, donate_argnames=("kv",))
+        return max(peak, heads * -(-tokens // page_size))  # every head holds at most `tokens`
+    return max(peak, (heads * tokens + heads * (page_size - 1)) // page_size)
 
 
 class Engine:
@@ -211,10 +210,19 @@ class Engine:
       cache: the pool: `CacheConfig(num_pages=...)` (required: the engine's memory), its page size
         and kv dtype; int8 storage is not supported here.
       max_slots: requests decoded at once.
+      max_prefills: requests whose prompts are read at once (prefill rows).
+      max_batched_tokens: the most tokens one step runs, a decode row's token and a prefill
+        chunk's tokens counted (default: room for every slot and a full chunk of every prefill
+        row); at least max_slots + the prefill chunk.
       max_context: the longest prompt + generation a request may have (default: the model's
         max_position_embeddings, at most 8192); sizes the page tables.
       max_waiting: the bound of the waiting queue (`submit` raises QueueFullError past it).
       policy_params, prefill_chunk, backend: as for `generate`.
+
+    Compiles: `jaxkv.engine.programs` lists its programs; one engine compiles each once, except
+    a prefill chunk (once per bucket of rows read at once, a power of two up to max_prefills,
+    and of chunk tokens, a power of two from 16 up to the chunk), a compression that reads the
+    prompt's tokens (per prompt bucket) and swaps (per bucket of a swapped request's pages).
     """
 
     def __init__(
@@ -224,6 +232,8 @@ class Engine:
         *,
         cache: CacheConfig,
         max_slots: int,
+        max_prefills: int = 4,
+        max_batched_tokens: int | None = None,
         max_context: int | None = None,
         max_waiting: int = 256,
         policy_params: PolicyParams | None = None,
@@ -239,6 +249,16 @@ class Engine:
         self.policy.check_params(policy_params, model.config)
         self.model, self.cache, self.policy_params = model, cache, policy_params
         self.max_slots = check_count("max_slots", max_slots, 1)
+        self.max_prefills = check_count("max_prefills", max_prefills, 1)
+        self.prefill_chunk = (
+            None if prefill_chunk is None else check_count("prefill_chunk", prefill_chunk, 1)
+        )
+        chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else self.prefill_chunk
+        if max_batched_tokens is None:
+            max_batched_tokens = self.max_slots + self.max_prefills * chunk
+        self.max_batched_tokens = check_count(
+            "max_batched_tokens", max_batched_tokens, self.max_slots + min(chunk, 16)
+        )
         limit = model.config.max_position_embeddings
         self.max_context = check_count(
             "max_context", min(limit, 8192) if max_context is None else max_context, 1
@@ -249,13 +269,12 @@ class Engine:
                 f"max_position_embeddings={limit}"
             )
         self.max_waiting = check_count("max_waiting", max_waiting, 1)
-        self.prefill_chunk = prefill_chunk
         self.backend = resolve_backend(backend)
         cfg, p = model.config, cache.page_size
         width = table_pages_bucket(-(-self.max_context // p))
         self.kv = KVState.create(
             num_layers=cfg.num_layers,
-            batch=self.max_slots,
+            batch=self.max_slots + self.max_prefills,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             max_tokens=width * p,
@@ -265,12 +284,14 @@ class Engine:
             key_bounds=self.policy.selection is not None,
             local_window=local_window(self.policy),
         )
+        static = self.policy.static()
+        self._carry = empty_carry(None, model=model, batch=self.max_prefills, policy=static)
         self._slots: list[_Request | None] = [None] * self.max_slots
+        self._prefill_rows: list[_Request | None] = [None] * self.max_prefills
+        self._ready: list[_Request] = []  # prefilled, waiting for a slot, oldest first
         self._waiting: collections.deque[_Request] = collections.deque()
-        self._prefilling: _Prefilling | None = None
-        self._prefilled: _Prefilled | None = None
         self._next_id = 0
-        self._admitted = 0
+        self._started = 0
         self._rows: Rows | None = None  # every slot's row state, from the first admission on
         self.preemptions = 0
 
@@ -287,19 +308,28 @@ class Engine:
     ) -> int:
         """Queues one prompt (token ids); returns its request id. Checked here, before anything
         runs: the ids, max_new_tokens >= 1, prompt + max_new_tokens <= max_context, the
-        policy's budget, the pages the request may hold alone against the pool
-        (`TooLargeForPoolError`), the key (required when sampling), the stop tokens;
-        QueueFullError past `max_waiting`."""
+        policy's budget, its chunk against max_batched_tokens, the pages the request may hold
+        alone against the pool (`TooLargeForPoolError`), the key (required when sampling), the
+        stop tokens; QueueFullError past `max_waiting`."""
         rows = prompt_lists(prompt_ids)
         if len(rows) != 1:
             raise ValueError(f"prompt_ids holds {len(rows)} prompts: submit one at a time")
-        length = int(prompt_lengths(self.model, rows)[0])
+        prompts = checked_prompts(self.model, self.policy, rows, self.prefill_chunk)
+        length = int(prompts.lengths[0])
         max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
         if length + max_new_tokens > self.max_context:
             raise ValueError(
                 f"prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds the "
                 f"engine's max_context={self.max_context}"
             )
+        if prompts.chunk + self.max_slots > self.max_batched_tokens:
+            raise ValueError(
+                f"the prompt is read in chunks of {prompts.chunk} tokens with policy "
+                f"{self.policy.name!r}: give max_batched_tokens >= {prompts.chunk + self.max_slots}"
+                f" (the chunk and a token of each of max_slots={self.max_slots}), not "
+                f"{self.max_batched_tokens}"
+            )
+        budget_tokens = self.policy.budget_tokens(prompts.lengths)
         self._check_fits_alone(length, max_new_tokens)
         sampler = Sampler() if sampler is None else sampler
         if key is None:
@@ -314,7 +344,12 @@ class Engine:
         prefill_key, decode_key = jax.random.split(checked_key(key))
         request = _Request(
             id=self._next_id,
-            prompt=rows[0],
+            prompts=prompts,
+            budget_tokens=budget_tokens,
+            thresholds=self.policy.thresholds(1),
+            peak_pages=prefill_peak_pages(
+                self.policy, self.model.config, length, prompts.chunk, self.cache.page_size
+            ),
             max_new_tokens=max_new_tokens,
             sampler=sampler,
             key=decode_key,
@@ -331,7 +366,12 @@ class Engine:
 
         def needed(new_tokens: int) -> int:
             return pages_needed_alone(
-                self.policy, self.model.config, length, new_tokens, self.cache.page_size
+                self.policy,
+                self.model.config,
+                length,
+                new_tokens,
+                self.cache.page_size,
+                self.prefill_chunk,
             )
 
         pool = self.kv.pool.num_pages
@@ -355,36 +395,41 @@ class Engine:
         )
 
     def cancel(self, request_id: int) -> bool:
-        """Ends a waiting or running request now, its pages returned; False if unknown."""
+        """Ends a request wherever it is now (queued, prefilling, ready, swapped out or
+        running), its pages returned; False if unknown."""
         for request in list(self._waiting):
             if request.id == request_id:
                 self._waiting.remove(request)
                 return True
-        if self._prefilling is not None and self._prefilling.request.id == request_id:
-            self._prefilling = None
-            return True
-        if self._prefilled is not None and self._prefilled.request.id == request_id:
-            self._prefilled = None
-            return True
+        for request in list(self._ready):
+            if request.id == request_id:
+                self._ready.remove(request)
+                if request.row is not None:
+                    self._free_prefill_row(request.row)
+                return True
+        for row, request in enumerate(self._prefill_rows):
+            if request is not None and request.id == request_id:
+                self._free_prefill_row(row)
+                return True
         for slot, request in enumerate(self._slots):
             if request is not None and request.id == request_id:
-                self._free([slot])
+                self._free_slot(slot)
                 return True
         return False
 
     def has_work(self) -> bool:
-        busy = self._prefilling is not None or self._prefilled is not None
-        return busy or bool(self._waiting) or any(r is not None for r in self._slots)
+        held = any(r is not None for r in self._slots + self._prefill_rows)
+        return held or bool(self._waiting) or bool(self._ready)
 
     def stats(self) -> dict:
-        """Requests running and waiting, pages in use and the pool's size, the bytes of a
-        local ring beside the pool (WG-KV's: every slot's, reserved at creation; 0 without one)
-        and the KV bytes held in all (pages in use and ring; host values)."""
+        """Requests running and waiting (queued, prefilling or prefilled), pages in use and the
+        pool's size, the bytes of a local ring beside the pool (WG-KV's: every row's,
+        reserved at creation; 0 without one), the KV bytes held in all (pages in use and ring;
+        host values) and the preemptions so far."""
+        in_rows = sum(r is not None and r.state is None for r in self._prefill_rows)
         return {
             "running": sum(r is not None for r in self._slots),
-            "waiting": len(self._waiting)
-            + (self._prefilling is not None)
-            + (self._prefilled is not None),
+            "waiting": len(self._waiting) + in_rows + len(self._ready),
             "pages_in_use": int(self.kv.pages_in_use()),
             "num_pages": self.kv.pool.num_pages,
             "ring_bytes": self.kv.ring_bytes,
@@ -409,113 +454,217 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """One step: the scheduler's plan (`jaxkv.engine.scheduler.plan_step`) of what the
-        engine holds now, executed in its order (admission, preemption, a decode step of every
-        running request, the next prefill chunk); the tokens produced."""
+        engine holds now, executed in its order (refusals, preemptions, admissions, a decode
+        step of every running request, a chunk of every prefill row it reads); the tokens
+        produced."""
         plan = plan_step(self._view())
         events: list[TokenEvent] = []
-        if plan.refuse:
-            events.append(TokenEvent(self._prefilled.request.id, -1, True, "too_large"))
-            self._prefilled = None
+        for order in plan.refuse:
+            request = next(r for r in self._ready if r.order == order)
+            self._ready.remove(request)
+            if request.row is not None:
+                self._free_prefill_row(request.row)
+            events.append(TokenEvent(request.id, -1, True, "too_large"))
         for slot in plan.preempt:
-            self._preempt(slot)
+            self._swap_out(self._slots[slot], slot)
+            self._slots[slot] = None
+        for row in plan.swap_out:
+            self._swap_out(self._prefill_rows[row], self.max_slots + row)
+            self._prefill_rows[row] = None
+        for row in plan.abort:
+            request = self._prefill_rows[row]
+            self._free_prefill_row(row)
+            request.read = 0
+            self._waiting.appendleft(request)
         for slot in plan.too_large:
             request = self._slots[slot]
-            self._free([slot])
+            self._free_slot(slot)
             events.append(TokenEvent(request.id, -1, True, "too_large"))
-        if plan.admit is not None:
-            self._admit(plan.admit)
+        for order, slot in plan.admit:
+            self._admit(next(r for r in self._ready if r.order == order), slot)
         if plan.decode:
             with compiling_as("the engine's decode step"):
                 self._decode(plan.decode, events)
-        if plan.prefill:
-            self._advance_prefill(events)
+        if plan.prefill or plan.start:
+            for row in plan.start:
+                self._start_prefill(self._waiting.popleft(), row)
+            with compiling_as("the engine's prefill chunk"):
+                self._read_chunks(sorted(plan.prefill + plan.start), events)
         return events
 
     def _view(self) -> View:
-        """What the scheduler sees: each slot's pages (one small program) and the pool's."""
-        held, growth = (np.asarray(x) for x in _row_pages(self.kv))
+        """What the scheduler sees: each row's pages (one small program) and the pool's."""
+        held, growth = (np.asarray(x) for x in programs.row_pages(self.kv))
+        s = self.max_slots
         running = tuple(
-            Running(slot, request.order, int(held[slot]), int(growth[slot]))
-            for slot, request in enumerate(self._slots)
-            if request is not None
+            Running(slot, r.order, int(held[slot]), int(growth[slot]))
+            for slot, r in enumerate(self._slots)
+            if r is not None
         )
-        prefilled = None
-        if self._prefilled is not None:
-            kv = self._prefilled.kv  # its own pool: every page is the row's
-            lengths = np.asarray(kv.full_precision_lengths())
-            prefilled = Prefilled(
-                held_pages=int(kv.pages_in_use()),
-                growth_pages=int(np.sum(lengths % kv.pool.page_size == 0)),
+        ready = tuple(
+            Ready(r.order, None, *r.swapped_pages)
+            if r.row is None
+            else Ready(r.order, r.row, int(held[s + r.row]), int(growth[s + r.row]))
+            for r in self._ready
+        )
+        prefilling = []
+        for row, r in enumerate(self._prefill_rows):
+            if r is None or r.state is not None:
+                continue
+            row_held = int(held[s + row])
+            reserved = max(r.peak_pages - row_held, 0)
+            prefilling.append(
+                Prefilling(
+                    row=row,
+                    order=r.order,
+                    held_pages=row_held,
+                    reserved_pages=reserved,
+                    chunk_tokens=r.next_chunk,
+                    chunk_pages=min(self._chunk_pages(r.next_chunk), reserved),
+                )
             )
+        free_rows = tuple(i for i, r in enumerate(self._prefill_rows) if r is None)
+        waiting = tuple(
+            Waiting(r.peak_pages, r.next_chunk) for r in list(self._waiting)[: len(free_rows)]
+        )
         return View(
             running=running,
+            ready=ready,
+            prefilling=tuple(prefilling),
+            waiting=waiting,
             free_slots=tuple(i for i, r in enumerate(self._slots) if r is None),
-            prefilled=prefilled,
-            prefilling=self._prefilling is not None,
-            waiting=len(self._waiting),
+            free_rows=free_rows,
             free_pages=int(self.kv.pool.allocator.num_free),
             num_pages=self.kv.pool.num_pages,
+            max_batched_tokens=self.max_batched_tokens,
         )
 
-    def _advance_prefill(self, events: list[TokenEvent]) -> None:
-        """The next chunk of the prefill in flight (the queue's first request's, started here
-        when none is); after its last, the compression and the request's first token."""
-        if self._prefilling is None:
-            request = self._waiting.popleft()
-            setup = set_up(
-                self.model,
-                [request.prompt + request.generated],
-                self.policy,
-                reserve_tokens=0,
-                positions_after_prompt=request.max_new_tokens - len(request.generated),
-                cache=dataclasses.replace(self.cache, num_pages=None),
-                prefill_chunk=self.prefill_chunk,
-                policy_params=self.policy_params,
-            )
-            self._prefilling = _Prefilling(request, setup, start_chunked_prefill(self.model, setup))
-        request, setup, prefill = self._prefilling
-        prefill = prefill_next_chunk(self.model, setup, prefill, self.policy_params, self.backend)
-        self._prefilling = _Prefilling(request, setup, prefill)
-        if not prefill.done:
-            return
-        self._prefilling = None
-        kv, last_hidden = finish_chunked_prefill(self.model, setup, prefill, request.prefill_key)
-        kv.check()
-        if kv.page_table.shape[-1] > self.kv.page_table.shape[-1]:
-            raise ValueError(f"request {request.id} is longer than max_context={self.max_context}")
-        compressed = bool(rows_compressed(kv, setup.prompts.lengths, None)[0])
-        token, row = _first_token(self.model, last_hidden, self._row(request, setup))
-        if not self._emit(request, int(token), events, compressed=compressed):
-            self._prefilled = _Prefilled(request, kv, row)
+    def _chunk_pages(self, tokens: int) -> int:
+        """The most pages reading `tokens` more tokens may allocate: a page per head for each
+        `page_size` of them, and one more where a head's last page is part full."""
+        return _heads(self.model.config) * (-(-tokens // self.cache.page_size) + 1)
 
-    def _admit(self, slot: int) -> None:
-        """Moves the prefilled request into `slot`: its pages into the pool, its row state into
-        the slots'."""
-        request, kv, row = self._prefilled
-        self._prefilled = None
-        with compiling_as("the engine's admission"):
-            self.kv = _insert(self.kv, kv, np.int32(slot))
-            if self._rows is None:
-                self._rows = row.repeated(self.max_slots)
-            self._rows = _insert_rows(self._rows, np.int32(slot), row)
+    def _start_prefill(self, request: _Request, row: int) -> None:
+        if request.order < 0:
+            request.order = self._started
+            self._started += 1
+        request.row, request.read = row, 0
+        self._prefill_rows[row] = request
+
+    def _read_chunks(self, rows: list[int], events: list[TokenEvent]) -> None:
+        """One chunk of each prefill row in `rows`, in one program (rows padded with empty
+        ones to a power of two where there are enough); then the compression and first token
+        of each row whose prompt is read."""
+        empty = [row for row, r in enumerate(self._prefill_rows) if r is None]
+        bucket = min(next_power_of_two(len(rows)), len(rows) + len(empty))
+        batch = rows + empty[: bucket - len(rows)]
+        counts = [self._prefill_rows[row].next_chunk if row in rows else 0 for row in batch]
+        width = max(16, next_power_of_two(max(counts)))
+        tokens = np.zeros((len(batch), width), np.int32)
+        starts, lengths = np.zeros(len(batch), np.int32), np.zeros(len(batch), np.int32)
+        template = self._prefill_rows[rows[0]]
+        budget = np.zeros((len(batch),) + template.budget_tokens.shape[1:], np.int32)
+        thresholds = np.zeros((len(batch),) + template.thresholds.shape[1:], np.float32)
+        for i, (row, count) in enumerate(zip(batch, counts, strict=True)):
+            request = self._prefill_rows[row]
+            if request is None:
+                continue
+            starts[i], lengths[i] = request.read, request.length
+            tokens[i, :count] = request.prompts.tokens[0, request.read : request.read + count]
+            budget[i], thresholds[i] = request.budget_tokens[0], request.thresholds[0]
+        self.kv, self._carry = programs.prefill_rows(
+            self.model,
+            self.kv,
+            self._carry,
+            np.asarray(batch, np.int32) + self.max_slots,
+            tokens,
+            starts,
+            np.asarray(counts, np.int32),
+            lengths,
+            budget,
+            thresholds,
+            self.policy_params,
+            policy=self.policy.static(),
+            backend=self.backend,
+        )
         self.kv.check()
-        self._slots[slot] = request
-        request.order = self._admitted
-        self._admitted += 1
+        for row, count in zip(batch, counts, strict=True):
+            request = self._prefill_rows[row]
+            if count:
+                request.read += count
+                if request.read == request.length:
+                    self._finish_prefill(request, events)
 
-    def _row(self, request: _Request, setup) -> Rows:
-        """The request's row state after its prefill: what was prefilled (its prompt, and after
-        a preemption the tokens it had generated, whose count its keys go on from)."""
-        generated = len(request.generated)
-        return Rows.start(
-            prompt_lengths=[len(request.prompt) + generated],
-            budget_tokens=setup.budget_tokens,
-            budget_ratio=setup.policy.budget_ratio(1),
-            thresholds=setup.thresholds,
+    def _finish_prefill(self, request: _Request, events: list[TokenEvent]) -> None:
+        """The policy's compression of the request's prefilled row and its first token; it
+        then waits for a slot, in its row (or ends, if that token ends it)."""
+        compression = self.policy.prompt_compression
+        reads_prompt = compression is not None and compression.needs_prompt_tokens
+        tokens = request.prompts.tokens if reads_prompt else np.zeros((1, 1), np.int32)
+        self.kv, last_hidden, compressed = programs.finish_row(
+            self.model,
+            self.kv,
+            self._carry,
+            np.int32(self.max_slots + request.row),
+            tokens,
+            np.int32(request.length),
+            request.budget_tokens,
+            request.thresholds,
+            request.prefill_key,
+            policy=self.policy.static(),
+        )
+        self.kv.check()
+        row = Rows.start(
+            prompt_lengths=[request.length],
+            budget_tokens=request.budget_tokens,
+            budget_ratio=self.policy.budget_ratio(1),
+            thresholds=request.thresholds,
             keys=row_keys(request.key, [0]),
             sampling=request.sampler.rows(1),
-            steps=[generated],
         )
+        token, request.state = programs.first_token(self.model, last_hidden, row)
+        if self._emit(request, int(token), events, compressed=bool(compressed)):
+            self._free_prefill_row(request.row)
+        else:
+            self._ready.append(request)
+            self._ready.sort(key=lambda r: r.order)
+
+    def _admit(self, request: _Request, slot: int) -> None:
+        """Moves a ready request into `slot`: its row's pages (no copy) or its swapped-out
+        state back into the pool, its row state into the slots'."""
+        self._ready.remove(request)
+        with compiling_as("the engine's admission"):
+            if request.row is not None:
+                self.kv = programs.move(
+                    self.kv, np.int32(self.max_slots + request.row), np.int32(slot)
+                )
+                self._prefill_rows[request.row] = None
+            else:
+                self.kv = programs.swap_in(self.kv, request.swapped, np.int32(slot))
+            if self._rows is None:
+                self._rows = request.state.repeated(self.max_slots)
+            self._rows = programs.insert_rows(self._rows, np.int32(slot), request.state)
+        self.kv.check()
+        request.row, request.swapped = None, None
+        self._slots[slot] = request
+
+    def _swap_out(self, request: _Request, row: int) -> None:
+        """The request in kv row `row` (a slot or a ready request's prefill row) swapped out
+        to the host, its pages freed: it waits for a slot again, its state whole."""
+        held, growth = (int(np.asarray(x)[row]) for x in programs.row_pages(self.kv))
+        num_pages = pool_pages_bucket(held, self.cache.page_size)
+        with compiling_as("the engine's preemption"):
+            self.kv, alone = programs.swap_out(self.kv, np.int32(row), num_pages=num_pages)
+            if row < self.max_slots:
+                request.state = programs.take_row_state(self._rows, np.int32(row))
+        request.swapped = jax.device_get(alone)
+        request.state = jax.device_get(request.state)
+        request.swapped_pages = (held, growth)
+        request.row = None
+        request.preemptions += 1
+        self.preemptions += 1
+        self._ready.append(request)
+        self._ready.sort(key=lambda r: r.order)
 
     def _emit(
         self,
@@ -536,31 +685,29 @@ class Engine:
             reason = "length"
         events.append(TokenEvent(request.id, token, reason is not None, reason, compressed))
         if reason is not None and slot is not None:
-            self._free([slot])
+            self._free_slot(slot)
         return reason is not None
 
-    def _free(self, slots: list[int]) -> None:
-        rows = np.zeros((self.max_slots,), bool)
-        rows[slots] = True
-        self.kv = _release(self.kv, jnp.asarray(rows))
-        for slot in slots:
-            self._slots[slot] = None
+    def _release(self, kv_row: int) -> None:
+        rows = np.zeros((self.max_slots + self.max_prefills,), bool)
+        rows[kv_row] = True
+        self.kv = programs.release(self.kv, jnp.asarray(rows))
 
-    def _preempt(self, slot: int) -> None:
-        """The slot's request back to the front of the queue, its pages freed: it is prefilled
-        again over its prompt and the tokens it had."""
-        request = self._slots[slot]
-        self._free([slot])
-        request.preemptions += 1
-        self.preemptions += 1
-        self._waiting.appendleft(request)
+    def _free_slot(self, slot: int) -> None:
+        self._release(slot)
+        self._slots[slot] = None
+
+    def _free_prefill_row(self, row: int) -> None:
+        self._release(self.max_slots + row)
+        self._prefill_rows[row].row = None
+        self._prefill_rows[row] = None
 
     def _decode(self, slots: Sequence[int], events: list[TokenEvent]) -> None:
         tokens = np.zeros((self.max_slots,), np.int32)
         active = np.zeros((self.max_slots,), bool)
         for slot in slots:
             tokens[slot], active[slot] = self._slots[slot].generated[-1], True
-        self.kv, new_tokens, self._rows = _decode_slots(
+        self.kv, new_tokens, self._rows = programs.decode_slots(
             self.model,
             self.kv,
             tokens,

@@ -1,17 +1,28 @@
 """The engine's scheduler: a pure host function from what the engine holds (`View`: page
-counts, slots, the queue) to what its next step does (`Plan`). It runs no model and touches no
-device array, so its rules are tested with numbers alone (tests/test_scheduler.py).
+counts, slots, prefill rows, the queue) to what its next step does (`Plan`). It runs no model
+and touches no device array, so its rules are tested with numbers alone
+(tests/test_scheduler.py).
 
-A step's plan, in the order the engine executes it:
-1. the prefilled request (its prompt prefilled and compressed, its first token sampled) moves
-   into a free slot when its pages and its first decode step's fit beside the running rows'
-   next step; one that could not fit the pool even alone is refused (`too_large`);
-2. while the running rows' next step needs more pages than are free, the newest is preempted
-   (its pages freed, back to the queue); the only one running is never preempted (nothing would
-   free a page for its return): it ends `too_large`;
+Every page a request holds is the pool's, from its first prefill chunk to its release: the
+prefill rows (where prompts are read and compressed) and the decode slots share it. A request
+goes waiting -> prefilling (in a prefill row, a chunk per step) -> ready (prefilled, its first
+token sampled; in its prefill row, or swapped out to the host after a preemption) -> running
+(in a slot, a token per step). A step's plan:
+1. ready requests move into free slots, oldest first, while the pages each brings in and
+   every running row's next step fit (the first that does not fit waits, and those behind it);
+   one whose pages and first step exceed the pool is refused (`refuse`);
+2. while the running rows' next step needs more pages than are free, the newest request that
+   holds pages gives them back: a running one or a ready one is swapped out to the host
+   (`preempt`, `swap_out`: its state comes back whole), a prefilling one goes back to the
+   queue (`abort`: its prefill restarts); the only request left running is never preempted
+   (nothing would free a page for its return): it ends `too_large`;
 3. the running rows decode one token;
-4. the next prefill chunk runs (the queue's first request starts when none is in flight and no
-   prefilled request waits for a slot).
+4. prefill chunks run, the oldest prefilling requests first, then new ones from the queue, while
+   their tokens fit the step's budget (`max_batched_tokens`, the decode rows' tokens counted)
+   and their pages fit: a chunk runs when the pages it may allocate are free after the decode
+   step's; a request starts only when the most pages it may hold until its first decode step
+   fit beside what the prefills in flight may still allocate (so they never wait on each
+   other).
 """
 
 from __future__ import annotations
@@ -21,8 +32,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Running:
-    """A request in a slot: its admission order and its pages (held, and what its next decode
-    step may allocate: a page per head whose last page is full)."""
+    """A request in a slot: its order (when it started), its pages held, and what its next
+    decode step may allocate (a page per head whose last page is full)."""
 
     slot: int
     order: int
@@ -31,11 +42,42 @@ class Running:
 
 
 @dataclasses.dataclass(frozen=True)
-class Prefilled:
-    """A prefilled request waiting for a slot: the pages it holds and its first decode step's."""
+class Ready:
+    """A prefilled request waiting for a slot: in prefill row `row` of the pool, or swapped out
+    to the host (`row` None: its `held_pages` come back into the pool when it moves in)."""
 
+    order: int
+    row: int | None
     held_pages: int
     growth_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilling:
+    """A request reading its prompt in prefill row `row`.
+
+    Attributes:
+      held_pages: pages it holds.
+      reserved_pages: the most pages it may still allocate until its first decode step.
+      chunk_tokens: tokens of its next chunk.
+      chunk_pages: the most pages its next chunk may allocate.
+    """
+
+    row: int
+    order: int
+    held_pages: int
+    reserved_pages: int
+    chunk_tokens: int
+    chunk_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Waiting:
+    """A request in the queue: the most pages it may hold from its first chunk to its first
+    decode step, and the tokens of its first chunk."""
+
+    peak_pages: int
+    chunk_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,21 +85,22 @@ class View:
     """What the scheduler sees of the engine at the start of a step (host numbers).
 
     Attributes:
-      running: the requests in slots.
-      free_slots: the slots no request holds.
-      prefilled: the prefilled request waiting for a slot, if any.
-      prefilling: whether a request's prefill is in flight.
-      waiting: requests in the queue.
+      running, ready, prefilling: the requests in slots, waiting for one, reading prompts.
+      waiting: the queue's first requests, in order (at most one per free prefill row).
+      free_slots, free_rows: the slots and the prefill rows no request holds.
       free_pages, num_pages: the pool's free pages and size.
+      max_batched_tokens: the tokens one step may run (decode rows count one each).
     """
 
     running: tuple[Running, ...]
+    ready: tuple[Ready, ...]
+    prefilling: tuple[Prefilling, ...]
+    waiting: tuple[Waiting, ...]
     free_slots: tuple[int, ...]
-    prefilled: Prefilled | None
-    prefilling: bool
-    waiting: int
+    free_rows: tuple[int, ...]
     free_pages: int
     num_pages: int
+    max_batched_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,60 +108,105 @@ class Plan:
     """What a step does (`jaxkv.engine.Engine.step` executes it in this order).
 
     Attributes:
-      admit: the slot the prefilled request moves into, or None.
-      refuse: the prefilled request needs more pages than the pool has: it ends `too_large`.
-      preempt: slots whose requests go back to the queue, newest first.
+      refuse: orders of ready requests whose pages and first step exceed the pool: they end
+        `too_large`.
+      preempt: slots whose requests are swapped out to the host (back to ready).
+      swap_out: prefill rows whose ready requests are swapped out to the host.
+      abort: prefill rows whose prefilling requests go back to the front of the queue.
       too_large: the slot of the only request running when its next step does not fit.
+      admit: (order, slot): ready requests moving into slots.
       decode: the slots that decode a token.
-      prefill: whether the next prefill chunk runs.
+      prefill: the prefill rows that read their next chunk.
+      start: the free prefill rows the queue's first len(start) requests start in (each
+        reads its first chunk in this step).
     """
 
-    admit: int | None
-    refuse: bool
-    preempt: tuple[int, ...]
-    too_large: tuple[int, ...]
-    decode: tuple[int, ...]
-    prefill: bool
+    refuse: tuple[int, ...] = ()
+    preempt: tuple[int, ...] = ()
+    swap_out: tuple[int, ...] = ()
+    abort: tuple[int, ...] = ()
+    too_large: tuple[int, ...] = ()
+    admit: tuple[tuple[int, int], ...] = ()
+    decode: tuple[int, ...] = ()
+    prefill: tuple[int, ...] = ()
+    start: tuple[int, ...] = ()
 
 
 def plan_step(view: View) -> Plan:
     """The plan of the engine's next step (module docstring)."""
     free = view.free_pages
-    refuse = view.prefilled is not None and _pages(view.prefilled) > view.num_pages
     running = list(view.running)
-    admit = None
-    if view.prefilled is not None and not refuse and view.free_slots:
-        candidate = Running(
-            slot=view.free_slots[0],
-            order=max((r.order for r in running), default=-1) + 1,
-            held_pages=view.prefilled.held_pages,
-            growth_pages=view.prefilled.growth_pages,
-        )
-        fits_with = running + [candidate]
-        # Admitted only when nothing is preempted for it (it would be the newest, preempted
-        # first): its pages and every running row's next step fit.
-        if sum(r.growth_pages for r in fits_with) + candidate.held_pages <= free:
-            admit, running = candidate.slot, fits_with
-            free -= candidate.held_pages
-    preempt, too_large = [], []
-    while running and sum(r.growth_pages for r in running) > free:
-        newest = max(running, key=lambda r: r.order)
-        running.remove(newest)
-        if running:
+    ready = sorted(view.ready, key=lambda r: r.order)
+    prefilling = list(view.prefilling)
+
+    refuse = [r.order for r in ready if r.held_pages + r.growth_pages > view.num_pages]
+    for r in ready:
+        if r.order in refuse and r.row is not None:
+            free += r.held_pages
+    ready = [r for r in ready if r.order not in refuse]
+
+    admit, slots = [], list(view.free_slots)
+    for r in list(ready):
+        brings = r.held_pages if r.row is None else 0
+        if not slots or _growth(running) + r.growth_pages + brings > free:
+            break
+        slot = slots.pop(0)
+        admit.append((r.order, slot))
+        running.append(Running(slot, r.order, r.held_pages, r.growth_pages))
+        ready.remove(r)
+        free -= brings
+
+    preempt, swap_out, abort, too_large = [], [], [], []
+    while running and _growth(running) > free:
+        holders = [r for r in ready if r.row is not None] + prefilling
+        if len(running) > 1:
+            holders += running
+        if not holders:
+            too_large.append(running.pop().slot)
+            break
+        newest = max(holders, key=lambda r: r.order)
+        free += newest.held_pages
+        if isinstance(newest, Running):
+            running.remove(newest)
             preempt.append(newest.slot)
-            free += newest.held_pages
+        elif isinstance(newest, Ready):
+            ready.remove(newest)
+            swap_out.append(newest.row)
         else:
-            too_large.append(newest.slot)
-    waits_for_slot = view.prefilled is not None and admit is None and not refuse
+            prefilling.remove(newest)
+            abort.append(newest.row)
+
+    tokens = view.max_batched_tokens - len(running)
+    pages = free - _growth(running)
+    reading = []
+    for p in sorted(prefilling, key=lambda p: p.order):
+        if p.chunk_tokens <= tokens and p.chunk_pages <= pages:
+            reading.append(p.row)
+            tokens -= p.chunk_tokens
+            pages -= p.chunk_pages
+    reserved = sum(p.reserved_pages for p in prefilling)
+    reserved += sum(r.growth_pages for r in ready if r.row is not None)
+    rows = sorted(view.free_rows)  # an aborted row is free from the next step on
+    start = []
+    for w in view.waiting:
+        room = free - _growth(running) - reserved
+        if not rows or w.chunk_tokens > tokens or w.peak_pages > room:
+            break
+        start.append(rows.pop(0))
+        tokens -= w.chunk_tokens
+        reserved += w.peak_pages
     return Plan(
-        admit=admit,
-        refuse=refuse,
+        refuse=tuple(refuse),
         preempt=tuple(preempt),
+        swap_out=tuple(swap_out),
+        abort=tuple(abort),
         too_large=tuple(too_large),
+        admit=tuple(admit),
         decode=tuple(sorted(r.slot for r in running)),
-        prefill=(view.prefilling or view.waiting > 0) and not waits_for_slot,
+        prefill=tuple(sorted(reading)),
+        start=tuple(start),
     )
 
 
-def _pages(request: Prefilled) -> int:
-    return request.held_pages + request.growth_pages
+def _growth(running: list[Running]) -> int:
+    return sum(r.growth_pages for r in running)

@@ -28,7 +28,8 @@ from jaxkv.step.parts import PrefillObservations, observation_window
 def _record_window_queries(window, queries, positions, lengths):
     """Stores the chunk's queries that fall in each prompt's last w positions.
 
-    window [L, B, N, w, H]; queries [L, B, N, C, H]; positions [B, C]; lengths [B].
+    window [L, B, N, w, H]; queries [L, B, N, C, H]; positions [B, C] each token's index in
+    its prompt (-1: none); lengths [B].
     """
     w = window.shape[3]
     slot = positions - (lengths[:, None] - w)
@@ -39,7 +40,7 @@ def _record_window_queries(window, queries, positions, lengths):
 
 
 @flax.struct.dataclass
-class _PrefillCarry:
+class PrefillCarry:
     """What prefill carries from chunk to chunk besides the KV state.
 
     Attributes:
@@ -61,7 +62,7 @@ class _PrefillCarry:
     hidden: jax.Array | None = None
 
 
-def _empty_carry(model: Model, batch: int, policy: Policy) -> _PrefillCarry:
+def initial_carry(model: Model, batch: int, policy: Policy) -> PrefillCarry:
     cfg = model.config
     w = observation_window(policy)
     shape = (cfg.num_layers, batch, cfg.num_heads, w, cfg.head_dim)
@@ -76,12 +77,51 @@ def _empty_carry(model: Model, batch: int, policy: Policy) -> _PrefillCarry:
             jnp.zeros(heads, jnp.float32),
             jnp.zeros((*heads, cfg.head_dim), jnp.float32),
         )
-    return _PrefillCarry(
+    return PrefillCarry(
         last_hidden=jnp.zeros((batch, cfg.hidden_size), model.dtype),
         window=jnp.zeros(shape, model.dtype) if w else None,
         moments=(jnp.zeros((batch, 1)), zeros, zeros) if input_stats else None,
         query_moments=query_moments,
     )
+
+
+def _carry_row_axes(carry: PrefillCarry) -> PrefillCarry:
+    """The row axis of each of the carry's arrays (a carry of ints): moments are (count [B, ...],
+    mean [L, B, ...], m2 [L, B, ...])."""
+    moments = (0, 1, 1)
+    return PrefillCarry(
+        last_hidden=0,
+        window=None if carry.window is None else 1,
+        moments=None if carry.moments is None else moments,
+        query_moments=None if carry.query_moments is None else moments,
+        hidden=None if carry.hidden is None else 0,
+    )
+
+
+def carry_rows(carry: PrefillCarry, rows: jax.Array) -> PrefillCarry:
+    """The carry of rows `rows` (int32 [R])."""
+    return jax.tree.map(lambda x, axis: jnp.take(x, rows, axis=axis), carry, _carry_row_axes(carry))
+
+
+def put_carry_rows(carry: PrefillCarry, rows: jax.Array, part: PrefillCarry) -> PrefillCarry:
+    """`carry` with rows `rows` (int32 [R], distinct) replaced by `part`'s."""
+
+    def put(whole, new, axis):
+        return whole.at[(slice(None),) * axis + (rows,)].set(new)
+
+    return jax.tree.map(put, carry, part, _carry_row_axes(carry))
+
+
+def with_rows_reset(carry: PrefillCarry, fresh: PrefillCarry, reset: jax.Array) -> PrefillCarry:
+    """`carry` with the rows where `reset` (bool [B]) is set taken from `fresh` (a request
+    starting its prefill in a row another one used)."""
+
+    def pick(old, new, axis):
+        shape = [1] * old.ndim
+        shape[axis] = -1
+        return jnp.where(reset.reshape(shape), new, old)
+
+    return jax.tree.map(pick, carry, fresh, _carry_row_axes(carry))
 
 
 def _query_moments_from(policy: Policy) -> int | None:
@@ -105,41 +145,43 @@ def forward_piece(chunk: int) -> int:
     return piece if 4 * piece >= MAX_FORWARD_TOKENS else chunk
 
 
-def _prefill_span(
+def read_chunk(
     model: Model,
     tokens,
+    starts,
+    counts,
     lengths,
-    first_chunk,
-    end_chunk,
+    offsets,
     budget_tokens,
     thresholds,
     kv: KVState,
-    carry: _PrefillCarry,
+    carry: PrefillCarry,
     policy_params,
-    offsets=None,
     *,
-    chunk: int,
     policy: Policy,
     backend: Backend,
-    evict_chunks: bool = True,
+    evict_chunks: bool,
 ):
-    """Prefills chunks [first_chunk, end_chunk) (traced) of tokens [B, T_pad]; the padded tail
-    past the last prompt token is never run, so a prompt-length bucket costs no compute. Each
-    chunk's forward runs in `forward_piece(chunk)`-token pieces, then the chunk eviction's
-    `after_prefill_chunk` (if the policy has one and `evict_chunks`). Token t of row b sits at
-    position `offsets[b] + t` (offsets int32 [B]: 0 for a prompt, the tokens already read when
-    a session is extended). What the carry holds decides what is observed. Returns (kv, carry)."""
+    """Reads one chunk of each row: tokens [B, C] are row b's tokens starts[b] onwards of its
+    lengths[b], of which the first counts[b] are read (a row with counts 0 reads nothing), token
+    t at position offsets[b] + t; in `forward_piece(C)`-token pieces, then the chunk eviction's
+    `after_prefill_chunk` (if the policy has one and `evict_chunks`) with each row's tokens seen
+    so far (starts + counts: for a row that read nothing, what it had seen, which an eviction
+    already made keeps whole). What the carry holds decides what is observed. Returns
+    (kv, carry)."""
+    chunk = tokens.shape[1]
     w = 0 if carry.window is None else carry.window.shape[3]
     piece = forward_piece(chunk)
     moments_from = None if carry.query_moments is None else _query_moments_from(policy)
-    offsets = jnp.zeros_like(lengths) if offsets is None else offsets
 
-    def forward(start, state):
-        """One forward piece of `piece` tokens from token `start`."""
+    def forward(index, state):
+        """Forward piece `index` of `piece` tokens."""
         kv, carry = state
-        piece_tokens = jax.lax.dynamic_slice_in_dim(tokens, start, piece, axis=1)
-        token_index = start + jnp.arange(piece)
-        positions = jnp.where(token_index < lengths[:, None], offsets[:, None] + token_index, -1)
+        within = index * piece + jnp.arange(piece)
+        piece_tokens = jax.lax.dynamic_slice_in_dim(tokens, index * piece, piece, axis=1)
+        token_index = starts[:, None] + within
+        valid = (within < counts[:, None]) & (token_index < lengths[:, None])
+        positions = jnp.where(valid, offsets[:, None] + token_index, -1)
         hidden, kv, collected = forward_cached(
             model,
             piece_tokens,
@@ -154,17 +196,18 @@ def _prefill_span(
             thresholds=thresholds,
         )
         if carry.hidden is not None:
-            carry = carry.replace(
-                hidden=jax.lax.dynamic_update_slice_in_dim(carry.hidden, hidden, start, axis=1)
-            )
-        is_last = token_index == lengths[:, None] - 1
+            rows = jnp.arange(tokens.shape[0])[:, None]
+            index_kept = jnp.where(valid, token_index, carry.hidden.shape[1])  # dropped past it
+            carry = carry.replace(hidden=carry.hidden.at[rows, index_kept].set(hidden, mode="drop"))
+        is_last = valid & (token_index == lengths[:, None] - 1)
         picked = jnp.einsum("bc,bcd->bd", is_last.astype(hidden.dtype), hidden)
         last_hidden = jnp.where(jnp.any(is_last, axis=1)[:, None], picked, carry.last_hidden)
         window, moments, query_moments = carry.window, carry.moments, carry.query_moments
         if w:
-            window = _record_window_queries(window, collected["queries"], positions, lengths)
+            read = jnp.where(valid, token_index, -1)
+            window = _record_window_queries(window, collected["queries"], read, lengths)
         if moments is not None:
-            count = jnp.sum(positions >= 0, axis=1, keepdims=True).astype(jnp.float32)
+            count = jnp.sum(valid, axis=1, keepdims=True).astype(jnp.float32)
             moments = combine_moments(
                 *moments, count, collected["input_mean"], collected["input_m2"]
             )
@@ -180,35 +223,76 @@ def _prefill_span(
             last_hidden=last_hidden, window=window, moments=moments, query_moments=query_moments
         )
 
+    state = (kv, carry)
+    if piece == chunk:
+        kv, carry = forward(0, state)
+    else:
+        kv, carry = jax.lax.fori_loop(0, chunk // piece, forward, state)
+    if evict_chunks and policy.chunk_eviction is not None:
+        kv = policy.chunk_eviction.after_prefill_chunk(
+            kv,
+            seen=jnp.minimum(starts + counts, lengths),
+            prompt_lengths=lengths,
+            budget_tokens=budget_tokens,
+        )
+    return kv, carry
+
+
+def _prefill_span(
+    model: Model,
+    tokens,
+    lengths,
+    first_chunk,
+    end_chunk,
+    budget_tokens,
+    thresholds,
+    kv: KVState,
+    carry: PrefillCarry,
+    policy_params,
+    offsets=None,
+    *,
+    chunk: int,
+    policy: Policy,
+    backend: Backend,
+    evict_chunks: bool = True,
+):
+    """Prefills chunks [first_chunk, end_chunk) (traced) of tokens [B, T_pad] (`read_chunk`
+    each, every row from the same token); the padded tail past the last prompt token is never
+    run, so a prompt-length bucket costs no compute. Token t of row b sits at position
+    `offsets[b] + t` (offsets int32 [B]: 0 for a prompt, the tokens already read when a
+    session is extended). Returns (kv, carry)."""
+    offsets = jnp.zeros_like(lengths) if offsets is None else offsets
+
     def step(index, state):
         start = index * chunk
-        if piece == chunk:
-            kv, carry = forward(start, state)
-        else:
-            kv, carry = jax.lax.fori_loop(
-                0, chunk // piece, lambda i, state: forward(start + i * piece, state), state
-            )
-        if evict_chunks and policy.chunk_eviction is not None:
-            kv = policy.chunk_eviction.after_prefill_chunk(
-                kv,
-                seen=jnp.minimum(start + chunk, lengths),
-                prompt_lengths=lengths,
-                budget_tokens=budget_tokens,
-            )
-        return kv, carry
+        return read_chunk(
+            model,
+            jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1),
+            jnp.full_like(lengths, start),
+            jnp.full_like(lengths, chunk),
+            lengths,
+            offsets,
+            budget_tokens,
+            thresholds,
+            *state,
+            policy_params,
+            policy=policy,
+            backend=backend,
+            evict_chunks=evict_chunks,
+        )
 
     initial = collectives.varying_like((kv, carry), tokens)  # on a mesh: as the step's output
     return jax.lax.fori_loop(first_chunk, end_chunk, step, initial)
 
 
-def _compress(
+def compress_observed(
     model,
     tokens,
     lengths,
     budget_tokens,
     thresholds,
     kv,
-    carry: _PrefillCarry,
+    carry: PrefillCarry,
     key,
     *,
     policy,
@@ -229,7 +313,7 @@ def _compress(
 
 
 def _observations(
-    tokens, lengths, budget_tokens, thresholds, carry: _PrefillCarry, key, compression
+    tokens, lengths, budget_tokens, thresholds, carry: PrefillCarry, key, compression
 ):
     mean = var = None
     if carry.moments is not None:
@@ -287,8 +371,8 @@ def prefill_and_compress(
     int8_window,
     backend,
 ):
-    """Chunked prefill of every chunk, then `_compress`; donates `kv`."""
-    carry = _empty_carry(model, tokens.shape[0], policy)
+    """Chunked prefill of every chunk, then `compress_observed`; donates `kv`."""
+    carry = initial_carry(model, tokens.shape[0], policy)
     kv, carry = _prefill_span(
         model,
         tokens,
@@ -304,7 +388,7 @@ def prefill_and_compress(
         policy=policy,
         backend=backend,
     )
-    return _compress(
+    return compress_observed(
         model,
         tokens,
         lengths,
@@ -339,9 +423,9 @@ compress = program(
     kv=SHARD,
     carry=SHARD,
     key=SAME,
-)(_compress)
+)(compress_observed)
 grow_pool = program(static=("num_pages",), kv=SHARD)(grow)
-empty_carry = program(static=("batch", "policy"), model=MODEL)(_empty_carry)
+empty_carry = program(static=("batch", "policy"), model=MODEL)(initial_carry)
 
 
 @flax.struct.dataclass
@@ -453,12 +537,12 @@ def rows_compressed(
     prompt, a prompt shorter than what the policy compresses). On a mesh `kv` is every
     device's, stacked."""
     if placement is None:
-        held = sharding.to_host(kv.lengths)
+        held = sharding.to_host(kv.tokens_held())
     else:
         held = placement.unshard(kv.lengths, row_axis=1, head_axis=2)
-    if kv.ring is not None:
-        count = kv.ring.count if placement is None else placement.unshard(kv.ring.count, 1)
-        held = held + np.minimum(sharding.to_host(count), kv.ring.window)[..., None]
+        if kv.ring is not None:
+            count = np.minimum(placement.unshard(kv.ring.count, 1), kv.ring.window)
+            held = held + count[..., None]
     return np.any(held < np.asarray(tokens_read)[None, :, None], axis=(0, 2))
 
 
@@ -494,7 +578,7 @@ def read_tokens(
     hidden = None
     if keep_hidden:
         hidden = jnp.zeros((*tokens.shape, last_hidden.shape[-1]), last_hidden.dtype)
-    carry = _PrefillCarry(last_hidden, window=None, moments=None, query_moments=None, hidden=hidden)
+    carry = PrefillCarry(last_hidden, window=None, moments=None, query_moments=None, hidden=hidden)
     kv, carry = _prefill_span(
         model,
         tokens,

@@ -131,6 +131,19 @@ def prompt_lengths(model: Model, prompts: list[list[int]]) -> np.ndarray:
     return lengths
 
 
+def checked_prompts(
+    model: Model, policy: Policy, rows: list[list[int]], prefill_chunk: int | None
+) -> Prompts:
+    """Prompts (lists of ids) checked against the model and the policy's prefill, padded into
+    chunks of `prefill_chunk` tokens (default `default_prefill_chunk`)."""
+    lengths = prompt_lengths(model, rows)
+    if prefill_chunk is None:
+        prefill_chunk = default_prefill_chunk(policy, lengths)
+    prompts = pad_prompts(rows, lengths, prefill_chunk)
+    policy.check_prefill(prompts.lengths, prompts.chunk)
+    return prompts
+
+
 def _full_cache_pages(
     cfg: ModelConfig, lengths: np.ndarray, reserve_tokens: int, page_size: int
 ) -> int:
@@ -268,15 +281,10 @@ def set_up(
     if cache.int8_window is not None and policy.selection is not None:
         raise ValueError(f"policy {policy.name!r} selects pages, which int8 storage does not do")
     policy.check_params(policy_params, model.config)
-    rows = prompt_lists(prompt_ids)
-    lengths = prompt_lengths(model, rows)
-    if prefill_chunk is None:
-        prefill_chunk = default_prefill_chunk(policy, lengths)
-    prompts = pad_prompts(rows, lengths, prefill_chunk)
+    prompts = checked_prompts(model, policy, prompt_lists(prompt_ids), prefill_chunk)
     if placement is not None:
-        placement.check(model.config, len(lengths))
+        placement.check(model.config, len(prompts.lengths))
     budget_tokens = policy.budget_tokens(prompts.lengths)
-    policy.check_prefill(prompts.lengths, prompts.chunk)
     geometry = prefill_geometry(
         model, prompts, reserve_tokens, positions_after_prompt, policy, cache, placement
     )

@@ -92,6 +92,10 @@ class Rows:
         """These rows with row `slot` replaced by the one row of `row` (jittable)."""
         return jax.tree.map(lambda rows, new: rows.at[slot].set(new[0]), self, row)
 
+    def row(self, slot) -> Rows:
+        """The one-row state of row `slot` (jittable)."""
+        return jax.tree.map(lambda rows: rows[slot][None], self)
+
     def repeated(self, batch: int) -> Rows:
         """`batch` copies of this one-row state: an engine's slots, before any insert."""
         return jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x), batch, axis=0), self)
