@@ -2,6 +2,7 @@
 tokens, a smaller cache admits more of them, the pool never overflows (preemption instead), and
 a stream of requests compiles a bounded number of times."""
 
+import dataclasses
 import re
 
 import jax
@@ -10,7 +11,14 @@ import pytest
 
 import jaxkv
 from jaxkv import CacheConfig, Sampler, bundled, engine, prose
-from jaxkv.engine import Engine, QueueFullError, TooLargeForPoolError, pages_needed_alone
+from jaxkv.engine import (
+    Engine,
+    QueueFullError,
+    TooLargeForPoolError,
+    pages_needed_alone,
+    programs,
+    scheduler,
+)
 from jaxkv.models import load_hf_checkpoint
 
 TEXT = " ".join(prose.paragraphs()[:8]).encode()
@@ -97,17 +105,93 @@ def test_a_smaller_cache_admits_more_requests_into_the_same_pool(model):
     assert peaks["snapkv:0.3"] >= 2 * peaks["full"]
 
 
-def test_a_full_pool_preempts_and_every_request_still_completes_exactly(model):
+@pytest.mark.parametrize("policy", ["full", "snapkv:0.5"])
+def test_a_full_pool_preempts_and_every_request_still_completes_exactly(model, policy):
     """Requests admitted with room for their next page only; as they grow the pool runs dry, the
-    newest is preempted (its pages freed) and prefilled again later: full-cache tokens equal
-    `generate`'s all the same."""
+    newest is swapped out to the host (its pages freed) and comes back whole: tokens equal
+    `generate`'s, a compressed prompt's too (it is not compressed again)."""
     short = [prompt[:40] for prompt in PROMPTS]
-    eng = Engine(model, "full", cache=CacheConfig(num_pages=300), max_slots=3, max_context=1024)
+    eng = Engine(model, policy, cache=CacheConfig(num_pages=300), max_slots=3, max_context=1024)
     ids = {eng.submit(short[index], max_new_tokens=120): index for index in range(3)}
     tokens = eng.run()
     assert eng.preemptions > 0
     for request, index in ids.items():
-        assert tokens[request] == reference(model, "full", short[index], 120)
+        assert tokens[request] == reference(model, policy, short[index], 120)
+
+
+def test_several_prompts_are_read_in_one_step_in_generate_s_chunks(model, monkeypatch):
+    """Four requests' prompts are read side by side, a chunk of each per step in one program
+    (kvzip's compression then reads each prompt again): tokens equal `generate`'s with the
+    same chunk."""
+    calls = []
+    prefill_rows = programs.prefill_rows
+
+    def recorded(model, kv, carry, rows, tokens, *args, **kwargs):
+        calls.append((len(rows), tokens.shape[1]))
+        return prefill_rows(model, kv, carry, rows, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(programs, "prefill_rows", recorded)
+    eng = Engine(
+        model,
+        "kvzip:0.3",
+        cache=CacheConfig(num_pages=1200),  # every prompt whole at once (1044 pages)
+        max_slots=2,
+        max_context=1024,
+        prefill_chunk=128,
+    )
+    ids = {eng.submit(PROMPTS[index], max_new_tokens=6): index for index in range(4)}
+    tokens = eng.run()
+    # 300, 320, 480 and 250 tokens: 3, 3, 4 and 2 chunks of 128, the first three steps read all
+    # four, then the 480-token prompt's last chunk alone (its tail of 96 tokens in a 128).
+    assert calls == [(4, 128)] * 3 + [(1, 128)]
+    for request, index in ids.items():
+        out = jaxkv.generate(
+            model, [PROMPTS[index]], max_new_tokens=6, policy="kvzip:0.3", prefill_chunk=128
+        )
+        assert tokens[request] == out.tokens[0, : out.num_tokens[0]].tolist()
+
+
+def test_a_prefill_given_up_restarts_and_a_swapped_out_ready_request_comes_back_whole(
+    model, monkeypatch
+):
+    """The two ways the scheduler takes pages back from a request that is not running, forced
+    once each: a prefill in flight goes back to the queue (read again from its start), a ready
+    request waiting for the one slot is swapped out to the host (and back). Tokens equal
+    `generate`'s."""
+    forced = []
+
+    def plan_with_forced(view):
+        plan = scheduler.plan_step(view)
+        admitted = {order for order, _ in plan.admit}
+        waiting_ready = [r.row for r in view.ready if r.row is not None and r.order not in admitted]
+        started = [p.row for p in view.prefilling if p.held_pages > 0]
+        if "swap_out" not in forced and waiting_ready:
+            forced.append("swap_out")
+            return dataclasses.replace(plan, swap_out=(waiting_ready[0],))
+        if "abort" not in forced and started:
+            forced.append("abort")
+            reading = tuple(row for row in plan.prefill if row != started[0])
+            return dataclasses.replace(plan, abort=(started[0],), prefill=reading)
+        return plan
+
+    monkeypatch.setattr(engine, "plan_step", plan_with_forced)
+    eng = Engine(
+        model,
+        "snapkv:0.3",
+        cache=CacheConfig(num_pages=1024),
+        max_slots=1,
+        max_context=1024,
+        prefill_chunk=64,
+    )
+    ids = {eng.submit(PROMPTS[index], max_new_tokens=8): index for index in (3, 0, 1)}
+    tokens = eng.run()
+    assert forced == ["abort", "swap_out"] and eng.preemptions == 1
+    assert eng.stats()["pages_in_use"] == 0
+    for request, index in ids.items():
+        out = jaxkv.generate(
+            model, [PROMPTS[index]], max_new_tokens=8, policy="snapkv:0.3", prefill_chunk=64
+        )
+        assert tokens[request] == out.tokens[0, : out.num_tokens[0]].tolist()
 
 
 def test_the_only_running_request_is_never_preempted(model, monkeypatch):
@@ -135,13 +219,17 @@ def test_cancelling_returns_the_pages_at_once(model):
     first = eng.submit(PROMPTS[0], max_new_tokens=50)
     while eng.stats()["running"] == 0:
         eng.step()
-    assert eng.stats()["pages_in_use"] > 0
+    alone = eng.stats()["pages_in_use"]
+    assert alone > 0
     waiting = eng.submit(PROMPTS[1], max_new_tokens=5)
     eng.step()  # the second one is prefilled beside the first one's decode; no slot for it
+    both = eng.stats()["pages_in_use"]
     assert eng.cancel(first)
-    assert eng.stats()["pages_in_use"] == 0
+    # What is left is the second one's prompt, in its prefill row of the same pool.
+    assert 0 < eng.stats()["pages_in_use"] <= both - alone
     assert not eng.cancel(first)
     assert eng.cancel(waiting) and not eng.has_work()
+    assert eng.stats()["pages_in_use"] == 0
     third = eng.submit(PROMPTS[3], max_new_tokens=3)
     tokens = eng.run()
     assert list(tokens) == [third] and len(tokens[third]) == 3
@@ -153,14 +241,16 @@ def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):
     )
     run_staggered(eng, {0: [(0, 4, {})]})  # compiled once
     once = (
-        engine._decode_slots,
-        engine._row_pages,
-        engine._insert_rows,
-        engine._release,
-        engine._first_token,
+        programs.decode_slots,
+        programs.row_pages,
+        programs.insert_rows,
+        programs.release,
+        programs.first_token,
+        programs.move,
+        programs.finish_row,
     )
-    programs = (*once, engine._insert)
-    before = [program._cache_size() for program in programs]
+    prefill = programs.prefill_rows
+    before = [program._cache_size() for program in (*once, prefill)]
     rng = np.random.default_rng(0)
     sampled = {"sampler": Sampler(temperature=0.7, top_k=5), "key": jax.random.PRNGKey(1)}
     arrivals = {
@@ -168,9 +258,12 @@ def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):
         for step in range(0, 24, 2)
     }
     run_staggered(eng, arrivals)
-    compiled = [program._cache_size() - b for program, b in zip(programs, before, strict=True)]
-    assert compiled[: len(once)] == [0] * len(once)  # sampler settings are row values too
-    assert compiled[-1] <= 3  # one per bucketed prefill geometry
+    after = [program._cache_size() for program in (*once, prefill)]
+    compiled = [a - b for a, b in zip(after, before, strict=True)]
+    assert compiled[:-1] == [0] * len(once)  # sampler settings are row values too
+    # A prefill chunk per bucket of rows read at once (1, 2, 4) and of chunk tokens (prompts of
+    # 250 to 480 tokens are read whole, in chunks of 256 or 512): the first one's was compiled.
+    assert compiled[-1] <= 3 * 2 - 1
 
 
 def test_bad_requests_are_refused_at_submit_and_the_engine_keeps_serving(model):
@@ -178,20 +271,20 @@ def test_bad_requests_are_refused_at_submit_and_the_engine_keeps_serving(model):
         Engine(model, cache=CacheConfig(), max_slots=2)
     with pytest.raises(ValueError, match="max_context=9000 exceeds"):
         Engine(model, cache=CacheConfig(num_pages=64), max_slots=2, max_context=9000)
-    tiny_budget = Engine(model, "snapkv:8", cache=CacheConfig(num_pages=96), max_slots=2)
+    tiny_budget = Engine(model, "snapkv:8", cache=CacheConfig(num_pages=200), max_slots=2)
     with pytest.raises(ValueError, match="budget of 8 tokens is smaller"):
         tiny_budget.submit(PROMPTS[0], max_new_tokens=2)  # the policy's own checks
-    eng = Engine(model, "snapkv:0.3", cache=CacheConfig(num_pages=96), max_slots=2, max_waiting=2)
+    eng = Engine(model, "snapkv:0.3", cache=CacheConfig(num_pages=200), max_slots=2, max_waiting=2)
     with pytest.raises(ValueError, match="exceeds the engine's max_context=8192"):
         eng.submit([1] * 8190, max_new_tokens=8)
     with pytest.raises(ValueError, match="max_new_tokens=0 must be >= 1"):
         eng.submit(PROMPTS[0], max_new_tokens=0)
     with pytest.raises(ValueError, match="PRNG key is required"):
-        eng.submit(PROMPTS[0], max_new_tokens=2, sampler=Sampler(temperature=1.0))
+        eng.submit(PROMPTS[0][:250], max_new_tokens=2, sampler=Sampler(temperature=1.0))
     fits = eng.submit(PROMPTS[0][:250], max_new_tokens=2)
     also_fits = eng.submit(PROMPTS[1][:250], max_new_tokens=2)
     with pytest.raises(QueueFullError, match="max_waiting=2"):
-        eng.submit(PROMPTS[0], max_new_tokens=2)
+        eng.submit(PROMPTS[0][:250], max_new_tokens=2)
     events = list(eng.stream())
     for request in (fits, also_fits):
         assert [e.finished for e in events if e.request_id == request] == [False, True]
@@ -201,15 +294,16 @@ def test_a_request_the_pool_could_never_hold_is_refused_before_it_runs(model):
     """The plan at submit (`pages_needed_alone`) against the pool: the error names the pages and
     what to shrink, the prompt, or max_new_tokens when a smaller one fits (the largest is said,
     and it fits); nothing is queued."""
-    eng = Engine(model, "snapkv:0.3", cache=CacheConfig(num_pages=96), max_slots=2)
-    with pytest.raises(TooLargeForPoolError, match="num_pages=96 hold: give a shorter prompt"):
-        eng.submit(PROMPTS[2], max_new_tokens=2)  # 480 tokens, 144 kept a head, 12 heads
-    with pytest.raises(TooLargeForPoolError, match="num_pages=96 hold: give max_new_tokens <= "):
+    eng = Engine(model, "snapkv:0.3", cache=CacheConfig(num_pages=200), max_slots=2)
+    # 480 tokens: 12 heads hold 31 pages each while the prompt is read, before it is compressed.
+    with pytest.raises(TooLargeForPoolError, match="num_pages=200 hold: give a shorter prompt"):
+        eng.submit(PROMPTS[2], max_new_tokens=2)
+    with pytest.raises(TooLargeForPoolError, match="num_pages=200 hold: give max_new_tokens <= "):
         eng.submit(PROMPTS[0][:250], max_new_tokens=200)
     with pytest.raises(TooLargeForPoolError) as refused:
         eng.submit(PROMPTS[0][:250], max_new_tokens=200)
     error = refused.value
-    assert (error.field, error.num_pages) == ("max_new_tokens", 96) and error.pages_needed > 96
+    assert (error.field, error.num_pages) == ("max_new_tokens", 200) and error.pages_needed > 200
     largest = int(re.search(r"max_new_tokens <= (\d+)", str(error)).group(1))
     with pytest.raises(TooLargeForPoolError):
         eng.submit(PROMPTS[0][:250], max_new_tokens=largest + 1)

@@ -103,7 +103,7 @@ class TokenEvent:
     compressed: bool | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a request is itself: compared by identity
 class _Request:
     """A request's host-side bookkeeping (mutable: the engine's own).
 
@@ -663,8 +663,9 @@ class Engine:
         request.row = None
         request.preemptions += 1
         self.preemptions += 1
-        self._ready.append(request)
-        self._ready.sort(key=lambda r: r.order)
+        if request not in self._ready:  # a running one: ready again
+            self._ready.append(request)
+            self._ready.sort(key=lambda r: r.order)
 
     def _emit(
         self,
