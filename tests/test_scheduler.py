@@ -133,3 +133,9 @@ def test_the_only_request_running_is_never_preempted():
         Prefilling(row=0, order=1, held_pages=4, reserved_pages=9, chunk_tokens=64, chunk_pages=8)
     ]
     assert plan_step(view(alone, prefilling=prefilling, free=2)) == Plan(abort=(0,), decode=(4,))
+
+
+def test_a_queued_request_whose_prefill_exceeds_the_pool_is_refused_not_waited_for():
+    queue = [Waiting(peak_pages=201, chunk_tokens=64), Waiting(peak_pages=50, chunk_tokens=64)]
+    got = plan_step(view(waiting=queue, free_rows=(0, 1), free=200))
+    assert got == Plan(refuse_waiting=(0,), start=(0,))

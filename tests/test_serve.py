@@ -289,8 +289,8 @@ def test_overload_queues_then_answers_503_and_never_crashes(model, tokenizer):
 
 @pytest.fixture(scope="module")
 def small_pool_url(model, tokenizer):
-    """A server whose pool holds 64 pages: 5 a head of the model's 12."""
-    with running_server(model, tokenizer, cache=CacheConfig(num_pages=64)) as url:
+    """A server whose pool holds 200 pages: 16 a head of the model's 12, and 8 more."""
+    with running_server(model, tokenizer, cache=CacheConfig(num_pages=200)) as url:
         yield url
 
 
@@ -302,10 +302,11 @@ def test_a_request_the_pool_cannot_hold_is_refused_before_it_runs(small_pool_url
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
-    assert "the pool's num_pages=64" in error["message"]
+    assert "the pool's num_pages=200" in error["message"]
     for limit in ("max_tokens", "max_completion_tokens"):
-        # 225 tokens: 67 kept a head, 62 pages with a new token, 135 with 100 (the plan's).
-        body = {"prompt": PROMPT[:224], limit: 100}
+        # 225 tokens: 180 pages while the prompt is read; then 67 kept a head, 276 pages with
+        # 300 new tokens (the plan's).
+        body = {"prompt": PROMPT[:224], limit: 300}
         error = post(small_pool_url, "/v1/completions", body).json()["error"]
         assert (error["param"], error["code"]) == (limit, "context_length_exceeded")
         assert "give max_new_tokens <= " in error["message"]
@@ -323,9 +324,9 @@ def test_a_request_larger_than_its_plan_ends_in_an_error_not_length(small_pool_u
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model="reference", prompt=PROMPT, max_tokens=2)
     assert refused.value.code == "context_length_exceeded" and refused.value.param == "prompt"
-    assert "more pages than the pool's 64 hold" in refused.value.message
+    assert "more pages than the pool's 200 hold" in refused.value.message
     chunks = client.completions.create(model="reference", prompt=PROMPT, max_tokens=2, stream=True)
-    with pytest.raises(openai.APIError, match="more pages than the pool's 64 hold"):
+    with pytest.raises(openai.APIError, match="more pages than the pool's 200 hold"):
         list(chunks)
     assert metrics(small_pool_url)["jaxkv_pages_in_use"] == 0
 

@@ -465,6 +465,10 @@ class Engine:
             if request.row is not None:
                 self._free_prefill_row(request.row)
             events.append(TokenEvent(request.id, -1, True, "too_large"))
+        queued = list(self._waiting)
+        for index in plan.refuse_waiting:
+            self._waiting.remove(queued[index])
+            events.append(TokenEvent(queued[index].id, -1, True, "too_large"))
         for slot in plan.preempt:
             self._swap_out(self._slots[slot], slot)
             self._slots[slot] = None

@@ -47,9 +47,7 @@ def decode_slots(model, kv, tokens, active, rows: Rows, policy_params, *, policy
     return put_rows(kv, slots, part), tokens, rows
 
 
-@functools.partial(
-    jax.jit, static_argnames=("policy", "backend"), donate_argnames=("kv", "carry")
-)
+@functools.partial(jax.jit, static_argnames=("policy", "backend"), donate_argnames=("kv", "carry"))
 def prefill_rows(
     model,
     kv: KVState,
@@ -161,4 +159,3 @@ move = jax.jit(move_row, donate_argnames=("kv",))
 release = jax.jit(release_rows, donate_argnames=("kv",))
 insert_rows = jax.jit(Rows.insert, donate_argnums=(0,))
 take_row_state = jax.jit(Rows.row)
-

@@ -10,7 +10,9 @@ token sampled; in its prefill row, or swapped out to the host after a preemption
 (in a slot, a token per step). A step's plan:
 1. ready requests move into free slots, oldest first, while the pages each brings in and
    every running row's next step fit (the first that does not fit waits, and those behind it);
-   one whose pages and first step exceed the pool is refused (`refuse`);
+   one whose pages and first step exceed the pool is refused (`refuse`), and so is a queued
+   one whose prefill alone would (`refuse_waiting`; `submit` plans both, so neither happens
+   unless a plan came out too small);
 2. while the running rows' next step needs more pages than are free, the newest request that
    holds pages gives them back: a running one or a ready one is swapped out to the host
    (`preempt`, `swap_out`: its state comes back whole), a prefilling one goes back to the
@@ -110,6 +112,8 @@ class Plan:
     Attributes:
       refuse: orders of ready requests whose pages and first step exceed the pool: they end
         `too_large`.
+      refuse_waiting: indices in `View.waiting` of queued requests whose prefill's peak exceeds
+        the pool: they end `too_large`.
       preempt: slots whose requests are swapped out to the host (back to ready).
       swap_out: prefill rows whose ready requests are swapped out to the host.
       abort: prefill rows whose prefilling requests go back to the front of the queue.
@@ -122,6 +126,7 @@ class Plan:
     """
 
     refuse: tuple[int, ...] = ()
+    refuse_waiting: tuple[int, ...] = ()
     preempt: tuple[int, ...] = ()
     swap_out: tuple[int, ...] = ()
     abort: tuple[int, ...] = ()
@@ -187,8 +192,9 @@ def plan_step(view: View) -> Plan:
     reserved = sum(p.reserved_pages for p in prefilling)
     reserved += sum(r.growth_pages for r in ready if r.row is not None)
     rows = sorted(view.free_rows)  # an aborted row is free from the next step on
+    refuse_waiting = [i for i, w in enumerate(view.waiting) if w.peak_pages > view.num_pages]
     start = []
-    for w in view.waiting:
+    for w in [w for i, w in enumerate(view.waiting) if i not in refuse_waiting]:
         room = free - _growth(running) - reserved
         if not rows or w.chunk_tokens > tokens or w.peak_pages > room:
             break
@@ -197,6 +203,7 @@ def plan_step(view: View) -> Plan:
         reserved += w.peak_pages
     return Plan(
         refuse=tuple(refuse),
+        refuse_waiting=tuple(refuse_waiting),
         preempt=tuple(preempt),
         swap_out=tuple(swap_out),
         abort=tuple(abort),
