@@ -1,23 +1,28 @@
-"""Many requests, one pool: `jaxkv.Engine` under a Poisson trace, per policy and pool size.
+"""Many requests, one pool: `jaxkv.Engine` under a Poisson trace, per policy, pool size and
+count of prefill rows.
 
     jaxkv bench serve --model smollm2-135m-instruct --policies full snapkv:0.3 fastkvzip:0.3 \
         --requests 16 --rate 0.5 --pool-requests 2 4 8 --out results/serve
 
 The trace: prose prompts of `--min-prompt`..`--max-prompt` tokens (`jaxkv.prose`, the model's
 tokens) with `--min-new`..`--max-new` new tokens each (stop tokens off, so every request runs
-its length), arriving as a Poisson process of `--rate` requests per second of wall time; the
-same trace for every policy. The pool holds `--pool-requests` full-cache requests of the longest
-prompt and generation (the full cache's own limit; several values: one run each, and a plot of
-decode throughput and requests running against the pool size), the engine `--max-slots` slots.
-A learned policy runs with `--params NAME=PATH`, or the parameters jaxkv ships for --model
-(`jaxkv.bundled.SHIPPED_PARAMS`). Per policy and pool: mean and peak requests running
-(sampled after every step), tokens per second over the whole run and over decode-only steps
-(the steady state: no prefill chunk in the step), time to first token and time per output
-token (p50, p99), preemptions, requests refused as too large for the pool, end-to-end requests
-per second, and where the time goes: seconds of the steps taken while a request waited (each
-runs at most one prefill chunk besides its decode step) and of the steps with none waiting
-(decode only, whose tokens per second are the steady state's). Run on one machine in one
-process: ratios between policies are the measurement.
+its length), arriving as a Poisson process of `--rate` requests per second of wall time (a
+large rate: a burst, every request at once); the same trace for every policy. The pool holds
+`--pool-requests` full-cache requests of the longest prompt and generation (the full cache's
+own limit; several values: one run each, and a plot of decode throughput and requests running
+against the pool size), the engine `--max-slots` slots and `--max-prefills` prefill rows
+(several values: one run each; one row reads one request's chunk a step, four batch four
+requests' chunks in one forward pass) under `--max-batched-tokens`. A learned policy runs with
+`--params NAME=PATH`, or the parameters jaxkv ships for --model (`jaxkv.bundled.SHIPPED_PARAMS`).
+Per run: mean and peak requests running (sampled after every step), tokens per second over the
+whole run and over decode-only steps (the steady state: no prefill chunk in the step), prompt
+tokens per second of the steps taken while a request waited (prompt tokens served over those
+steps' seconds), time to first token and time per output token (p50, p99), preemptions,
+requests refused as too large for the pool, end-to-end requests per second, and where the time
+goes: seconds of the steps taken while a request waited (queued, reading its prompt or waiting
+for a slot: they run the prefill chunks besides the decode step) and of the steps with none
+waiting (decode only, whose tokens per second are the steady state's). Run on one machine in one
+process: ratios between runs are the measurement.
 """
 
 from __future__ import annotations
@@ -78,12 +83,16 @@ def learned_params(policy, model, args, given: dict):
     return policy.params.load(path, model.config)
 
 
-def run_policy(model, policy, trace: list[dict], args, num_pages: int, params) -> dict:
+def run_policy(
+    model, policy, trace: list[dict], args, num_pages: int, params, max_prefills: int
+) -> dict:
     engine = jaxkv.Engine(
         model,
         policy,
         cache=jaxkv.CacheConfig(num_pages=num_pages),
         max_slots=args.max_slots,
+        max_prefills=max_prefills,
+        max_batched_tokens=args.max_batched_tokens,
         max_context=args.max_prompt + args.max_new,
         policy_params=params,
     )
@@ -92,7 +101,7 @@ def run_policy(model, policy, trace: list[dict], args, num_pages: int, params) -
     engine.run()
     start = time.perf_counter()
     pending = list(enumerate(trace))
-    submitted, first, last, counts, too_large = {}, {}, {}, {}, set()
+    submitted, indices, first, last, counts, too_large = {}, {}, {}, {}, {}, set()
     refused = 0  # at submit: more pages than the pool holds, planned
     running, decode_tokens, decode_seconds, prefill_seconds = [], 0, 0.0, 0.0
     while pending or engine.has_work():
@@ -107,6 +116,7 @@ def run_policy(model, policy, trace: list[dict], args, num_pages: int, params) -
                 refused += 1
                 continue
             submitted[rid] = start + request["arrival"]
+            indices[rid] = index
         if not engine.has_work():
             time.sleep(max(0.0, pending[0][1]["arrival"] - now))
             continue
@@ -132,6 +142,9 @@ def run_policy(model, policy, trace: list[dict], args, num_pages: int, params) -
         running.append(engine.stats()["running"])
     elapsed = time.perf_counter() - start
     served = [rid for rid in submitted if rid not in too_large]
+    prompt_tokens = sum(
+        len(trace[index]["prompt"]) for rid, index in indices.items() if rid in served
+    )
     ttft = [first[rid] - submitted[rid] for rid in served] or [np.nan]
     tpot = [(last[rid] - first[rid]) / max(counts[rid] - 1, 1) for rid in served] or [np.nan]
     return {
@@ -141,6 +154,7 @@ def run_policy(model, policy, trace: list[dict], args, num_pages: int, params) -
         "running_mean": float(np.mean(running)),
         "running_peak": int(np.max(running)),
         "tokens_per_second": sum(counts.values()) / elapsed,
+        "prompt_tokens_per_second": prompt_tokens / max(prefill_seconds, 1e-9),
         "decode_tokens_per_second": decode_tokens / max(decode_seconds, 1e-9),
         "ttft_p50": float(np.percentile(ttft, 50)),
         "ttft_p99": float(np.percentile(ttft, 99)),
@@ -156,16 +170,18 @@ def run_policy(model, policy, trace: list[dict], args, num_pages: int, params) -
 
 def markdown(report: dict) -> str:
     head = (
-        "| policy | pool (full requests): pages | running mean / peak | tok/s | decode tok/s "
-        "| TTFT p50 / p99 s | TPOT p50 / p99 s | preemptions | too large | req/s "
-        "| prefill / decode s |"
+        "| policy | pool (full requests): pages | prefill rows | running mean / peak | tok/s "
+        "| decode tok/s | prompt tok/s | TTFT p50 / p99 s | TPOT p50 / p99 s | preemptions "
+        "| too large | req/s | prefill / decode s |"
     )
-    rows = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         rows.append(
             f"| {row['policy']} | {row['pool_requests']}: {row['num_pages']} "
+            f"| {row['max_prefills']} "
             f"| {row['running_mean']:.2f} / {row['running_peak']} "
             f"| {row['tokens_per_second']:.2f} | {row['decode_tokens_per_second']:.2f} "
+            f"| {row['prompt_tokens_per_second']:.1f} "
             f"| {row['ttft_p50']:.1f} / {row['ttft_p99']:.1f} "
             f"| {row['tpot_p50']:.2f} / {row['tpot_p99']:.2f} | {row['preemptions']} "
             f"| {row['too_large']} "
@@ -212,6 +228,19 @@ def main(argv: list[str] | None = None) -> dict:
         help="a learned policy's parameters (without: the ones jaxkv ships for --model)",
     )
     parser.add_argument("--max-slots", type=int, default=16, help="requests decoded at once")
+    parser.add_argument(
+        "--max-prefills",
+        type=int,
+        nargs="+",
+        default=[4],
+        help="requests whose prompts are read at once, the engine's prefill rows (one run each)",
+    )
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one engine step runs (default: the engine's, every slot and row's chunk)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the trace's prompts and arrivals")
     parser.add_argument(
         "--out",
@@ -231,10 +260,12 @@ def main(argv: list[str] | None = None) -> dict:
     for requests in args.pool_requests:
         num_pages = pool_pages(model, args, requests, jaxkv.CacheConfig().page_size)
         for spec, policy in specs.items():
-            result = run_policy(model, policy, trace, args, num_pages, params[spec])
-            row = {"policy": spec, "pool_requests": requests, **result}
-            harness.print_row(row)
-            rows.append(row)
+            for prefills in args.max_prefills:
+                result = run_policy(model, policy, trace, args, num_pages, params[spec], prefills)
+                row = {"policy": spec, "pool_requests": requests, "max_prefills": prefills}
+                row |= result
+                harness.print_row(row)
+                rows.append(row)
     report = {
         "provenance": harness.provenance("jaxkv bench serve", argv or sys.argv[1:]),
         "model": args.model,
@@ -254,11 +285,13 @@ def plot(report: dict, path: Path) -> None:
     policy."""
     plt = harness.pyplot()
     fig, (throughput, running) = plt.subplots(1, 2, figsize=(10, 4))
-    for spec in dict.fromkeys(row["policy"] for row in report["rows"]):
-        rows = [row for row in report["rows"] if row["policy"] == spec]
+    several = len(report["trace"]["max_prefills"]) > 1
+    for key in dict.fromkeys((row["policy"], row["max_prefills"]) for row in report["rows"]):
+        rows = [row for row in report["rows"] if (row["policy"], row["max_prefills"]) == key]
+        label = f"{key[0]}, {key[1]} prefill rows" if several else key[0]
         pools = [row["pool_requests"] for row in rows]
-        throughput.plot(pools, [r["decode_tokens_per_second"] for r in rows], "o-", label=spec)
-        running.plot(pools, [r["running_mean"] for r in rows], "o-", label=spec)
+        throughput.plot(pools, [r["decode_tokens_per_second"] for r in rows], "o-", label=label)
+        running.plot(pools, [r["running_mean"] for r in rows], "o-", label=label)
     for axis, label in ((throughput, "decode tokens / s"), (running, "requests running (mean)")):
         axis.set_xlabel("pool size (full-cache requests)")
         axis.set_ylabel(label)

@@ -39,13 +39,22 @@ def test_a_sweep_over_pool_sizes_writes_a_row_each_and_the_plot(tmp_path):
     save_write_gates(wgkv.params.init(preset("tiny-random"), jax.random.PRNGKey(0)), gates)
     argv = [*TOY, "--policies", "full", "wgkv", "--pool-requests", "1", "2"]
     report = serve.main([*argv, "--params", f"wgkv={gates}", "--out", str(tmp_path)])
-    rows = [(row["pool_requests"], row["policy"]) for row in report["rows"]]
-    assert rows == [(1, "full"), (1, "wgkv"), (2, "full"), (2, "wgkv")]
+    rows = [(row["pool_requests"], row["policy"], row["max_prefills"]) for row in report["rows"]]
+    assert rows == [(1, "full", 4), (1, "wgkv", 4), (2, "full", 4), (2, "wgkv", 4)]
     assert all(row["requests"] == 3 for row in report["rows"])
     saved = json.loads((tmp_path / "tiny-random" / "serve.json").read_text())
     assert saved["provenance"]["command"].startswith("jaxkv bench serve --model tiny-random")
     assert (tmp_path / "tiny-random" / "serve.png").stat().st_size > 0
     assert "serve.png" in (tmp_path / "tiny-random" / "serve.md").read_text()
+
+
+def test_a_run_per_count_of_prefill_rows_over_the_same_trace(tmp_path):
+    argv = [*TOY, "--policies", "snapkv:0.5", "--max-prefills", "1", "3"]
+    report = serve.main([*argv, "--max-batched-tokens", "200", "--out", str(tmp_path)])
+    assert [row["max_prefills"] for row in report["rows"]] == [1, 3]
+    for row in report["rows"]:
+        assert row["requests"] == 3 and row["too_large"] == 0
+        assert row["prompt_tokens_per_second"] > 0
 
 
 def test_a_learned_policy_without_shipped_parameters_names_params(tmp_path):
