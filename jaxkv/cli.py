@@ -386,6 +386,8 @@ def _serve(args) -> int:
         policy,
         cache=cache_config(args, num_pages=args.num_pages),
         max_slots=args.max_slots,
+        max_prefills=args.max_prefills,
+        max_batched_tokens=args.max_batched_tokens,
         max_context=args.max_context,
         max_waiting=args.max_waiting,
         policy_params=params,
@@ -572,6 +574,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--num-pages", type=int, default=4096, help="the engine's page pool")
     serve.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
+    serve.add_argument(
+        "--max-prefills", type=int, default=4, help="requests whose prompts are read at once"
+    )
+    serve.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one engine step runs, decode rows and prompt chunks (default: a token of "
+        "every slot and a chunk of every prompt read at once)",
+    )
     serve.add_argument("--max-context", type=int, default=None, help="prompt + generation")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests (503 past)")
     serve.add_argument(
