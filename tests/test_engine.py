@@ -126,9 +126,9 @@ def test_several_prompts_are_read_in_one_step_in_generate_s_chunks(model, monkey
     calls = []
     prefill_rows = programs.prefill_rows
 
-    def recorded(model, kv, carry, rows, tokens, *args, **kwargs):
-        calls.append((len(rows), tokens.shape[1]))
-        return prefill_rows(model, kv, carry, rows, tokens, *args, **kwargs)
+    def recorded(placement, **arguments):
+        calls.append(arguments["tokens"].shape)
+        return prefill_rows(placement, **arguments)
 
     monkeypatch.setattr(programs, "prefill_rows", recorded)
     eng = Engine(
@@ -241,15 +241,15 @@ def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):
     )
     run_staggered(eng, {0: [(0, 4, {})]})  # compiled once
     once = (
-        programs.decode_slots,
-        programs.row_pages,
-        programs.insert_rows,
-        programs.release,
+        programs.decode_slots.jitted,
+        programs.row_pages.jitted,
+        programs.insert_rows.jitted,
+        programs.release.jitted,
         programs.first_token,
-        programs.move,
-        programs.finish_row,
+        programs.move.jitted,
+        programs.finish_row.jitted,
     )
-    prefill = programs.prefill_rows
+    prefill = programs.prefill_rows.jitted
     before = [program._cache_size() for program in (*once, prefill)]
     rng = np.random.default_rng(0)
     sampled = {"sampler": Sampler(temperature=0.7, top_k=5), "key": jax.random.PRNGKey(1)}

@@ -34,16 +34,18 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import sharding
 from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import CacheConfig, KVState
 from jaxkv.cache.config import check_count
 from jaxkv.cache.geometry import pool_pages_bucket, table_pages_bucket
 from jaxkv.compile_log import compiling_as
 from jaxkv.engine import programs
-from jaxkv.engine.scheduler import Prefilling, Ready, Running, View, Waiting, plan_step
+from jaxkv.engine.lanes import Lanes
+from jaxkv.engine.pages import heads, pages_needed_alone, prefill_peak_pages
+from jaxkv.engine.scheduler import Plan, Prefilling, Ready, Running, View, Waiting, plan_step
 from jaxkv.generation.prefill import empty_carry
 from jaxkv.generation.request import (
     DEFAULT_PREFILL_CHUNK,
@@ -51,11 +53,8 @@ from jaxkv.generation.request import (
     checked_key,
     checked_prompts,
     checked_stop_tokens,
-    default_prefill_chunk,
-    pad_prompts,
     prompt_lists,
 )
-from jaxkv.models.configs import ModelConfig
 from jaxkv.models.decoder import Model
 from jaxkv.pallas_kernels.common import next_power_of_two
 from jaxkv.policies import FullCache, Policy, from_spec
@@ -140,83 +139,26 @@ class _Request:
         return min(self.prompts.chunk, self.length - self.read)
 
 
-def _heads(config: ModelConfig) -> int:
-    return config.num_layers * config.num_kv_heads
-
-
-def prefill_peak_pages(
-    policy: Policy, config: ModelConfig, prompt_length: int, chunk: int, page_size: int
-) -> int:
-    """The most pages of the pool a request holds from its first prompt chunk to its first
-    decode step (host): every head's prompt and one token more, or a chunk eviction's bound
-    (Fast KVzip: what it keeps plus a chunk) where that is lower. A policy that admits or
-    compresses holds at most the whole prompt while it reads it."""
-    full = _heads(config) * -(-(prompt_length + 1) // page_size)
-    if policy.chunk_eviction is None:
-        return full
-    lengths = np.array([prompt_length])
-    return min(full, policy.chunk_eviction.prefill_pages(lengths, chunk, config, page_size, 1))
-
-
-def engine_chunk(policy: Policy, prompt_length: int, prefill_chunk: int | None) -> int:
-    """The chunk a prompt of `prompt_length` tokens is read in (`generate`'s)."""
-    lengths = np.array([prompt_length])
-    chunk = default_prefill_chunk(policy, lengths) if prefill_chunk is None else prefill_chunk
-    return pad_prompts([[0] * prompt_length], lengths, chunk).chunk
-
-
-def pages_needed_alone(
-    policy: Policy,
-    config: ModelConfig,
-    prompt_length: int,
-    max_new_tokens: int,
-    page_size: int,
-    prefill_chunk: int | None = None,
-) -> int:
-    """The most pages of the pool one request holds in the engine, alone (host; from shapes, as
-    `jaxkv bench plan` plans a request): its prefill's peak (`prefill_peak_pages`) or its
-    decode's, whichever is larger.
-
-    At decode each of its layers x KV heads holds at most the policy's planned tokens after the
-    prompt (`Policy.planned_tokens`: the budget; the whole prompt where what is kept depends on
-    the data, e.g. WG-KV's gates or GVote's votes) and grows by max_new_tokens - 1 (the last
-    token is sampled, never written), to its decode eviction's `decode_tokens_bound` where that
-    is lower; admission asks room for one more token than the prompt holds. A plan below the
-    whole prompt is an average that heads may split unevenly (a budget shared across heads,
-    PyramidKV's layers): each head then rounds up to a page of its own.
-    """
-    chunk = engine_chunk(policy, prompt_length, prefill_chunk)
-    peak = prefill_peak_pages(policy, config, prompt_length, chunk, page_size)
-    lengths = np.array([prompt_length])
-    budget = policy.budget_tokens(lengths)
-    held = int(policy.planned_tokens(budget, lengths)[0][0])
-    grown = held + max_new_tokens - 1
-    if policy.decode_eviction is not None:
-        bound = policy.decode_eviction.decode_tokens_bound(budget, lengths, max_new_tokens)
-        grown = min(grown, int(bound[0]))
-    tokens = max(grown, held + 1)
-    heads = _heads(config)
-    if held >= prompt_length and not policy.decides_across_heads:
-        return max(peak, heads * -(-tokens // page_size))  # every head holds at most `tokens`
-    return max(peak, (heads * tokens + heads * (page_size - 1)) // page_size)
-
-
 class Engine:
     """Continuous batching over one paged pool (module docstring).
 
     Args:
       model: the model.
       policy: the cache policy every request uses (or its spec, "kvzip:0.3"); default full.
-      cache: the pool: `CacheConfig(num_pages=...)` (required: the engine's memory), its page size
-        and kv dtype; int8 storage is not supported here.
+      cache: the pool: `CacheConfig(num_pages=...)` (required: the engine's memory; on a mesh,
+        each device's), its page size and kv dtype; int8 storage is not supported here.
       max_slots: requests decoded at once.
       max_prefills: requests whose prompts are read at once (prefill rows).
-      max_batched_tokens: the most tokens one step runs, a decode row's token and a prefill
-        chunk's tokens counted (default: room for every slot and a full chunk of every prefill
-        row); at least max_slots + the prefill chunk.
+      max_batched_tokens: the most tokens one step runs on a lane, a decode row's token and a
+        prefill chunk's tokens counted (default: room for every slot and a full chunk of every
+        prefill row); at least the lane's slots + 16.
       max_context: the longest prompt + generation a request may have (default: the model's
         max_position_embeddings, at most 8192); sizes the page tables.
       max_waiting: the bound of the waiting queue (`submit` raises QueueFullError past it).
+      mesh: a (data, model) mesh (`jaxkv.sharding.make_inference_mesh`) as `generate` takes:
+        slots and prefill rows split over `data` (each data shard a lane with a pool per
+        device; max_slots and max_prefills multiples of it), KV heads with their query heads
+        over `model`. None: one device.
       policy_params, prefill_chunk, backend: as for `generate`.
 
     Compiles: `jaxkv.engine.programs` lists its programs; one engine compiles each once, except
@@ -236,6 +178,7 @@ class Engine:
         max_batched_tokens: int | None = None,
         max_context: int | None = None,
         max_waiting: int = 256,
+        mesh: jax.sharding.Mesh | None = None,
         policy_params: PolicyParams | None = None,
         prefill_chunk: int | None = None,
         backend: str | Backend = "auto",
@@ -247,17 +190,37 @@ class Engine:
         if cache.int8_window is not None:
             raise ValueError("the engine does not run int8 storage: give storage='model'")
         self.policy.check_params(policy_params, model.config)
-        self.model, self.cache, self.policy_params = model, cache, policy_params
         self.max_slots = check_count("max_slots", max_slots, 1)
         self.max_prefills = check_count("max_prefills", max_prefills, 1)
+        placement = sharding.as_inference_mesh(mesh)
+        if placement is not None:
+            for name, count in (("max_slots", max_slots), ("max_prefills", max_prefills)):
+                if count % placement.data:
+                    raise ValueError(
+                        f"{name}={count} must be a multiple of the mesh's data axis "
+                        f"({placement.data}): each data shard holds an equal share"
+                    )
+            placement.check(model.config, self.max_slots)
+            model = placement.place(model, placement.model_specs(model))
+            policy_params = placement.place_policy_params(self.policy, policy_params)
+        self.placement = placement
+        self.lanes = Lanes(
+            placement,
+            slots=self.max_slots // (1 if placement is None else placement.data),
+            prefills=self.max_prefills // (1 if placement is None else placement.data),
+        )
+        self.model, self.cache, self.policy_params = model, cache, policy_params
+        self.device_config = (
+            model.config if placement is None else placement.local_config(model.config)
+        )
         self.prefill_chunk = (
             None if prefill_chunk is None else check_count("prefill_chunk", prefill_chunk, 1)
         )
         chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else self.prefill_chunk
         if max_batched_tokens is None:
-            max_batched_tokens = self.max_slots + self.max_prefills * chunk
+            max_batched_tokens = self.lanes.slots + self.lanes.prefills * chunk
         self.max_batched_tokens = check_count(
-            "max_batched_tokens", max_batched_tokens, self.max_slots + min(chunk, 16)
+            "max_batched_tokens", max_batched_tokens, self.lanes.slots + 16
         )
         limit = model.config.max_position_embeddings
         self.max_context = check_count(
@@ -270,22 +233,25 @@ class Engine:
             )
         self.max_waiting = check_count("max_waiting", max_waiting, 1)
         self.backend = resolve_backend(backend)
-        cfg, p = model.config, cache.page_size
-        width = table_pages_bucket(-(-self.max_context // p))
-        self.kv = KVState.create(
-            num_layers=cfg.num_layers,
-            batch=self.max_slots + self.max_prefills,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            max_tokens=width * p,
+        p = cache.page_size
+        geometry = dict(
+            num_layers=model.config.num_layers,
+            batch=self.lanes.rows,
+            num_kv_heads=self.device_config.num_kv_heads,
+            head_dim=model.config.head_dim,
+            max_tokens=table_pages_bucket(-(-self.max_context // p)) * p,
             page_size=p,
             num_pages=cache.num_pages,
             dtype=cache.dtype_for(model.dtype),
             key_bounds=self.policy.selection is not None,
             local_window=local_window(self.policy),
         )
+        if placement is None:
+            self.kv = KVState.create(**geometry)
+        else:
+            self.kv = placement.run(KVState.create, (), (), geometry)
         static = self.policy.static()
-        self._carry = empty_carry(None, model=model, batch=self.max_prefills, policy=static)
+        self._carry = empty_carry(placement, model=model, batch=self.lanes.prefills, policy=static)
         self._slots: list[_Request | None] = [None] * self.max_slots
         self._prefill_rows: list[_Request | None] = [None] * self.max_prefills
         self._ready: list[_Request] = []  # prefilled, waiting for a slot, oldest first
@@ -322,12 +288,12 @@ class Engine:
                 f"prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds the "
                 f"engine's max_context={self.max_context}"
             )
-        if prompts.chunk + self.max_slots > self.max_batched_tokens:
+        if prompts.chunk + self.lanes.slots > self.max_batched_tokens:
             raise ValueError(
                 f"the prompt is read in chunks of {prompts.chunk} tokens with policy "
-                f"{self.policy.name!r}: give max_batched_tokens >= {prompts.chunk + self.max_slots}"
-                f" (the chunk and a token of each of max_slots={self.max_slots}), not "
-                f"{self.max_batched_tokens}"
+                f"{self.policy.name!r}: give max_batched_tokens >= "
+                f"{prompts.chunk + self.lanes.slots} (the chunk and a token of each of a "
+                f"lane's {self.lanes.slots} slots), not {self.max_batched_tokens}"
             )
         budget_tokens = self.policy.budget_tokens(prompts.lengths)
         self._check_fits_alone(length, max_new_tokens)
@@ -348,7 +314,7 @@ class Engine:
             budget_tokens=budget_tokens,
             thresholds=self.policy.thresholds(1),
             peak_pages=prefill_peak_pages(
-                self.policy, self.model.config, length, prompts.chunk, self.cache.page_size
+                self.policy, self.device_config, length, prompts.chunk, self.cache.page_size
             ),
             max_new_tokens=max_new_tokens,
             sampler=sampler,
@@ -372,9 +338,10 @@ class Engine:
                 new_tokens,
                 self.cache.page_size,
                 self.prefill_chunk,
+                self.device_config,
             )
 
-        pool = self.kv.pool.num_pages
+        pool = self.cache.num_pages
         pages = needed(max_new_tokens)
         if pages <= pool:
             return
@@ -405,15 +372,15 @@ class Engine:
             if request.id == request_id:
                 self._ready.remove(request)
                 if request.row is not None:
-                    self._free_prefill_row(request.row)
+                    self._release(prefills=[request.row])
                 return True
         for row, request in enumerate(self._prefill_rows):
             if request is not None and request.id == request_id:
-                self._free_prefill_row(row)
+                self._release(prefills=[row])
                 return True
         for slot, request in enumerate(self._slots):
             if request is not None and request.id == request_id:
-                self._free_slot(slot)
+                self._release(slots=[slot])
                 return True
         return False
 
@@ -423,15 +390,16 @@ class Engine:
 
     def stats(self) -> dict:
         """Requests running and waiting (queued, prefilling or prefilled), pages in use and the
-        pool's size, the bytes of a local ring beside the pool (WG-KV's: every row's,
-        reserved at creation; 0 without one), the KV bytes held in all (pages in use and ring;
-        host values) and the preemptions so far."""
+        pool's size (every device's), the bytes of a local ring beside the pool (WG-KV's: every
+        row's, reserved at creation; 0 without one), the KV bytes held in all (pages in use and
+        ring; host values) and the preemptions so far."""
         in_rows = sum(r is not None and r.state is None for r in self._prefill_rows)
+        pools = self.lanes.count * self.lanes.devices
         return {
             "running": sum(r is not None for r in self._slots),
             "waiting": len(self._waiting) + in_rows + len(self._ready),
-            "pages_in_use": int(self.kv.pages_in_use()),
-            "num_pages": self.kv.pool.num_pages,
+            "pages_in_use": int(np.sum(sharding.to_host(self.kv.pages_in_use()))),
+            "num_pages": self.cache.num_pages * pools,
             "ring_bytes": self.kv.ring_bytes,
             "kv_bytes_in_use": self.kv.memory_bytes(),
             "preemptions": self.preemptions,
@@ -453,69 +421,110 @@ class Engine:
     # --- the step: plan, execute ------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
-        """One step: the scheduler's plan (`jaxkv.engine.scheduler.plan_step`) of what the
-        engine holds now, executed in its order (refusals, preemptions, admissions, a decode
-        step of every running request, a chunk of every prefill row it reads); the tokens
-        produced."""
-        plan = plan_step(self._view())
+        """One step: the scheduler's plan of each lane (`jaxkv.engine.scheduler.plan_step`)
+        from what the engine holds now, executed in its order (refusals, preemptions,
+        admissions, a decode step of every running request, a chunk of every prefill row it
+        reads); the tokens produced."""
+        plan, started, refused = self._plan()
         events: list[TokenEvent] = []
+        for request in refused:
+            self._waiting.remove(request)
+            events.append(TokenEvent(request.id, -1, True, "too_large"))
         for order in plan.refuse:
             request = next(r for r in self._ready if r.order == order)
             self._ready.remove(request)
             if request.row is not None:
-                self._free_prefill_row(request.row)
+                self._release(prefills=[request.row])
             events.append(TokenEvent(request.id, -1, True, "too_large"))
-        queued = list(self._waiting)
-        for index in plan.refuse_waiting:
-            self._waiting.remove(queued[index])
-            events.append(TokenEvent(queued[index].id, -1, True, "too_large"))
         for slot in plan.preempt:
-            self._swap_out(self._slots[slot], slot)
-            self._slots[slot] = None
+            self._swap_out(self._slots[slot], slot=slot)
         for row in plan.swap_out:
-            self._swap_out(self._prefill_rows[row], self.max_slots + row)
-            self._prefill_rows[row] = None
-        for row in plan.abort:
-            request = self._prefill_rows[row]
-            self._free_prefill_row(row)
+            self._swap_out(self._prefill_rows[row], row=row)
+        aborted = [self._prefill_rows[row] for row in plan.abort]
+        self._release(prefills=plan.abort)
+        for request in reversed(aborted):
             request.read = 0
             self._waiting.appendleft(request)
-        for slot in plan.too_large:
-            request = self._slots[slot]
-            self._free_slot(slot)
-            events.append(TokenEvent(request.id, -1, True, "too_large"))
+        ended = [self._slots[slot] for slot in plan.too_large]
+        self._release(slots=plan.too_large)
+        events += [TokenEvent(request.id, -1, True, "too_large") for request in ended]
         for order, slot in plan.admit:
             self._admit(next(r for r in self._ready if r.order == order), slot)
         if plan.decode:
             with compiling_as("the engine's decode step"):
                 self._decode(plan.decode, events)
-        if plan.prefill or plan.start:
-            for row in plan.start:
-                self._start_prefill(self._waiting.popleft(), row)
+        if plan.prefill or started:
+            for row, request in started:
+                self._waiting.remove(request)
+                self._start_prefill(request, row)
             with compiling_as("the engine's prefill chunk"):
-                self._read_chunks(sorted(plan.prefill + plan.start), events)
+                self._read_chunks(sorted(plan.prefill + tuple(row for row, _ in started)), events)
         return events
 
-    def _view(self) -> View:
-        """What the scheduler sees: each row's pages (one small program) and the pool's."""
-        held, growth = (np.asarray(x) for x in programs.row_pages(self.kv))
-        s = self.max_slots
+    def _plan(self) -> tuple[Plan, list[tuple[int, _Request]], list[_Request]]:
+        """Each lane's plan, the lanes with the most free pages first (so a new request goes to
+        the emptiest), drawing on the queue and the swapped-out requests in turn; merged into
+        one plan of global slots and rows, with the queued requests that start (row, request)
+        and those refused."""
+        held, growth, free = (self.lanes.per_lane(x) for x in self._row_pages())
+        held, growth, free = held.max(axis=1), growth.max(axis=1), free.min(axis=1)
+        queue = list(self._waiting)
+        swapped = [r for r in self._ready if r.row is None]
+        plans, started, refused = [], [], []
+        for lane in sorted(range(self.lanes.count), key=lambda lane: -free[lane]):
+            view, head = self._view(lane, held[lane], growth[lane], int(free[lane]), queue, swapped)
+            plan = plan_step(view)
+            gone = [head[i] for i in plan.refuse_waiting]
+            starting = [r for r in head if r not in gone][: len(plan.start)]
+            refused += gone
+            started += list(zip(plan.start, starting, strict=True))
+            queue = [r for r in queue if r not in gone and r not in starting]
+            claimed = {order for order, _ in plan.admit} | set(plan.refuse)
+            swapped = [r for r in swapped if r.order not in claimed]
+            plans.append(plan)
+        merged = Plan(
+            **{
+                field.name: tuple(x for plan in plans for x in getattr(plan, field.name))
+                for field in dataclasses.fields(Plan)
+                if field.name != "refuse_waiting"
+            }
+        )
+        return merged, started, refused
+
+    def _row_pages(self):
+        return programs.row_pages(self.placement, kv=self.kv)
+
+    def _view(self, lane, held, growth, free, queue, swapped) -> tuple[View, list[_Request]]:
+        """What the scheduler sees of `lane` (its kv rows' pages `held`, `growth`; its free
+        pages), with the unclaimed swapped-out requests and the queue's head."""
+        lanes = self.lanes
         running = tuple(
-            Running(slot, r.order, int(held[slot]), int(growth[slot]))
-            for slot, r in enumerate(self._slots)
-            if r is not None
+            Running(
+                slot,
+                r.order,
+                int(held[lanes.slot_kv_row(slot)]),
+                int(growth[lanes.slot_kv_row(slot)]),
+            )
+            for slot in lanes.lane_slots(lane)
+            if (r := self._slots[slot]) is not None
         )
-        ready = tuple(
-            Ready(r.order, None, *r.swapped_pages)
-            if r.row is None
-            else Ready(r.order, r.row, int(held[s + r.row]), int(growth[s + r.row]))
+        ready = [
+            Ready(
+                r.order,
+                r.row,
+                int(held[lanes.prefill_kv_row(r.row)]),
+                int(growth[lanes.prefill_kv_row(r.row)]),
+            )
             for r in self._ready
-        )
+            if r.row is not None and lanes.prefill_lane(r.row) == lane
+        ]
+        ready += [Ready(r.order, None, *r.swapped_pages) for r in swapped]
         prefilling = []
-        for row, r in enumerate(self._prefill_rows):
+        for row in lanes.lane_prefills(lane):
+            r = self._prefill_rows[row]
             if r is None or r.state is not None:
                 continue
-            row_held = int(held[s + row])
+            row_held = int(held[lanes.prefill_kv_row(row)])
             reserved = max(r.peak_pages - row_held, 0)
             prefilling.append(
                 Prefilling(
@@ -527,26 +536,27 @@ class Engine:
                     chunk_pages=min(self._chunk_pages(r.next_chunk), reserved),
                 )
             )
-        free_rows = tuple(i for i, r in enumerate(self._prefill_rows) if r is None)
-        waiting = tuple(
-            Waiting(r.peak_pages, r.next_chunk) for r in list(self._waiting)[: len(free_rows)]
+        free_rows = tuple(
+            row for row in lanes.lane_prefills(lane) if self._prefill_rows[row] is None
         )
-        return View(
+        head = queue[: len(free_rows)]
+        view = View(
             running=running,
-            ready=ready,
+            ready=tuple(sorted(ready, key=lambda r: r.order)),
             prefilling=tuple(prefilling),
-            waiting=waiting,
-            free_slots=tuple(i for i, r in enumerate(self._slots) if r is None),
+            waiting=tuple(Waiting(r.peak_pages, r.next_chunk) for r in head),
+            free_slots=tuple(s for s in lanes.lane_slots(lane) if self._slots[s] is None),
             free_rows=free_rows,
-            free_pages=int(self.kv.pool.allocator.num_free),
-            num_pages=self.kv.pool.num_pages,
+            free_pages=free,
+            num_pages=self.cache.num_pages,
             max_batched_tokens=self.max_batched_tokens,
         )
+        return view, head
 
     def _chunk_pages(self, tokens: int) -> int:
-        """The most pages reading `tokens` more tokens may allocate: a page per head for each
-        `page_size` of them, and one more where a head's last page is part full."""
-        return _heads(self.model.config) * (-(-tokens // self.cache.page_size) + 1)
+        """The most pages of a device reading `tokens` more tokens may allocate: a page per head
+        for each `page_size` of them, and one more where a head's last page is part full."""
+        return heads(self.device_config) * (-(-tokens // self.cache.page_size) + 1)
 
     def _start_prefill(self, request: _Request, row: int) -> None:
         if request.order < 0:
@@ -556,15 +566,24 @@ class Engine:
         self._prefill_rows[row] = request
 
     def _read_chunks(self, rows: list[int], events: list[TokenEvent]) -> None:
-        """One chunk of each prefill row in `rows`, in one program (rows padded with empty
-        ones to a power of two where there are enough); then the compression and first token
-        of each row whose prompt is read."""
-        empty = [row for row, r in enumerate(self._prefill_rows) if r is None]
-        bucket = min(next_power_of_two(len(rows)), len(rows) + len(empty))
-        batch = rows + empty[: bucket - len(rows)]
+        """One chunk of each prefill row in `rows`, in one program: each lane reads R rows
+        (a power of two, at most its rows), its own padded with its other rows, which read
+        nothing; then the compression and first token of each row whose prompt is read."""
+        lanes = self.lanes
+        per_lane = [
+            [row for row in rows if lanes.prefill_lane(row) == lane] for lane in range(lanes.count)
+        ]
+        width = min(next_power_of_two(max(map(len, per_lane))), lanes.prefills)
+        batch = []
+        for lane, reading in enumerate(per_lane):
+            others = sorted(
+                (row for row in lanes.lane_prefills(lane) if row not in reading),
+                key=lambda row: self._prefill_rows[row] is not None,  # empty rows first
+            )
+            batch += reading + others[: width - len(reading)]
         counts = [self._prefill_rows[row].next_chunk if row in rows else 0 for row in batch]
-        width = max(16, next_power_of_two(max(counts)))
-        tokens = np.zeros((len(batch), width), np.int32)
+        chunk = max(16, next_power_of_two(max(counts)))
+        tokens = np.zeros((len(batch), chunk), np.int32)
         starts, lengths = np.zeros(len(batch), np.int32), np.zeros(len(batch), np.int32)
         template = self._prefill_rows[rows[0]]
         budget = np.zeros((len(batch),) + template.budget_tokens.shape[1:], np.int32)
@@ -573,21 +592,23 @@ class Engine:
             request = self._prefill_rows[row]
             if request is None:
                 continue
-            starts[i], lengths[i] = request.read, request.length
-            tokens[i, :count] = request.prompts.tokens[0, request.read : request.read + count]
+            read = min(request.read, request.length)
+            starts[i], lengths[i] = read, request.length
+            tokens[i, :count] = request.prompts.tokens[0, read : read + count]
             budget[i], thresholds[i] = request.budget_tokens[0], request.thresholds[0]
         self.kv, self._carry = programs.prefill_rows(
-            self.model,
-            self.kv,
-            self._carry,
-            np.asarray(batch, np.int32) + self.max_slots,
-            tokens,
-            starts,
-            np.asarray(counts, np.int32),
-            lengths,
-            budget,
-            thresholds,
-            self.policy_params,
+            self.placement,
+            model=self.model,
+            kv=self.kv,
+            carry=self._carry,
+            rows=np.array([lanes.prefill_kv_row(row) for row in batch], np.int32),
+            tokens=tokens,
+            starts=starts,
+            counts=np.asarray(counts, np.int32),
+            lengths=lengths,
+            budget_tokens=budget,
+            thresholds=thresholds,
+            policy_params=self.policy_params,
             policy=self.policy.static(),
             backend=self.backend,
         )
@@ -602,19 +623,23 @@ class Engine:
     def _finish_prefill(self, request: _Request, events: list[TokenEvent]) -> None:
         """The policy's compression of the request's prefilled row and its first token; it
         then waits for a slot, in its row (or ends, if that token ends it)."""
+        lanes, lane = self.lanes, self.lanes.prefill_lane(request.row)
         compression = self.policy.prompt_compression
         reads_prompt = compression is not None and compression.needs_prompt_tokens
-        tokens = request.prompts.tokens if reads_prompt else np.zeros((1, 1), np.int32)
+        tokens = request.prompts.tokens[0] if reads_prompt else np.zeros((1,), np.int32)
+        budget, thresholds = request.budget_tokens[0], request.thresholds[0]
         self.kv, last_hidden, compressed = programs.finish_row(
-            self.model,
-            self.kv,
-            self._carry,
-            np.int32(self.max_slots + request.row),
-            tokens,
-            np.int32(request.length),
-            request.budget_tokens,
-            request.thresholds,
-            request.prefill_key,
+            self.placement,
+            model=self.model,
+            kv=self.kv,
+            carry=self._carry,
+            row=lanes.one_lane(lane, lanes.prefill_kv_row(request.row), lanes.slots),
+            active=lanes.active(lane),
+            tokens=lanes.one_lane(lane, tokens, np.zeros_like(tokens)),
+            length=lanes.one_lane(lane, request.length, 1),
+            budget_tokens=lanes.one_lane(lane, budget, budget),
+            thresholds=lanes.one_lane(lane, thresholds, thresholds),
+            key=request.prefill_key,
             policy=self.policy.static(),
         )
         self.kv.check()
@@ -626,9 +651,12 @@ class Engine:
             keys=row_keys(request.key, [0]),
             sampling=request.sampler.rows(1),
         )
-        token, request.state = programs.first_token(self.model, last_hidden, row)
-        if self._emit(request, int(token), events, compressed=bool(compressed)):
-            self._free_prefill_row(request.row)
+        hidden = lanes.lane_value(last_hidden, lane)
+        token, state = programs.first_token(self.model, hidden, row)
+        request.state = jax.device_get(state)
+        compressed = bool(lanes.lane_value(compressed, lane))
+        if self._emit(request, int(token), events, compressed=compressed):
+            self._release(prefills=[request.row])
         else:
             self._ready.append(request)
             self._ready.sort(key=lambda r: r.order)
@@ -636,40 +664,87 @@ class Engine:
     def _admit(self, request: _Request, slot: int) -> None:
         """Moves a ready request into `slot`: its row's pages (no copy) or its swapped-out
         state back into the pool, its row state into the slots'."""
+        lanes, lane = self.lanes, self.lanes.slot_lane(slot)
         self._ready.remove(request)
+        destination = lanes.one_lane(lane, lanes.slot_kv_row(slot), 0)
         with compiling_as("the engine's admission"):
             if request.row is not None:
+                source = lanes.one_lane(lane, lanes.prefill_kv_row(request.row), 0)
                 self.kv = programs.move(
-                    self.kv, np.int32(self.max_slots + request.row), np.int32(slot)
+                    self.placement,
+                    kv=self.kv,
+                    source=source,
+                    destination=destination,
+                    active=lanes.active(lane),
                 )
                 self._prefill_rows[request.row] = None
             else:
-                self.kv = programs.swap_in(self.kv, request.swapped, np.int32(slot))
+                self.kv = programs.swap_in(
+                    self.placement,
+                    kv=self.kv,
+                    alone=self._in_lane(request.swapped, lane),
+                    slot=destination,
+                    active=lanes.active(lane),
+                )
             if self._rows is None:
-                self._rows = request.state.repeated(self.max_slots)
-            self._rows = programs.insert_rows(self._rows, np.int32(slot), request.state)
+                self._rows = programs.start_rows(
+                    self.placement, row=request.state, batch=lanes.slots
+                )
+            self._rows = programs.insert_rows(
+                self.placement,
+                rows=self._rows,
+                slot=destination,
+                row=request.state,
+                active=lanes.active(lane),
+            )
         self.kv.check()
         request.row, request.swapped = None, None
         self._slots[slot] = request
 
-    def _swap_out(self, request: _Request, row: int) -> None:
-        """The request in kv row `row` (a slot or a ready request's prefill row) swapped out
-        to the host, its pages freed: it waits for a slot again, its state whole."""
-        held, growth = (int(np.asarray(x)[row]) for x in programs.row_pages(self.kv))
-        num_pages = pool_pages_bucket(held, self.cache.page_size)
+    def _in_lane(self, swapped: KVState, lane: int) -> KVState:
+        """A swapped-out state (its lane's devices' [devices, ...]) as a SHARD argument that
+        puts it in `lane`'s devices (zeros in the others', which do not read it)."""
+        lanes = self.lanes
+
+        def placed(x):
+            whole = np.zeros((lanes.count, *x.shape), x.dtype)
+            whole[lane] = x
+            return lanes.stacked(whole.reshape(-1, *x.shape[1:]))
+
+        return jax.tree.map(placed, swapped)
+
+    def _swap_out(self, request: _Request, *, slot: int | None = None, row: int | None = None):
+        """The request in `slot` (running) or prefill `row` (ready) swapped out to the host, its
+        pages freed: it waits for a slot again, its state whole."""
+        lanes = self.lanes
+        lane = lanes.slot_lane(slot) if slot is not None else lanes.prefill_lane(row)
+        kv_row = lanes.slot_kv_row(slot) if slot is not None else lanes.prefill_kv_row(row)
+        held, growth, _ = (lanes.per_lane(x)[lane].max(axis=0) for x in self._row_pages())
+        held, growth = int(held[kv_row]), int(growth[kv_row])
         with compiling_as("the engine's preemption"):
-            self.kv, alone = programs.swap_out(self.kv, np.int32(row), num_pages=num_pages)
-            if row < self.max_slots:
-                request.state = programs.take_row_state(self._rows, np.int32(row))
-        request.swapped = jax.device_get(alone)
-        request.state = jax.device_get(request.state)
+            self.kv, alone = programs.swap_out(
+                self.placement,
+                kv=self.kv,
+                row=lanes.one_lane(lane, kv_row, 0),
+                active=lanes.active(lane),
+                num_pages=pool_pages_bucket(held, self.cache.page_size),
+            )
+            if slot is not None:
+                state = programs.take_row_state(
+                    self.placement, rows=self._rows, slot=lanes.one_lane(lane, kv_row, 0)
+                )
+                request.state = jax.tree.map(lambda x: lanes.lane_value(x, lane), state)
+        request.swapped = jax.tree.map(lambda x: lanes.per_lane(x)[lane], alone)
         request.swapped_pages = (held, growth)
+        if slot is not None:
+            self._slots[slot] = None
+            self._ready.append(request)
+            self._ready.sort(key=lambda r: r.order)
+        else:
+            self._prefill_rows[row] = None
         request.row = None
         request.preemptions += 1
         self.preemptions += 1
-        if request not in self._ready:  # a running one: ready again
-            self._ready.append(request)
-            self._ready.sort(key=lambda r: r.order)
 
     def _emit(
         self,
@@ -690,22 +765,20 @@ class Engine:
             reason = "length"
         events.append(TokenEvent(request.id, token, reason is not None, reason, compressed))
         if reason is not None and slot is not None:
-            self._free_slot(slot)
+            self._release(slots=[slot])
         return reason is not None
 
-    def _release(self, kv_row: int) -> None:
-        rows = np.zeros((self.max_slots + self.max_prefills,), bool)
-        rows[kv_row] = True
-        self.kv = programs.release(self.kv, jnp.asarray(rows))
-
-    def _free_slot(self, slot: int) -> None:
-        self._release(slot)
-        self._slots[slot] = None
-
-    def _free_prefill_row(self, row: int) -> None:
-        self._release(self.max_slots + row)
-        self._prefill_rows[row].row = None
-        self._prefill_rows[row] = None
+    def _release(self, slots: Sequence[int] = (), prefills: Sequence[int] = ()) -> None:
+        """These slots' and prefill rows' pages back to the pool, the rows empty."""
+        if not slots and not prefills:
+            return
+        rows = self.lanes.kv_rows_mask(slots, prefills)
+        self.kv = programs.release(self.placement, kv=self.kv, rows=rows)
+        for slot in slots:
+            self._slots[slot] = None
+        for row in prefills:
+            self._prefill_rows[row].row = None
+            self._prefill_rows[row] = None
 
     def _decode(self, slots: Sequence[int], events: list[TokenEvent]) -> None:
         tokens = np.zeros((self.max_slots,), np.int32)
@@ -713,16 +786,17 @@ class Engine:
         for slot in slots:
             tokens[slot], active[slot] = self._slots[slot].generated[-1], True
         self.kv, new_tokens, self._rows = programs.decode_slots(
-            self.model,
-            self.kv,
-            tokens,
-            active,
-            self._rows,
-            self.policy_params,
+            self.placement,
+            model=self.model,
+            kv=self.kv,
+            tokens=tokens,
+            active=active,
+            rows=self._rows,
+            policy_params=self.policy_params,
             policy=self.policy.static(),
             backend=self.backend,
         )
         self.kv.check()
-        new_tokens = np.asarray(new_tokens)
+        new_tokens = self.lanes.per_lane(new_tokens)[:, 0].reshape(-1)
         for slot in slots:
             self._emit(self._slots[slot], int(new_tokens[slot]), events, slot=slot)

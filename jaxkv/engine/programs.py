@@ -1,20 +1,26 @@
-"""The engine's jitted programs, over one KV state whose rows are the decode slots [0, S) then
-the prefill rows [S, S + P), all of them in one pool. Each program runs on the rows it is given
-(`jaxkv.cache.rows.take_rows`, then `put_rows`) and donates the state, so a step changes it in
-place.
+"""The engine's programs, over one KV state per device whose rows are the decode slots
+[0, S) then the prefill rows [S, S + P) of the device's lane, all in the device's pool. On a
+(data, model) mesh each data shard is a lane with its own slots, prefill rows and pool (its
+model shards hold its KV heads); on one device there is one lane. Each program runs on the rows
+it is given (`jaxkv.cache.rows.take_rows`, then `put_rows`) and donates the state, so a step
+changes it in place. They are `jaxkv.generation.mesh.Program`s: the same code runs on one device
+and, unchanged, on a mesh, each argument placed by name (ROWS: a host array over every lane's
+rows, split by lane).
+
+A program that changes one lane (a compression, an admission, a swap) takes an `active` flag
+per lane: the other lanes run the identity.
 
 Programs and what each compiles for (`Engine`'s docstring counts them):
-- `decode_slots`: one decode step of the slots (`generate`'s `decode_and_sample`): once.
-- `prefill_rows`: a chunk of R prefill rows (tokens [R, C]): once per (R, C) bucket.
-- `finish_row`: a prefilled row's compression: once (per prompt bucket for a compression that
-  reads the prompt's tokens, KVzip's).
-- `first_token`, `row_pages`, `move_row`, `release`, `insert_rows`, `take_row_state`: once.
-- `swap_out`, `swap_in`: once per bucket of the swapped request's pages.
+- `decode_slots`: one decode step of every lane's slots (`generate`'s `decode_and_sample`).
+- `prefill_rows`: a chunk of R prefill rows a lane (tokens [R, C]): per (R, C) bucket.
+- `finish_row`: a prefilled row's compression (per prompt bucket for a compression that reads
+  the prompt's tokens, KVzip's).
+- `row_pages`, `start_rows`, `move`, `release`, `insert_rows`, `take_row_state`: once.
+- `swap_out`, `swap_in`: per bucket of the swapped request's pages.
+`first_token` (a one-row sample from the hidden state) is a plain jit.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +28,7 @@ import jax.numpy as jnp
 from jaxkv.cache import KVState
 from jaxkv.cache.repack import repack
 from jaxkv.cache.rows import insert_row, move_row, put_rows, release_rows, take_rows
+from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.generation.prefill import (
     PrefillCarry,
     carry_rows,
@@ -36,7 +43,26 @@ from jaxkv.step.decode import StepContext, decode_and_sample, next_tokens
 from jaxkv.step.rows import Rows
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "backend"), donate_argnames=("kv",))
+def _if_active(active, change, *operands):
+    """change(*operands) where this lane's `active` (bool [1]) is set, else operands[0]."""
+    return jax.lax.cond(active[0], change, lambda *ops: ops[0], *operands)
+
+
+def _carry_index(kv: KVState, carry: PrefillCarry, rows):
+    """The carry rows of kv rows `rows` (prefill rows follow the slots)."""
+    return rows - (kv.page_table.shape[1] - carry.last_hidden.shape[0])
+
+
+@program(
+    static=("policy", "backend"),
+    donate=("kv",),
+    model=MODEL,
+    kv=SHARD,
+    tokens=ROWS,
+    active=ROWS,
+    rows=SHARD,
+    policy_params=POLICY_PARAMS,
+)
 def decode_slots(model, kv, tokens, active, rows: Rows, policy_params, *, policy, backend):
     """One decode step of the active slots (bool [S]; the others write nothing), as
     `generate`'s loop runs it (`decode_and_sample`), on rows [0, S) of `kv`. Returns (kv,
@@ -47,7 +73,21 @@ def decode_slots(model, kv, tokens, active, rows: Rows, policy_params, *, policy
     return put_rows(kv, slots, part), tokens, rows
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "backend"), donate_argnames=("kv", "carry"))
+@program(
+    static=("policy", "backend"),
+    donate=("kv", "carry"),
+    model=MODEL,
+    kv=SHARD,
+    carry=SHARD,
+    rows=ROWS,
+    tokens=ROWS,
+    starts=ROWS,
+    counts=ROWS,
+    lengths=ROWS,
+    budget_tokens=ROWS,
+    thresholds=ROWS,
+    policy_params=POLICY_PARAMS,
+)
 def prefill_rows(
     model,
     kv: KVState,
@@ -64,11 +104,12 @@ def prefill_rows(
     policy,
     backend,
 ):
-    """One chunk of each of `rows` (int32 [R], kv's rows; carry row = row - S): row r reads
-    tokens[r, :counts[r]], its prompt's tokens starts[r] onwards (`read_chunk`); a row with
-    starts 0 starts a prefill (its carry fresh). Returns (kv, carry)."""
-    carry_index = rows - (kv.page_table.shape[1] - carry.last_hidden.shape[0])
-    part = carry_rows(carry, carry_index)
+    """One chunk of each of `rows` (int32 [R], kv rows, distinct, prefill rows): row r reads
+    tokens[r, :counts[r]], its prompt's tokens starts[r] onwards (`read_chunk`; a row with
+    counts 0 reads nothing); a row with starts 0 and counts > 0 starts a prefill (its carry
+    fresh). Returns (kv, carry)."""
+    index = _carry_index(kv, carry, rows)
+    part = carry_rows(carry, index)
     fresh = initial_carry(model, rows.shape[0], policy)
     part = with_rows_reset(part, fresh, (starts == 0) & (counts > 0))
     view, part = read_chunk(
@@ -87,15 +128,29 @@ def prefill_rows(
         backend=backend,
         evict_chunks=True,
     )
-    return put_rows(kv, rows, view), put_carry_rows(carry, carry_index, part)
+    return put_rows(kv, rows, view), put_carry_rows(carry, index, part)
 
 
-@functools.partial(jax.jit, static_argnames=("policy",), donate_argnames=("kv",))
+@program(
+    static=("policy",),
+    donate=("kv",),
+    model=MODEL,
+    kv=SHARD,
+    carry=SHARD,
+    row=ROWS,
+    active=ROWS,
+    tokens=ROWS,
+    length=ROWS,
+    budget_tokens=ROWS,
+    thresholds=ROWS,
+    key=SAME,
+)
 def finish_row(
     model,
     kv: KVState,
     carry: PrefillCarry,
     row,
+    active,
     tokens,
     length,
     budget_tokens,
@@ -104,26 +159,31 @@ def finish_row(
     *,
     policy,
 ):
-    """The policy's compression of a prefilled row (int32 [], kv's; carry row = row - S) from
-    what its prefill observed (`compress_observed`; tokens [1, T] its prompt where the
+    """The policy's compression of a prefilled row (int32 [1], a kv row) of the active lane,
+    from what its prefill observed (`compress_observed`; tokens [1, T] its prompt where the
     compression reads it). Returns (kv, last_hidden [1, D], whether any head holds fewer than
     its `length` tokens)."""
-    rows = row[None]
-    carry_index = rows - (kv.page_table.shape[1] - carry.last_hidden.shape[0])
-    part, last_hidden = compress_observed(
-        model,
-        tokens,
-        length[None],
-        budget_tokens,
-        thresholds,
-        take_rows(kv, rows),
-        carry_rows(carry, carry_index),
-        key,
-        policy=policy,
-        int8_window=None,
-    )
-    compressed = jnp.any(part.tokens_held() < length)
-    return put_rows(kv, rows, part), last_hidden, compressed
+    index = _carry_index(kv, carry, row)
+    observed = carry_rows(carry, index)
+
+    def compress(kv):
+        part, _ = compress_observed(
+            model,
+            tokens,
+            length,
+            budget_tokens,
+            thresholds,
+            take_rows(kv, row),
+            observed,
+            key,
+            policy=policy,
+            int8_window=None,
+        )
+        return put_rows(kv, row, part)
+
+    kv = _if_active(active, compress, kv)
+    compressed = jnp.any(take_rows(kv, row).tokens_held() < length[0])
+    return kv, observed.last_hidden, compressed
 
 
 @jax.jit
@@ -135,27 +195,56 @@ def first_token(model, last_hidden, row: Rows):
     return tokens[0], row
 
 
-@jax.jit
-def row_pages(kv: KVState) -> tuple[jax.Array, jax.Array]:
-    """int32 [B] each row's pages held, and the pages its next decode step may allocate (one per
-    (layer, KV head) whose last page is full)."""
+@program(kv=SHARD)
+def row_pages(kv: KVState) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """int32 [B] each row's pages held and the pages its next decode step may allocate (one
+    per (layer, KV head) whose last page is full), and the free pages []."""
     held = jnp.sum(kv.page_table >= 0, axis=(0, 2, 3))
     full = kv.full_precision_lengths() % kv.pool.page_size == 0
-    return held, jnp.sum(full, axis=(0, 2))
+    return held, jnp.sum(full, axis=(0, 2)), kv.pool.allocator.num_free
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages",), donate_argnames=("kv",))
-def swap_out(kv: KVState, row, *, num_pages: int) -> tuple[KVState, KVState]:
-    """(kv with `row` released, the row alone in a pool of its own of `num_pages` pages: what
-    the host keeps of a preempted request)."""
-    rows = row[None]
-    alone = repack(take_rows(kv, rows), num_pages=num_pages, max_pages=kv.page_table.shape[-1])
-    released = jnp.zeros((kv.page_table.shape[1],), bool).at[row].set(True)
+@program(static=("batch",), row=SAME)
+def start_rows(row: Rows, *, batch: int) -> Rows:
+    """A lane's slots' row state before any admission: `batch` copies of `row`."""
+    return row.repeated(batch)
+
+
+@program(donate=("kv",), kv=SHARD, source=ROWS, destination=ROWS, active=ROWS)
+def move(kv: KVState, source, destination, active) -> KVState:
+    """The active lane's kv row `source` moved to row `destination` ([1] each; `move_row`)."""
+    return _if_active(active, lambda kv: move_row(kv, source[0], destination[0]), kv)
+
+
+@program(donate=("kv",), kv=SHARD, rows=ROWS)
+def release(kv: KVState, rows) -> KVState:
+    """`release_rows` of each lane's rows where `rows` (bool [B]) is set."""
+    return release_rows(kv, rows)
+
+
+@program(static=("num_pages",), donate=("kv",), kv=SHARD, row=ROWS, active=ROWS)
+def swap_out(kv: KVState, row, active, *, num_pages: int) -> tuple[KVState, KVState]:
+    """(kv with the active lane's `row` ([1]) released, the row alone in a pool of its own of
+    `num_pages` pages: what the host keeps of a preempted request)."""
+    alone = repack(take_rows(kv, row), num_pages=num_pages, max_pages=kv.page_table.shape[-1])
+    released = jnp.zeros((kv.page_table.shape[1],), bool).at[row[0]].set(active[0])
     return release_rows(kv, released), alone
 
 
-swap_in = jax.jit(insert_row, donate_argnames=("kv",))
-move = jax.jit(move_row, donate_argnames=("kv",))
-release = jax.jit(release_rows, donate_argnames=("kv",))
-insert_rows = jax.jit(Rows.insert, donate_argnums=(0,))
-take_row_state = jax.jit(Rows.row)
+@program(donate=("kv",), kv=SHARD, alone=SHARD, slot=ROWS, active=ROWS)
+def swap_in(kv: KVState, alone: KVState, slot, active) -> KVState:
+    """The active lane's swapped-out row state `alone` back into its `slot` ([1];
+    `insert_row`)."""
+    return _if_active(active, lambda kv, alone: insert_row(kv, alone, slot[0]), kv, alone)
+
+
+@program(donate=("rows",), rows=SHARD, slot=ROWS, row=SAME, active=ROWS)
+def insert_rows(rows: Rows, slot, row: Rows, active) -> Rows:
+    """The active lane's slots' row state with `slot` ([1]) replaced by `row`'s."""
+    return _if_active(active, lambda rows, row: rows.insert(slot[0], row), rows, row)
+
+
+@program(rows=SHARD, slot=ROWS)
+def take_row_state(rows: Rows, slot) -> Rows:
+    """The one-row state of each lane's `slot` ([1])."""
+    return rows.row(slot[0])
