@@ -9,6 +9,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import re
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -353,6 +354,16 @@ def _ask(args) -> int:
     return 0
 
 
+def _mesh(text: str):
+    """The mesh `--mesh DATAxMODEL` names (`jaxkv.sharding.make_inference_mesh`)."""
+    from jaxkv.sharding import make_inference_mesh
+
+    match = re.fullmatch(r"(\d+)x(\d+)", text)
+    if match is None:
+        raise ValueError(f"--mesh {text}: give the mesh's sizes as DATAxMODEL, e.g. 2x4")
+    return make_inference_mesh(data=int(match[1]), model=int(match[2]))
+
+
 def _serve(args) -> int:
     import jaxkv
     from jaxkv.model_sources import load_model
@@ -390,6 +401,7 @@ def _serve(args) -> int:
         max_batched_tokens=args.max_batched_tokens,
         max_context=args.max_context,
         max_waiting=args.max_waiting,
+        mesh=None if args.mesh is None else _mesh(args.mesh),
         policy_params=params,
         backend=args.backend,
     )
@@ -586,6 +598,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-context", type=int, default=None, help="prompt + generation")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests (503 past)")
+    serve.add_argument(
+        "--mesh",
+        default=None,
+        metavar="DATAxMODEL",
+        help="serve over a (data, model) mesh of DATA * MODEL devices, e.g. 2x4: slots and "
+        "prefill rows split over DATA, KV heads over MODEL (default: one device)",
+    )
     serve.add_argument(
         "--no-warm-up",
         action="store_true",

@@ -42,9 +42,17 @@ def test_serve_s_sampling_options_are_the_server_s_request_defaults(served):
     assert served["defaults"] == RequestDefaults(max_new_tokens=16, temperature=0.0)
 
 
+def test_serve_runs_the_engine_over_the_mesh_it_names(served):
+    assert cli.main(["serve", "--num-pages", "64", "--mesh", "2x1", "--no-warm-up"]) == 0
+    mesh = served["engine"].placement
+    assert (mesh.data, mesh.model) == (2, 1) and served["ran"] == "the app"
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
+        (["--mesh", "2"], "--mesh 2: give the mesh's sizes as DATAxMODEL, e.g. 2x4"),
+        (["--mesh", "3x1"], "max_slots=8 must be a multiple of the mesh's data axis"),
         (["--storage", "int8"], "--storage int8: the engine keeps every token in the kv dtype"),
         (["--full-precision-window", "8"], "--full-precision-window: --storage model keeps"),
         (["--top-p", "1.5"], r"top_p=1.5: allowed are numbers in \(0, 1\]"),
