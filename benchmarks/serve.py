@@ -96,8 +96,10 @@ def run_policy(
         max_context=args.max_prompt + args.max_new,
         policy_params=params,
     )
-    # Compile the step programs first (one short request), so the trace times steady work.
-    engine.submit(trace[0]["prompt"], max_new_tokens=2, stop_tokens=())
+    # Compile the step programs first (as many requests as there are prefill rows, read side by
+    # side: the widest prefill program), so the trace times steady work.
+    for request in trace[:max_prefills]:
+        engine.submit(request["prompt"], max_new_tokens=2, stop_tokens=())
     engine.run()
     start = time.perf_counter()
     pending = list(enumerate(trace))

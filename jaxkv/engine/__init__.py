@@ -88,9 +88,9 @@ class TokenEvent:
     """A token produced for a request (or its end without one: token -1).
 
     reason: why the request finished, None while it runs: "stop" (a stop token), "length"
-      (max_new_tokens), "too_large" (it needed more pages than the pool has while running alone:
-      its compressed prompt or its growth came out larger than `pages_needed_alone` planned, which
-      `submit` checks).
+      (max_new_tokens), "too_large" (it needed more pages than the pool has, alone: its
+      prefill, its compressed prompt or its growth came out larger than `pages_needed_alone`
+      planned, which `submit` checks).
     compressed: on the first token after a request's prefill, whether the policy compressed its
       prompt (False: kept whole, e.g. shorter than what the policy compresses); None on others.
     """
