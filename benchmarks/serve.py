@@ -99,7 +99,8 @@ def run_policy(
     # Compile the step programs first (as many requests as there are prefill rows, read side by
     # side: the widest prefill program), so the trace times steady work.
     for request in trace[:max_prefills]:
-        engine.submit(request["prompt"], max_new_tokens=2, stop_tokens=())
+        new_tokens = min(2, request["max_new_tokens"])  # within max_context
+        engine.submit(request["prompt"], max_new_tokens=new_tokens, stop_tokens=())
     engine.run()
     start = time.perf_counter()
     pending = list(enumerate(trace))
