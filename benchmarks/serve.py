@@ -41,6 +41,7 @@ from jaxkv.engine import TooLargeForPoolError
 from jaxkv.model_sources import load_model, shipped_name
 from jaxkv.policies import spec as spec_lib
 from jaxkv.prose import prose
+from jaxkv.sharding import mesh_from_text
 
 
 def build_trace(tokenizer, args) -> list[dict]:
@@ -93,6 +94,7 @@ def run_policy(
         max_slots=args.max_slots,
         max_prefills=max_prefills,
         max_batched_tokens=args.max_batched_tokens,
+        mesh=None if args.mesh is None else mesh_from_text(args.mesh),
         max_context=args.max_prompt + args.max_new,
         policy_params=params,
     )
@@ -243,6 +245,13 @@ def main(argv: list[str] | None = None) -> dict:
         type=int,
         default=None,
         help="tokens one engine step runs (default: the engine's, every slot and row's chunk)",
+    )
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        metavar="DATAxMODEL",
+        help="run the engine over a (data, model) mesh, e.g. 2x3 (on a CPU, make the devices "
+        "with XLA_FLAGS=--xla_force_host_platform_device_count=N); default one device",
     )
     parser.add_argument("--seed", type=int, default=0, help="the trace's prompts and arrivals")
     parser.add_argument(

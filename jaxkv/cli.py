@@ -9,7 +9,6 @@ import contextlib
 import importlib.util
 import json
 import logging
-import re
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -354,19 +353,10 @@ def _ask(args) -> int:
     return 0
 
 
-def _mesh(text: str):
-    """The mesh `--mesh DATAxMODEL` names (`jaxkv.sharding.make_inference_mesh`)."""
-    from jaxkv.sharding import make_inference_mesh
-
-    match = re.fullmatch(r"(\d+)x(\d+)", text)
-    if match is None:
-        raise ValueError(f"--mesh {text}: give the mesh's sizes as DATAxMODEL, e.g. 2x4")
-    return make_inference_mesh(data=int(match[1]), model=int(match[2]))
-
-
 def _serve(args) -> int:
     import jaxkv
     from jaxkv.model_sources import load_model
+    from jaxkv.sharding import mesh_from_text
 
     try:
         import uvicorn
@@ -401,7 +391,7 @@ def _serve(args) -> int:
         max_batched_tokens=args.max_batched_tokens,
         max_context=args.max_context,
         max_waiting=args.max_waiting,
-        mesh=None if args.mesh is None else _mesh(args.mesh),
+        mesh=None if args.mesh is None else mesh_from_text(args.mesh),
         policy_params=params,
         backend=args.backend,
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +66,14 @@ def make_inference_mesh(
     return jax.make_mesh(
         (data, model), MESH_AXES, (AxisType.Auto,) * 2, devices=devices[: data * model]
     )
+
+
+def mesh_from_text(text: str, option: str = "--mesh") -> Mesh:
+    """The mesh a command line's `DATAxMODEL` names (`make_inference_mesh`), e.g. "2x4"."""
+    match = re.fullmatch(r"(\d+)x(\d+)", text)
+    if match is None:
+        raise ValueError(f"{option} {text}: give the mesh's sizes as DATAxMODEL, e.g. 2x4")
+    return make_inference_mesh(data=int(match[1]), model=int(match[2]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,10 +48,11 @@ def test_a_sweep_over_pool_sizes_writes_a_row_each_and_the_plot(tmp_path):
     assert "serve.png" in (tmp_path / "tiny-random" / "serve.md").read_text()
 
 
-def test_a_run_per_count_of_prefill_rows_over_the_same_trace(tmp_path):
-    argv = [*TOY, "--policies", "snapkv:0.5", "--max-prefills", "1", "3"]
+def test_a_run_per_count_of_prefill_rows_over_the_same_trace_on_a_mesh(tmp_path):
+    argv = [*TOY, "--policies", "snapkv:0.5", "--max-slots", "2", "--max-prefills", "2", "4"]
+    argv += ["--mesh", "2x1"]
     report = serve.main([*argv, "--max-batched-tokens", "200", "--out", str(tmp_path)])
-    assert [row["max_prefills"] for row in report["rows"]] == [1, 3]
+    assert [row["max_prefills"] for row in report["rows"]] == [2, 4]
     for row in report["rows"]:
         assert row["requests"] == 3 and row["too_large"] == 0
         assert row["prompt_tokens_per_second"] > 0
