@@ -68,11 +68,11 @@ def make_inference_mesh(
     )
 
 
-def mesh_from_text(text: str, option: str = "--mesh") -> Mesh:
-    """The mesh a command line's `DATAxMODEL` names (`make_inference_mesh`), e.g. "2x4"."""
+def mesh_from_text(text: str) -> Mesh:
+    """The mesh a command line's `--mesh DATAxMODEL` names (`make_inference_mesh`), e.g. "2x4"."""
     match = re.fullmatch(r"(\d+)x(\d+)", text)
     if match is None:
-        raise ValueError(f"{option} {text}: give the mesh's sizes as DATAxMODEL, e.g. 2x4")
+        raise ValueError(f"--mesh {text}: give the mesh's sizes as DATAxMODEL, e.g. 2x4")
     return make_inference_mesh(data=int(match[1]), model=int(match[2]))
 
 

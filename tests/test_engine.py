@@ -31,8 +31,9 @@ def model():
     return load_hf_checkpoint(bundled.REFERENCE_MODEL, dtype="float32")  # exact across batch shapes
 
 
-def reference(model, policy, prompt, tokens, **sampling):
-    out = jaxkv.generate(model, [prompt], max_new_tokens=tokens, policy=policy, **sampling)
+def reference(model, policy, prompt, tokens, **options):
+    """`generate`'s tokens for one prompt (options: sampling, policy_params, prefill_chunk)."""
+    out = jaxkv.generate(model, [prompt], max_new_tokens=tokens, policy=policy, **options)
     return out.tokens[0, : out.num_tokens[0]].tolist()
 
 
@@ -145,10 +146,8 @@ def test_several_prompts_are_read_in_one_step_in_generate_s_chunks(model, monkey
     # four, then the 480-token prompt's last chunk alone (its tail of 96 tokens in a 128).
     assert calls == [(4, 128)] * 3 + [(1, 128)]
     for request, index in ids.items():
-        out = jaxkv.generate(
-            model, [PROMPTS[index]], max_new_tokens=6, policy="kvzip:0.3", prefill_chunk=128
-        )
-        assert tokens[request] == out.tokens[0, : out.num_tokens[0]].tolist()
+        expected = reference(model, "kvzip:0.3", PROMPTS[index], 6, prefill_chunk=128)
+        assert tokens[request] == expected
 
 
 def test_a_prefill_given_up_restarts_and_a_swapped_out_ready_request_comes_back_whole(
@@ -188,10 +187,8 @@ def test_a_prefill_given_up_restarts_and_a_swapped_out_ready_request_comes_back_
     assert forced == ["abort", "swap_out"] and eng.preemptions == 1
     assert eng.stats()["pages_in_use"] == 0
     for request, index in ids.items():
-        out = jaxkv.generate(
-            model, [PROMPTS[index]], max_new_tokens=8, policy="snapkv:0.3", prefill_chunk=64
-        )
-        assert tokens[request] == out.tokens[0, : out.num_tokens[0]].tolist()
+        expected = reference(model, "snapkv:0.3", PROMPTS[index], 8, prefill_chunk=64)
+        assert tokens[request] == expected
 
 
 def test_the_only_running_request_is_never_preempted(model, monkeypatch):
@@ -349,7 +346,5 @@ def test_learned_policies_with_a_ring_or_chunk_eviction_give_generate_s_tokens(m
     ids = {eng.submit(PROMPTS[i], max_new_tokens=10): i for i in (0, 1, 2)}
     tokens = eng.run()
     for request, index in ids.items():
-        out = jaxkv.generate(
-            model, [PROMPTS[index]], max_new_tokens=10, policy=policy, policy_params=params
-        )
-        assert tokens[request] == out.tokens[0, : out.num_tokens[0]].tolist()
+        expected = reference(model, policy, PROMPTS[index], 10, policy_params=params)
+        assert tokens[request] == expected

@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-import jaxkv
 from jaxkv import CacheConfig, policies, sharding
 from jaxkv.engine import Engine
 from jaxkv.gates import fastkvzip as fastkvzip_gates
 from jaxkv.gates import wgkv as wgkv_gates
 from jaxkv.models import init_model
+from tests.test_engine import reference
 from tests.test_sharding import CONFIG
 
 PROMPTS = [
@@ -47,23 +47,12 @@ def model():
     return init_model(CONFIG, seed=1, scale=0.3)
 
 
-def one_device(model, policy, params, prompt, new_tokens):
-    out = jaxkv.generate(
-        model,
-        [prompt],
-        max_new_tokens=new_tokens,
-        policy=policy,
-        policy_params=params,
-        prefill_chunk=64,
-    )
-    return out.tokens[0, : out.num_tokens[0]].tolist()
-
-
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_the_engine_on_a_2x4_mesh_gives_one_device_s_tokens(model, name):
     """Two lanes of two slots and one prefill row each, four KV heads over four devices: four
     requests queue, prefill a chunk at a time in their lane and decode side by side."""
     policy, params = POLICIES[name]()
+    options = dict(policy_params=params, prefill_chunk=64)
     mesh = sharding.make_inference_mesh(data=2, model=4)
     eng = Engine(
         model,
@@ -80,7 +69,7 @@ def test_the_engine_on_a_2x4_mesh_gives_one_device_s_tokens(model, name):
     tokens = eng.run()
     assert eng.stats()["pages_in_use"] == 0
     for request, index in ids.items():
-        assert tokens[request] == one_device(model, policy, params, PROMPTS[index], 8), index
+        assert tokens[request] == reference(model, policy, PROMPTS[index], 8, **options), index
 
 
 def test_a_full_lane_swaps_a_request_out_and_it_comes_back_whole(model):
@@ -103,7 +92,9 @@ def test_a_full_lane_swaps_a_request_out_and_it_comes_back_whole(model):
     tokens = eng.run()
     assert eng.preemptions > 0 and eng.stats()["pages_in_use"] == 0
     for request, index in ids.items():
-        assert tokens[request] == one_device(model, "full", None, short[index], 120), index
+        assert tokens[request] == reference(model, "full", short[index], 120, prefill_chunk=64), (
+            index
+        )
 
 
 def test_a_mesh_that_does_not_divide_the_slots_is_refused_before_anything_runs(model):
