@@ -52,10 +52,13 @@ class _CountingEviction(ScoredDecodeEviction):
 class _CountingStreamingLLM(policies.StreamingLLM):
     """StreamingLLM whose decode eviction records the steps it runs on."""
 
-    @property
-    def decode_eviction(self):
-        part = super().decode_eviction
-        return _CountingEviction(part.scorer, part.sinks, part.recent, part.evict_every, part.ratio)
+    def _parts(self):
+        record = super()._parts()
+        part = record["decode_eviction"]
+        counting = _CountingEviction(
+            part.scorer, part.sinks, part.recent, part.evict_every, part.ratio
+        )
+        return record | {"decode_eviction": counting}
 
 
 def test_window_eviction_runs_every_n_steps_and_equals_per_step_eviction_then(model):

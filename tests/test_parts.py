@@ -1,5 +1,6 @@
-"""Every registered policy is a record of parts (`jaxkv.step.parts`): each part it has satisfies its
-protocol, and it has the parts its method needs, no more."""
+"""Every registered policy is a record of parts (`jaxkv.step.parts`, `policies.base.RECORD`): each
+part it has satisfies its protocol, it has the parts its method needs, no more, no part holds a
+policy, and every member of a policy is a field or the base's answer from its fields."""
 
 import dataclasses
 
@@ -138,3 +139,70 @@ def test_the_params_part_makes_checks_and_places_its_own_parameters(name):
     assert all(a[0] == "layers" for a in axes_leaves)
     assert part.shipped_path("no-such-model") is None
     assert policy.static().params.kind == part.kind
+
+
+# The public members of `Policy` that are not fields: class constants, and the host's answers
+# from the record's fields (the budget and threshold parts, the params part's check) or from
+# the settings (`static`, checks a policy may add to).
+CONSTANTS = {"name", "primary_knob", "decides_across_heads", "request_knobs"}
+ANSWERS = {
+    "budget_columns",
+    "budget_tokens",
+    "budget_ratio",
+    "planned_tokens",
+    "threshold_names",
+    "thresholds",
+    "static",
+    "check_prefill",
+    "for_tokenizer",
+    "check_params",
+    "check_model",
+}
+
+
+def _record_policies():
+    yield from (policies.get(name, **POLICIES.get(name, {})) for name in sorted(EXPECTED))
+    wgkv = policies.get("wgkv", **POLICIES["wgkv"])
+    yield policies.compose(wgkv, policies.Quest(budget=16))
+    yield policies.AdaKV(budget=0.5, inner=policies.H2O(budget=0.5))
+
+
+def test_the_base_policy_is_its_record_and_answers_from_it():
+    fields = {field.name for field in dataclasses.fields(policies.Policy)}
+    assert fields == set(policies.base.RECORD)
+    members = _public_members(policies.Policy)
+    assert members == fields | CONSTANTS | ANSWERS
+
+
+@pytest.mark.parametrize("policy", list(_record_policies()), ids=lambda p: p.name)
+def test_a_policy_s_members_are_its_fields_and_the_base_s_answers(policy):
+    settings = {field.name for field in dataclasses.fields(policy)}
+    assert _public_members(policy) - settings <= _public_members(policies.Policy)
+
+
+def _policies_inside(value, path: str):
+    """(path, policy) for every Policy reachable from `value` through dataclass fields and
+    tuples (a part's scorer, ranking, ...)."""
+    if isinstance(value, policies.Policy):
+        yield path, value
+        return
+    if isinstance(value, tuple):
+        for index, item in enumerate(value):
+            yield from _policies_inside(item, f"{path}[{index}]")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _policies_inside(getattr(value, field.name), f"{path}.{field.name}")
+
+
+@pytest.mark.parametrize("policy", list(_record_policies()), ids=lambda p: p.name)
+def test_no_part_holds_a_policy_and_parts_follow_from_the_settings(policy):
+    for field in policies.base.RECORD:
+        part = getattr(policy, field)
+        assert list(_policies_inside(part, field)) == [], field
+    # Built again from equal settings, the record is equal: parts are the settings' function.
+    again = dataclasses.replace(policy)
+    for field in policies.base.RECORD:
+        assert getattr(again, field) == getattr(policy, field), field
+    static = policy.static()
+    for field in policies.base.RECORD:
+        assert (getattr(static, field) is None) == (getattr(policy, field) is None), field

@@ -19,38 +19,44 @@ CONFIG = tiny_config()
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearKeyGate(policies.Policy):
-    """Score = w[layer, head] . k_unrotated; admit tokens scoring > 0 (a test-only policy)."""
+class _LinearKeyScores:
+    """The gate part: score = w[layer, head] . k_unrotated."""
 
-    name: ClassVar[str] = "test_linear_key_gate"
-    local_window: ClassVar[int] = 0  # no ring: admission decides the write itself
+    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
+        del h, k, positions
+        return jnp.einsum("bkch,kh->bkc", k_unrotated.astype(jnp.float32), layer_params)
 
-    @property
-    def gate(self):
-        return self
 
-    @property
-    def admission(self):
-        return self
+@dataclasses.dataclass(frozen=True)
+class _PositiveScores:
+    """The admission part: tokens scoring > 0, no ring (admission decides the write itself)."""
+
+    local_window: ClassVar[int] = 0
+
+    def admit(self, *, layer, k, v, positions, scores, thresholds):
+        del layer, k, v, positions, thresholds
+        return scores > 0
 
     def prefill_pages(self, prompt_lengths, chunk, config, page_size, reserve) -> int:
         """A first guess of one page per head (the pool grows as admission fills it)."""
         del chunk, reserve
         return config.num_layers * config.num_kv_heads * len(prompt_lengths)
 
+
+@dataclasses.dataclass(frozen=True)
+class LinearKeyGate(policies.Policy):
+    """Score = w[layer, head] . k_unrotated; admit tokens scoring > 0 (a test-only policy)."""
+
+    name: ClassVar[str] = "test_linear_key_gate"
+
+    def _parts(self):
+        return {"gate": _LinearKeyScores(), "admission": _PositiveScores()}
+
     def check_params(self, params, model_config) -> None:
         expected = (model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
         if params is None or params.shape != expected:
             shape = None if params is None else params.shape
             raise ValueError(f"policy_params has shape {shape}: expected {expected}")
-
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del h, k, positions
-        return jnp.einsum("bkch,kh->bkc", k_unrotated.astype(jnp.float32), layer_params)
-
-    def admit(self, *, layer, k, v, positions, scores, thresholds):
-        del layer, k, v, positions, thresholds
-        return scores > 0
 
 
 def first_layer_scores(model, tokens, w):

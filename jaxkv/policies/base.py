@@ -1,34 +1,29 @@
 """The cache-policy record: small frozen objects, static under jit.
 
 A policy decides which tokens the cache keeps; how the cache holds them (page size, dtype, int8
-tier) is the request's `jaxkv.cache.CacheConfig`. A policy is a record of optional parts
-(`jaxkv.step.parts`: admission, gate, attention_scoring, selection, prompt_compression,
-chunk_eviction, decode_eviction), None unless the policy has them, each a small frozen object of
-one idea (`WGKV.gate` a `LearnedWriteGate`, `SnapKV.prompt_compression` a `ScoredCompression`
-of its scores). Besides its parts it answers on the host:
+tier) is the request's `jaxkv.cache.CacheConfig`. A policy is a frozen record whose fields are
+its parts (`RECORD`), None unless the policy has them, each a small frozen object of one idea:
+the engine's (`jaxkv.step.parts`: admission, gate, attention_scoring, selection,
+prompt_compression, chunk_eviction, decode_eviction; `WGKV(...).gate` a `LearnedWriteGate`,
+`SnapKV(...).prompt_compression` a `ScoredCompression` of SnapKV's `Scorer`) and the host's:
 
-  budgets   budget_tokens(...)     int32 [B] (or [B, n], columns `budget_columns`) tokens per
-                                   head, checked on the host
-            budget_ratio(...)      f32 [B] the budget as a share of the growing sequence
-            thresholds(...)        f32 [B, n] thresholds (tau, ...), columns `threshold_names`
-            planned_tokens(...)    int [B] the most a head holds after the prompt (plans)
-            static()               the policy without per-request values: what jit sees
-            decides_across_heads   flag: one budget shared by heads (pool sizing on a mesh)
-  prefill   check_prefill(...)     validate prompts x chunk
-  text      for_tokenizer(...)     the policy with its own text in the model's tokens (KVzip)
-  model     check_params(...)      validate `policy_params` (with the `params` part) and the
-                                   policy against the model
+  params          a `LearnedParams`: WG-KV's write gates, Fast KVzip's sink-attention gates,
+                  DuoAttention's retrieval heads (what they are, init, check, axes, and where
+                  they come from: a path, the copy jaxkv ships for a model, the prompt itself)
+  budget_rule     a `BudgetRule`: budget_tokens int32 [B] (or [B, n], named columns) per head,
+                  checked on the host; the ratio of the growing sequence; the plan's bound
+  threshold_set   a `ThresholdSet`: named thresholds (tau, ...) as f32 [B, n]
 
-Its learned parameters are a part too, `params` (a `LearnedParams`: WG-KV's write gates, Fast
-KVzip's sink-attention gates, DuoAttention's retrieval heads), None for a policy that runs
-without any: what they are (init, check, axes) and where they come from (a path, the copy jaxkv
-ships for a model, the request's own prompt).
+A registered class holds its settings as fields and builds its parts from them once, when it is
+made (`_check`, `_parts`); every other member answers from the fields: `budget_tokens`,
+`budget_ratio`, `planned_tokens`, `thresholds`, `static()` (the policy without its per-request
+values, `request_knobs`: what jit sees), `check_prefill`, `for_tokenizer` (KVzip's own text in
+the model's tokens), `check_params`/`check_model`.
 
 Budgets vary per request, so they never reach jit as static fields: `generate` turns a policy's
 `budget` into an int32 array [B] of tokens per head (`budget_tokens`) and compiles the policy with
 its budget stripped (`static()`), so changing the budget does not recompile. Thresholds (WG-KV's
-`tau`, Conf-KV's `tau`, `alpha` and `beta`: `threshold_names`) travel the same way, as f32
-[B, n] (`thresholds`).
+`tau`, Conf-KV's `tau`, `alpha` and `beta`) travel the same way, as f32 [B, n] (`thresholds`).
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from pathlib import Path
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -166,13 +161,70 @@ class Budget:
         return np.full((batch,), 0.0 if self.ratio is None else self.ratio, np.float32)
 
 
+@runtime_checkable
+class BudgetRule(Protocol):
+    """The budget part of a policy's record: how its `budget_tokens` arrays are made on the
+    host (a policy without one keeps its whole prompt)."""
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The names of the budget's columns ([B, n]); () for one budget, an array [B]."""
+
+    def tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        """int32 [B] (or [B, n]) tokens per head for these prompts, checked on the host."""
+
+    def ratio(self, batch: int) -> np.ndarray:
+        """f32 [B]: the budget as a share of the growing sequence (0: a token budget)."""
+
+    def planned(
+        self, budget_tokens: np.ndarray, prompt_lengths: np.ndarray
+    ) -> tuple[np.ndarray, str]:
+        """(int [B] the most a head holds once the prompts are compressed, how that is known)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdSet:
+    """The thresholds part of a policy's record: named values (WG-KV's tau, Conf-KV's logit
+    of tau, alpha and beta) that travel as an f32 array [B, n], so that a sweep over them
+    compiles once.
+
+    Attributes:
+      owner: the policy's name, for errors.
+      names: the columns.
+      values: one per column, None in the copy jit sees (`Policy.static`).
+    """
+
+    owner: str
+    names: tuple[str, ...]
+    values: tuple[float, ...] | None
+
+    def array(self, batch: int) -> np.ndarray:
+        """f32 [B, n]: the values, the same for every row."""
+        if self.values is None:
+            raise ValueError(f"policy {self.owner!r}: thresholds of a static() policy are gone")
+        return np.tile(np.asarray(self.values, np.float32), (batch, 1))
+
+
+# The fields of a policy's record: the engine's parts, then the host's (learned parameters,
+# budget, thresholds). A composition takes each from the one policy that has it.
+RECORD = (*parts.PARTS, "params", "budget_rule", "threshold_set")
+
+
+def _part_field():
+    """A record field: built from the policy's settings when it is made, so it is neither
+    given nor compared (two policies of equal settings have equal parts)."""
+    return dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Base class of cache policies: a frozen record of optional parts (`jaxkv.step.parts`), none by
-    default, so the base keeps every token.
+    """Base class of cache policies: a frozen record whose fields are its parts (`RECORD`),
+    None unless the policy has them, so the base keeps every token.
 
-    How the cache stores what a policy keeps (page size, dtype, int8 tier) is not the
-    policy's: it is the request's `jaxkv.cache.CacheConfig`.
+    A subclass holds its settings as fields (`SnapKV(budget=0.3, window=64)`), checks them
+    (`_check`) and builds its parts from them once (`_parts`); every other member answers from
+    the fields. How the cache stores what a policy keeps (page size, dtype, int8 tier) is not
+    the policy's: it is the request's `jaxkv.cache.CacheConfig`.
     """
 
     name: ClassVar[str] = "base"
@@ -183,73 +235,57 @@ class Policy:
     # The field a spec's bare VALUE sets (`policies.from_spec("snapkv:0.25")`): the budget for
     # most, a policy's own main knob otherwise (WG-KV's tau).
     primary_knob: ClassVar[str] = "budget"
+    # The settings that vary per request (budgets, thresholds): `static()` strips them, so jit
+    # sees them as arrays and changing them does not recompile.
+    request_knobs: ClassVar[tuple[str, ...]] = ()
+
+    admission: parts.Admission | None = _part_field()
+    gate: parts.Gate | None = _part_field()
+    attention_scoring: parts.AttentionScoring | None = _part_field()
+    selection: parts.Selection | None = _part_field()
+    prompt_compression: parts.PromptCompression | None = _part_field()
+    chunk_eviction: parts.ChunkEviction | None = _part_field()
+    decode_eviction: parts.DecodeEviction | None = _part_field()
+    params: LearnedParams | None = _part_field()
+    budget_rule: BudgetRule | None = _part_field()
+    threshold_set: ThresholdSet | None = _part_field()
 
     def __post_init__(self):
-        """Validates the fields (subclasses call it first); nothing to check here."""
+        self._check()
+        built = self._parts()
+        unknown = set(built) - set(RECORD)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}._parts(): {sorted(unknown)} not in RECORD")
+        for field, part in built.items():
+            object.__setattr__(self, field, part)
 
-    # --- parts (`jaxkv.step.parts`): None when the policy has no such part ---------------------
+    def _check(self) -> None:
+        """Validates (and normalises) the settings; subclasses call it first."""
 
-    @property
-    def admission(self) -> parts.Admission | None:
-        return None
+    def _parts(self) -> dict[str, Any]:
+        """The record's parts (`RECORD` names) built from the settings; none here."""
+        return {}
 
-    @property
-    def gate(self) -> parts.Gate | None:
-        return None
-
-    @property
-    def attention_scoring(self) -> parts.AttentionScoring | None:
-        return None
-
-    @property
-    def selection(self) -> parts.Selection | None:
-        return None
+    # --- the budget and the thresholds, from their parts, on the host ----------------------
 
     @property
-    def prompt_compression(self) -> parts.PromptCompression | None:
-        return None
-
-    @property
-    def chunk_eviction(self) -> parts.ChunkEviction | None:
-        return None
-
-    @property
-    def decode_eviction(self) -> parts.DecodeEviction | None:
-        return None
-
-    # --- budgets, checked and turned into arrays on the host -------------------------------
-
-    # The names of the budget's columns for a policy with several budgets (Conf-KV's tight and
-    # loose); () for one budget, an array [B]. Parts read a column by its name
-    # (`jaxkv.step.parts.budget_column`).
-    budget_columns: ClassVar[tuple[str, ...]] = ()
+    def budget_columns(self) -> tuple[str, ...]:
+        """The names of the budget's columns ([B, n]; parts read one by its name:
+        `jaxkv.step.parts.budget_column`), () for one budget [B]."""
+        return () if self.budget_rule is None else self.budget_rule.columns
 
     def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        """int32 [B] tokens per head, or [B, n] with the columns `budget_columns`; checks
-        budgets against the prompts (host side)."""
-        return np.asarray(prompt_lengths, np.int32)
+        """int32 [B] tokens per head (or [B, n], `budget_columns`), checked against the
+        prompts; the whole prompt for a policy without a budget."""
+        if self.budget_rule is None:
+            return np.asarray(prompt_lengths, np.int32)
+        return self.budget_rule.tokens(prompt_lengths)
 
     def budget_ratio(self, batch: int) -> np.ndarray:
         """f32 [B]: the budget as a ratio of the sequence (0: a token budget or none)."""
-        return np.zeros((batch,), np.float32)
-
-    # The policy's thresholds (fields such as WG-KV's `tau`), in the column order of
-    # `thresholds`: they travel as arrays, so a sweep over their values compiles once.
-    threshold_names: ClassVar[tuple[str, ...]] = ()
-
-    def thresholds(self, batch: int) -> np.ndarray:
-        """f32 [B, n]: the values of `threshold_names` (columns), the same for every row; what
-        `static()` strips and jit sees as an array (n = 0 for a policy without any)."""
-        values = [getattr(self, name) for name in self.threshold_names]
-        if any(value is None for value in values):
-            raise ValueError(f"policy {self.name!r}: thresholds of a static() policy are gone")
-        return np.tile(np.asarray(values, np.float32), (batch, 1))
-
-    def threshold(self, thresholds: jax.Array, name: str) -> jax.Array:
-        """f32 [B]: the column `name` of a `thresholds` array (traced)."""
-        if thresholds is None:
-            raise ValueError(f"policy {self.name!r} reads its {name} from thresholds: give them")
-        return thresholds[:, self.threshold_names.index(name)]
+        if self.budget_rule is None:
+            return np.zeros((batch,), np.float32)
+        return self.budget_rule.ratio(batch)
 
     def planned_tokens(
         self, budget_tokens: np.ndarray, prompt_lengths: np.ndarray
@@ -257,15 +293,30 @@ class Policy:
         """(int [B] the most tokens a head holds once the prompts are compressed, as `jaxkv
         bench plan` sizes a request from shapes alone; how that is known). budget_tokens:
         this policy's `budget_tokens(prompt_lengths)`."""
-        del budget_tokens
-        return np.asarray(prompt_lengths), "the whole prompt"
+        if self.budget_rule is None:
+            return np.asarray(prompt_lengths), "the whole prompt"
+        return self.budget_rule.planned(budget_tokens, prompt_lengths)
+
+    @property
+    def threshold_names(self) -> tuple[str, ...]:
+        """The columns of `thresholds` (() for a policy without any)."""
+        return () if self.threshold_set is None else self.threshold_set.names
+
+    def thresholds(self, batch: int) -> np.ndarray:
+        """f32 [B, n]: the threshold values (columns `threshold_names`), the same for every
+        row; what `static()` strips and jit sees as an array (n = 0 without thresholds)."""
+        if self.threshold_set is None:
+            return np.zeros((batch, 0), np.float32)
+        return self.threshold_set.array(batch)
 
     def static(self) -> Policy:
-        """This policy with per-request values (budgets, `threshold_names`) removed: what jit
-        sees."""
-        if not self.threshold_names:
+        """This policy with per-request values (`request_knobs`: budgets, thresholds) removed:
+        what jit sees."""
+        if not self.request_knobs:
             return self
-        return dataclasses.replace(self, **dict.fromkeys(self.threshold_names))
+        return dataclasses.replace(self, **dict.fromkeys(self.request_knobs))
+
+    # --- checks against the request and the model ----------------------------------------
 
     def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
         """Validates the prefill geometry (chunk size against the prompts) on the host."""
@@ -276,14 +327,6 @@ class Policy:
         `tokenizer`'s ids and chat template (`jaxkv.models.Tokenizer`); most feed none."""
         del tokenizer
         return self
-
-    # --- learned parameters and the model ----------------------------------------------------
-
-    @property
-    def params(self) -> LearnedParams | None:
-        """The learned-parameters part: what `policy_params` this policy runs with (None: it
-        takes none)."""
-        return None
 
     def check_params(self, params: PolicyParams | None, model_config: ModelConfig) -> None:
         """Validates `policy_params` against the `params` part (None for a policy without one)
@@ -361,6 +404,51 @@ def keep_short_prompts_whole(tokens, prompt_lengths, least) -> np.ndarray:
     short to compress to its budget is kept whole. tokens, least: int [B] or scalars."""
     lengths = np.asarray(prompt_lengths)
     return np.where(tokens < least, lengths, tokens).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBudget:
+    """The budget part of a policy that keeps a share or a count of each prompt per head (the
+    score-and-evict policies): `Budget.tokens_for`, or the whole prompt where that is fewer
+    than the tokens every head protects (a prompt too short to compress around its sinks and
+    window is kept whole). A token budget smaller than them is refused: it is wrong for every
+    prompt long enough to compress.
+
+    Attributes:
+      owner: the policy's name, for errors.
+      budget: a ratio of the prompt or a token count; None in the copy jit sees.
+      protected: positions every head keeps whatever its budget (sinks and windows).
+      grows: whether a ratio keeps its share of the growing sequence (`ratio`): a policy that
+        evicts during decode too.
+    """
+
+    owner: str
+    budget: Budget | None
+    protected: int = 0
+    grows: bool = False
+
+    columns: ClassVar[tuple[str, ...]] = ()
+
+    def tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        if self.budget is None:
+            raise ValueError(f"policy {self.owner!r} needs budget= (a ratio or a token count)")
+        if self.budget.tokens is not None and self.budget.tokens < self.protected:
+            raise ValueError(
+                f"policy {self.owner!r}: budget of {self.budget.tokens} tokens is smaller than "
+                f"the {self.protected} tokens each head protects (its sinks and window): give "
+                f"budget >= {self.protected} tokens (or a ratio: a prompt too short for it is "
+                "kept whole), or a smaller window/sinks"
+            )
+        tokens = self.budget.tokens_for(prompt_lengths)
+        return keep_short_prompts_whole(tokens, prompt_lengths, self.protected)
+
+    def ratio(self, batch: int) -> np.ndarray:
+        if not self.grows or self.budget is None:
+            return np.zeros((batch,), np.float32)
+        return self.budget.ratio_array(batch)
+
+    def planned(self, budget_tokens, prompt_lengths) -> tuple[np.ndarray, str]:
+        return within_budget(budget_tokens, prompt_lengths)
 
 
 @dataclasses.dataclass(frozen=True)

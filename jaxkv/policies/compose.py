@@ -1,12 +1,12 @@
-"""Composition of policies as a field-by-field merge of their records: `compose(WGKV(...),
-Quest(...))` admits with WG-KV's gates and lets Quest choose among the global pages (WG-KV's
-local ring is read whole whatever Quest picks).
+"""Composition of policies as a union of their records: `compose(WGKV(...), Quest(...))` admits
+with WG-KV's gates and lets Quest choose among the global pages (WG-KV's local ring is read whole
+whatever Quest picks).
 
-Every member of a policy belongs to one field of its record: a part (`jaxkv.step.parts.PARTS`,
-and the learned parameters, `params`) or a host-side group (`HOST_GROUPS`: its budget, its
-thresholds). A composition takes each field from the one policy that has it; the members every
-policy answers together (`JOINT`: checks, flags, `static`, `for_tokenizer`) ask them all. Two
-rules refuse a composition, each naming the field and both policies:
+A policy is a record of parts (`base.RECORD`: the engine's parts, its learned parameters, its
+budget and its thresholds), None where it has none; a composition takes each field from the one
+policy that has it, and asks them all what every policy answers together (the prefill and model
+checks, whether a budget decides across heads, `static`, `for_tokenizer`). Two rules refuse a
+composition, each naming the field and both policies:
 
 - a field in two policies (two gates, two budgets, ...): there is no merge of two of one kind;
   in particular a request carries one budget array, so a policy that compresses or evicts to a
@@ -25,47 +25,28 @@ from typing import ClassVar
 from jaxkv.policies import base
 from jaxkv.step import parts
 
-# The record's parts: the engine's and the learned parameters (host side).
-RECORD_PARTS = (*parts.PARTS, "params")
-# A policy's host-side members, by the field of its record that answers them.
-HOST_GROUPS = {
-    "budget": ("budget_columns", "budget_tokens", "budget_ratio", "planned_tokens"),
-    "thresholds": ("threshold_names", "thresholds", "threshold"),
-}
-# Members every policy of a composition answers (see `Composed`).
-JOINT = ("check_prefill", "check_model", "decides_across_heads", "static", "for_tokenizer")
-FIELDS = (*RECORD_PARTS, *HOST_GROUPS)
 _WHY = {
-    "budget": (
+    "budget_rule": (
         " (a request carries one budget array, so a policy that keeps tokens to a budget and "
         "one that reads pages to a budget cannot share it)"
     )
 }
+# How an error names a field that is not a part's name.
+_NOUNS = {"params": "parameter set", "budget_rule": "budget", "threshold_set": "threshold set"}
 # Pairs of parts, from different policies, that the engine runs together.
 RUNS_TOGETHER = {frozenset(pair) for pair in (("admission", "selection"), ("gate", "selection"))}
 
 
-def has_field(policy: base.Policy, field: str) -> bool:
-    """Whether `policy` has the part `field`, or answers a host group other than as the base
-    `Policy` does (a policy without a budget keeps its whole prompt)."""
-    if field in RECORD_PARTS:
-        return getattr(policy, field) is not None
-    cls = type(policy)
-    return any(
-        getattr(cls, member) is not getattr(base.Policy, member) for member in HOST_GROUPS[field]
-    )
-
-
 def fields_of(policy: base.Policy) -> tuple[str, ...]:
-    """The fields of `policy`'s record that it fills, in `FIELDS` order."""
-    return tuple(field for field in FIELDS if has_field(policy, field))
+    """The fields of `policy`'s record that it fills, in `base.RECORD` order."""
+    return tuple(field for field in base.RECORD if getattr(policy, field) is not None)
 
 
 @dataclasses.dataclass(frozen=True)
 class Composed(base.Policy):
-    """The record merged from `policies`: each field (`FIELDS`) from the one policy that has
-    it; a field none has is answered as the base `Policy` does. Joint members: the prefill and
-    the model are checked by all, the budget decides across heads if any policy's does.
+    """The record whose every field (`base.RECORD`) is the one of the policy that has it, None
+    where none has. Joint members: the prefill and the model are checked by all, the budget
+    decides across heads if any policy's does.
 
     Attributes:
       policies: two or more policies (compositions among them are flattened).
@@ -74,8 +55,8 @@ class Composed(base.Policy):
     name: ClassVar[str] = "composed"
     policies: tuple[base.Policy, ...]
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         flat = tuple(
             leaf
             for policy in self.policies
@@ -91,12 +72,13 @@ class Composed(base.Policy):
         self._check_runs_together()
 
     def _check_fields(self) -> None:
-        for field in FIELDS:
-            holders = [policy.name for policy in self.policies if has_field(policy, field)]
+        for field in base.RECORD:
+            holders = [p.name for p in self.policies if getattr(p, field) is not None]
             if len(holders) > 1:
-                article = "an" if field[0] in "aeiou" else "a"
+                noun = _NOUNS.get(field, field)
+                article = "an" if noun[0] in "aeiou" else "a"
                 raise ValueError(
-                    f"policies {holders[0]!r} and {holders[1]!r} both have {article} {field}: a "
+                    f"policies {holders[0]!r} and {holders[1]!r} both have {article} {noun}: a "
                     "composition takes each part, budget, threshold set and parameter set from "
                     f"one policy{_WHY.get(field, '')}"
                 )
@@ -111,13 +93,11 @@ class Composed(base.Policy):
                         "(WG-KV, DuoAttention, local attention) with a page selection (Quest)"
                     )
 
-    def owner(self, field: str) -> base.Policy:
-        """The policy that answers `field` (the first policy where none has it: it answers as
-        the base does)."""
-        for policy in self.policies:
-            if has_field(policy, field):
-                return policy
-        return self.policies[0]
+    def _parts(self) -> dict:
+        held = (
+            (field, getattr(policy, field)) for policy in self.policies for field in base.RECORD
+        )
+        return {field: part for field, part in held if part is not None}
 
     @property
     def decides_across_heads(self) -> bool:
@@ -136,21 +116,6 @@ class Composed(base.Policy):
 
     def for_tokenizer(self, tokenizer) -> Composed:
         return Composed(tuple(policy.for_tokenizer(tokenizer) for policy in self.policies))
-
-
-def _forwarded(field: str, member: str) -> property:
-    return property(
-        lambda self: getattr(self.owner(field), member),
-        doc=f"`{member}` of the policy that has the {field}.",
-    )
-
-
-# Every part and host member is its owner's: one loop, so no member can be forgotten.
-for _field in RECORD_PARTS:
-    setattr(Composed, _field, _forwarded(_field, _field))
-for _field, _members in HOST_GROUPS.items():
-    for _member in _members:
-        setattr(Composed, _member, _forwarded(_field, _member))
 
 
 def compose(*policies: base.Policy) -> Composed:

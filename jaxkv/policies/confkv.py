@@ -133,7 +133,7 @@ def rank_scores(mass, positions, held, protected, alpha) -> jax.Array:
     return alpha * _min_max(mass, candidates) + (1 - alpha) * _min_max(recency, candidates)
 
 
-# Conf-KV's thresholds (`ConfKV.threshold_names`): logit(tau), the ranking's alpha and the EMA's
+# Conf-KV's thresholds (its `threshold_set`): logit(tau), the ranking's alpha and the EMA's
 # beta. They travel as arrays, so a sweep over any of them compiles once.
 THRESHOLD_NAMES = ("tau", "alpha", "beta")
 
@@ -143,7 +143,7 @@ def threshold_column(thresholds: jax.Array, name: str) -> jax.Array:
     return thresholds[:, THRESHOLD_NAMES.index(name)]
 
 
-# The columns of its budget (`ConfKV.budget_columns`): the tight and the loose budget.
+# The columns of its budget (its `TightLooseBudget`): the tight and the loose budget.
 BUDGET_COLUMNS = ("tight", "loose")
 
 
@@ -283,6 +283,30 @@ class DecayedMass(base.SummedMass):
         return beta ** jnp.sum(valid, axis=-1).astype(jnp.float32), weights
 
 
+@dataclasses.dataclass(frozen=True)
+class TightLooseBudget:
+    """Conf-KV's budget part: (tight, loose) tokens per head, columns `BUDGET_COLUMNS`; a head
+    holds at most the loose one. None in the copy jit sees."""
+
+    tight: int | None
+    loose: int | None
+
+    columns: ClassVar[tuple[str, ...]] = BUDGET_COLUMNS
+
+    def tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        """int32 [B, 2]: (tight, loose) per request."""
+        if self.tight is None or self.loose is None:
+            raise ValueError("policy 'confkv' needs tight= and loose= budgets")
+        return np.tile(np.array([[self.tight, self.loose]], np.int32), (len(prompt_lengths), 1))
+
+    def ratio(self, batch: int) -> np.ndarray:
+        return np.zeros((batch,), np.float32)
+
+    def planned(self, budget_tokens, prompt_lengths):
+        loose = budget_column(np.asarray(budget_tokens), BUDGET_COLUMNS, "loose")
+        return np.minimum(loose, prompt_lengths), "the loose budget"
+
+
 @base.register
 @dataclasses.dataclass(frozen=True)
 class ConfKV(base.Policy):
@@ -309,6 +333,7 @@ class ConfKV(base.Policy):
 
     name: ClassVar[str] = "confkv"
     primary_knob: ClassVar[str] = "tight"
+    request_knobs: ClassVar[tuple[str, ...]] = ("tight", "loose", *THRESHOLD_NAMES)
     tight: int | None = 128
     loose: int | None = 512
     tau: float | None = 0.7
@@ -323,8 +348,8 @@ class ConfKV(base.Policy):
     evict_every: int = 32
     per_head: bool = False
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         object.__setattr__(self, "ranking", Ranking(self.ranking))
         check_evict_every(self.evict_every)
         if self.tau is not None and not 0.0 <= self.tau <= 1.0:  # None: static()
@@ -351,47 +376,8 @@ class ConfKV(base.Policy):
                 f"budget ({smallest:g} tokens)"
             )
 
-    budget_columns: ClassVar[tuple[str, ...]] = BUDGET_COLUMNS
-
-    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        """int32 [B, 2]: (tight, loose) per request."""
-        if self.tight is None or self.loose is None:
-            raise ValueError("policy 'confkv' needs tight= and loose= budgets")
-        return np.tile(np.array([[self.tight, self.loose]], np.int32), (len(prompt_lengths), 1))
-
-    def planned_tokens(self, budget_tokens, prompt_lengths):
-        """The loose budget: a head holds at most that much."""
-        loose = budget_column(np.asarray(budget_tokens), BUDGET_COLUMNS, "loose")
-        return np.minimum(loose, prompt_lengths), "the loose budget"
-
-    def static(self) -> ConfKV:
-        return dataclasses.replace(super().static(), tight=None, loose=None)
-
-    threshold_names: ClassVar[tuple[str, ...]] = THRESHOLD_NAMES
-
-    def thresholds(self, batch: int) -> np.ndarray:
-        """f32 [B, 3]: logit(tau), from float64 (`tau_logit`: c >= tau is decided as
-        z >= logit(tau), which tells apart taus that round to 1.0 in f32), alpha and beta."""
-        if self.tau is None:
-            raise ValueError("policy 'confkv': thresholds of a static() policy are gone")
-        values = [tau_logit(self.tau), self.alpha, self.beta]
-        return np.tile(np.asarray(values, np.float32), (batch, 1))
-
-    @property
-    def attention_scoring(self) -> DecayedMass:
-        return DecayedMass()
-
-    @property
-    def decode_eviction(self) -> ConfidenceEviction:
-        return ConfidenceEviction(self._ranking, self.weights, self.evict_every)
-
-    @property
-    def prompt_compression(self) -> LooseBudgetCompression:
-        return LooseBudgetCompression(self._ranking)
-
-    @property
-    def _ranking(self) -> CompositeRanking:
-        return CompositeRanking(
+    def _parts(self) -> dict:
+        rank = CompositeRanking(
             self.protected,
             self.ranking,
             self.per_head,
@@ -399,3 +385,13 @@ class ConfKV(base.Policy):
             self.gamma_max,
             self.gamma_min,
         )
+        # logit(tau) from float64 (`tau_logit`: c >= tau is decided as z >= logit(tau), which
+        # tells apart taus that round to 1.0 in f32).
+        values = None if self.tau is None else (tau_logit(self.tau), self.alpha, self.beta)
+        return {
+            "attention_scoring": DecayedMass(),
+            "prompt_compression": LooseBudgetCompression(rank),
+            "decode_eviction": ConfidenceEviction(rank, self.weights, self.evict_every),
+            "budget_rule": TightLooseBudget(self.tight, self.loose),
+            "threshold_set": base.ThresholdSet(self.name, THRESHOLD_NAMES, values),
+        }

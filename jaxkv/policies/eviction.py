@@ -7,6 +7,7 @@ the budget, and `compact` frees the pages left empty.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, ClassVar
 
@@ -25,13 +26,7 @@ from jaxkv.cache.eviction import (
     keep_top_per_head,
     run_if,
 )
-from jaxkv.policies.base import (
-    Budget,
-    Policy,
-    PromptCompressionPart,
-    keep_short_prompts_whole,
-    within_budget,
-)
+from jaxkv.policies.base import Budget, Policy, PromptBudget, PromptCompressionPart
 from jaxkv.step.parts import DecodeContext, PrefillObservations
 
 
@@ -132,6 +127,40 @@ def group_mean(per_query_head: jax.Array, num_kv_heads: int) -> jax.Array:
     return per_query_head.reshape(b, num_kv_heads, n // num_kv_heads, s).mean(axis=2)
 
 
+class Scorer(abc.ABC):
+    """The scoring part a score-and-evict part holds: how each cached token of a layer ranks
+    (higher is kept), what prefill observes for it and how the budget splits over layers.
+    Subclasses are frozen dataclasses of the settings they read.
+
+    Attributes:
+      observation_window: how many of each prompt's last queries prefill records per layer.
+      query_moments_from: the first position whose pre-RoPE query prefill adds to each head's
+        query moments (ExpectedAttention); None records none.
+      reads_values: whether `layer_scores` reads the layer's values (`LayerView.values`).
+    """
+
+    observation_window: ClassVar[int] = 0
+    query_moments_from: ClassVar[int | None] = None
+    reads_values: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        """f32 [B, K, S] importance of each cached token of the view's layer."""
+
+    def layer_budgets(self, budget_tokens, prompt_lengths, num_layers: int) -> jax.Array:
+        """int32 [L, B] tokens per head in each layer; uniform by default."""
+        del prompt_lengths
+        return jnp.broadcast_to(budget_tokens, (num_layers, *budget_tokens.shape))
+
+
+class DecodeScorer(Scorer):
+    """A scorer that also ranks the cache during decode (`ScoredDecodeEviction`)."""
+
+    @abc.abstractmethod
+    def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
+        """f32 [L, B, K, S] importance of each cached token at a decode step."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoredCompression(PromptCompressionPart):
     """The prompt compression part of a score-and-evict policy: each head keeps its protected
@@ -140,7 +169,7 @@ class ScoredCompression(PromptCompressionPart):
     (`scorer.layer_budgets`); `compact` frees the pages left empty.
 
     Attributes:
-      scorer: the policy whose scores rank the tokens; what prefill observes is its.
+      scorer: the `Scorer` that ranks the tokens; what prefill observes is its.
       sinks, protected_recent: as above.
       safeguard: None keeps the top tokens per head; a share in [0, 1] keeps them across each
         layer's heads, each head keeping at least that share of its uniform budget (AdaKV).
@@ -148,7 +177,7 @@ class ScoredCompression(PromptCompressionPart):
         whose decode counts start after the prompt).
     """
 
-    scorer: Any
+    scorer: Scorer
     sinks: int
     protected_recent: int
     safeguard: float | None = None
@@ -185,94 +214,60 @@ class ScoredCompression(PromptCompressionPart):
         return collectives.over_all_heads(keep, scores, held, protected, axis=2)
 
 
+def across_heads(
+    compression: ScoredCompression, *, sinks: int, recent: int, safeguard: float
+) -> ScoredCompression:
+    """AdaKV's prompt compression of a scorer's: the same scores choosing across each layer's
+    heads (each keeping at least `safeguard` of its share), protecting at least `sinks` and
+    `recent` too."""
+    return dataclasses.replace(
+        compression,
+        sinks=max(compression.sinks, sinks),
+        protected_recent=max(compression.protected_recent, recent),
+        safeguard=safeguard,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class EvictionPolicy(Policy):
     """A scorer with the shared keep-top-k eviction: the record of a `ScoredCompression` of
-    its own scores, with its budget.
-
-    A subclass scores (`layer_scores`) and may say what prefill observes for it
-    (`observation_window`, `query_moments_from`, `reads_values`) and
-    how the budget splits over layers (`layer_budgets`).
+    its scorer (`_scorer`, a `Scorer` of the subclass's settings) with its budget.
 
     Attributes:
       budget: tokens kept per (layer, sequence, KV head): a ratio of the prompt (float) or a
         count (int). Stripped (None) in the copy jit sees; the budget travels as an array.
       sinks: the first `sinks` positions are always kept.
-      recent: the newest `recent` positions are always kept.
+      recent: the newest `recent` positions are always kept (with the scorer's observation
+        window).
     """
 
+    request_knobs: ClassVar[tuple[str, ...]] = ("budget",)
     budget: Budget | float | int | None = None
     sinks: int = 0
     recent: int = 0
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         if self.budget is not None:
             object.__setattr__(self, "budget", Budget.parse(self.budget))
         for name in ("sinks", "recent"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
 
-    @property
-    def prompt_compression(self) -> ScoredCompression:
-        return ScoredCompression(self, self.sinks, self.protected_recent)
+    def _scorer(self) -> Scorer:
+        """The scorer of this policy's settings."""
+        raise NotImplementedError(f"{type(self).__name__} names no scorer")
 
-    # --- what the scorer observes (none by default) -------------------------------------
-
-    @property
-    def observation_window(self) -> int:
-        """How many of each prompt's last queries prefill records per layer."""
-        return 0
-
-    query_moments_from: ClassVar[int | None] = None
-
-    @property
-    def reads_values(self) -> bool:
-        """Whether `layer_scores` reads the layer's values (`LayerView.values`)."""
-        return False
-
-    @property
-    def protected_recent(self) -> int:
-        """Newest positions always kept: the recent window and the observation window."""
-        return max(self.recent, self.observation_window)
-
-    @property
-    def protected_tokens(self) -> int:
-        """Positions every head keeps whatever its budget: the sinks and the protected window."""
-        return self.sinks + self.protected_recent
-
-    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        """int32 [B]: the budget's tokens per head, or the whole prompt where the budget is
-        smaller than the protected tokens (a prompt too short to compress around its sinks and
-        window is kept whole). A token budget smaller than them is refused: it is wrong for
-        every prompt long enough to compress."""
-        if self.budget is None:
-            raise ValueError(f"policy {self.name!r} needs budget= (a ratio or a token count)")
-        protected = self.protected_tokens
-        if self.budget.tokens is not None and self.budget.tokens < protected:
-            raise ValueError(
-                f"policy {self.name!r}: budget of {self.budget.tokens} tokens is smaller than "
-                f"the {protected} tokens each head protects (its sinks and window): give "
-                f"budget >= {protected} tokens (or a ratio: a prompt too short for it is kept "
-                "whole), or a smaller window/sinks"
-            )
-        tokens = self.budget.tokens_for(prompt_lengths)
-        return keep_short_prompts_whole(tokens, prompt_lengths, protected)
-
-    def planned_tokens(self, budget_tokens, prompt_lengths):
-        return within_budget(budget_tokens, prompt_lengths)
-
-    def static(self) -> EvictionPolicy:
-        return dataclasses.replace(self, budget=None)
-
-    def layer_scores(self, view: LayerView) -> jax.Array:
-        """f32 [B, K, S] importance of each cached token (higher is kept)."""
-        raise NotImplementedError
-
-    def layer_budgets(self, budget_tokens, prompt_lengths, num_layers: int) -> jax.Array:
-        """int32 [L, B] tokens per head in each layer; uniform by default."""
-        del prompt_lengths
-        return jnp.broadcast_to(budget_tokens, (num_layers, *budget_tokens.shape))
+    def _parts(self) -> dict:
+        scorer = self._scorer()
+        compression = ScoredCompression(
+            scorer, self.sinks, max(self.recent, scorer.observation_window)
+        )
+        protected = compression.sinks + compression.protected_recent
+        return {
+            "prompt_compression": compression,
+            "budget_rule": PromptBudget(self.name, self.budget, protected),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,12 +278,12 @@ class ScoredDecodeEviction:
     `recent`.
 
     Attributes:
-      scorer: the policy whose `decode_scores` rank the tokens.
+      scorer: the `DecodeScorer` that ranks the tokens.
       sinks, recent, evict_every: as above.
       ratio: the budget's ratio of the sequence (0: a token budget), for the host's bound.
     """
 
-    scorer: Any
+    scorer: DecodeScorer
     sinks: int
     recent: int
     evict_every: int
@@ -331,7 +326,7 @@ class ScoredDecodeEviction:
 @dataclasses.dataclass(frozen=True)
 class DecodeEvictionPolicy(EvictionPolicy):
     """An eviction policy that also evicts during decode: the record of a `ScoredCompression`
-    and a `ScoredDecodeEviction` of its own scores (`decode_scores`).
+    and a `ScoredDecodeEviction` of its scorer (a `DecodeScorer`).
 
     Every `evict_every` decode steps, a head holding more than its budget evicts down to it;
     in between it holds up to `evict_every` tokens more (the one approximation of per-step
@@ -339,7 +334,8 @@ class DecodeEvictionPolicy(EvictionPolicy):
     reading it, so evicting at every step would cost more than the attention it saves). The
     decode budget is the token budget, or for a ratio budget that ratio of the current length
     (a ratio keeps its share of a growing sequence: 1.0 never evicts). The protected window is
-    the newest `recent` positions (plus the sinks), and `decode_scores` ranks the rest.
+    the newest `recent` positions (plus the sinks), and the scorer's `decode_scores` ranks the
+    rest.
 
     Attributes:
       evict_every: decode steps between evictions (>= 1).
@@ -347,23 +343,24 @@ class DecodeEvictionPolicy(EvictionPolicy):
 
     evict_every: int = 32
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         check_evict_every(self.evict_every)
 
-    @property
-    def decode_eviction(self) -> ScoredDecodeEviction:
-        ratio = float(self.budget_ratio(1)[0])
-        return ScoredDecodeEviction(self, self.sinks, self.recent, self.evict_every, ratio)
-
-    def budget_ratio(self, batch: int) -> np.ndarray:
-        if self.budget is None:
-            return super().budget_ratio(batch)
-        return self.budget.ratio_array(batch)
-
-    def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
-        """f32 [L, B, K, S] scores during decode."""
-        raise NotImplementedError
+    def _parts(self) -> dict:
+        record = super()._parts()
+        budget = dataclasses.replace(record["budget_rule"], grows=True)
+        ratio = float(budget.ratio(1)[0])
+        return record | {
+            "budget_rule": budget,
+            "decode_eviction": ScoredDecodeEviction(
+                record["prompt_compression"].scorer,
+                self.sinks,
+                self.recent,
+                self.evict_every,
+                ratio,
+            ),
+        }
 
 
 def decode_budget(ctx: DecodeContext) -> jax.Array:

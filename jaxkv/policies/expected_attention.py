@@ -20,34 +20,18 @@ import jax.numpy as jnp
 
 from jaxkv.models import layers
 from jaxkv.policies import base
-from jaxkv.policies.eviction import EvictionPolicy, LayerView, group_mean
+from jaxkv.policies.eviction import EvictionPolicy, LayerView, Scorer, group_mean
 
 
-@base.register
 @dataclasses.dataclass(frozen=True)
-class ExpectedAttention(EvictionPolicy):
-    """Keys ranked by the attention a Gaussian fit of the prompt's queries expects for them.
+class ExpectedAttentionScores(Scorer):
+    """ExpectedAttention's scores (module docstring). Attributes: as `ExpectedAttention`'s."""
 
-    Attributes:
-      future_positions: how many positions after the prompt RoPE's rotation is averaged over.
-      use_covariance: add the covariance term k^T S' k / (2 d) (else the mean's term only).
-      use_value_norm: multiply by the value's L2 norm.
-      epsilon: added to the softmaxed score before the value norm multiplies it.
-    """
-
-    name: ClassVar[str] = "expected_attention"
-    sinks: int = 4
-    future_positions: int = 512
-    use_covariance: bool = True
-    use_value_norm: bool = True
-    epsilon: float = 0.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.future_positions < 1:
-            raise ValueError(f"future_positions={self.future_positions} must be >= 1")
-        if self.epsilon < 0:
-            raise ValueError(f"epsilon={self.epsilon} must be >= 0")
+    sinks: int
+    future_positions: int
+    use_covariance: bool
+    use_value_norm: bool
+    epsilon: float
 
     @property
     def query_moments_from(self) -> int:
@@ -86,6 +70,42 @@ class ExpectedAttention(EvictionPolicy):
             scores = (scores + self.epsilon) * norms
         sinks = view.held & (view.positions < self.sinks)  # ranked first, as kvpress's max + 1,
         return jnp.where(sinks, jnp.inf, scores)  # so that a wrapper (AdaKV) keeps them too
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class ExpectedAttention(EvictionPolicy):
+    """Keys ranked by the attention a Gaussian fit of the prompt's queries expects for them.
+
+    Attributes:
+      future_positions: how many positions after the prompt RoPE's rotation is averaged over.
+      use_covariance: add the covariance term k^T S' k / (2 d) (else the mean's term only).
+      use_value_norm: multiply by the value's L2 norm.
+      epsilon: added to the softmaxed score before the value norm multiplies it.
+    """
+
+    name: ClassVar[str] = "expected_attention"
+    sinks: int = 4
+    future_positions: int = 512
+    use_covariance: bool = True
+    use_value_norm: bool = True
+    epsilon: float = 0.0
+
+    def _check(self) -> None:
+        super()._check()
+        if self.future_positions < 1:
+            raise ValueError(f"future_positions={self.future_positions} must be >= 1")
+        if self.epsilon < 0:
+            raise ValueError(f"epsilon={self.epsilon} must be >= 0")
+
+    def _scorer(self) -> ExpectedAttentionScores:
+        return ExpectedAttentionScores(
+            self.sinks,
+            self.future_positions,
+            self.use_covariance,
+            self.use_value_norm,
+            self.epsilon,
+        )
 
 
 def average_rotation(cfg, prompt_lengths: jax.Array, future_positions: int) -> jax.Array:

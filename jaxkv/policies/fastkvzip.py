@@ -217,6 +217,30 @@ def ratio_of(budget_tokens, prompt_lengths) -> np.ndarray:
     return kept / np.maximum(np.asarray(prompt_lengths), 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptWindowDecodeBudget:
+    """Fast KVzip's budget part: int32 [B, 3] per prompt, the tokens kept per head after the
+    prompt (floor(r T)), the protected window, and a fixed decode budget (0: the ratio r of the
+    growing length). Attributes: as `FastKVzip`'s (None in the copy jit sees)."""
+
+    share: float | None
+    window: int | None
+    decode_tokens: int | None
+
+    columns: ClassVar[tuple[str, ...]] = BUDGET_COLUMNS
+
+    def tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        kept, windows = kept_and_windows(self.share, self.window, prompt_lengths)
+        decode = np.full(kept.shape, self.decode_tokens or 0)
+        return np.stack([kept, windows, decode], axis=1).astype(np.int32)
+
+    def ratio(self, batch: int) -> np.ndarray:
+        return np.zeros((batch,), np.float32)
+
+    def planned(self, budget_tokens, prompt_lengths):
+        return within_budget(budget_tokens, prompt_lengths)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class FastKVzip(Policy):
@@ -238,6 +262,7 @@ class FastKVzip(Policy):
 
     name: ClassVar[str] = "fastkvzip"
     decides_across_heads: ClassVar[bool] = True
+    request_knobs: ClassVar[tuple[str, ...]] = ("ratio", "decode_tokens")
 
     ratio: float | None = None
     window: int | None = None
@@ -245,8 +270,8 @@ class FastKVzip(Policy):
     decode_buffer: int = 128
     decode_tokens: int | None = None
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         if self.ratio is not None:
             Budget(ratio=self.ratio)  # raises unless 0 < ratio <= 1
         if self.window is not None and self.window < 1:
@@ -262,32 +287,14 @@ class FastKVzip(Policy):
                 f"sinks={self.sinks} must be >= 0 and decode_buffer={self.decode_buffer} >= 1"
             )
 
-    @property
-    def gate(self) -> SinkAttentionGate:
-        return SinkAttentionGate()
-
-    @property
-    def chunk_eviction(self) -> ChunkedPrefillEviction:
-        return ChunkedPrefillEviction(self.ratio, self.window, self.sinks)
-
-    @property
-    def decode_eviction(self) -> BufferedDecodeEviction:
-        return BufferedDecodeEviction(self.sinks, self.decode_buffer)
-
-    def static(self) -> FastKVzip:
-        return dataclasses.replace(self, ratio=None, decode_tokens=None)
-
-    budget_columns: ClassVar[tuple[str, ...]] = BUDGET_COLUMNS
-
-    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        """int32 [B, 3]: the tokens kept per head after the prompt (floor(r T)), the protected
-        window, and a fixed decode budget (0: the ratio r of the growing length)."""
-        kept, windows = kept_and_windows(self.ratio, self.window, prompt_lengths)
-        decode = np.full(kept.shape, self.decode_tokens or 0)
-        return np.stack([kept, windows, decode], axis=1).astype(np.int32)
-
-    def planned_tokens(self, budget_tokens, prompt_lengths):
-        return within_budget(budget_tokens, prompt_lengths)
+    def _parts(self) -> dict:
+        return {
+            "gate": SinkAttentionGate(),
+            "chunk_eviction": ChunkedPrefillEviction(self.ratio, self.window, self.sinks),
+            "decode_eviction": BufferedDecodeEviction(self.sinks, self.decode_buffer),
+            "params": SinkGateParams(),
+            "budget_rule": KeptWindowDecodeBudget(self.ratio, self.window, self.decode_tokens),
+        }
 
     def check_prefill(self, prompt_lengths: np.ndarray, chunk: int) -> None:
         """The chunk must hold the window of every prompt it compresses (not of those kept
@@ -302,10 +309,6 @@ class FastKVzip(Policy):
                 f"give prefill_chunk >= {widest} (or leave it out: this policy then prefills "
                 f"in chunks of {chosen}), or a smaller window="
             )
-
-    @property
-    def params(self) -> SinkGateParams:
-        return SinkGateParams()
 
 
 @dataclasses.dataclass(frozen=True)

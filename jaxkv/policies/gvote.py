@@ -99,6 +99,24 @@ class VoteCompression(base.PromptCompressionPart):
         return vote(queries, view.keys, view.held, step_budget)
 
 
+@dataclasses.dataclass(frozen=True)
+class VotedBudget:
+    """GVote's budget part: none to set, the votes decide how much each head keeps, so every
+    prompt's budget is the prompt and a plan can only assume the whole prompt."""
+
+    columns: ClassVar[tuple[str, ...]] = ()
+
+    def tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        return np.asarray(prompt_lengths, np.int32)
+
+    def ratio(self, batch: int) -> np.ndarray:
+        return np.zeros((batch,), np.float32)
+
+    def planned(self, budget_tokens, prompt_lengths):
+        del budget_tokens
+        return np.asarray(prompt_lengths), "data-dependent: planned at the whole prompt"
+
+
 @base.register
 @dataclasses.dataclass(frozen=True)
 class GVote(base.Policy):
@@ -116,8 +134,8 @@ class GVote(base.Policy):
     num_samples: int = 8
     future_positions: int = 16
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         if not 0.0 < self.nucleus <= 1.0:
             raise ValueError(f"nucleus={self.nucleus} must be in (0, 1]")
         if self.num_samples < 1:
@@ -125,11 +143,10 @@ class GVote(base.Policy):
         if self.future_positions < 1:
             raise ValueError(f"future_positions={self.future_positions} must be >= 1")
 
-    @property
-    def prompt_compression(self) -> VoteCompression:
-        return VoteCompression(self.nucleus, self.num_samples, self.future_positions)
-
-    def planned_tokens(self, budget_tokens, prompt_lengths):
-        """The votes decide how much each head keeps: a plan can only assume the whole prompt."""
-        del budget_tokens
-        return np.asarray(prompt_lengths), "data-dependent: planned at the whole prompt"
+    def _parts(self) -> dict:
+        return {
+            "prompt_compression": VoteCompression(
+                self.nucleus, self.num_samples, self.future_positions
+            ),
+            "budget_rule": VotedBudget(),
+        }

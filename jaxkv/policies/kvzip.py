@@ -307,6 +307,37 @@ class ReplayCompression(PromptCompressionPart):
         return compact(kv, keep)
 
 
+@dataclasses.dataclass(frozen=True)
+class RatioBudget:
+    """KVzip's budget part: floor(share * T) tokens a head on average, or the whole prompt where
+    that is fewer than `recent` (a prompt too short to compress around its window is kept
+    whole). None in the copy jit sees.
+
+    Attributes:
+      owner: the policy's name, for errors.
+      share: the ratio kept, in (0, 1].
+      recent: the newest positions every head keeps.
+    """
+
+    owner: str
+    share: float | None
+    recent: int = 0
+
+    columns: ClassVar[tuple[str, ...]] = ()
+
+    def tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        if self.share is None:
+            raise ValueError(f"policy {self.owner!r} needs ratio= in (0, 1]")
+        tokens = Budget(ratio=self.share).tokens_for(prompt_lengths)
+        return keep_short_prompts_whole(tokens, prompt_lengths, self.recent)
+
+    def ratio(self, batch: int) -> np.ndarray:
+        return np.zeros((batch,), np.float32)
+
+    def planned(self, budget_tokens, prompt_lengths):
+        return within_budget(budget_tokens, prompt_lengths)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class KVzip(Policy):
@@ -325,6 +356,7 @@ class KVzip(Policy):
 
     name: ClassVar[str] = "kvzip"
     decides_across_heads: ClassVar[bool] = True
+    request_knobs: ClassVar[tuple[str, ...]] = ("ratio",)
 
     ratio: float | None = None
     chunk: int = DEFAULT_REPLAY_CHUNK
@@ -332,8 +364,8 @@ class KVzip(Policy):
     continue_ids: tuple[int, ...] = byte_ids(CONTINUE_PROMPT)
     recent: int = 0
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         if self.ratio is not None:
             Budget(ratio=self.ratio)  # validates (0, 1]
         if self.chunk < 1:
@@ -349,24 +381,13 @@ class KVzip(Policy):
                 "repeat_ids must be non-empty and at most len(continue_ids) + 8 tokens long"
             )
 
-    @property
-    def prompt_compression(self) -> ReplayCompression:
-        return ReplayCompression(self.chunk, self.repeat_ids, self.continue_ids, self.recent)
-
-    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        """int32 [B]: floor(ratio * T) tokens a head on average, or the whole prompt where that
-        is fewer than `recent` (a prompt too short to compress around its window is kept
-        whole)."""
-        if self.ratio is None:
-            raise ValueError(f"policy {self.name!r} needs ratio= in (0, 1]")
-        tokens = Budget(ratio=self.ratio).tokens_for(prompt_lengths)
-        return keep_short_prompts_whole(tokens, prompt_lengths, self.recent)
-
-    def planned_tokens(self, budget_tokens, prompt_lengths):
-        return within_budget(budget_tokens, prompt_lengths)
-
-    def static(self) -> KVzip:
-        return dataclasses.replace(self, ratio=None)
+    def _parts(self) -> dict:
+        return {
+            "prompt_compression": ReplayCompression(
+                self.chunk, self.repeat_ids, self.continue_ids, self.recent
+            ),
+            "budget_rule": RatioBudget(self.name, self.ratio, self.recent),
+        }
 
     def for_tokenizer(self, tokenizer) -> KVzip:
         return dataclasses.replace(self, **repeat_prompt_ids(tokenizer))

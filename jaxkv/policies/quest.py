@@ -49,36 +49,46 @@ class PageBoundSelection:
         return (held & (rank_descending(ranked) < wanted)) | partial_last
 
 
+@dataclasses.dataclass(frozen=True)
+class ReadBudget:
+    """Quest's budget part: tokens per head read at each decode step (a ratio of the prompt or
+    a count); every token stays. None in the copy jit sees."""
+
+    budget: base.Budget | None
+
+    columns: ClassVar[tuple[str, ...]] = ()
+
+    def tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        if self.budget is None:
+            raise ValueError("policy 'quest' needs budget= (a ratio or a token count)")
+        return self.budget.tokens_for(prompt_lengths)
+
+    def ratio(self, batch: int) -> np.ndarray:
+        return np.zeros((batch,), np.float32)
+
+    def planned(self, budget_tokens, prompt_lengths):
+        del budget_tokens
+        return np.asarray(prompt_lengths), "the whole prompt (Quest reads a budget of pages)"
+
+
 @base.register
 @dataclasses.dataclass(frozen=True)
 class Quest(base.Policy):
-    """Read-time page selection with a per-head budget in tokens (ratio of the prompt or count).
+    """Read-time page selection with a per-head budget in tokens (ratio of the prompt or count):
+    the record of a `PageBoundSelection` and a `ReadBudget`.
 
     Attributes:
       budget: tokens per head read at each decode step (rounded up to whole pages).
     """
 
     name: ClassVar[str] = "quest"
+    request_knobs: ClassVar[tuple[str, ...]] = ("budget",)
     budget: base.Budget | float | int | None = None
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         if self.budget is not None:
             object.__setattr__(self, "budget", base.Budget.parse(self.budget))
 
-    @property
-    def selection(self) -> PageBoundSelection:
-        return PageBoundSelection()
-
-    def budget_tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        if self.budget is None:
-            raise ValueError("policy 'quest' needs budget= (a ratio or a token count)")
-        return self.budget.tokens_for(prompt_lengths)
-
-    def planned_tokens(self, budget_tokens, prompt_lengths):
-        """Quest keeps every token; its budget is of pages read per decode step."""
-        del budget_tokens
-        return np.asarray(prompt_lengths), "the whole prompt (Quest reads a budget of pages)"
-
-    def static(self) -> Quest:
-        return dataclasses.replace(self, budget=None)
+    def _parts(self) -> dict:
+        return {"selection": PageBoundSelection(), "budget_rule": ReadBudget(self.budget)}

@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place, rank_descending, run_if
 from jaxkv.policies import base
 from jaxkv.policies.base import keep_short_prompts_whole
-from jaxkv.policies.eviction import (
-    DecodeEvictionPolicy,
-    LayerView,
-    ScoredDecodeEviction,
-    map_layers,
-)
+from jaxkv.policies.eviction import DecodeEvictionPolicy, LayerView, map_layers
 from jaxkv.step.parts import DecodeContext, PrefillObservations
 
 # The smallest budget SAGE-KV splits (a quarter of it sinks, the rest candidates and recents).
@@ -48,18 +44,21 @@ def sage_split(budget_tokens: jax.Array, group_size: int):
     return sinks, per_head, budget_tokens - sinks - group_size * per_head
 
 
+def last_query_attention(view: LayerView) -> jax.Array:
+    """f32 [B, N, S]: the last prompt query's attention per query head (not per KV head)."""
+    return view.window_probabilities()[:, :, 0]
+
+
 @dataclasses.dataclass(frozen=True)
 class SageCompression(base.PromptCompressionPart):
     """SAGE-KV's prompt compression part (module docstring): the budget's sinks and recent
     window, and the union over each KV head's query heads of their top-k by the last query's
-    attention (`scorer.layer_scores`, per query head)."""
-
-    scorer: Any
+    attention (`last_query_attention`)."""
 
     observation_window: ClassVar[int] = 1
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
-        scores = map_layers(kv, obs, model, self.scorer.layer_scores)  # [L, B, N, S]
+        scores = map_layers(kv, obs, model, last_query_attention)  # [L, B, N, S]
         positions = kv.positions()  # [L, B, K, S]
         num_kv_heads = positions.shape[2]
         group = scores.shape[2] // num_kv_heads
@@ -81,9 +80,29 @@ class SageCompression(base.PromptCompressionPart):
 
 
 @dataclasses.dataclass(frozen=True)
-class SlidingWindowEviction(ScoredDecodeEviction):
+class SlidingWindowEviction:
     """SAGE-KV's decode eviction part: every `evict_every` steps the recent window slides, so
-    that it holds the newest `recent` positions of the budget's split again."""
+    that it holds the newest `recent` positions of the budget's split again.
+
+    Attributes:
+      evict_every: decode steps between two slides.
+      ratio: the budget's ratio of the sequence (0: a token budget), for the host's bound.
+    """
+
+    evict_every: int
+    ratio: float = 0.0
+
+    @property
+    def decode_interval(self) -> int:
+        return self.evict_every
+
+    def step_record(self, logits: jax.Array) -> None:
+        del logits
+
+    def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
+        grown = np.asarray(prompt_lengths) + max_new_tokens
+        budget = np.maximum(budget_tokens, np.floor(self.ratio * grown)).astype(np.int64)
+        return np.minimum(budget + self.evict_every, grown)
 
     def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
         _, _, recent = sage_split(ctx.budget_tokens, ctx.group_size)
@@ -96,17 +115,33 @@ class SlidingWindowEviction(ScoredDecodeEviction):
         return run_if(leaving, evict, kv)
 
 
+@dataclasses.dataclass(frozen=True)
+class SageBudget(base.PromptBudget):
+    """SAGE-KV's budget part: `PromptBudget`'s, with the whole prompt where a ratio gives fewer
+    than `MIN_BUDGET` tokens (too few to split); a token budget below it is refused."""
+
+    def tokens(self, prompt_lengths):
+        if self.budget is not None and self.budget.tokens is not None:
+            if self.budget.tokens < MIN_BUDGET:
+                raise ValueError(
+                    f"policy {self.owner!r}: budget of {self.budget.tokens} tokens is below "
+                    f"{MIN_BUDGET}: give budget >= {MIN_BUDGET} tokens (or a ratio)"
+                )
+        tokens = super().tokens(prompt_lengths)
+        return keep_short_prompts_whole(tokens, prompt_lengths, MIN_BUDGET)
+
+
 @base.register
 @dataclasses.dataclass(frozen=True)
 class SageKV(DecodeEvictionPolicy):
     """SAGE-KV (module docstring): the record of a `SageCompression` and a
-    `SlidingWindowEviction`. During decode the recent window slides every `evict_every` steps
-    (in between it holds up to that many tokens more)."""
+    `SlidingWindowEviction` with a `SageBudget`. During decode the recent window slides every
+    `evict_every` steps (in between it holds up to that many tokens more)."""
 
     name: ClassVar[str] = "sage_kv"
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         if self.sinks or self.recent:
             raise ValueError(
                 f"policy 'sage_kv' takes no sinks= or recent= (got sinks={self.sinks}, "
@@ -114,31 +149,10 @@ class SageKV(DecodeEvictionPolicy):
                 "= B/(2G) rounded down to a power of two per query head, the rest recent)"
             )
 
-    @property
-    def prompt_compression(self) -> SageCompression:
-        return SageCompression(self)
-
-    @property
-    def decode_eviction(self) -> SlidingWindowEviction:
-        ratio = float(self.budget_ratio(1)[0])
-        return SlidingWindowEviction(self, self.sinks, self.recent, self.evict_every, ratio)
-
-    @property
-    def observation_window(self) -> int:
-        return SageCompression.observation_window
-
-    def budget_tokens(self, prompt_lengths):
-        """`EvictionPolicy.budget_tokens`, with the whole prompt where a ratio gives fewer than
-        `MIN_BUDGET` tokens (too few to split); a token budget below it is refused."""
-        if self.budget is not None and self.budget.tokens is not None:
-            if self.budget.tokens < MIN_BUDGET:
-                raise ValueError(
-                    f"policy 'sage_kv': budget of {self.budget.tokens} tokens is below "
-                    f"{MIN_BUDGET}: give budget >= {MIN_BUDGET} tokens (or a ratio)"
-                )
-        tokens = super().budget_tokens(prompt_lengths)
-        return keep_short_prompts_whole(tokens, prompt_lengths, MIN_BUDGET)
-
-    def layer_scores(self, view: LayerView) -> jax.Array:
-        """The last query's attention per query head, f32 [B, N, S] (not per KV head)."""
-        return view.window_probabilities()[:, :, 0]
+    def _parts(self) -> dict:
+        budget = SageBudget(self.name, self.budget, SageCompression.observation_window, True)
+        return {
+            "prompt_compression": SageCompression(),
+            "decode_eviction": SlidingWindowEviction(self.evict_every, float(budget.ratio(1)[0])),
+            "budget_rule": budget,
+        }

@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxkv.cache import KVState
 from jaxkv.policies import base
-from jaxkv.policies.eviction import DecodeEvictionPolicy, LayerView, ScoredCompression
+from jaxkv.policies.eviction import DecodeEvictionPolicy, DecodeScorer, LayerView
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +71,28 @@ class UnimportanceCount(base.SummedMass):
         return old + counted.astype(jnp.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class UnimportanceScores(DecodeScorer):
+    """Scissorhands' scores: over the prompt the attention received (H2O's); during decode
+    minus each slot's rank by (count of below-average steps, then newer first)."""
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        return view.token_scores
+
+    def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
+        """f32 [L, B, K, S]: the fewest unimportant counts rank best, and exactly (no
+        count-position mix in f32)."""
+        order = jnp.lexsort((-positions, kv.token_scores()), axis=-1)
+        return -jnp.argsort(order, axis=-1).astype(jnp.float32)
+
+
 @base.register
 @dataclasses.dataclass(frozen=True)
 class Scissorhands(DecodeEvictionPolicy):
     """Persistence of importance: evict the tokens most often attended below average.
+
+    The record of an `UnimportanceCount` scoring and H2O's prompt compression (then every kept
+    token's count set to 0) and decode eviction of `UnimportanceScores`.
 
     Attributes (besides `EvictionPolicy`'s budget, sinks and recent):
       evict_every: m, the decode steps between evictions, each down to the budget (1 evicts at
@@ -91,20 +109,13 @@ class Scissorhands(DecodeEvictionPolicy):
                 "query is counted as a decode step)"
             )
 
-    @property
-    def attention_scoring(self) -> UnimportanceCount:
-        return UnimportanceCount()
+    def _scorer(self) -> UnimportanceScores:
+        return UnimportanceScores()
 
-    def layer_scores(self, view: LayerView) -> jax.Array:
-        return view.token_scores
-
-    @property
-    def prompt_compression(self) -> ScoredCompression:
-        """H2O's prompt compression, then every kept token's count set to 0."""
-        return dataclasses.replace(super().prompt_compression, reset_scores=True)
-
-    def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
-        """f32 [L, B, K, S]: minus each slot's rank by (count, then newer first): the fewest
-        unimportant counts rank best, and exactly (no count-position mix in f32)."""
-        order = jnp.lexsort((-positions, kv.token_scores()), axis=-1)
-        return -jnp.argsort(order, axis=-1).astype(jnp.float32)
+    def _parts(self) -> dict:
+        record = super()._parts()
+        compression = dataclasses.replace(record["prompt_compression"], reset_scores=True)
+        return record | {
+            "attention_scoring": UnimportanceCount(),
+            "prompt_compression": compression,
+        }

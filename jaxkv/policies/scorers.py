@@ -20,19 +20,31 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.policies import base
 from jaxkv.policies.eviction import (
     DecodeEvictionPolicy,
+    DecodeScorer,
     EvictionPolicy,
     LayerView,
     ScoredCompression,
+    Scorer,
+    across_heads,
     group_mean,
 )
-from jaxkv.step import parts
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionScores(DecodeScorer):
+    """The newest positions rank first, in prefill and decode (StreamingLLM's window)."""
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        return view.positions.astype(jnp.float32)
+
+    def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
+        return positions.astype(jnp.float32)
 
 
 @base.register
@@ -43,11 +55,8 @@ class StreamingLLM(DecodeEvictionPolicy):
     name: ClassVar[str] = "streaming_llm"
     sinks: int = 4
 
-    def layer_scores(self, view: LayerView) -> jax.Array:
-        return view.positions.astype(jnp.float32)
-
-    def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
-        return positions.astype(jnp.float32)
+    def _scorer(self) -> PositionScores:
+        return PositionScores()
 
 
 @base.register
@@ -59,24 +68,13 @@ class SlidingWindow(StreamingLLM):
     sinks: int = 0
 
 
-@base.register
 @dataclasses.dataclass(frozen=True)
-class SnapKV(EvictionPolicy):
-    """Mean attention of the last `window` queries, average-pooled, averaged over the group.
+class WindowAttentionScores(Scorer):
+    """SnapKV's scores: the mean attention of the prompt's last `window` queries to each key
+    before them, average-pooled over `kernel` positions, averaged over the KV head's group."""
 
-    The observation window itself is always kept.
-    """
-
-    name: ClassVar[str] = "snapkv"
-    window: int = 64
-    kernel: int = 5
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.window < 1:
-            raise ValueError(f"window={self.window} must be >= 1")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"kernel={self.kernel} must be a positive odd number")
+    window: int
+    kernel: int
 
     @property
     def observation_window(self) -> int:
@@ -106,6 +104,39 @@ class SnapKV(EvictionPolicy):
 
 @base.register
 @dataclasses.dataclass(frozen=True)
+class SnapKV(EvictionPolicy):
+    """Mean attention of the last `window` queries, average-pooled, averaged over the group.
+
+    The observation window itself is always kept.
+    """
+
+    name: ClassVar[str] = "snapkv"
+    window: int = 64
+    kernel: int = 5
+
+    def _check(self) -> None:
+        super()._check()
+        if self.window < 1:
+            raise ValueError(f"window={self.window} must be >= 1")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel={self.kernel} must be a positive odd number")
+
+    def _scorer(self) -> WindowAttentionScores:
+        return WindowAttentionScores(self.window, self.kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class PyramidScores(WindowAttentionScores):
+    """SnapKV's scores with PyramidKV's per-layer budgets (`pyramid_budgets`)."""
+
+    beta: float
+
+    def layer_budgets(self, budget_tokens, prompt_lengths, num_layers: int) -> jax.Array:
+        return pyramid_budgets(budget_tokens, prompt_lengths, num_layers, self.window, self.beta)
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
 class PyramidKV(SnapKV):
     """SnapKV scores with per-layer budgets falling linearly with depth (kvpress's formula).
 
@@ -117,13 +148,13 @@ class PyramidKV(SnapKV):
     name: ClassVar[str] = "pyramidkv"
     beta: float = 20.0
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         if self.beta < 1:
             raise ValueError(f"beta={self.beta} must be >= 1")
 
-    def layer_budgets(self, budget_tokens, prompt_lengths, num_layers: int) -> jax.Array:
-        return pyramid_budgets(budget_tokens, prompt_lengths, num_layers, self.window, self.beta)
+    def _scorer(self) -> PyramidScores:
+        return PyramidScores(self.window, self.kernel, self.beta)
 
 
 def pyramid_budgets(budget_tokens, prompt_lengths, num_layers: int, window: int, beta: float):
@@ -142,6 +173,18 @@ def pyramid_budgets(budget_tokens, prompt_lengths, num_layers: int, window: int,
     return jnp.where(valid, pyramid, budget_tokens[None]).astype(jnp.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class LastQueryScores(Scorer):
+    """TOVA's scores: the last query's attention averaged over all query heads, one ranking
+    for every KV head."""
+
+    observation_window: ClassVar[int] = 1
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        last = collectives.gather_heads(view.window_probabilities()[:, :, 0], axis=1)  # [B, N, S]
+        return jnp.broadcast_to(last.mean(axis=1, keepdims=True), view.positions.shape)
+
+
 @base.register
 @dataclasses.dataclass(frozen=True)
 class TOVA(EvictionPolicy):
@@ -149,13 +192,16 @@ class TOVA(EvictionPolicy):
 
     name: ClassVar[str] = "tova"
 
-    @property
-    def observation_window(self) -> int:
-        return 1
+    def _scorer(self) -> LastQueryScores:
+        return LastQueryScores()
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyNormScores(Scorer):
+    """Knorm's scores: the smaller a key's L2 norm, the higher it ranks."""
 
     def layer_scores(self, view: LayerView) -> jax.Array:
-        last = collectives.gather_heads(view.window_probabilities()[:, :, 0], axis=1)  # [B, N, S]
-        return jnp.broadcast_to(last.mean(axis=1, keepdims=True), view.positions.shape)
+        return -jnp.linalg.norm(view.keys.astype(jnp.float32), axis=-1)
 
 
 @base.register
@@ -165,8 +211,20 @@ class Knorm(EvictionPolicy):
 
     name: ClassVar[str] = "knorm"
 
+    def _scorer(self) -> KeyNormScores:
+        return KeyNormScores()
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldMassScores(DecodeScorer):
+    """H2O's scores: the attention each token has received (its `token_scores`, accumulated
+    by the policy's attention scoring), in prefill and decode."""
+
     def layer_scores(self, view: LayerView) -> jax.Array:
-        return -jnp.linalg.norm(view.keys.astype(jnp.float32), axis=-1)
+        return view.token_scores
+
+    def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
+        return kv.token_scores()
 
 
 @base.register
@@ -181,15 +239,21 @@ class H2O(DecodeEvictionPolicy):
 
     name: ClassVar[str] = "h2o"
 
-    @property
-    def attention_scoring(self) -> base.SummedMass:
-        return base.SummedMass()
+    def _scorer(self) -> HeldMassScores:
+        return HeldMassScores()
+
+    def _parts(self) -> dict:
+        return super()._parts() | {"attention_scoring": base.SummedMass()}
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservedMassScores(Scorer):
+    """ObservedAttention's scores: the attention received, averaged over the prompt's queries
+    that can see the key."""
 
     def layer_scores(self, view: LayerView) -> jax.Array:
-        return view.token_scores
-
-    def decode_scores(self, kv: KVState, positions: jax.Array) -> jax.Array:
-        return kv.token_scores()
+        seen_by = view.prompt_lengths[:, None, None] - view.positions
+        return view.token_scores / jnp.maximum(seen_by, 1)
 
 
 @base.register
@@ -199,40 +263,51 @@ class ObservedAttention(EvictionPolicy):
 
     name: ClassVar[str] = "observed_attention"
 
-    @property
-    def attention_scoring(self) -> base.SummedMass:
-        return base.SummedMass()
+    def _scorer(self) -> ObservedMassScores:
+        return ObservedMassScores()
 
-    def layer_scores(self, view: LayerView) -> jax.Array:
-        seen_by = view.prompt_lengths[:, None, None] - view.positions
-        return view.token_scores / jnp.maximum(seen_by, 1)
+    def _parts(self) -> dict:
+        return super()._parts() | {"attention_scoring": base.SummedMass()}
 
 
 @base.register
 @dataclasses.dataclass(frozen=True)
-class AdaKV(EvictionPolicy):
+class AdaKV(base.Policy):
     """Any scorer with AdaKV's non-uniform head budgets.
 
     The layer keeps K x budget tokens chosen across its heads by score, each head keeping at least
     `safeguard` of its uniform share; heads that keep fewer tokens hold fewer pages.
     `inner` is a scorer policy or its registered name (its budget is this policy's). AdaKV's
-    prompt compression is the inner policy's (its scores, sinks, windows, per-layer budgets,
-    score reset) choosing across heads, with AdaKV's own sinks and recent window added; every
-    other part is the inner policy's as it is: its attention scoring and its decode eviction
-    (H2O's, StreamingLLM's window).
+    record is the inner policy's with its prompt compression choosing across heads
+    (`across_heads`: the inner's scores, sinks, windows, per-layer budgets and score reset,
+    with AdaKV's own sinks and recent window added); every other part is the inner policy's as
+    it is: its attention scoring and its decode eviction (H2O's, StreamingLLM's window).
+
+    Attributes:
+      budget, sinks, recent: as `EvictionPolicy`'s.
+      inner: the scoring eviction policy (or its name).
+      safeguard: the share of its uniform budget every head keeps at least, in [0, 1].
     """
 
     name: ClassVar[str] = "adakv"
     decides_across_heads: ClassVar[bool] = True
+    request_knobs: ClassVar[tuple[str, ...]] = ("budget",)
+    budget: base.Budget | float | int | None = None
+    sinks: int = 0
+    recent: int = 0
     inner: EvictionPolicy | str = "snapkv"
     safeguard: float = 0.2
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
+        if self.budget is not None:
+            object.__setattr__(self, "budget", base.Budget.parse(self.budget))
+        for name in ("sinks", "recent"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         inner = base.get(self.inner) if isinstance(self.inner, str) else self.inner
         if (
             not isinstance(inner, EvictionPolicy)
-            or isinstance(inner, AdaKV)
             or type(inner.prompt_compression) is not ScoredCompression
         ):
             raise ValueError(
@@ -243,40 +318,14 @@ class AdaKV(EvictionPolicy):
         if not 0.0 <= self.safeguard <= 1.0:
             raise ValueError(f"safeguard={self.safeguard} must be in [0, 1]")
 
-    @property
-    def prompt_compression(self) -> ScoredCompression:
-        """The inner policy's, across heads, protecting AdaKV's sinks and recent window too."""
-        inner = self.inner.prompt_compression
-        return dataclasses.replace(
-            inner,
-            sinks=max(inner.sinks, self.sinks),
-            protected_recent=max(inner.protected_recent, self.recent),
+    def _parts(self) -> dict:
+        record = {field: getattr(self.inner, field) for field in base.RECORD}
+        compression = across_heads(
+            self.inner.prompt_compression,
+            sinks=self.sinks,
+            recent=self.recent,
             safeguard=self.safeguard,
         )
-
-    @property
-    def observation_window(self) -> int:
-        return self.inner.observation_window
-
-    @property
-    def protected_recent(self) -> int:
-        return max(self.recent, self.inner.protected_recent)
-
-    @property
-    def protected_tokens(self) -> int:
-        """The inner policy's sinks count too (its prompt compression protects them)."""
-        compression = self.prompt_compression
-        return compression.sinks + compression.protected_recent
-
-    def budget_ratio(self, batch: int) -> np.ndarray:
-        return self.inner.budget_ratio(batch)
-
-
-def _inner_part(part: str) -> property:
-    return property(lambda self: getattr(self.inner, part), doc=f"The inner policy's {part}.")
-
-
-# Every part but the prompt compression is the inner policy's: one loop, none forgotten.
-for _part in parts.PARTS:
-    if _part != "prompt_compression":
-        setattr(AdaKV, _part, _inner_part(_part))
+        protected = compression.sinks + compression.protected_recent
+        budget = dataclasses.replace(record["budget_rule"], owner=self.name, protected=protected)
+        return record | {"prompt_compression": compression, "budget_rule": budget}

@@ -119,12 +119,12 @@ class RingAdmission(base.Policy):
     """
 
     name: ClassVar[str] = "ring_admission"
-    threshold_names: ClassVar[tuple[str, ...]] = THRESHOLD_NAMES
+    request_knobs: ClassVar[tuple[str, ...]] = THRESHOLD_NAMES
     tau: float | None = 0.1
     window: int = 256
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         if self.tau is not None:  # None: static(), tau travels in `thresholds`
             if isinstance(self.tau, bool) or not isinstance(self.tau, int | float):
                 raise ValueError(f"tau={self.tau!r} must be a number in (0, 1)")
@@ -135,9 +135,12 @@ class RingAdmission(base.Policy):
         if self.window <= 0:
             raise ValueError(f"window={self.window} must be > 0")
 
-    @property
-    def admission(self) -> ThresholdAdmission:
-        return ThresholdAdmission(self.window)
+    def _parts(self) -> dict:
+        values = None if self.tau is None else (self.tau,)
+        return {
+            "admission": ThresholdAdmission(self.window),
+            "threshold_set": base.ThresholdSet(self.name, THRESHOLD_NAMES, values),
+        }
 
 
 # DuoAttention's retrieval heads when picked on a prompt: a quarter of all (layer, KV head) pairs.
@@ -165,13 +168,8 @@ class WGKV(RingAdmission):
     name: ClassVar[str] = "wgkv"
     primary_knob: ClassVar[str] = "tau"
 
-    @property
-    def params(self) -> WriteGateParams:
-        return WriteGateParams()
-
-    @property
-    def gate(self) -> LearnedWriteGate:
-        return LearnedWriteGate()
+    def _parts(self) -> dict:
+        return super()._parts() | {"gate": LearnedWriteGate(), "params": WriteGateParams()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,17 +207,15 @@ class LocalAttention(RingAdmission):
     primary_knob: ClassVar[str] = "window"
     sinks: int = 4
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         _check_sinks(self.sinks)
 
-    @property
-    def admission(self) -> ThresholdAdmission:
-        return ThresholdAdmission(self.window, admits_at_most=self.sinks)
-
-    @property
-    def gate(self) -> SinkGate:
-        return SinkGate(self.sinks)
+    def _parts(self) -> dict:
+        return super()._parts() | {
+            "admission": ThresholdAdmission(self.window, admits_at_most=self.sinks),
+            "gate": SinkGate(self.sinks),
+        }
 
 
 @base.register
@@ -237,11 +233,13 @@ class DuoAttention(RingAdmission):
     """
 
     name: ClassVar[str] = "duo_attention"
+    # The share is host-side only (which heads are picked), so jit never sees it.
+    request_knobs: ClassVar[tuple[str, ...]] = (*THRESHOLD_NAMES, "retrieval_share")
     sinks: int = 4
     retrieval_share: float | None = None
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self) -> None:
+        super()._check()
         _check_sinks(self.sinks)
         share = self.retrieval_share
         if share is not None and (
@@ -249,16 +247,11 @@ class DuoAttention(RingAdmission):
         ):
             raise ValueError(f"retrieval_share={share!r} must be a number in [0, 1]")
 
-    def static(self) -> DuoAttention:
-        return dataclasses.replace(super().static(), retrieval_share=None)  # host-side only
-
-    @property
-    def params(self) -> RetrievalHeads:
-        return RetrievalHeads(self.sinks, self.window, self.retrieval_share)
-
-    @property
-    def gate(self) -> RetrievalHeadGate:
-        return RetrievalHeadGate(self.sinks)
+    def _parts(self) -> dict:
+        return super()._parts() | {
+            "gate": RetrievalHeadGate(self.sinks),
+            "params": RetrievalHeads(self.sinks, self.window, self.retrieval_share),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
