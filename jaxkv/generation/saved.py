@@ -64,7 +64,8 @@ def policy_fields(value, path: str = "") -> dict[str, str]:
     if dataclasses.is_dataclass(value):
         prefix = f"{path}." if path else ""
         own = {path: type(value).__name__}
-        parts = {prefix + f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+        settings = (f.name for f in dataclasses.fields(value) if f.init)  # a policy's parts are not
+        parts = {prefix + name: getattr(value, name) for name in settings}
     elif isinstance(value, tuple) and any(map(dataclasses.is_dataclass, value)):
         own, parts = {}, {f"{path}[{i}]": item for i, item in enumerate(value)}
     else:
