@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import CacheConfig, Sampler, bundled, engine, prose
+from jaxkv import CacheConfig, Sampler, bundled, prose
 from jaxkv.engine import (
     Engine,
     QueueFullError,
     TooLargeForPoolError,
+    engine,
     pages_needed_alone,
     programs,
     scheduler,
@@ -318,7 +319,7 @@ def test_a_local_ring_is_counted_beside_the_pages(model_f32):
         model_f32, policy, cache=CacheConfig(num_pages=64), max_slots=2, policy_params=params
     )
     stats = eng.stats()
-    assert stats["ring_bytes"] == eng.kv.ring.nbytes > 0
+    assert stats["ring_bytes"] == eng.executor.kv.ring.nbytes > 0
     assert stats["kv_bytes_in_use"] == stats["ring_bytes"] and stats["pages_in_use"] == 0
 
 

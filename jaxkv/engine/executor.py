@@ -1,0 +1,220 @@
+"""The engine's device side: one KV state of every decode slot and prefill row over one pool
+(per device), the slots' row states, the prefill carry, and the jitted programs that change them.
+
+The `Engine` decides (its scheduler's plan) and keeps the requests; the `Executor` runs what it
+decided, on kv rows (`jaxkv.engine.lanes`: a lane's slots, then its prefill rows, on each of its
+devices), and knows no request. Every method is one program of `jaxkv.engine.programs` (or two,
+for the first token) and checks the state it leaves.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxkv import sharding
+from jaxkv.attention import Backend
+from jaxkv.cache import CacheConfig, KVState
+from jaxkv.cache.geometry import pool_pages_bucket, table_pages_bucket
+from jaxkv.engine import programs
+from jaxkv.engine.lanes import Lanes
+from jaxkv.generation.prefill import empty_carry
+from jaxkv.models.decoder import Model
+from jaxkv.policies import Policy
+from jaxkv.policies.base import PolicyParams
+from jaxkv.sharding import InferenceMesh
+from jaxkv.step.parts import local_window
+from jaxkv.step.rows import Rows
+
+
+class Executor:
+    """The device state of an engine's lanes and the programs over it (module docstring).
+
+    Args:
+      model: the model, placed on the mesh when there is one.
+      policy: the engine's policy (its static copy runs).
+      cache: the pool of each device.
+      lanes: where the slots and prefill rows lie.
+      placement: the mesh, or None on one device.
+      max_context: the longest prompt + generation a row holds (sizes the page tables).
+      policy_params, backend: as for `generate`.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        policy: Policy,
+        *,
+        cache: CacheConfig,
+        lanes: Lanes,
+        placement: InferenceMesh | None,
+        max_context: int,
+        policy_params: PolicyParams | None,
+        backend: Backend,
+    ):
+        self.model, self.lanes, self.placement = model, lanes, placement
+        self.policy = policy.static()
+        self.policy_params, self.backend, self.page_size = policy_params, backend, cache.page_size
+        device_config = model.config if placement is None else placement.local_config(model.config)
+        p = cache.page_size
+        geometry = dict(
+            num_layers=model.config.num_layers,
+            batch=lanes.rows,
+            num_kv_heads=device_config.num_kv_heads,
+            head_dim=model.config.head_dim,
+            max_tokens=table_pages_bucket(-(-max_context // p)) * p,
+            page_size=p,
+            num_pages=cache.num_pages,
+            dtype=cache.dtype_for(model.dtype),
+            key_bounds=policy.selection is not None,
+            local_window=local_window(policy),
+        )
+        if placement is None:
+            self.kv = KVState.create(**geometry)
+        else:
+            self.kv = placement.run(KVState.create, (), (), geometry)
+        self._carry = empty_carry(placement, model=model, batch=lanes.prefills, policy=self.policy)
+        self._rows: Rows | None = None  # every slot's row state, from the first admission on
+
+    def row_pages(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per lane [lanes, devices, rows]: the pages each kv row holds, those its next decode
+        step may add, and [lanes, devices] the pool's free pages."""
+        held, growth, free = programs.row_pages(self.placement, kv=self.kv)
+        return tuple(self.lanes.per_lane(x) for x in (held, growth, free))
+
+    def read_chunks(self, kv_rows, tokens, starts, counts, lengths, budget_tokens, thresholds):
+        """One chunk of each given kv row (prefill rows, lane after lane, the same count a lane)
+        in one forward pass: tokens int32 [R, C], read from `starts` [R], `counts` [R] of them
+        (0: a row that reads nothing), of prompts `lengths` [R] long."""
+        self.kv, self._carry = programs.prefill_rows(
+            self.placement,
+            model=self.model,
+            kv=self.kv,
+            carry=self._carry,
+            rows=np.asarray(kv_rows, np.int32),
+            tokens=tokens,
+            starts=starts,
+            counts=counts,
+            lengths=lengths,
+            budget_tokens=budget_tokens,
+            thresholds=thresholds,
+            policy_params=self.policy_params,
+            policy=self.policy,
+            backend=self.backend,
+        )
+        self.kv.check()
+
+    def finish_row(self, lane, kv_row, tokens, length, budget, thresholds, prefill_key, row: Rows):
+        """The policy's compression of a prefill row whose prompt is read, and its first token:
+        (token, the row state after it, whether the prompt was compressed). tokens: the prompt
+        (read by a compression that replays it) or a placeholder; budget, thresholds: its
+        request's row of each; row: its row state before the first token (one row)."""
+        lanes = self.lanes
+        self.kv, last_hidden, compressed = programs.finish_row(
+            self.placement,
+            model=self.model,
+            kv=self.kv,
+            carry=self._carry,
+            row=lanes.one_lane(lane, kv_row, lanes.slots),
+            active=lanes.active(lane),
+            tokens=lanes.one_lane(lane, tokens, np.zeros_like(tokens)),
+            length=lanes.one_lane(lane, length, 1),
+            budget_tokens=lanes.one_lane(lane, budget, budget),
+            thresholds=lanes.one_lane(lane, thresholds, thresholds),
+            key=prefill_key,
+            policy=self.policy,
+        )
+        self.kv.check()
+        token, state = programs.first_token(self.model, lanes.lane_value(last_hidden, lane), row)
+        return int(token), jax.device_get(state), bool(lanes.lane_value(compressed, lane))
+
+    def admit(self, lane: int, slot_kv_row: int, row: Rows, *, source=None, swapped=None):
+        """A ready row into a slot: the pages of prefill kv row `source` (no copy) or a
+        swapped-out state (`swap_out`'s) back into the pool, its row state into the slots'."""
+        lanes = self.lanes
+        destination = lanes.one_lane(lane, slot_kv_row, 0)
+        if source is not None:
+            self.kv = programs.move(
+                self.placement,
+                kv=self.kv,
+                source=lanes.one_lane(lane, source, 0),
+                destination=destination,
+                active=lanes.active(lane),
+            )
+        else:
+            self.kv = programs.swap_in(
+                self.placement,
+                kv=self.kv,
+                alone=self._in_lane(swapped, lane),
+                slot=destination,
+                active=lanes.active(lane),
+            )
+        if self._rows is None:
+            self._rows = programs.start_rows(self.placement, row=row, batch=lanes.slots)
+        self._rows = programs.insert_rows(
+            self.placement, rows=self._rows, slot=destination, row=row, active=lanes.active(lane)
+        )
+        self.kv.check()
+
+    def _in_lane(self, swapped: KVState, lane: int) -> KVState:
+        """A swapped-out state (its lane's devices' [devices, ...]) as a SHARD argument that
+        puts it in `lane`'s devices (zeros in the others', which do not read it)."""
+        lanes = self.lanes
+
+        def placed(x):
+            whole = np.zeros((lanes.count, *x.shape), x.dtype)
+            whole[lane] = x
+            return lanes.stacked(whole.reshape(-1, *x.shape[1:]))
+
+        return jax.tree.map(placed, swapped)
+
+    def swap_out(self, lane: int, kv_row: int, *, slot: bool):
+        """The kv row's state copied to the host and its pages freed: (its one-row state
+        [devices, ...], its (held, growth) pages, its row state when it is a `slot`'s)."""
+        lanes = self.lanes
+        held, growth, _ = (x[lane].max(axis=0) for x in self.row_pages())
+        held, growth = int(held[kv_row]), int(growth[kv_row])
+        self.kv, alone = programs.swap_out(
+            self.placement,
+            kv=self.kv,
+            row=lanes.one_lane(lane, kv_row, 0),
+            active=lanes.active(lane),
+            num_pages=pool_pages_bucket(held, self.page_size),
+        )
+        state = None
+        if slot:
+            taken = programs.take_row_state(
+                self.placement, rows=self._rows, slot=lanes.one_lane(lane, kv_row, 0)
+            )
+            state = jax.tree.map(lambda x: lanes.lane_value(x, lane), taken)
+        swapped = jax.tree.map(lambda x: lanes.per_lane(x)[lane], alone)
+        return swapped, (held, growth), state
+
+    def release(self, kv_rows_mask: np.ndarray) -> None:
+        """These kv rows' pages back to the pool (bool [lanes * rows], `Lanes.kv_rows_mask`)."""
+        self.kv = programs.release(self.placement, kv=self.kv, rows=kv_rows_mask)
+
+    def decode(self, tokens: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """One decode step of the active slots (global slot order, [slots of every lane]) from
+        their last tokens: each slot's next token."""
+        self.kv, new_tokens, self._rows = programs.decode_slots(
+            self.placement,
+            model=self.model,
+            kv=self.kv,
+            tokens=tokens,
+            active=active,
+            rows=self._rows,
+            policy_params=self.policy_params,
+            policy=self.policy,
+            backend=self.backend,
+        )
+        self.kv.check()
+        return self.lanes.per_lane(new_tokens)[:, 0].reshape(-1)
+
+    def usage(self) -> dict:
+        """Pages in use (every device's), the local ring's bytes and the KV bytes held."""
+        return {
+            "pages_in_use": int(np.sum(sharding.to_host(self.kv.pages_in_use()))),
+            "ring_bytes": self.kv.ring_bytes,
+            "kv_bytes_in_use": self.kv.memory_bytes(),
+        }
