@@ -12,8 +12,9 @@ from jaxkv.generation import (
     generate,
     generate_text,
 )
+from jaxkv.generation.decoding import decode
 from jaxkv.generation.saved import load_session, save_session
-from jaxkv.generation.session import decode, extend, fork, prefill
+from jaxkv.generation.session import extend, fork, prefill
 from jaxkv.sampling import Sampler
 
 __all__ = [

@@ -41,7 +41,7 @@ def run(args) -> int:
     import jax
 
     import jaxkv
-    from jaxkv.generation.session import check_shared_decode
+    from jaxkv.generation.decoding import check_shared_decode
     from jaxkv.model_sources import load_model, stop_tokens
     from jaxkv.models import chat_halves
 

@@ -4,16 +4,18 @@ request   checks and pads the prompts, sizes the prefill pool, places the model 
 prefill   chunked prefill with the policy's observations, then its compression;
 loop      the decode loop over `jaxkv.step.decode.decode_and_sample` (after the repack into
           its geometry);
-session   `Session`: `prefill`, `extend`, `fork` and `decode` over a prefilled context (import
-          them from `jaxkv`: here `prefill` names the module);
+session   `Session`: `prefill`, `extend` and `fork` over a prefilled context (import them from
+          `jaxkv`: here `prefill` names the module);
+decoding  `decode`: the decode driver of a session, its `GenerateOutput`;
 api       `generate`, `compress_prompt` and `ask`, built on sessions;
 mesh      programs whose arguments are placed on a device mesh by name.
 """
 
 from jaxkv.generation.api import AskOutput, ask, compress_prompt, generate, generate_text
+from jaxkv.generation.decoding import GenerateOutput
 from jaxkv.generation.loop import GenState
 from jaxkv.generation.request import DEFAULT_PREFILL_CHUNK, PromptIds
-from jaxkv.generation.session import GenerateOutput, Session, extend_with_logits
+from jaxkv.generation.session import Session, extend_with_logits
 from jaxkv.step.decode import StepContext, decode_step
 from jaxkv.step.rows import Rows
 

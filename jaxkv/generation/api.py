@@ -16,16 +16,14 @@ from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig, check_count
 from jaxkv.cache.sharing import row_pages
 from jaxkv.compile_log import counting_compiles
-from jaxkv.generation.request import PromptIds, checked_stop_tokens, resolved_policy
-from jaxkv.generation.session import (
+from jaxkv.generation.decoding import (
     GenerateOutput,
-    Session,
-    _decode,
     check_shared_decode,
-    prefill,
-    prefill_session,
+    run_decode,
     sampling_key,
 )
+from jaxkv.generation.request import PromptIds, checked_stop_tokens, resolved_policy
+from jaxkv.generation.session import Session, prefill, prefill_session
 from jaxkv.model_sources import stop_tokens
 from jaxkv.models import Tokenizer, encode_chat
 from jaxkv.models.decoder import Model
@@ -112,7 +110,7 @@ def generate(
         )
         jax.block_until_ready(session.last_hidden)
     prefilled = time.perf_counter()
-    out = _decode(
+    out = run_decode(
         session,
         max_new_tokens,
         sampler=sampler,
@@ -300,7 +298,7 @@ def ask(
         )
         jax.block_until_ready(rows.last_hidden)
     prefilled = time.perf_counter()
-    answers = _decode(
+    answers = run_decode(
         rows,
         max_new_tokens,
         sampler=sampler,
