@@ -29,15 +29,14 @@ from jaxkv.cache import KVState
 from jaxkv.cache.repack import repack
 from jaxkv.cache.rows import insert_row, move_row, put_rows, release_rows, take_rows
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
-from jaxkv.generation.prefill import (
+from jaxkv.generation.observations import (
     PrefillCarry,
     carry_rows,
-    compress_observed,
     initial_carry,
     put_carry_rows,
-    read_chunk,
     with_rows_reset,
 )
+from jaxkv.generation.prefill import compress_observed, read_chunk
 from jaxkv.models.decoder import logits_from_hidden
 from jaxkv.step.decode import StepContext, decode_and_sample, next_tokens
 from jaxkv.step.rows import Rows
