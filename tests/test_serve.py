@@ -17,7 +17,8 @@ import pytest
 import uvicorn
 
 import jaxkv
-from jaxkv import CacheConfig, bundled, engine, prose
+from jaxkv import CacheConfig, bundled, prose
+from jaxkv.engine import engine
 from jaxkv.models import byte_tokenizer, load_hf_checkpoint
 from jaxkv.serve import RequestDefaults, create_app
 

@@ -1,0 +1,278 @@
+"""The FastAPI application over an engine: its lifespan (warm-up, the engine's thread), its
+error handlers (OpenAI's shape) and its routes, each a function over the app's `Server`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import uuid
+
+import jax
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from jaxkv.engine import Engine, QueueFullError, TooLargeForPoolError
+from jaxkv.models import Tokenizer, encode_chat
+from jaxkv.prose import prose
+from jaxkv.serve.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    RequestDefaults,
+    SamplingFields,
+    error_response,
+    new_tokens,
+    request_sampler,
+)
+from jaxkv.serve.responses import (
+    Ending,
+    StopText,
+    completion_body,
+    server_sent_events,
+    token_deltas,
+)
+from jaxkv.serve.worker import RATE_WINDOW_SECONDS, EngineStoppedError, EngineWorker
+
+log = logging.getLogger(__name__)
+
+# (name, type, help, the worker's stats key) of each /metrics sample; counters, and only they,
+# end in _total (Prometheus' naming).
+METRICS = (
+    ("jaxkv_requests_running", "gauge", "Requests decoding in the engine's slots.", "running"),
+    ("jaxkv_requests_waiting", "gauge", "Requests queued or being prefilled.", "waiting"),
+    ("jaxkv_pages_in_use", "gauge", "Pages of the KV pool that requests hold.", "pages_in_use"),
+    ("jaxkv_pool_pages", "gauge", "Pages of the KV pool.", "num_pages"),
+    (
+        "jaxkv_ring_bytes",
+        "gauge",
+        "Bytes of the local ring beside the pool (WG-KV's, every slot's; 0 without one).",
+        "ring_bytes",
+    ),
+    (
+        "jaxkv_kv_bytes_in_use",
+        "gauge",
+        "KV bytes held: the pages in use and the local ring.",
+        "kv_bytes_in_use",
+    ),
+    ("jaxkv_preemptions_total", "counter", "Requests preempted for pages.", "preemptions"),
+    ("jaxkv_generation_tokens_total", "counter", "Tokens generated.", "tokens_generated"),
+    (
+        "jaxkv_generation_tokens_per_second",
+        "gauge",
+        f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:g} seconds.",
+        "tokens_per_second",
+    ),
+)
+
+# Prompt lengths the warm-up tries, shortest first: the first the engine takes runs.
+WARM_UP_LENGTHS = (128, 256, 512, 1024)
+
+
+def metrics_text(stats: dict) -> str:
+    """Prometheus' text format: a HELP and a TYPE line before each sample."""
+    lines = []
+    for name, kind, description, key in METRICS:
+        value = stats[key]
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        lines += [f"# HELP {name} {description}", f"# TYPE {name} {kind}", f"{name} {shown}"]
+    return "\n".join(lines) + "\n"
+
+
+def warm_up(engine: Engine, tokenizer: Tokenizer) -> None:
+    """Runs one short request through an idle engine (prose, two new tokens), so that its
+    decode step, admission and a prefill compile before the server takes requests: the first
+    prompt length of `WARM_UP_LENGTHS` the engine takes; skipped, said in the log, if none."""
+    ids = tokenizer.encode(prose(8 * WARM_UP_LENGTHS[-1]))
+    refusals = []
+    for length in WARM_UP_LENGTHS:
+        try:
+            engine.submit(ids[:length], max_new_tokens=2, stop_tokens=())
+        except ValueError as error:
+            refusals.append(f"{length} tokens: {error}")
+            continue
+        log.info("warming up: a request of %d prompt tokens compiles the engine", length)
+        engine.run()
+        return
+    log.warning("no warm-up: the engine took none of its prompts (%s)", "; ".join(refusals))
+
+
+@dataclasses.dataclass
+class Server:
+    """What the routes read: the engine (its worker once the app has started), the tokenizer,
+    the names it answers to and the defaults of a request's fields."""
+
+    engine: Engine
+    tokenizer: Tokenizer
+    model_name: str
+    policy_spec: str
+    defaults: RequestDefaults
+    stop_ids: list[int]
+    worker: EngineWorker | None = None
+
+    async def submit(self, body: SamplingFields, prompt_ids: list[int], chat: bool, events):
+        """The request submitted to the engine (its tokens to `events`): its id, and the fields
+        its prompt and its limit came from; APIErrors for what the engine refuses."""
+        if body.policy is not None and body.policy != self.policy_spec:
+            raise APIError(
+                400,
+                f"policy={body.policy!r}: this server's pool runs policy {self.policy_spec!r} "
+                "for every request; start another server for another policy",
+                "policy",
+            )
+        if body.model is not None and body.model != self.model_name:
+            message = f"model={body.model!r}: this server serves {self.model_name!r}"
+            raise APIError(404, message, "model")
+        max_new_tokens, limit_field = new_tokens(body, self.defaults)
+        prompt_field = "messages" if chat else "prompt"
+        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
+        loop = asyncio.get_running_loop()
+        future = self.worker.submit(
+            lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            sampler=request_sampler(body, self.defaults),
+            key=jax.random.PRNGKey(seed),
+            stop_tokens=self.stop_ids,
+        )
+        try:
+            request_id = await asyncio.wrap_future(future)
+        except QueueFullError as error:
+            raise APIError(503, str(error), None, "server_overloaded") from None
+        except TooLargeForPoolError as error:
+            param = prompt_field if error.field == "prompt_ids" else limit_field
+            raise APIError(400, str(error), param, code="context_length_exceeded") from None
+        except ValueError as error:
+            param = prompt_field if "prompt" in str(error) else None
+            raise APIError(400, str(error), param) from None
+        except EngineStoppedError as error:
+            raise APIError(503, f"the engine has stopped: {error}") from None
+        return request_id, prompt_field, limit_field
+
+    async def complete(self, body: SamplingFields, prompt_ids: list[int], chat: bool):
+        """A completion of `prompt_ids`: streamed as server-sent events, or whole."""
+        events: asyncio.Queue = asyncio.Queue()
+        request_id, prompt_field, limit_field = await self.submit(body, prompt_ids, chat, events)
+        name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        ending = Ending(self.worker, prompt_field, limit_field)
+        text = StopText(self.tokenizer, body.stop)
+        stream = token_deltas(self.worker, request_id, events, text, ending)
+        if body.stream:
+            sse = server_sent_events(stream, name, self.model_name, chat)
+            return StreamingResponse(sse, media_type="text/event-stream")
+        pieces, reason, count = [], "length", 0
+        async for delta, finish, token in stream:
+            pieces.append(delta)
+            count += token >= 0
+            reason = finish or reason
+        text = "".join(pieces)
+        return completion_body(name, self.model_name, chat, text, reason, len(prompt_ids), count)
+
+
+def _server(request: Request) -> Server:
+    return request.app.state.server
+
+
+routes = APIRouter()
+
+
+@routes.get("/health")
+async def health(request: Request):
+    worker = _server(request).worker
+    if not worker.alive:
+        failure = worker.failure or "the engine's thread has stopped"
+        return JSONResponse({"status": "error", "error": failure}, status_code=503)
+    return {"status": "ok"}
+
+
+@routes.get("/v1/models")
+async def models(request: Request):
+    name = _server(request).model_name
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "jaxkv"}
+    return {"object": "list", "data": [card]}
+
+
+@routes.get("/metrics")
+async def metrics(request: Request):
+    text = metrics_text(_server(request).worker.stats())
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+@routes.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    if not body.prompt:
+        raise APIError(400, "prompt is empty", "prompt")
+    server = _server(request)
+    return await server.complete(body, server.tokenizer.encode(body.prompt), chat=False)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request):
+    server = _server(request)
+    messages = [message.model_dump() for message in body.messages]
+    try:
+        prompt_ids = encode_chat(server.tokenizer, messages)
+    except ValueError as error:
+        raise APIError(400, str(error), "messages") from None
+    return await server.complete(body, prompt_ids, chat=True)
+
+
+async def _api_error(request: Request, error: APIError):
+    return error_response(error)
+
+
+async def _invalid(request: Request, error: RequestValidationError):
+    first = error.errors()[0] if error.errors() else {}
+    if first.get("type") == "json_invalid":  # its location is a character offset
+        detail = first.get("ctx", {}).get("error", "")
+        return error_response(APIError(400, f"the body is not valid JSON: {detail}"))
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
+    return error_response(APIError(400, message, ".".join(location) or None))
+
+
+async def _http_error(request: Request, error: HTTPException):
+    route = f"{request.method} {request.url.path}"
+    message = f"Invalid URL ({route})" if error.status_code == 404 else f"{route}: {error.detail}"
+    return error_response(APIError(error.status_code, message), headers=error.headers)
+
+
+def create_app(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    model_name: str,
+    policy_spec: str,
+    *,
+    defaults: RequestDefaults | None = None,
+    warm_up_first: bool = True,
+) -> FastAPI:
+    """The FastAPI application over `engine` (started with the app, stopped with it): fields a
+    request leaves out from `defaults`; `warm_up_first` runs `warm_up` before it serves."""
+    stop_ids = [t for t in [tokenizer.eos_id, *engine.model.config.eos_token_ids] if t is not None]
+    server = Server(
+        engine,
+        tokenizer,
+        model_name,
+        policy_spec,
+        RequestDefaults() if defaults is None else defaults,
+        stop_ids,
+    )
+
+    async def lifespan(app):
+        if warm_up_first:
+            await asyncio.to_thread(warm_up, engine, tokenizer)
+        server.worker = EngineWorker(engine)
+        yield
+        server.worker.stop()
+        server.worker = None
+
+    app = FastAPI(title="jaxkv", lifespan=lifespan)
+    app.state.server = server
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.include_router(routes)
+    return app

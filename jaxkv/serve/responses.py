@@ -1,0 +1,160 @@
+"""How a request's tokens become an answer: text cut at its stop strings, the reason it ended
+(or the error it ended with), server-sent events of a stream, the body of a whole response."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+
+from jaxkv.engine import TokenEvent
+from jaxkv.models import Tokenizer
+from jaxkv.serve.protocol import APIError
+from jaxkv.serve.worker import EngineWorker
+
+
+class StopText:
+    """Text decoded so far, cut at the first stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: str | list[str] | None):
+        self.tokenizer = tokenizer
+        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        self.ids: list[int] = []
+        self.sent = 0  # characters already streamed
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        """The new text after `token` (held back while it may begin a stop string)."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        cut = min((text.find(s) for s in self.stop if s and s in text), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            text = text[:cut]
+        elif self.stop:
+            held = max((_prefix_overlap(text, s) for s in self.stop if s), default=0)
+            text = text[: len(text) - held]
+        delta, self.sent = text[self.sent :], max(self.sent, len(text))
+        return delta
+
+    def rest(self) -> str:
+        """What was held back once the request has ended without a stop string."""
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.ids)
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+
+def _prefix_overlap(text: str, stop: str) -> int:
+    """Characters at the end of `text` that begin `stop`."""
+    longest = min(len(stop) - 1, len(text))
+    return next((n for n in range(longest, 0, -1) if text.endswith(stop[:n])), 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ending:
+    """How a request's end without an answer is told: the fields its error names."""
+
+    worker: EngineWorker
+    prompt_field: str  # "prompt" or "messages"
+    limit_field: str  # "max_tokens" or "max_completion_tokens"
+
+    def error(self, reason: str, generated: int) -> APIError:
+        """The error for an engine reason that is not a finish_reason ("too_large", "error")."""
+        if reason == "too_large":
+            pool = self.worker.stats()["num_pages"]
+            return APIError(
+                400,
+                f"the request needed more pages than the pool's {pool} hold, running alone, "
+                f"after {generated} tokens (more than its plan at submit): give a shorter "
+                f"{self.prompt_field} or a smaller {self.limit_field}",
+                self.prompt_field,
+                code="context_length_exceeded",
+            )
+        return APIError(500, f"the engine has stopped: {self.worker.failure}")
+
+
+# The engine's reasons that are OpenAI finish_reasons ("cancelled": the client went away or a
+# stop string appeared); any other ends the request with an error (`Ending.error`).
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+async def token_deltas(
+    worker: EngineWorker,
+    request_id: int,
+    events: asyncio.Queue,
+    text: StopText,
+    ending: Ending,
+) -> AsyncIterator[tuple[str, str | None, int]]:
+    """(text delta, finish reason or None, token) per token until the request ends; raises
+    APIError when it ends without an answer (`FINISH_REASONS`). Cancels the request when a stop
+    string appears or the client goes away (which closes this generator: `finally`)."""
+    finished, generated = False, 0
+    try:
+        while True:
+            event: TokenEvent = await events.get()
+            generated += event.token >= 0
+            if event.token >= 0 and not event.finished:
+                delta = text.add(event.token)
+                if text.stopped:
+                    yield delta, "stop", event.token
+                    return
+                yield delta, None, event.token
+                continue
+            finished = True
+            if event.reason not in FINISH_REASONS:
+                raise ending.error(event.reason, generated)
+            delta = text.add(event.token) if event.reason == "length" else ""
+            delta += text.rest()
+            yield delta, FINISH_REASONS[event.reason], event.token
+            return
+    finally:
+        if not finished:
+            worker.cancel(request_id)
+
+
+async def server_sent_events(stream, name: str, model: str, chat: bool) -> AsyncIterator[str]:
+    """The stream's chunks as server-sent events; an error mid-stream as OpenAI sends it (a
+    `data: {"error": ...}` event, which its client raises as an APIError)."""
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield _event(name, kind, created, model, first)
+    try:
+        async for delta, finish, _ in stream:
+            choice = {"index": 0, "finish_reason": finish}
+            choice |= {"delta": {"content": delta}} if chat else {"text": delta, "logprobs": None}
+            yield _event(name, kind, created, model, choice)
+    except APIError as error:
+        yield f"data: {json.dumps(error.body())}\n\n"
+        return
+    yield "data: [DONE]\n\n"
+
+
+def _event(name, kind, created, model, choice) -> str:
+    chunk = {"id": name, "object": kind, "created": created, "model": model, "choices": [choice]}
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def completion_body(name, model, chat, text, reason, prompt_tokens, completion_tokens) -> dict:
+    choice = {"index": 0, "finish_reason": reason}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice |= {"text": text, "logprobs": None}
+    return {
+        "id": name,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
