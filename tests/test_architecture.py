@@ -168,3 +168,18 @@ def test_a_decode_step_runs_in_the_engine_room_and_below_it():
     counts = [full, full_packages, h2o, h2o_packages, wgkv, fastkvzip, gated_packages]
     stated = STEP_COUNTS.search(" ".join((ROOT / "docs" / "architecture.md").read_text().split()))
     assert stated is not None and [int(n) for n in stated.groups()] == counts
+
+
+def test_the_layers_list_names_every_module_of_the_library():
+    """docs/architecture.md's layers name each module of the library's packages (the mapped
+    top-level folders, models, kernels, training and benchmarks, have their own pages)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    mapped = ("models", "pallas_kernels", "train", "benchmarks")
+    unnamed = [
+        module.name
+        for module in pkgutil.walk_packages(jaxkv.__path__, f"{PACKAGE}.")
+        if module.name.split(".")[1] not in mapped
+        and not module.name.rsplit(".", 1)[1].startswith("_")
+        and not re.search(rf"\b{module.name.rsplit('.', 1)[1]}\b", text)
+    ]
+    assert unnamed == []
