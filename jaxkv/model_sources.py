@@ -67,6 +67,15 @@ def load_model(
     return load_gguf(path, dtype=dtype or "float32"), gguf_tokenizer(path)
 
 
+def short_name(model_arg: str | Path) -> str:
+    """A short name for `--model` (what a server answers to): the name jaxkv ships or fetched
+    it under, else a preset's name, a checkpoint directory's name or a file's stem."""
+    known = shipped_name(model_arg)
+    if known is not None:
+        return known
+    return Path(str(model_arg)).name.removesuffix(".gguf")
+
+
 def shipped_name(model_arg: str | Path) -> str | None:
     """The name jaxkv ships trained policy parameters under for this `--model`
     (`jaxkv.bundled.SHIPPED_PARAMS`): `bundled.REFERENCE` for the bundled reference model, a

@@ -349,3 +349,28 @@ def test_learned_policies_with_a_ring_or_chunk_eviction_give_generate_s_tokens(m
     for request, index in ids.items():
         expected = reference(model, policy, PROMPTS[index], 10, policy_params=params)
         assert tokens[request] == expected
+
+
+def test_a_request_s_own_budget_and_the_bytes_it_ends_with(model):
+    """A request's own budget of the engine's policy gives `generate`'s tokens at that budget
+    (no new program); its last event reports the bytes it held after its last step, as
+    `generate` does, and the full cache's for its tokens."""
+    eng = Engine(model, "h2o:0.5", cache=CacheConfig(num_pages=1024), max_slots=2, max_context=1024)
+    with pytest.raises(ValueError, match="budget=True"):
+        eng.submit(PROMPTS[0], max_new_tokens=4, budget=True)
+    with pytest.raises(ValueError, match="policy 'full' takes no budget"):
+        Engine(model, "full", cache=CacheConfig(num_pages=64), max_slots=1).submit(
+            PROMPTS[0], max_new_tokens=4, budget=0.5
+        )
+    asks = {eng.submit(PROMPTS[0], max_new_tokens=40, budget=0.2): 0.2}
+    asks[eng.submit(PROMPTS[1], max_new_tokens=40)] = 0.5
+    events = list(eng.stream())
+    for request, ratio in asks.items():
+        index = 0 if ratio == 0.2 else 1
+        out = jaxkv.generate(model, [PROMPTS[index]], max_new_tokens=40, policy=f"h2o:{ratio}")
+        mine = [e for e in events if e.request_id == request]
+        assert [e.token for e in mine] == out.tokens[0, : out.num_tokens[0]].tolist()
+        assert all(e.kv_bytes is None for e in mine[:-1])
+        assert mine[-1].kv_bytes == int(out.memory_bytes[-1])
+        full = jaxkv.generate(model, [PROMPTS[index]], max_new_tokens=40, policy="full")
+        assert mine[-1].full_kv_bytes == int(full.memory_bytes[-1]) > mine[-1].kv_bytes

@@ -110,11 +110,27 @@ def test_a_completion_is_generate_s_answer_streamed_or_not(client, model, tokeni
     assert reply.choices[0].text == expected
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 12
     assert reply.choices[0].finish_reason == "length"
+    # The cache it held after its last step: generate's, and less than the full cache's.
+    assert reply.usage.kv_bytes == int(out.memory_bytes[-1])
+    full = jaxkv.generate(model, [ids], max_new_tokens=12, policy="full")
+    assert reply.usage.kv_bytes_full_cache == int(full.memory_bytes[-1]) > reply.usage.kv_bytes
     chunks = client.completions.create(
         model="reference", prompt=PROMPT, max_tokens=12, temperature=0, stream=True
     )
     pieces = [chunk.choices[0].text for chunk in chunks]
     assert "".join(pieces) == expected and len(pieces) >= 12
+
+
+def test_a_request_may_ask_for_a_smaller_budget_and_gets_generate_s_answer_at_it(
+    client, model, tokenizer
+):
+    ids = tokenizer.encode(PROMPT)
+    out = jaxkv.generate(model, [ids], max_new_tokens=8, policy="snapkv:0.1")
+    reply = client.completions.create(
+        model="reference", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"budget": 0.1}
+    )
+    assert reply.choices[0].text == tokenizer.decode(out.tokens[0, : out.num_tokens[0]])
+    assert reply.usage.kv_bytes == int(out.memory_bytes[-1])
 
 
 def test_chat_and_stop_strings_and_seeds(client, tokenizer):
@@ -162,6 +178,7 @@ def test_fields_left_out_get_the_server_defaults(client, model, tokenizer):
 
 def test_models_health_and_metrics(client, base_url):
     assert [card.id for card in client.models.list().data] == ["reference"]
+    assert client.models.list().data[0].policy == "snapkv:0.3"  # not OpenAI's field
     assert httpx.get(f"{base_url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
     numbers = metrics(base_url)
     assert numbers["jaxkv_pool_pages"] == 1024
@@ -217,6 +234,10 @@ def test_unknown_routes_and_malformed_json_answer_in_openai_s_shape(base_url):
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": PROMPT, "top_k": 0}, "top_k"),
         ({"prompt": PROMPT, "max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
+        ({"prompt": PROMPT, "budget": 0.5}, "budget"),  # more than the server's 0.3
+        ({"prompt": PROMPT, "budget": 64}, "budget"),  # a count where the server's is a ratio
+        ({"prompt": PROMPT, "budget": 0.0}, "budget"),
+        ({"prompt": PROMPT, "budget": "half"}, "budget"),
     ],
 )
 def test_bad_requests_get_openai_shaped_400s_and_the_server_keeps_serving(base_url, body, param):

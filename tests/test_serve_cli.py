@@ -9,7 +9,7 @@ import pytest
 import uvicorn
 
 import jaxkv.serve
-from jaxkv import cli, policies
+from jaxkv import bundled, cli, policies
 from jaxkv.serve import RequestDefaults
 
 
@@ -40,6 +40,14 @@ def test_serve_s_sampling_options_are_the_server_s_request_defaults(served):
     assert cli.main(["serve", "--num-pages", "64"]) == 0
     assert served["warm_up_first"] is True
     assert served["defaults"] == RequestDefaults(max_new_tokens=16, temperature=0.0)
+
+
+def test_serve_answers_to_the_model_s_short_name_or_the_one_given(served):
+    assert cli.main(["serve", "--num-pages", "64", "--no-warm-up"]) == 0
+    assert served["model_name"] == bundled.REFERENCE  # not the checkpoint's path
+    argv = ["serve", "--num-pages", "64", "--no-warm-up", "--served-model-name", "mine"]
+    assert cli.main(argv) == 0
+    assert served["model_name"] == "mine"
 
 
 def test_serve_runs_the_engine_over_the_mesh_it_names(served):

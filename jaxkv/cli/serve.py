@@ -14,6 +14,12 @@ def add_parser(commands) -> None:
         "leaves max_tokens, temperature, top_k or top_p out.",
     )
     serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (/v1/models, a request's model field; default: the "
+        "short name of --model, e.g. smollm2-135m-instruct)",
+    )
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--num-pages", type=int, default=4096, help="the engine's page pool")
     serve.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
@@ -48,7 +54,7 @@ def add_parser(commands) -> None:
 
 def run(args) -> int:
     import jaxkv
-    from jaxkv.model_sources import load_model
+    from jaxkv.model_sources import load_model, short_name
     from jaxkv.sharding import mesh_from_text
 
     try:
@@ -91,7 +97,7 @@ def run(args) -> int:
     app = create_app(
         engine,
         tokenizer,
-        model_name=args.model,
+        model_name=args.served_model_name or short_name(args.model),
         policy_spec=args.policy,
         defaults=defaults,
         warm_up_first=not args.no_warm_up,

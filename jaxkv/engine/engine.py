@@ -56,7 +56,7 @@ from jaxkv.generation.request import (
 from jaxkv.models.decoder import Model
 from jaxkv.pallas_kernels.common import next_power_of_two
 from jaxkv.policies import FullCache, Policy, from_spec
-from jaxkv.policies.base import PolicyParams
+from jaxkv.policies.base import PolicyParams, with_budget
 from jaxkv.sampling import Sampler
 from jaxkv.step.rows import Rows, row_keys
 
@@ -183,16 +183,21 @@ class Engine:
         sampler: Sampler | None = None,
         key: jax.Array | None = None,
         stop_tokens: Sequence[int] | None = None,
+        budget: float | int | None = None,
     ) -> int:
         """Queues one prompt (token ids); returns its request id. Checked here, before anything
         runs: the ids, max_new_tokens >= 1, prompt + max_new_tokens <= max_context, the
         policy's budget, its chunk against max_batched_tokens, the pages the request may hold
         alone against the pool (`TooLargeForPoolError`), the key (required when sampling), the
-        stop tokens; QueueFullError past `max_waiting`."""
+        stop tokens; QueueFullError past `max_waiting`. budget: the request's own budget for
+        the engine's policy (a ratio of the prompt or a token count, as `budget=` of
+        `policies.get`; default: the policy's): budgets travel as arrays, so it compiles
+        nothing new."""
         rows = prompt_lists(prompt_ids)
         if len(rows) != 1:
             raise ValueError(f"prompt_ids holds {len(rows)} prompts: submit one at a time")
-        prompts = checked_prompts(self.model, self.policy, rows, self.prefill_chunk)
+        policy = self.policy if budget is None else with_budget(self.policy, budget)
+        prompts = checked_prompts(self.model, policy, rows, self.prefill_chunk)
         length = int(prompts.lengths[0])
         max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
         if length + max_new_tokens > self.max_context:
@@ -207,8 +212,8 @@ class Engine:
                 f"{prompts.chunk + self.lanes.slots} (the chunk and a token of each of a "
                 f"lane's {self.lanes.slots} slots), not {self.max_batched_tokens}"
             )
-        budget_tokens = self.policy.budget_tokens(prompts.lengths)
-        self._check_fits_alone(length, max_new_tokens)
+        budget_tokens = policy.budget_tokens(prompts.lengths)
+        self._check_fits_alone(policy, length, max_new_tokens)
         sampler = Sampler() if sampler is None else sampler
         if key is None:
             if not sampler.greedy:
@@ -224,9 +229,10 @@ class Engine:
             id=self._next_id,
             prompts=prompts,
             budget_tokens=budget_tokens,
-            thresholds=self.policy.thresholds(1),
+            budget_ratio=policy.budget_ratio(1),
+            thresholds=policy.thresholds(1),
             peak_pages=prefill_peak_pages(
-                self.policy, self.device_config, length, prompts.chunk, self.cache.page_size
+                policy, self.device_config, length, prompts.chunk, self.cache.page_size
             ),
             max_new_tokens=max_new_tokens,
             sampler=sampler,
@@ -238,13 +244,13 @@ class Engine:
         self._waiting.append(request)
         return request.id
 
-    def _check_fits_alone(self, length: int, max_new_tokens: int) -> None:
+    def _check_fits_alone(self, policy: Policy, length: int, max_new_tokens: int) -> None:
         """TooLargeForPoolError when the request's plan needs more pages than the pool has
         (the policy's own budget checks run first, named)."""
 
         def needed(new_tokens: int) -> int:
             return pages_needed_alone(
-                self.policy,
+                policy,
                 self.model.config,
                 length,
                 new_tokens,
@@ -266,7 +272,7 @@ class Engine:
         )
         raise TooLargeForPoolError(
             f"prompt of {length} tokens + max_new_tokens={max_new_tokens} may need {pages} pages "
-            f"with policy {self.policy.name!r}, more than the pool's num_pages={pool} hold: "
+            f"with policy {policy.name!r}, more than the pool's num_pages={pool} hold: "
             f"{advice}, or a larger pool",
             pages_needed=pages,
             num_pages=pool,
@@ -380,6 +386,7 @@ class Engine:
         one plan of global slots and rows, with the queued requests that start (row, request)
         and those refused."""
         held, growth, free = self.executor.row_pages()
+        self._record_held_pages(held)
         held, growth, free = held.max(axis=1), growth.max(axis=1), free.min(axis=1)
         queue = list(self._waiting)
         swapped = [r for r in self._ready if r.row is None]
@@ -403,6 +410,19 @@ class Engine:
             }
         )
         return merged, started, refused
+
+    def _record_held_pages(self, held: np.ndarray) -> None:
+        """Each request in a slot or a prefill row: the pages it holds now, every device's
+        (held: [lanes, devices, rows]), for the bytes its last token reports."""
+        lanes = self.lanes
+        for slot, request in enumerate(self._slots):
+            if request is not None:
+                lane, row = lanes.slot_lane(slot), lanes.slot_kv_row(slot)
+                request.held_pages = int(held[lane, :, row].sum())
+        for index, request in enumerate(self._prefill_rows):
+            if request is not None:
+                lane, row = lanes.prefill_lane(index), lanes.prefill_kv_row(index)
+                request.held_pages = int(held[lane, :, row].sum())
 
     def _view(self, lane, held, growth, free, queue, swapped) -> tuple[View, list[Request]]:
         """What the scheduler sees of `lane` (its kv rows' pages `held`, `growth`; its free
@@ -530,7 +550,7 @@ class Engine:
         row = Rows.start(
             prompt_lengths=[request.length],
             budget_tokens=request.budget_tokens,
-            budget_ratio=self.policy.budget_ratio(1),
+            budget_ratio=request.budget_ratio,
             thresholds=request.thresholds,
             keys=row_keys(request.key, [0]),
             sampling=request.sampler.rows(1),
@@ -545,6 +565,8 @@ class Engine:
             request.prefill_key,
             row,
         )
+        if request.ends_with(token):
+            self._record_held_pages(self.executor.row_pages()[0])  # what it ends with
         if self._emit(request, token, events, compressed=compressed):
             self._release(prefills=[request.row])
         else:
@@ -602,16 +624,27 @@ class Engine:
     ) -> bool:
         """Records the request's new token; True when it finished (its `slot`, if it holds one,
         released)."""
+        reason = request.end_reason(token)
         request.generated.append(token)
-        reason = None
-        if token in request.stop:
-            reason = "stop"
-        elif len(request.generated) >= request.max_new_tokens:
-            reason = "length"
-        events.append(TokenEvent(request.id, token, reason is not None, reason, compressed))
+        event = TokenEvent(request.id, token, reason is not None, reason, compressed)
+        if reason is not None:
+            event = dataclasses.replace(event, **self._bytes_held(request))
+        events.append(event)
         if reason is not None and slot is not None:
             self._release(slots=[slot])
         return reason is not None
+
+    def _bytes_held(self, request: Request) -> dict:
+        """The finished request's `kv_bytes` (its pages after its last step) and `full_kv_bytes`
+        (the full cache's pages for its prompt and generated tokens, the last unwritten)."""
+        cfg, page_size = self.model.config, self.cache.page_size
+        page_bytes = self.executor.page_bytes
+        written = request.length + len(request.generated) - 1
+        full_pages = cfg.num_layers * cfg.num_kv_heads * -(-written // page_size)
+        return {
+            "kv_bytes": request.held_pages * page_bytes,
+            "full_kv_bytes": full_pages * page_bytes,
+        }
 
     def _release(self, slots: Sequence[int] = (), prefills: Sequence[int] = ()) -> None:
         """These slots' and prefill rows' pages back to the pool, the rows empty."""
@@ -630,5 +663,7 @@ class Engine:
         for slot in slots:
             tokens[slot], active[slot] = self._slots[slot].generated[-1], True
         new_tokens = self.executor.decode(tokens, active)
+        if any(self._slots[slot].ends_with(int(new_tokens[slot])) for slot in slots):
+            self._record_held_pages(self.executor.row_pages()[0])  # what they end with
         for slot in slots:
             self._emit(self._slots[slot], int(new_tokens[slot]), events, slot=slot)

@@ -76,6 +76,11 @@ class Executor:
         self._carry = empty_carry(placement, model=model, batch=lanes.prefills, policy=self.policy)
         self._rows: Rows | None = None  # every slot's row state, from the first admission on
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page of the pool holds."""
+        return self.kv.pool.page_bytes
+
     def row_pages(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per lane [lanes, devices, rows]: the pages each kv row holds, those its next decode
         step may add, and [lanes, devices] the pool's free pages."""

@@ -46,6 +46,9 @@ class TokenEvent:
       planned, which `submit` checks).
     compressed: on the first token after a request's prefill, whether the policy compressed its
       prompt (False: kept whole, e.g. shorter than what the policy compresses); None on others.
+    kv_bytes, full_kv_bytes: on a request's last token, the KV bytes of the pages it held after
+      its last step (every device's), and those the full cache would hold for its tokens
+      (prompt and generated, the last one unwritten); None on others.
     """
 
     request_id: int
@@ -53,6 +56,8 @@ class TokenEvent:
     finished: bool
     reason: str | None = None
     compressed: bool | None = None
+    kv_bytes: int | None = None
+    full_kv_bytes: int | None = None
 
 
 @dataclasses.dataclass(eq=False)  # a request is itself: compared by identity
@@ -67,6 +72,7 @@ class Request:
     id: int
     prompts: Prompts  # its prompt, padded into its chunks
     budget_tokens: np.ndarray
+    budget_ratio: np.ndarray
     thresholds: np.ndarray
     peak_pages: int  # the most pages it holds from its first chunk to its first decode step
     max_new_tokens: int
@@ -77,6 +83,7 @@ class Request:
     generated: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
     order: int = -1  # when it first started its prefill, for whom to admit or preempt first
+    held_pages: int = 0  # pages it held (every device's) when last recorded
     row: int | None = None
     read: int = 0
     state: Rows | None = None
@@ -86,6 +93,17 @@ class Request:
     @property
     def length(self) -> int:
         return int(self.prompts.lengths[0])
+
+    def end_reason(self, token: int) -> str | None:
+        """Why `token`, its next, ends the request ("stop", "length"), or None."""
+        if token in self.stop:
+            return "stop"
+        if len(self.generated) + 1 >= self.max_new_tokens:
+            return "length"
+        return None
+
+    def ends_with(self, token: int) -> bool:
+        return self.end_reason(token) is not None
 
     @property
     def next_chunk(self) -> int:

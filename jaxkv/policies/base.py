@@ -85,23 +85,39 @@ def get(name: str, **kwargs: Any) -> Policy:
     return cls(**kwargs)
 
 
+def with_budget(policy: Policy, budget: Budget | float | int) -> Policy:
+    """`policy` with a request's own budget (`budget=`, or the `ratio=` of KVzip and Fast
+    KVzip), as `get(name, budget=...)` reads it; a ValueError naming the policy's fields when it
+    has no single per-request budget."""
+    fields = [field.name for field in dataclasses.fields(policy) if field.init]
+    if "budget" in fields and "budget" in policy.request_knobs:
+        return dataclasses.replace(policy, budget=Budget.parse(budget))
+    if "ratio" in policy.request_knobs:
+        return dataclasses.replace(policy, ratio=_budget_as_ratio(policy.name, fields, budget))
+    raise _no_single_budget(policy.name, fields, budget)
+
+
 def _budget_as_ratio(name: str, fields: list[str], budget: Budget | float | int) -> float:
     """`budget=` for a policy without a `budget` field: its `ratio=`, or a named error."""
-    if "ratio" in fields:
-        parsed = Budget.parse(budget)
-        if parsed.ratio is None:
-            raise ValueError(
-                f"policy {name!r} takes its budget as a ratio of the prompt in (0, 1] "
-                f"(ratio=), not a token count: got budget={budget!r}"
-            )
-        return parsed.ratio
-    if "tight" in fields and "loose" in fields:
+    if "ratio" not in fields:
+        raise _no_single_budget(name, fields, budget)
+    parsed = Budget.parse(budget)
+    if parsed.ratio is None:
         raise ValueError(
+            f"policy {name!r} takes its budget as a ratio of the prompt in (0, 1] "
+            f"(ratio=), not a token count: got budget={budget!r}"
+        )
+    return parsed.ratio
+
+
+def _no_single_budget(name: str, fields: list[str], budget) -> ValueError:
+    if "tight" in fields and "loose" in fields:
+        return ValueError(
             f"policy {name!r} takes no single budget: it has two token budgets, tight= and "
             "loose= (picked per step by confidence)"
         )
     known = f"its fields are {', '.join(fields)}" if fields else "it has no fields"
-    raise ValueError(f"policy {name!r} takes no budget (got budget={budget!r}); {known}")
+    return ValueError(f"policy {name!r} takes no budget (got budget={budget!r}); {known}")
 
 
 def registered() -> list[str]:

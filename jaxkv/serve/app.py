@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 
 from jaxkv.engine import Engine, QueueFullError, TooLargeForPoolError
 from jaxkv.models import Tokenizer, encode_chat
+from jaxkv.policies import Budget
 from jaxkv.prose import prose
 from jaxkv.serve.protocol import (
     APIError,
@@ -34,6 +35,7 @@ from jaxkv.serve.responses import (
     completion_body,
     server_sent_events,
     token_deltas,
+    usage_of,
 )
 from jaxkv.serve.worker import RATE_WINDOW_SECONDS, EngineStoppedError, EngineWorker
 
@@ -126,6 +128,7 @@ class Server:
         if body.model is not None and body.model != self.model_name:
             message = f"model={body.model!r}: this server serves {self.model_name!r}"
             raise APIError(404, message, "model")
+        self.check_budget(body.budget)
         max_new_tokens, limit_field = new_tokens(body, self.defaults)
         prompt_field = "messages" if chat else "prompt"
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -137,6 +140,7 @@ class Server:
             sampler=request_sampler(body, self.defaults),
             key=jax.random.PRNGKey(seed),
             stop_tokens=self.stop_ids,
+            budget=body.budget,
         )
         try:
             request_id = await asyncio.wrap_future(future)
@@ -146,7 +150,8 @@ class Server:
             param = prompt_field if error.field == "prompt_ids" else limit_field
             raise APIError(400, str(error), param, code="context_length_exceeded") from None
         except ValueError as error:
-            param = prompt_field if "prompt" in str(error) else None
+            param = "budget" if "budget" in str(error) else None
+            param = prompt_field if "prompt" in str(error) else param
             raise APIError(400, str(error), param) from None
         except EngineStoppedError as error:
             raise APIError(503, f"the engine has stopped: {error}") from None
@@ -163,13 +168,44 @@ class Server:
         if body.stream:
             sse = server_sent_events(stream, name, self.model_name, chat)
             return StreamingResponse(sse, media_type="text/event-stream")
-        pieces, reason, count = [], "length", 0
-        async for delta, finish, token in stream:
+        pieces, reason, count, last = [], "length", 0, None
+        async for delta, finish, event in stream:
             pieces.append(delta)
-            count += token >= 0
-            reason = finish or reason
-        text = "".join(pieces)
-        return completion_body(name, self.model_name, chat, text, reason, len(prompt_ids), count)
+            count += event.token >= 0
+            reason, last = finish or reason, event
+        usage = usage_of(len(prompt_ids), count, last)
+        return completion_body(name, self.model_name, chat, "".join(pieces), reason, usage)
+
+    def check_budget(self, budget) -> None:
+        """A request's own budget: of the server's policy's kind, at most its budget (an
+        APIError naming `budget` otherwise; the engine checks the value itself)."""
+        if budget is None:
+            return
+        policy = self.engine.policy
+        served = getattr(policy, "budget", None) or getattr(policy, "ratio", None)
+        if served is None:
+            message = f"budget={budget!r}: policy {self.policy_spec!r} takes no budget"
+            raise APIError(400, message, "budget")
+        served = Budget.parse(served)
+        try:
+            asked = Budget.parse(budget)
+        except ValueError as error:
+            raise APIError(400, str(error), "budget") from None
+        same_kind = (asked.ratio is None) == (served.ratio is None)
+        larger = same_kind and (asked.ratio or asked.tokens) > (served.ratio or served.tokens)
+        if not same_kind or larger:
+            shown = served.ratio if served.ratio is not None else served.tokens
+            raise APIError(
+                400,
+                f"budget={budget!r}: a request may ask for a smaller budget of this server's "
+                f"policy {self.policy_spec!r} ({shown}, a {_kind(served)}), not a "
+                f"{'larger one' if same_kind else _kind(asked)}",
+                "budget",
+            )
+
+
+def _kind(budget: Budget) -> str:
+    return "ratio of the prompt" if budget.ratio is not None else "token count"
 
 
 def _server(request: Request) -> Server:
@@ -190,9 +226,9 @@ async def health(request: Request):
 
 @routes.get("/v1/models")
 async def models(request: Request):
-    name = _server(request).model_name
-    card = {"id": name, "object": "model", "created": 0, "owned_by": "jaxkv"}
-    return {"object": "list", "data": [card]}
+    server = _server(request)
+    card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "jaxkv"}
+    return {"object": "list", "data": [card | {"policy": server.policy_spec}]}
 
 
 @routes.get("/metrics")

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,6 +47,9 @@ class SamplingFields(BaseModel):
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
     policy: str | None = None
+    # Not OpenAI's: a smaller budget of the server's policy, a ratio or a token count (checked by
+    # `jaxkv.policies.Budget.parse`, whose errors name the field, so any JSON value is let in).
+    budget: Any = None
 
 
 class CompletionRequest(SamplingFields):

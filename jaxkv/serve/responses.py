@@ -88,10 +88,11 @@ async def token_deltas(
     events: asyncio.Queue,
     text: StopText,
     ending: Ending,
-) -> AsyncIterator[tuple[str, str | None, int]]:
-    """(text delta, finish reason or None, token) per token until the request ends; raises
-    APIError when it ends without an answer (`FINISH_REASONS`). Cancels the request when a stop
-    string appears or the client goes away (which closes this generator: `finally`)."""
+) -> AsyncIterator[tuple[str, str | None, TokenEvent]]:
+    """(text delta, finish reason or None, the engine's event) per token until the request
+    ends; raises APIError when it ends without an answer (`FINISH_REASONS`). Cancels the
+    request when a stop string appears or the client goes away (which closes this generator:
+    `finally`)."""
     finished, generated = False, 0
     try:
         while True:
@@ -100,16 +101,16 @@ async def token_deltas(
             if event.token >= 0 and not event.finished:
                 delta = text.add(event.token)
                 if text.stopped:
-                    yield delta, "stop", event.token
+                    yield delta, "stop", event
                     return
-                yield delta, None, event.token
+                yield delta, None, event
                 continue
             finished = True
             if event.reason not in FINISH_REASONS:
                 raise ending.error(event.reason, generated)
             delta = text.add(event.token) if event.reason == "length" else ""
             delta += text.rest()
-            yield delta, FINISH_REASONS[event.reason], event.token
+            yield delta, FINISH_REASONS[event.reason], event
             return
     finally:
         if not finished:
@@ -140,7 +141,8 @@ def _event(name, kind, created, model, choice) -> str:
     return f"data: {json.dumps(chunk)}\n\n"
 
 
-def completion_body(name, model, chat, text, reason, prompt_tokens, completion_tokens) -> dict:
+def completion_body(name, model, chat, text, reason, usage: dict) -> dict:
+    """The whole response (`usage`: `usage_of`'s)."""
     choice = {"index": 0, "finish_reason": reason}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
@@ -152,9 +154,19 @@ def completion_body(name, model, chat, text, reason, prompt_tokens, completion_t
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": usage,
     }
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, last: TokenEvent | None) -> dict:
+    """OpenAI's usage, with (not OpenAI's fields) the KV bytes the request held at its last
+    step, `kv_bytes`, and those the full cache would have held, `kv_bytes_full_cache`, when
+    the engine reported them on its final event `last` (not when a stop string cancelled it)."""
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if last is not None and last.kv_bytes is not None:
+        usage |= {"kv_bytes": last.kv_bytes, "kv_bytes_full_cache": last.full_kv_bytes}
+    return usage
