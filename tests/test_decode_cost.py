@@ -38,7 +38,7 @@ def _kept(state) -> list[list[int]]:
 EVICTION_POSITIONS: list[int] = []
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _CountingEviction(ScoredDecodeEviction):
     """A decode eviction part that records the position its one row wrote when it runs (-1:
     the row was not due)."""
@@ -55,9 +55,7 @@ class _CountingStreamingLLM(policies.StreamingLLM):
     def _parts(self):
         record = super()._parts()
         part = record["decode_eviction"]
-        counting = _CountingEviction(
-            part.scorer, part.sinks, part.recent, part.evict_every, part.ratio
-        )
+        counting = _CountingEviction(**dataclasses.asdict(part) | {"scorer": part.scorer})
         return record | {"decode_eviction": counting}
 
 

@@ -270,22 +270,17 @@ class EvictionPolicy(Policy):
         }
 
 
-@dataclasses.dataclass(frozen=True)
-class ScoredDecodeEviction:
-    """The decode eviction part of a score-and-evict policy: every `evict_every` decode steps
-    a head holding more than its budget (`decode_budget`) evicts its lowest-scored tokens
-    (`scorer.decode_scores`) down to it, never the first `sinks` positions nor the newest
-    `recent`.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IntervalDecodeEviction:
+    """Base of the decode eviction parts that run every `evict_every` decode steps down to the
+    budget (a subclass says how: `on_decode`): in between a head holds up to that many tokens
+    more, which the host's bound counts.
 
     Attributes:
-      scorer: the `DecodeScorer` that ranks the tokens.
-      sinks, recent, evict_every: as above.
+      evict_every: decode steps between evictions.
       ratio: the budget's ratio of the sequence (0: a token budget), for the host's bound.
     """
 
-    scorer: DecodeScorer
-    sinks: int
-    recent: int
     evict_every: int
     ratio: float = 0.0
 
@@ -299,8 +294,32 @@ class ScoredDecodeEviction:
     def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
         grown = np.asarray(prompt_lengths) + max_new_tokens
         budget = np.maximum(budget_tokens, np.floor(self.ratio * grown)).astype(np.int64)
-        budget = np.maximum(budget, self.sinks + self.recent)
+        budget = np.maximum(budget, self._protected())
         return np.minimum(budget + self.evict_every, grown)
+
+    def _protected(self) -> int:
+        """Tokens a head keeps whatever its budget."""
+        return 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScoredDecodeEviction(IntervalDecodeEviction):
+    """The decode eviction part of a score-and-evict policy: every `evict_every` decode steps
+    a head holding more than its budget (`decode_budget`) evicts its lowest-scored tokens
+    (`scorer.decode_scores`) down to it, never the first `sinks` positions nor the newest
+    `recent`.
+
+    Attributes:
+      scorer: the `DecodeScorer` that ranks the tokens.
+      sinks, recent: as above.
+    """
+
+    scorer: DecodeScorer
+    sinks: int
+    recent: int
+
+    def _protected(self) -> int:
+        return self.sinks + self.recent
 
     def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
         # Never below what it protects (a prompt kept whole may be shorter than that).
@@ -354,11 +373,11 @@ class DecodeEvictionPolicy(EvictionPolicy):
         return record | {
             "budget_rule": budget,
             "decode_eviction": ScoredDecodeEviction(
-                record["prompt_compression"].scorer,
-                self.sinks,
-                self.recent,
-                self.evict_every,
-                ratio,
+                scorer=record["prompt_compression"].scorer,
+                sinks=self.sinks,
+                recent=self.recent,
+                evict_every=self.evict_every,
+                ratio=ratio,
             ),
         }
 

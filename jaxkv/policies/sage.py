@@ -20,13 +20,17 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, evict_in_place, rank_descending, run_if
 from jaxkv.policies import base
 from jaxkv.policies.base import keep_short_prompts_whole
-from jaxkv.policies.eviction import DecodeEvictionPolicy, LayerView, map_layers
+from jaxkv.policies.eviction import (
+    DecodeEvictionPolicy,
+    IntervalDecodeEviction,
+    LayerView,
+    map_layers,
+)
 from jaxkv.step.parts import DecodeContext, PrefillObservations
 
 # The smallest budget SAGE-KV splits (a quarter of it sinks, the rest candidates and recents).
@@ -79,30 +83,10 @@ class SageCompression(base.PromptCompressionPart):
         return compact(kv, is_sink | is_recent | union | (whole & (positions >= 0)))
 
 
-@dataclasses.dataclass(frozen=True)
-class SlidingWindowEviction:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlidingWindowEviction(IntervalDecodeEviction):
     """SAGE-KV's decode eviction part: every `evict_every` steps the recent window slides, so
-    that it holds the newest `recent` positions of the budget's split again.
-
-    Attributes:
-      evict_every: decode steps between two slides.
-      ratio: the budget's ratio of the sequence (0: a token budget), for the host's bound.
-    """
-
-    evict_every: int
-    ratio: float = 0.0
-
-    @property
-    def decode_interval(self) -> int:
-        return self.evict_every
-
-    def step_record(self, logits: jax.Array) -> None:
-        del logits
-
-    def decode_tokens_bound(self, budget_tokens, prompt_lengths, max_new_tokens):
-        grown = np.asarray(prompt_lengths) + max_new_tokens
-        budget = np.maximum(budget_tokens, np.floor(self.ratio * grown)).astype(np.int64)
-        return np.minimum(budget + self.evict_every, grown)
+    that it holds the newest `recent` positions of the budget's split again."""
 
     def on_decode(self, kv: KVState, ctx: DecodeContext) -> KVState:
         _, _, recent = sage_split(ctx.budget_tokens, ctx.group_size)
@@ -153,6 +137,8 @@ class SageKV(DecodeEvictionPolicy):
         budget = SageBudget(self.name, self.budget, SageCompression.observation_window, True)
         return {
             "prompt_compression": SageCompression(),
-            "decode_eviction": SlidingWindowEviction(self.evict_every, float(budget.ratio(1)[0])),
+            "decode_eviction": SlidingWindowEviction(
+                evict_every=self.evict_every, ratio=float(budget.ratio(1)[0])
+            ),
             "budget_rule": budget,
         }
