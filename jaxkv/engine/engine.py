@@ -131,7 +131,7 @@ class Engine:
             slots=self.max_slots // (1 if placement is None else placement.data),
             prefills=self.max_prefills // (1 if placement is None else placement.data),
         )
-        self.model, self.cache, self.policy_params = model, cache, policy_params
+        self.model, self.cache = model, cache
         self.device_config = (
             model.config if placement is None else placement.local_config(model.config)
         )
@@ -154,7 +154,6 @@ class Engine:
                 f"max_position_embeddings={limit}"
             )
         self.max_waiting = check_count("max_waiting", max_waiting, 1)
-        self.backend = resolve_backend(backend)
         self.executor = Executor(
             model,
             self.policy,
@@ -163,7 +162,7 @@ class Engine:
             placement=placement,
             max_context=self.max_context,
             policy_params=policy_params,
-            backend=self.backend,
+            backend=resolve_backend(backend),
         )
         self._slots: list[Request | None] = [None] * self.max_slots
         self._prefill_rows: list[Request | None] = [None] * self.max_prefills
