@@ -2,7 +2,9 @@
 runs on some rows (`take_rows`, then `put_rows`: the pool is shared, only the rows' tables,
 lengths and local rings are gathered), a row moves to another without copying a page
 (`move_row`), a one-row state with its own pool moves in (`insert_row`: a preempted request
-swapped back from the host) and a finished row gives its pages back (`release_rows`).
+swapped back from the host), a row reads another's tokens without copying its full pages
+(`attach_row`: a question over a cached context) and a finished row gives back the pages no
+other row names (`release_rows`).
 
 All are pure functions of the state, jitted by the caller with the state donated, so a row
 changes in place and the pool's size never does.
@@ -109,10 +111,19 @@ def insert_row(kv: KVState, row: KVState, slot: jax.Array) -> KVState:
 
 
 def release_rows(kv: KVState, rows: jax.Array) -> KVState:
-    """`kv` with the rows where `rows` (bool [B]) is set emptied: their pages back to the pool,
-    their tables, lengths and local ring cleared."""
+    """`kv` with the rows where `rows` (bool [B]) is set emptied: their tables, lengths and
+    local ring cleared, and each page they name back to the pool once, unless a row kept
+    names it too (a context's pages that rows attached to it share, `attach_row`)."""
     chosen = rows[None, :, None, None]
-    freed = jnp.where(chosen & (kv.page_table >= 0), kv.page_table, -1)
+    named = kv.page_table >= 0
+    num_pages = kv.pool.num_pages
+
+    def pages_named(where):
+        ids = jnp.where(where, kv.page_table, num_pages).reshape(-1)
+        return jnp.zeros((num_pages,), bool).at[ids].set(True, mode="drop")
+
+    freed = pages_named(named & chosen) & ~pages_named(named & ~chosen)
+    freed = jnp.where(freed, jnp.arange(num_pages, dtype=jnp.int32), -1)
     pool = dataclasses.replace(kv.pool, allocator=release(kv.pool.allocator, freed))
     ring = kv.ring
     if ring is not None:
@@ -127,5 +138,64 @@ def release_rows(kv: KVState, rows: jax.Array) -> KVState:
         pool=pool,
         page_table=jnp.where(chosen, -1, kv.page_table),
         lengths=jnp.where(rows[None, :, None], 0, kv.lengths),
+        ring=ring,
+    )
+
+
+def own_pages(kv: KVState) -> jax.Array:
+    """int32 [B]: the pages each row alone names (what releasing it frees); a page that rows
+    share (a context's and its attached rows') counts for none of them."""
+    named = kv.page_table >= 0
+    ids = jnp.where(named, kv.page_table, kv.pool.num_pages)
+    refs = jnp.zeros((kv.pool.num_pages,), jnp.int32).at[ids.reshape(-1)].add(1, mode="drop")
+    alone = named & (refs[jnp.minimum(ids, kv.pool.num_pages - 1)] == 1)
+    return jnp.sum(alone, axis=(0, 2, 3))
+
+
+def attach_row(kv: KVState, context: jax.Array, destination: jax.Array) -> KVState:
+    """`kv` with the empty row `destination` (int32 []) reading row `context`'s tokens: its
+    tables name the context's full pages (shared: nothing writes them while rows name them
+    both) and its own copy of each head's partial last page (its next token is written there);
+    its lengths and local ring are the context's. `Session.fork` within one pool. Flagged
+    `overflow` (nothing attached) when the pool has too few free pages for the copies (checked
+    on the host)."""
+    _row_fields(kv)  # refuses an int8 tier
+    table, lengths = kv.page_table[:, context], kv.lengths[:, context]  # [L, K, M], [L, K]
+    width, p = table.shape[-1], kv.pool.page_size
+    full = lengths // p
+    has_tail = (lengths % p > 0).reshape(-1)
+    count = jnp.sum(has_tail).astype(jnp.int32)
+    allocator, pages, ok = allocate(kv.pool.allocator, count[None], has_tail.size)
+    rank = jnp.cumsum(has_tail) - 1
+    copy_ids = jnp.where(has_tail, pages[0][jnp.maximum(rank, 0)], -1).reshape(full.shape)
+    tail_entry = jnp.minimum(full, width - 1)[..., None]
+    tail_ids = jnp.take_along_axis(table, tail_entry, -1)[..., 0]  # [L, K]
+    into = jnp.where(has_tail & ok, copy_ids.reshape(-1), kv.pool.num_pages)
+    source = jnp.maximum(tail_ids.reshape(-1), 0)
+
+    def copy(pages):
+        return None if pages is None else pages.at[into].set(pages[source], mode="drop")
+
+    pool = dataclasses.replace(
+        kv.pool.map_token_data(copy),
+        key_min=copy(kv.pool.key_min),
+        key_max=copy(kv.pool.key_max),
+        allocator=allocator,
+        overflow=kv.pool.overflow | ~ok,
+    )
+    is_tail = jnp.arange(width) == full[..., None]
+    new_table = jnp.where(is_tail & (copy_ids >= 0)[..., None], copy_ids[..., None], table)
+    new_table = jnp.where(ok, new_table, -1)
+    ring = kv.ring
+    if ring is not None:
+        ring = jax.tree.map(
+            lambda x: x.at[:, destination].set(jnp.where(ok, x[:, context], x[:, destination])),
+            ring,
+        )
+    return dataclasses.replace(
+        kv,
+        pool=pool,
+        page_table=kv.page_table.at[:, destination].set(new_table),
+        lengths=kv.lengths.at[:, destination].set(jnp.where(ok, lengths, 0)),
         ring=ring,
     )
