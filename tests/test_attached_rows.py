@@ -70,8 +70,9 @@ def test_an_attached_row_reads_the_context_and_copies_only_its_partial_pages(con
     for layer, head in np.ndindex(LAYERS, HEADS):
         shared = table[layer, 1, head, : full[layer, head]]
         np.testing.assert_array_equal(shared, table[layer, 0, head, : full[layer, head]])
+        tail = full[layer, head]
         if counts[layer, head] % PAGE:
-            assert table[layer, 1, head, full[layer, head]] != table[layer, 0, head, full[layer, head]]
+            assert table[layer, 1, head, tail] != table[layer, 0, head, tail]
     bounds = np.asarray(attached.pool.key_min)
     copies = table[:, 1][(table[:, 1] >= 0) & (table[:, 1] != table[:, 0])]
     originals = table[:, 0][(table[:, 1] >= 0) & (table[:, 1] != table[:, 0])]

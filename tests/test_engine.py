@@ -76,6 +76,10 @@ def test_staggered_requests_give_generate_s_tokens(model, policy):
         "ring_bytes": 0,
         "kv_bytes_in_use": 0,
         "preemptions": 0,
+        "contexts": 0,
+        "context_pages": 0,
+        "context_hits": 0,
+        "contexts_evicted": 0,
     }
 
 

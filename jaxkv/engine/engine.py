@@ -41,16 +41,30 @@ from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import CacheConfig
 from jaxkv.cache.config import check_count
 from jaxkv.compile_log import compiling_as
+from jaxkv.engine.contexts import Context, ContextEvent, ContextsFullError, UnknownContextError
 from jaxkv.engine.executor import Executor
 from jaxkv.engine.lanes import Lanes
 from jaxkv.engine.pages import heads, pages_needed_alone, prefill_peak_pages
 from jaxkv.engine.requests import QueueFullError, Request, TokenEvent, TooLargeForPoolError
-from jaxkv.engine.scheduler import Plan, Prefilling, Ready, Running, View, Waiting, plan_step
+from jaxkv.engine.scheduler import (
+    IdleContext,
+    Plan,
+    Prefilling,
+    Ready,
+    Running,
+    View,
+    Waiting,
+    plan_step,
+)
+from jaxkv.generation.decoding import check_shared_decode
 from jaxkv.generation.request import (
     DEFAULT_PREFILL_CHUNK,
+    Prompts,
     checked_key,
     checked_prompts,
     checked_stop_tokens,
+    pad_prompts,
+    prompt_lengths,
     prompt_lists,
 )
 from jaxkv.models.decoder import Model
@@ -77,6 +91,8 @@ class Engine:
       max_context: the longest prompt + generation a request may have (default: the model's
         max_position_embeddings, at most 8192); sizes the page tables.
       max_waiting: the bound of the waiting queue (`submit` raises QueueFullError past it).
+      max_contexts: context rows: cached contexts held at once (`add_context`; 0: none; on a
+        mesh a multiple of its data axis, each lane holding its share).
       mesh: a (data, model) mesh (`jaxkv.sharding.make_inference_mesh`) as `generate` takes:
         slots and prefill rows split over `data` (each data shard a lane with a pool per
         device; max_slots and max_prefills multiples of it), KV heads with their query heads
@@ -100,6 +116,7 @@ class Engine:
         max_batched_tokens: int | None = None,
         max_context: int | None = None,
         max_waiting: int = 256,
+        max_contexts: int = 0,
         mesh: jax.sharding.Mesh | None = None,
         policy_params: PolicyParams | None = None,
         prefill_chunk: int | None = None,
@@ -114,9 +131,14 @@ class Engine:
         self.policy.check_params(policy_params, model.config)
         self.max_slots = check_count("max_slots", max_slots, 1)
         self.max_prefills = check_count("max_prefills", max_prefills, 1)
+        self.max_contexts = check_count("max_contexts", max_contexts, 0)
         placement = sharding.as_inference_mesh(mesh)
         if placement is not None:
-            for name, count in (("max_slots", max_slots), ("max_prefills", max_prefills)):
+            for name, count in (
+                ("max_slots", max_slots),
+                ("max_prefills", max_prefills),
+                ("max_contexts", max_contexts),
+            ):
                 if count % placement.data:
                     raise ValueError(
                         f"{name}={count} must be a multiple of the mesh's data axis "
@@ -126,10 +148,12 @@ class Engine:
             model = placement.place(model, placement.model_specs(model))
             policy_params = placement.place_policy_params(self.policy, policy_params)
         self.placement = placement
+        shards = 1 if placement is None else placement.data
         self.lanes = Lanes(
             placement,
-            slots=self.max_slots // (1 if placement is None else placement.data),
-            prefills=self.max_prefills // (1 if placement is None else placement.data),
+            slots=self.max_slots // shards,
+            prefills=self.max_prefills // shards,
+            contexts=self.max_contexts // shards,
         )
         self.model, self.cache = model, cache
         self.device_config = (
@@ -168,9 +192,16 @@ class Engine:
         self._prefill_rows: list[Request | None] = [None] * self.max_prefills
         self._ready: list[Request] = []  # prefilled, waiting for a slot, oldest first
         self._waiting: collections.deque[Request] = collections.deque()
+        self._contexts: dict[int, Context] = {}
+        self._context_rows: list[Context | None] = [None] * self.max_contexts
+        self._pending: list[TokenEvent | ContextEvent] = []  # events the next step returns
         self._next_id = 0
+        self._next_context = 0
+        self._uses = 0  # requests that named a context so far: contexts' recency
         self._started = 0
         self.preemptions = 0
+        self.contexts_evicted = 0
+        self._dropped_hits = 0
 
     # --- requests ------------------------------------------------------------------------
 
@@ -183,6 +214,7 @@ class Engine:
         key: jax.Array | None = None,
         stop_tokens: Sequence[int] | None = None,
         budget: float | int | None = None,
+        context: int | None = None,
     ) -> int:
         """Queues one prompt (token ids); returns its request id. Checked here, before anything
         runs: the ids, max_new_tokens >= 1, prompt + max_new_tokens <= max_context, the
@@ -191,19 +223,150 @@ class Engine:
         stop tokens; QueueFullError past `max_waiting`. budget: the request's own budget for
         the engine's policy (a ratio of the prompt or a token count, as `budget=` of
         `policies.get`; default: the policy's): budgets travel as arrays, so it compiles
-        nothing new."""
+        nothing new.
+
+        context: the id of a cached context (`add_context`) the prompt is read after, as
+        `jaxkv.ask` reads a question over a compressed context (the prompt is not compressed;
+        the context's positions come first; UnknownContextError for an id the engine does not
+        hold); the policy must not evict during decode within max_new_tokens, as for `ask`."""
         rows = prompt_lists(prompt_ids)
         if len(rows) != 1:
             raise ValueError(f"prompt_ids holds {len(rows)} prompts: submit one at a time")
-        policy = self.policy if budget is None else with_budget(self.policy, budget)
-        prompts = checked_prompts(self.model, policy, rows, self.prefill_chunk)
-        length = int(prompts.lengths[0])
         max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
-        if length + max_new_tokens > self.max_context:
-            raise ValueError(
-                f"prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                f"engine's max_context={self.max_context}"
+        sampler = Sampler() if sampler is None else sampler
+        if key is None:
+            if not sampler.greedy:
+                raise ValueError("a PRNG key is required when sampling (temperature > 0)")
+            key = jax.random.PRNGKey(0)
+        stop = frozenset(checked_stop_tokens(self.model, stop_tokens))
+        prefill_key, decode_key = jax.random.split(checked_key(key))
+        if context is None:
+            request = self._prompt_request(rows, max_new_tokens, budget)
+        else:
+            if budget is not None:
+                raise ValueError(
+                    f"budget={budget!r} with context={context}: a request on a cached context "
+                    "reads it as it was compressed; give the budget to add_context"
+                )
+            request = self._question_request(rows, max_new_tokens, self._named_context(context))
+        request = dataclasses.replace(
+            request,
+            id=self._next_id,
+            max_new_tokens=max_new_tokens,
+            sampler=sampler,
+            key=decode_key,
+            prefill_key=prefill_key,
+            stop=stop,
+        )
+        self._queue(request)
+        if request.context is not None:
+            self._uses += 1
+            request.context.readers.add(request.id)
+            request.context.last_used = self._uses
+            request.context.hits += 1
+        return request.id
+
+    def add_context(
+        self,
+        context_ids: Sequence[int],
+        *,
+        budget: float | int | None = None,
+        key: jax.Array | None = None,
+    ) -> int:
+        """Queues a context (token ids) to prefill and compress once with the engine's policy
+        into a context row of the pool; returns its id at once. Requests name it from now on
+        (`submit(..., context=id)`: they wait for it) and a step's events hold
+        `ContextEvent(id, "ready")` when it is. It stays until `drop_context`, or until the
+        scheduler drops it, idle (no request reads or waits for it), least recently used first,
+        for pages that requests need (`ContextEvent(id, "evicted")`).
+
+        Checked here: max_contexts >= 1; the ids, the policy's budget (`budget`: as `submit`'s),
+        the context and one more token within max_context, its chunk, the pages it may hold
+        alone (`TooLargeForPoolError`); ContextsFullError when every context row holds a
+        context that requests read or wait for (an idle one is dropped for the new one, least
+        recently used first). key: seeds a stochastic policy's compression, as `ask`'s key
+        does (default PRNGKey(0))."""
+        if not self.max_contexts:
+            raise ValueError("the engine holds no contexts: give Engine(..., max_contexts >= 1)")
+        rows = prompt_lists(context_ids)
+        if len(rows) != 1:
+            raise ValueError(f"context_ids holds {len(rows)} prompts: add one at a time")
+        key = jax.random.PRNGKey(0) if key is None else checked_key(key)
+        policy_key, _ = jax.random.split(key)  # `ask`'s prefill key
+        request = self._prompt_request(rows, 1, budget)
+        row = self._free_context_row()
+        held = Context(
+            id=self._next_context,
+            row=row,
+            tokens=request.length,
+            budget_tokens=request.budget_tokens,
+            budget_ratio=request.budget_ratio,
+            thresholds=request.thresholds,
+            request=None,
+            last_used=self._uses,
+        )
+        request = dataclasses.replace(
+            request,
+            id=self._next_id,
+            max_new_tokens=1,
+            sampler=Sampler(),
+            key=policy_key,
+            prefill_key=policy_key,
+            stop=frozenset(),
+            makes_context=held,
+            lane=self.lanes.context_lane(row),
+        )
+        self._queue(request)
+        held.request = request
+        self._contexts[held.id] = self._context_rows[row] = held
+        self._next_context += 1
+        return held.id
+
+    def drop_context(self, context_id: int) -> bool:
+        """Drops a cached context, its pages returned to the pool (its prefill cancelled, if
+        it is still read); while requests read it, it takes no new ones and is dropped when
+        the last ends. False if the engine does not hold it."""
+        held = self._contexts.get(context_id)
+        if held is None or held.dropping:
+            return False
+        held.dropping = True
+        if not held.readers:
+            self._drop(held)
+        return True
+
+    def contexts(self) -> dict[int, dict]:
+        """Each cached context the engine holds: its tokens, whether it is ready, the requests
+        that read it now and have read it, and the pages its row holds (every device's)."""
+        return {
+            held.id: {
+                "tokens": held.tokens,
+                "ready": held.ready,
+                "readers": len(held.readers),
+                "hits": held.hits,
+                "pages": held.pages,
+            }
+            for held in self._contexts.values()
+            if not held.dropping
+        }
+
+    def _named_context(self, context_id) -> Context:
+        held = self._contexts.get(context_id) if isinstance(context_id, int) else None
+        if held is None or held.dropping:
+            raise UnknownContextError(
+                f"context={context_id!r}: the engine holds no such context (never added, "
+                "deleted, or dropped for its pages: add it again)"
             )
+        return held
+
+    def _queue(self, request: Request) -> None:
+        if len(self._waiting) >= self.max_waiting:
+            raise QueueFullError(
+                f"the engine's queue holds max_waiting={self.max_waiting} requests: retry later"
+            )
+        self._next_id += 1
+        self._waiting.append(request)
+
+    def _checked_chunk(self, prompts: Prompts) -> None:
         if prompts.chunk + self.lanes.slots > self.max_batched_tokens:
             raise ValueError(
                 f"the prompt is read in chunks of {prompts.chunk} tokens with policy "
@@ -211,44 +374,23 @@ class Engine:
                 f"{prompts.chunk + self.lanes.slots} (the chunk and a token of each of a "
                 f"lane's {self.lanes.slots} slots), not {self.max_batched_tokens}"
             )
-        budget_tokens = policy.budget_tokens(prompts.lengths)
-        self._check_fits_alone(policy, length, max_new_tokens)
-        sampler = Sampler() if sampler is None else sampler
-        if key is None:
-            if not sampler.greedy:
-                raise ValueError("a PRNG key is required when sampling (temperature > 0)")
-            key = jax.random.PRNGKey(0)
-        stop = frozenset(checked_stop_tokens(self.model, stop_tokens))
-        if len(self._waiting) >= self.max_waiting:
-            raise QueueFullError(
-                f"the engine's queue holds max_waiting={self.max_waiting} requests: retry later"
+
+    def _prompt_request(self, rows, max_new_tokens: int, budget) -> Request:
+        """A request (its id, sampling and keys still to set) that prefills and compresses its
+        prompt, checked (`submit`)."""
+        policy = self.policy if budget is None else with_budget(self.policy, budget)
+        prompts = checked_prompts(self.model, policy, rows, self.prefill_chunk)
+        length = int(prompts.lengths[0])
+        if length + max_new_tokens > self.max_context:
+            raise ValueError(
+                f"prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                f"engine's max_context={self.max_context}"
             )
-        prefill_key, decode_key = jax.random.split(checked_key(key))
-        request = Request(
-            id=self._next_id,
-            prompts=prompts,
-            budget_tokens=budget_tokens,
-            budget_ratio=policy.budget_ratio(1),
-            thresholds=policy.thresholds(1),
-            peak_pages=prefill_peak_pages(
-                policy, self.device_config, length, prompts.chunk, self.cache.page_size
-            ),
-            max_new_tokens=max_new_tokens,
-            sampler=sampler,
-            key=decode_key,
-            prefill_key=prefill_key,
-            stop=stop,
-        )
-        self._next_id += 1
-        self._waiting.append(request)
-        return request.id
-
-    def _check_fits_alone(self, policy: Policy, length: int, max_new_tokens: int) -> None:
-        """TooLargeForPoolError when the request's plan needs more pages than the pool has
-        (the policy's own budget checks run first, named)."""
-
-        def needed(new_tokens: int) -> int:
-            return pages_needed_alone(
+        self._checked_chunk(prompts)
+        self._check_fits_alone(
+            f"prompt of {length} tokens",
+            max_new_tokens,
+            lambda new_tokens: pages_needed_alone(
                 policy,
                 self.model.config,
                 length,
@@ -256,8 +398,93 @@ class Engine:
                 self.cache.page_size,
                 self.prefill_chunk,
                 self.device_config,
-            )
+            ),
+        )
+        return self._request(
+            prompts,
+            policy.budget_tokens(prompts.lengths),
+            policy.budget_ratio(1),
+            policy.thresholds(1),
+            prefill_peak_pages(
+                policy, self.device_config, length, prompts.chunk, self.cache.page_size
+            ),
+        )
 
+    def _question_request(self, rows, max_new_tokens: int, held: Context) -> Request:
+        """A request that reads its prompt after the cached context `held` (`submit`)."""
+        check_shared_decode(self.policy, max_new_tokens)
+        lengths = prompt_lengths(self.model, rows)
+        chunk = DEFAULT_PREFILL_CHUNK if self.prefill_chunk is None else self.prefill_chunk
+        prompts = pad_prompts(rows, lengths, chunk)  # as `Session.extend` reads them
+        length = int(lengths[0])
+        if held.tokens + length + max_new_tokens > self.max_context:
+            raise ValueError(
+                f"context {held.id} of {held.tokens} tokens + a prompt of {length} + "
+                f"max_new_tokens={max_new_tokens} exceeds the engine's "
+                f"max_context={self.max_context}"
+            )
+        self._checked_chunk(prompts)
+        context_pages = pages_needed_alone(
+            self.policy,
+            self.model.config,
+            held.tokens,
+            1,
+            self.cache.page_size,
+            self.prefill_chunk,
+            self.device_config,
+        )
+        self._check_fits_alone(
+            f"context {held.id} of {held.tokens} tokens + a prompt of {length}",
+            max_new_tokens,
+            lambda new_tokens: context_pages + self._own_pages(length + new_tokens),
+        )
+        request = self._request(
+            prompts, held.budget_tokens, held.budget_ratio, held.thresholds, self._own_pages(length)
+        )
+        return dataclasses.replace(request, context=held, lane=self.lanes.context_lane(held.row))
+
+    def _own_pages(self, tokens: int) -> int:
+        """The most pages of a device a row attached to a context allocates for `tokens` more
+        tokens (and the copies of the context's partial pages), to its first decode step."""
+        return self._chunk_pages(tokens + 1)
+
+    def _request(self, prompts, budget_tokens, budget_ratio, thresholds, peak_pages) -> Request:
+        return Request(
+            id=-1,
+            prompts=prompts,
+            budget_tokens=budget_tokens,
+            budget_ratio=budget_ratio,
+            thresholds=thresholds,
+            peak_pages=peak_pages,
+            max_new_tokens=1,
+            sampler=Sampler(),
+            key=None,
+            prefill_key=None,
+            stop=frozenset(),
+        )
+
+    def _free_context_row(self) -> int:
+        """A context row for a new context: a free one (in the lane holding the fewest
+        contexts), else the row of the least recently used idle context, dropped now."""
+        free = [row for row, held in enumerate(self._context_rows) if held is None]
+        if free:
+            lane_of = self.lanes.context_lane
+            held = collections.Counter(lane_of(h.row) for h in self._context_rows if h is not None)
+            return min(free, key=lambda row: (held[lane_of(row)], row))
+        idle = [held for held in self._context_rows if held.idle]
+        if not idle:
+            raise ContextsFullError(
+                f"every one of the engine's max_contexts={self.max_contexts} context rows holds "
+                "a context that requests read or wait for: retry later, or drop one"
+            )
+        oldest = min(idle, key=lambda held: held.last_used)
+        self._drop(oldest, reason="evicted")
+        return oldest.row
+
+    def _check_fits_alone(self, what: str, max_new_tokens: int, needed) -> None:
+        """TooLargeForPoolError when the request's plan (`needed(new_tokens)`: its pages with
+        that many new tokens) needs more pages than the pool has (the policy's own budget
+        checks run first, named). what: its prompt, in words."""
         pool = self.cache.num_pages
         pages = needed(max_new_tokens)
         if pages <= pool:
@@ -270,9 +497,9 @@ class Engine:
             else "give a shorter prompt"
         )
         raise TooLargeForPoolError(
-            f"prompt of {length} tokens + max_new_tokens={max_new_tokens} may need {pages} pages "
-            f"with policy {policy.name!r}, more than the pool's num_pages={pool} hold: "
-            f"{advice}, or a larger pool",
+            f"{what} + max_new_tokens={max_new_tokens} may need {pages} pages with policy "
+            f"{self.policy.name!r}, more than the pool's num_pages={pool} hold: {advice}, or a "
+            "larger pool",
             pages_needed=pages,
             num_pages=pool,
             field="max_new_tokens" if fitting else "prompt_ids",
@@ -281,50 +508,99 @@ class Engine:
     def cancel(self, request_id: int) -> bool:
         """Ends a request wherever it is now (queued, prefilling, ready, swapped out or
         running), its pages returned; False if unknown."""
-        for request in list(self._waiting):
-            if request.id == request_id:
-                self._waiting.remove(request)
-                return True
-        for request in list(self._ready):
-            if request.id == request_id:
-                self._ready.remove(request)
-                if request.row is not None:
-                    self._release(prefills=[request.row])
-                return True
-        for row, request in enumerate(self._prefill_rows):
-            if request is not None and request.id == request_id:
-                self._release(prefills=[row])
-                return True
-        for slot, request in enumerate(self._slots):
-            if request is not None and request.id == request_id:
-                self._release(slots=[slot])
-                return True
-        return False
+        everywhere = [*self._waiting, *self._ready, *self._prefill_rows, *self._slots]
+        request = next((r for r in everywhere if r is not None and r.id == request_id), None)
+        if request is None or request.makes_context is not None:
+            return False
+        self._remove(request)
+        self._forget(request)
+        return True
+
+    def _remove(self, request: Request) -> None:
+        """Takes the request out of wherever it is, its pages returned."""
+        if request in self._waiting:
+            self._waiting.remove(request)
+        elif request in self._ready:
+            self._ready.remove(request)
+            if request.row is not None:
+                self._release(prefills=[request.row])
+        elif request in self._prefill_rows:
+            self._release(prefills=[request.row])
+        elif request in self._slots:
+            self._release(slots=[self._slots.index(request)])
+
+    def _forget(self, request: Request) -> None:
+        """A request has ended: its context no longer counts it as a reader (and is dropped if
+        it was deleted and this was its last)."""
+        held = request.context
+        if held is not None and held.id in self._contexts:
+            held.readers.discard(request.id)
+            if held.dropping and not held.readers:
+                self._drop(held)
+
+    def _drop(self, held: Context, reason: str | None = None) -> None:
+        """The context gone, its row's pages returned (or its prefill ended) and, with a
+        `reason` ("evicted", "too_large"), a ContextEvent; requests still waiting for it end
+        "too_large" (it never became ready)."""
+        if held.request is not None:
+            self._remove(held.request)
+            held.request = None
+        elif held.ready:
+            self.executor.release(self.lanes.kv_rows_mask(contexts=[held.row]))
+        self._context_rows[held.row] = None
+        del self._contexts[held.id]
+        self._dropped_hits += held.hits
+        if reason == "evicted":
+            self.contexts_evicted += 1
+        if reason is not None:
+            self._pending.append(ContextEvent(held.id, reason, held.tokens))
+        for request in [r for r in self._waiting if r.context is held]:
+            self._waiting.remove(request)
+            self._pending.append(TokenEvent(request.id, -1, True, "too_large"))
+
+    def _refused(self, request: Request) -> None:
+        """The scheduler refused the request (more pages than the pool, alone): it ends
+        `too_large` (a context it made, too)."""
+        if request.makes_context is not None:
+            self._drop(request.makes_context, reason="too_large")
+            return
+        self._remove(request)
+        self._pending.append(TokenEvent(request.id, -1, True, "too_large"))
+        self._forget(request)
 
     def has_work(self) -> bool:
         held = any(r is not None for r in self._slots + self._prefill_rows)
-        return held or bool(self._waiting) or bool(self._ready)
+        return held or bool(self._waiting) or bool(self._ready) or bool(self._pending)
 
     def stats(self) -> dict:
         """Requests running and waiting (queued, prefilling or prefilled), pages in use and the
         pool's size (every device's), the bytes of a local ring beside the pool (WG-KV's: every
         row's, reserved at creation; 0 without one), the KV bytes held in all (pages in use and
-        ring; host values) and the preemptions so far."""
-        in_rows = sum(r is not None and r.state is None for r in self._prefill_rows)
+        ring; host values) and the preemptions so far; the cached contexts held (being made
+        or ready), the pages of those ready, the requests that named one and the contexts
+        dropped for their pages so far."""
+        queued = [*self._waiting, *(r for r in self._prefill_rows if r is not None)]
+        waiting = sum(r.makes_context is None and r.state is None for r in queued)
         pools = self.lanes.count * self.lanes.devices
         usage = self.executor.usage()
+        held = [c for c in self._contexts.values() if not c.dropping]
         return {
             "running": sum(r is not None for r in self._slots),
-            "waiting": len(self._waiting) + in_rows + len(self._ready),
+            "waiting": waiting + len(self._ready),
             "pages_in_use": usage["pages_in_use"],
             "num_pages": self.cache.num_pages * pools,
             "ring_bytes": usage["ring_bytes"],
             "kv_bytes_in_use": usage["kv_bytes_in_use"],
             "preemptions": self.preemptions,
+            "contexts": len(held),
+            "context_pages": sum(c.pages for c in held if c.ready),
+            "context_hits": sum(c.hits for c in self._contexts.values()) + self._dropped_hits,
+            "contexts_evicted": self.contexts_evicted,
         }
 
-    def stream(self) -> Iterator[TokenEvent]:
-        """Steps until every request has finished, yielding each token as it is produced."""
+    def stream(self) -> Iterator[TokenEvent | ContextEvent]:
+        """Steps until every request has finished (and every context is ready), yielding each
+        event as it is produced."""
         while self.has_work():
             yield from self.step()
 
@@ -332,28 +608,25 @@ class Engine:
         """Steps until every request has finished; each request's tokens."""
         tokens: dict[int, list[int]] = collections.defaultdict(list)
         for event in self.stream():
-            if event.token >= 0:
+            if isinstance(event, TokenEvent) and event.token >= 0:
                 tokens[event.request_id].append(event.token)
         return dict(tokens)
 
     # --- the step: plan, execute ------------------------------------------------------------
 
-    def step(self) -> list[TokenEvent]:
+    def step(self) -> list[TokenEvent | ContextEvent]:
         """One step: the scheduler's plan of each lane (`jaxkv.engine.scheduler.plan_step`)
-        from what the engine holds now, executed in its order (refusals, preemptions,
-        admissions, a decode step of every running request, a chunk of every prefill row it
-        reads); the tokens produced."""
+        from what the engine holds now, executed in its order (idle contexts dropped,
+        refusals, preemptions, admissions, a decode step of every running request, a chunk of
+        every prefill row it reads); the tokens produced, and what became of cached contexts
+        (`ContextEvent`)."""
         plan, started, refused = self._plan()
-        events: list[TokenEvent] = []
+        for row in plan.drop_contexts:
+            self._drop(self._context_rows[row], reason="evicted")
         for request in refused:
-            self._waiting.remove(request)
-            events.append(TokenEvent(request.id, -1, True, "too_large"))
+            self._refused(request)
         for order in plan.refuse:
-            request = next(r for r in self._ready if r.order == order)
-            self._ready.remove(request)
-            if request.row is not None:
-                self._release(prefills=[request.row])
-            events.append(TokenEvent(request.id, -1, True, "too_large"))
+            self._refused(next(r for r in self._ready if r.order == order))
         for slot in plan.preempt:
             self._swap_out(self._slots[slot], slot=slot)
         for row in plan.swap_out:
@@ -363,9 +636,9 @@ class Engine:
         for request in reversed(aborted):
             request.read = 0
             self._waiting.appendleft(request)
-        ended = [self._slots[slot] for slot in plan.too_large]
-        self._release(slots=plan.too_large)
-        events += [TokenEvent(request.id, -1, True, "too_large") for request in ended]
+        for request in [self._slots[slot] for slot in plan.too_large]:
+            self._refused(request)
+        events, self._pending = self._pending, []
         for order, slot in plan.admit:
             self._admit(next(r for r in self._ready if r.order == order), slot)
         if plan.decode:
@@ -377,6 +650,8 @@ class Engine:
                 self._start_prefill(request, row)
             with compiling_as("the engine's prefill chunk"):
                 self._read_chunks(sorted(plan.prefill + tuple(row for row, _ in started)), events)
+        events += self._pending
+        self._pending = []
         return events
 
     def _plan(self) -> tuple[Plan, list[tuple[int, Request]], list[Request]]:
@@ -384,14 +659,17 @@ class Engine:
         the emptiest), drawing on the queue and the swapped-out requests in turn; merged into
         one plan of global slots and rows, with the queued requests that start (row, request)
         and those refused."""
-        held, growth, free = self.executor.row_pages()
+        held, own, growth, free = self.executor.row_pages()
         self._record_held_pages(held)
-        held, growth, free = held.max(axis=1), growth.max(axis=1), free.min(axis=1)
+        own, growth, free = own.max(axis=1), growth.max(axis=1), free.min(axis=1)
         queue = list(self._waiting)
         swapped = [r for r in self._ready if r.row is None]
         plans, started, refused = [], [], []
         for lane in sorted(range(self.lanes.count), key=lambda lane: -free[lane]):
-            view, head = self._view(lane, held[lane], growth[lane], int(free[lane]), queue, swapped)
+            startable = [r for r in queue if self._may_start(r, lane)]
+            view, head = self._view(
+                lane, own[lane], growth[lane], int(free[lane]), startable, swapped
+            )
             plan = plan_step(view)
             gone = [head[i] for i in plan.refuse_waiting]
             starting = [r for r in head if r not in gone][: len(plan.start)]
@@ -410,6 +688,12 @@ class Engine:
         )
         return merged, started, refused
 
+    def _may_start(self, request: Request, lane: int) -> bool:
+        """Whether a queued request may start in `lane` now (its context's lane, once the
+        context is ready)."""
+        in_lane = request.lane is None or request.lane == lane
+        return in_lane and (request.context is None or request.context.ready)
+
     def _record_held_pages(self, held: np.ndarray) -> None:
         """Each request in a slot or a prefill row: the pages it holds now, every device's
         (held: [lanes, devices, rows]), for the bytes its last token reports."""
@@ -424,8 +708,9 @@ class Engine:
                 request.held_pages = int(held[lane, :, row].sum())
 
     def _view(self, lane, held, growth, free, queue, swapped) -> tuple[View, list[Request]]:
-        """What the scheduler sees of `lane` (its kv rows' pages `held`, `growth`; its free
-        pages), with the unclaimed swapped-out requests and the queue's head."""
+        """What the scheduler sees of `lane` (the pages its kv rows alone hold, `held`, and
+        may add, `growth`; its free pages), with the unclaimed swapped-out requests, the queue's
+        head (of those that may start in it) and its idle contexts."""
         lanes = self.lanes
         running = tuple(
             Running(
@@ -469,6 +754,11 @@ class Engine:
             row for row in lanes.lane_prefills(lane) if self._prefill_rows[row] is None
         )
         head = queue[: len(free_rows)]
+        idle = tuple(
+            IdleContext(row, c.last_used, int(held[lanes.context_kv_row(row)]))
+            for row in lanes.lane_contexts(lane)
+            if (c := self._context_rows[row]) is not None and c.idle
+        )
         view = View(
             running=running,
             ready=tuple(sorted(ready, key=lambda r: r.order)),
@@ -479,6 +769,7 @@ class Engine:
             free_pages=free,
             num_pages=self.cache.num_pages,
             max_batched_tokens=self.max_batched_tokens,
+            idle_contexts=idle,
         )
         return view, head
 
@@ -488,32 +779,68 @@ class Engine:
         return heads(self.device_config) * (-(-tokens // self.cache.page_size) + 1)
 
     def _start_prefill(self, request: Request, row: int) -> None:
+        """The request into prefill `row` (a request on a context: the row attached to it)."""
         if request.order < 0:
             request.order = self._started
             self._started += 1
         request.row, request.read = row, 0
         self._prefill_rows[row] = request
+        if request.context is not None:
+            lanes = self.lanes
+            with compiling_as("the engine's context attachment"):
+                self.executor.attach(
+                    lanes.prefill_lane(row),
+                    lanes.context_kv_row(request.context.row),
+                    lanes.prefill_kv_row(row),
+                )
 
-    def _read_chunks(self, rows: list[int], events: list[TokenEvent]) -> None:
-        """One chunk of each prefill row in `rows`, in one program: each lane reads R rows
-        (a power of two, at most its rows), its own padded with its other rows, which read
-        nothing; then the compression and first token of each row whose prompt is read."""
+    def _read_chunks(self, rows: list[int], events: list) -> None:
+        """One chunk of each prefill row in `rows` (`_read_group`); then the compression and
+        first token of each row whose prompt is read. Where the policy evicts chunks, rows
+        reading a question over a cached context run apart, without chunk eviction (which
+        would evict the context's shared pages), and never pad the others' program."""
+        if self.policy.chunk_eviction is None:
+            self._read_group(rows, events, evict_chunks=True, may_pad=lambda row: True)
+            return
+        questions = [row for row in rows if self._prefill_rows[row].context is not None]
+        prompts = [row for row in rows if row not in questions]
+        if prompts:
+            self._read_group(prompts, events, evict_chunks=True, may_pad=self._holds_no_question)
+        if questions:
+            self._read_group(questions, events, evict_chunks=False, may_pad=lambda row: True)
+
+    def _holds_no_question(self, row: int) -> bool:
+        request = self._prefill_rows[row]
+        return request is None or request.context is None
+
+    def _read_group(self, rows: list[int], events: list, *, evict_chunks: bool, may_pad) -> None:
+        """One chunk of each prefill row in `rows`, in one program: each lane reads R rows (a
+        power of two, at most its rows), its own padded with its other rows that `may_pad`,
+        which read nothing (fewer, and rows left to the next step, where too few may)."""
         lanes = self.lanes
         per_lane = [
             [row for row in rows if lanes.prefill_lane(row) == lane] for lane in range(lanes.count)
         ]
-        width = min(next_power_of_two(max(map(len, per_lane))), lanes.prefills)
-        batch = []
-        for lane, reading in enumerate(per_lane):
-            others = sorted(
-                (row for row in lanes.lane_prefills(lane) if row not in reading),
-                key=lambda row: self._prefill_rows[row] is not None,  # empty rows first
+        pads = [
+            sorted(
+                (r for r in lanes.lane_prefills(lane) if r not in reading and may_pad(r)),
+                key=lambda r: self._prefill_rows[r] is not None,  # empty rows first
             )
-            batch += reading + others[: width - len(reading)]
-        counts = [self._prefill_rows[row].next_chunk if row in rows else 0 for row in batch]
+            for lane, reading in enumerate(per_lane)
+        ]
+        width = min(next_power_of_two(max(map(len, per_lane))), lanes.prefills)
+        width = min(width, *(len(r) + len(p) for r, p in zip(per_lane, pads, strict=True)))
+        batch, reading = [], set()
+        for lane_rows, pad in zip(per_lane, pads, strict=True):
+            batch += lane_rows[:width] + pad[: width - len(lane_rows[:width])]
+            reading.update(lane_rows[:width])
+        if not reading:
+            return
+        counts = [self._prefill_rows[row].next_chunk if row in reading else 0 for row in batch]
         chunk = max(16, next_power_of_two(max(counts)))
         tokens = np.zeros((len(batch), chunk), np.int32)
         starts, lengths = np.zeros(len(batch), np.int32), np.zeros(len(batch), np.int32)
+        offsets = np.zeros(len(batch), np.int32)
         template = self._prefill_rows[rows[0]]
         budget = np.zeros((len(batch),) + template.budget_tokens.shape[1:], np.int32)
         thresholds = np.zeros((len(batch),) + template.thresholds.shape[1:], np.float32)
@@ -522,7 +849,7 @@ class Engine:
             if request is None:
                 continue
             read = min(request.read, request.length)
-            starts[i], lengths[i] = read, request.length
+            starts[i], lengths[i], offsets[i] = read, request.length, request.offset
             tokens[i, :count] = request.prompts.tokens[0, read : read + count]
             budget[i], thresholds[i] = request.budget_tokens[0], request.thresholds[0]
         self.executor.read_chunks(
@@ -531,8 +858,10 @@ class Engine:
             starts,
             np.asarray(counts, np.int32),
             lengths,
+            offsets,
             budget,
             thresholds,
+            evict_chunks=evict_chunks,
         )
         for row, count in zip(batch, counts, strict=True):
             request = self._prefill_rows[row]
@@ -541,13 +870,18 @@ class Engine:
                 if request.read == request.length:
                     self._finish_prefill(request, events)
 
-    def _finish_prefill(self, request: Request, events: list[TokenEvent]) -> None:
-        """The policy's compression of the request's prefilled row and its first token; it
-        then waits for a slot, in its row (or ends, if that token ends it)."""
+    def _finish_prefill(self, request: Request, events: list) -> None:
+        """The policy's compression of the request's prefilled row (none for a question over a
+        cached context) and its first token; it then waits for a slot, in its row (or ends, if
+        that token ends it). A request that makes a context moves into its context row."""
+        if request.makes_context is not None:
+            self._finish_context(request, events)
+            return
+        compress = request.context is None
         compression = self.policy.prompt_compression
-        reads_prompt = compression is not None and compression.needs_prompt_tokens
+        reads_prompt = compress and compression is not None and compression.needs_prompt_tokens
         row = Rows.start(
-            prompt_lengths=[request.length],
+            prompt_lengths=[request.offset + request.length],
             budget_tokens=request.budget_tokens,
             budget_ratio=request.budget_ratio,
             thresholds=request.thresholds,
@@ -558,11 +892,12 @@ class Engine:
             self.lanes.prefill_lane(request.row),
             self.lanes.prefill_kv_row(request.row),
             request.prompts.tokens[0] if reads_prompt else np.zeros((1,), np.int32),
-            request.length,
+            request.offset + request.length,
             request.budget_tokens[0],
             request.thresholds[0],
             request.prefill_key,
             row,
+            compress=compress,
         )
         if request.ends_with(token):
             self._record_held_pages(self.executor.row_pages()[0])  # what it ends with
@@ -571,6 +906,42 @@ class Engine:
         else:
             self._ready.append(request)
             self._ready.sort(key=lambda r: r.order)
+
+    def _finish_context(self, request: Request, events: list) -> None:
+        """A context's prefilled row compressed and moved into its context row: it is ready."""
+        lanes, held = self.lanes, request.makes_context
+        compression = self.policy.prompt_compression
+        reads_prompt = compression is not None and compression.needs_prompt_tokens
+        lane, kv_row = lanes.prefill_lane(request.row), lanes.prefill_kv_row(request.row)
+        _, _, compressed = self.executor.finish_row(
+            lane,
+            kv_row,
+            request.prompts.tokens[0] if reads_prompt else np.zeros((1,), np.int32),
+            request.length,
+            request.budget_tokens[0],
+            request.thresholds[0],
+            request.prefill_key,
+            None,
+        )
+        with compiling_as("the engine's admission"):
+            self.executor.move(lane, kv_row, lanes.context_kv_row(held.row))
+        self._prefill_rows[request.row] = None
+        request.row, held.request, held.ready = None, None, True
+        pages = self.executor.row_pages()[0]
+        held.pages = int(pages[lane, :, lanes.context_kv_row(held.row)].sum())
+        page_bytes = self.executor.page_bytes
+        events.append(
+            ContextEvent(
+                held.id,
+                "ready",
+                held.tokens,
+                kv_bytes=held.pages * page_bytes,
+                full_kv_bytes=self._full_pages(held.tokens) * page_bytes,
+                compressed=compressed,
+            )
+        )
+        if held.dropping and not held.readers:
+            self._drop(held)
 
     def _admit(self, request: Request, slot: int) -> None:
         """Moves a ready request into `slot`: its row's pages (no copy) or its swapped-out
@@ -631,19 +1002,24 @@ class Engine:
         events.append(event)
         if reason is not None and slot is not None:
             self._release(slots=[slot])
+        if reason is not None:
+            self._forget(request)
         return reason is not None
 
     def _bytes_held(self, request: Request) -> dict:
         """The finished request's `kv_bytes` (its pages after its last step) and `full_kv_bytes`
         (the full cache's pages for its prompt and generated tokens, the last unwritten)."""
-        cfg, page_size = self.model.config, self.cache.page_size
         page_bytes = self.executor.page_bytes
-        written = request.length + len(request.generated) - 1
-        full_pages = cfg.num_layers * cfg.num_kv_heads * -(-written // page_size)
+        written = request.offset + request.length + len(request.generated) - 1
         return {
             "kv_bytes": request.held_pages * page_bytes,
-            "full_kv_bytes": full_pages * page_bytes,
+            "full_kv_bytes": self._full_pages(written) * page_bytes,
         }
+
+    def _full_pages(self, tokens: int) -> int:
+        """Pages the full cache holds for `tokens` tokens (every head's)."""
+        cfg = self.model.config
+        return cfg.num_layers * cfg.num_kv_heads * -(-tokens // self.cache.page_size)
 
     def _release(self, slots: Sequence[int] = (), prefills: Sequence[int] = ()) -> None:
         """These slots' and prefill rows' pages back to the pool, the rows empty."""

@@ -81,16 +81,31 @@ class Executor:
         """Bytes one page of the pool holds."""
         return self.kv.pool.page_bytes
 
-    def row_pages(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per lane [lanes, devices, rows]: the pages each kv row holds, those its next decode
-        step may add, and [lanes, devices] the pool's free pages."""
-        held, growth, free = programs.row_pages(self.placement, kv=self.kv)
-        return tuple(self.lanes.per_lane(x) for x in (held, growth, free))
+    def row_pages(self) -> tuple[np.ndarray, ...]:
+        """Per lane [lanes, devices, rows]: the pages each kv row names (shared ones too),
+        those it alone names (what releasing it frees), those its next decode step may add, and
+        [lanes, devices] the pool's free pages."""
+        counts = programs.row_pages(self.placement, kv=self.kv)
+        return tuple(self.lanes.per_lane(x) for x in counts)
 
-    def read_chunks(self, kv_rows, tokens, starts, counts, lengths, budget_tokens, thresholds):
+    def read_chunks(
+        self,
+        kv_rows,
+        tokens,
+        starts,
+        counts,
+        lengths,
+        offsets,
+        budget_tokens,
+        thresholds,
+        *,
+        evict_chunks: bool,
+    ):
         """One chunk of each given kv row (prefill rows, lane after lane, the same count a lane)
         in one forward pass: tokens int32 [R, C], read from `starts` [R], `counts` [R] of them
-        (0: a row that reads nothing), of prompts `lengths` [R] long."""
+        (0: a row that reads nothing), of prompts `lengths` [R] long whose first token is at
+        position `offsets` [R] (a question's: after its context); the chunk eviction runs where
+        `evict_chunks`."""
         self.kv, self._carry = programs.prefill_rows(
             self.placement,
             model=self.model,
@@ -101,26 +116,42 @@ class Executor:
             starts=starts,
             counts=counts,
             lengths=lengths,
+            offsets=offsets,
             budget_tokens=budget_tokens,
             thresholds=thresholds,
             policy_params=self.policy_params,
             policy=self.policy,
             backend=self.backend,
+            evict_chunks=evict_chunks,
         )
         self.kv.check()
 
-    def finish_row(self, lane, kv_row, tokens, length, budget, thresholds, prefill_key, row: Rows):
-        """The policy's compression of a prefill row whose prompt is read, and its first token:
-        (token, the row state after it, whether the prompt was compressed). tokens: the prompt
-        (read by a compression that replays it) or a placeholder; budget, thresholds: its
-        request's row of each; row: its row state before the first token (one row)."""
+    def finish_row(
+        self,
+        lane,
+        kv_row,
+        tokens,
+        length,
+        budget,
+        thresholds,
+        prefill_key,
+        row: Rows | None,
+        *,
+        compress: bool = True,
+    ):
+        """The policy's compression of a prefill row whose prompt is read (unless not
+        `compress`: a question over a cached context), and its first token: (token, the row
+        state after it, whether any head holds fewer than the `length` tokens the row read).
+        tokens: the prompt (read by a compression that replays it) or a placeholder; budget,
+        thresholds: its request's row of each; row: its row state before the first token (one
+        row), or None for a context, which samples no token (token and state are then None)."""
         lanes = self.lanes
         self.kv, last_hidden, compressed = programs.finish_row(
             self.placement,
             model=self.model,
             kv=self.kv,
             carry=self._carry,
-            row=lanes.one_lane(lane, kv_row, lanes.slots),
+            row=lanes.one_lane(lane, kv_row, lanes.slots + lanes.contexts),  # a prefill row
             active=lanes.active(lane),
             tokens=lanes.one_lane(lane, tokens, np.zeros_like(tokens)),
             length=lanes.one_lane(lane, length, 1),
@@ -128,10 +159,38 @@ class Executor:
             thresholds=lanes.one_lane(lane, thresholds, thresholds),
             key=prefill_key,
             policy=self.policy,
+            compress=compress,
         )
         self.kv.check()
+        compressed = bool(lanes.lane_value(compressed, lane))
+        if row is None:
+            return None, None, compressed
         token, state = programs.first_token(self.model, lanes.lane_value(last_hidden, lane), row)
-        return int(token), jax.device_get(state), bool(lanes.lane_value(compressed, lane))
+        return int(token), jax.device_get(state), compressed
+
+    def move(self, lane: int, source: int, destination: int) -> None:
+        """kv row `source`'s pages to the empty kv row `destination` of `lane` (no copy)."""
+        lanes = self.lanes
+        self.kv = programs.move(
+            self.placement,
+            kv=self.kv,
+            source=lanes.one_lane(lane, source, 0),
+            destination=lanes.one_lane(lane, destination, 0),
+            active=lanes.active(lane),
+        )
+
+    def attach(self, lane: int, context: int, destination: int) -> None:
+        """The empty kv row `destination` of `lane` attached to its context kv row `context`
+        (the context's full pages shared, its partial pages copied)."""
+        lanes = self.lanes
+        self.kv = programs.attach(
+            self.placement,
+            kv=self.kv,
+            context=lanes.one_lane(lane, context, 0),
+            destination=lanes.one_lane(lane, destination, 0),
+            active=lanes.active(lane),
+        )
+        self.kv.check()
 
     def admit(self, lane: int, slot_kv_row: int, row: Rows, *, source=None, swapped=None):
         """A ready row into a slot: the pages of prefill kv row `source` (no copy) or a
@@ -139,13 +198,7 @@ class Executor:
         lanes = self.lanes
         destination = lanes.one_lane(lane, slot_kv_row, 0)
         if source is not None:
-            self.kv = programs.move(
-                self.placement,
-                kv=self.kv,
-                source=lanes.one_lane(lane, source, 0),
-                destination=destination,
-                active=lanes.active(lane),
-            )
+            self.move(lane, source, slot_kv_row)
         else:
             self.kv = programs.swap_in(
                 self.placement,
@@ -177,7 +230,7 @@ class Executor:
         """The kv row's state copied to the host and its pages freed: (its one-row state
         [devices, ...], its (held, growth) pages, its row state when it is a `slot`'s)."""
         lanes = self.lanes
-        held, growth, _ = (x[lane].max(axis=0) for x in self.row_pages())
+        held, _, growth, _ = (x[lane].max(axis=0) for x in self.row_pages())
         held, growth = int(held[kv_row]), int(growth[kv_row])
         self.kv, alone = programs.swap_out(
             self.placement,

@@ -1,10 +1,12 @@
 """Where the engine's slots and prefill rows lie: on one device, or over a (data, model) mesh as
 `generate` lays out a batch (`jaxkv.sharding`: data shards hold rows, model shards KV heads).
 
-Each data shard is a *lane*: its devices hold `slots` decode slots and `prefills` prefill rows
-of the engine (kv rows [0, slots) then [slots, slots + prefills) of each device's state) and a
-pool of their own, one per device. The engine numbers slots and prefill rows globally, lane
-after lane; a program's ROWS argument is a host array over every lane's rows in that order.
+Each data shard is a *lane*: its devices hold `slots` decode slots, `contexts` context rows
+(cached contexts that questions attach to) and `prefills` prefill rows of the engine (kv rows
+[0, slots), then the contexts', then the prefill rows', last, of each device's state) and a
+pool of their own, one per device. The engine numbers slots, context rows and prefill rows
+globally, lane after lane; a program's ROWS argument is a host array over every lane's rows in
+that order.
 Host code only (numpy).
 """
 
@@ -24,12 +26,13 @@ class Lanes:
 
     Attributes:
       mesh: the mesh, or None on one device (one lane).
-      slots, prefills: decode slots and prefill rows of each lane.
+      slots, prefills, contexts: decode slots, prefill rows and context rows of each lane.
     """
 
     mesh: InferenceMesh | None
     slots: int
     prefills: int
+    contexts: int = 0
 
     @property
     def count(self) -> int:
@@ -42,8 +45,8 @@ class Lanes:
 
     @property
     def rows(self) -> int:
-        """kv rows of a device: its lane's slots, then its prefill rows."""
-        return self.slots + self.prefills
+        """kv rows of a device: its lane's slots, context rows, then its prefill rows."""
+        return self.slots + self.contexts + self.prefills
 
     def slot_lane(self, slot: int) -> int:
         return slot // self.slots
@@ -51,19 +54,29 @@ class Lanes:
     def prefill_lane(self, row: int) -> int:
         return row // self.prefills
 
+    def context_lane(self, row: int) -> int:
+        return row // self.contexts
+
     def slot_kv_row(self, slot: int) -> int:
         """The kv row of a (global) slot, in its lane's devices."""
         return slot % self.slots
 
     def prefill_kv_row(self, row: int) -> int:
         """The kv row of a (global) prefill row, in its lane's devices."""
-        return self.slots + row % self.prefills
+        return self.slots + self.contexts + row % self.prefills
+
+    def context_kv_row(self, row: int) -> int:
+        """The kv row of a (global) context row, in its lane's devices."""
+        return self.slots + row % self.contexts
 
     def lane_slots(self, lane: int) -> range:
         return range(lane * self.slots, (lane + 1) * self.slots)
 
     def lane_prefills(self, lane: int) -> range:
         return range(lane * self.prefills, (lane + 1) * self.prefills)
+
+    def lane_contexts(self, lane: int) -> range:
+        return range(lane * self.contexts, (lane + 1) * self.contexts)
 
     def one_lane(self, lane: int, value, fill) -> np.ndarray:
         """A ROWS argument of one row a lane: `value` in `lane`'s, `fill` in the others'."""
@@ -74,14 +87,16 @@ class Lanes:
         """bool [lanes]: only `lane` is active."""
         return np.arange(self.count) == lane
 
-    def kv_rows_mask(self, slots=(), prefills=()) -> np.ndarray:
-        """bool [lanes * rows]: the kv rows of these (global) slots and prefill rows, lane
-        after lane (a ROWS argument)."""
+    def kv_rows_mask(self, slots=(), prefills=(), contexts=()) -> np.ndarray:
+        """bool [lanes * rows]: the kv rows of these (global) slots, prefill rows and context
+        rows, lane after lane (a ROWS argument)."""
         mask = np.zeros((self.count, self.rows), bool)
         for slot in slots:
             mask[self.slot_lane(slot), self.slot_kv_row(slot)] = True
         for row in prefills:
             mask[self.prefill_lane(row), self.prefill_kv_row(row)] = True
+        for row in contexts:
+            mask[self.context_lane(row), self.context_kv_row(row)] = True
         return mask.reshape(-1)
 
     def per_device(self, value) -> np.ndarray:

@@ -1,5 +1,6 @@
 """The engine's programs, over one KV state per device whose rows are the decode slots
-[0, S) then the prefill rows [S, S + P) of the device's lane, all in the device's pool. On a
+[0, S), the context rows [S, S + X) and the prefill rows [S + X, S + X + P) of the device's
+lane, all in the device's pool. On a
 (data, model) mesh each data shard is a lane with its own slots, prefill rows and pool (its
 model shards hold its KV heads); on one device there is one lane. Each program runs on the rows
 it is given (`jaxkv.cache.rows.take_rows`, then `put_rows`) and donates the state, so a step
@@ -12,10 +13,12 @@ per lane: the other lanes run the identity.
 
 Programs and what each compiles for (`Engine`'s docstring counts them):
 - `decode_slots`: one decode step of every lane's slots (`generate`'s `decode_and_sample`).
-- `prefill_rows`: a chunk of R prefill rows a lane (tokens [R, C]): per (R, C) bucket.
+- `prefill_rows`: a chunk of R prefill rows a lane (tokens [R, C]): per (R, C) bucket, for
+  prompts and for questions over a cached context (no chunk eviction).
 - `finish_row`: a prefilled row's compression (per prompt bucket for a compression that reads
-  the prompt's tokens, KVzip's).
-- `row_pages`, `start_rows`, `move`, `release`, `insert_rows`, `take_row_state`: once.
+  the prompt's tokens, KVzip's; once more for a question, which is not compressed).
+- `row_pages`, `start_rows`, `move`, `attach`, `release`, `insert_rows`, `take_row_state`:
+  once.
 - `swap_out`, `swap_in`: per bucket of the swapped request's pages.
 `first_token` (a one-row sample from the hidden state) is a plain jit.
 """
@@ -27,7 +30,15 @@ import jax.numpy as jnp
 
 from jaxkv.cache import KVState
 from jaxkv.cache.repack import repack
-from jaxkv.cache.rows import insert_row, move_row, put_rows, release_rows, take_rows
+from jaxkv.cache.rows import (
+    attach_row,
+    insert_row,
+    move_row,
+    own_pages,
+    put_rows,
+    release_rows,
+    take_rows,
+)
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.generation.observations import (
     PrefillCarry,
@@ -48,7 +59,7 @@ def _if_active(active, change, *operands):
 
 
 def _carry_index(kv: KVState, carry: PrefillCarry, rows):
-    """The carry rows of kv rows `rows` (prefill rows follow the slots)."""
+    """The carry rows of kv rows `rows` (the prefill rows are the last)."""
     return rows - (kv.page_table.shape[1] - carry.last_hidden.shape[0])
 
 
@@ -73,7 +84,7 @@ def decode_slots(model, kv, tokens, active, rows: Rows, policy_params, *, policy
 
 
 @program(
-    static=("policy", "backend"),
+    static=("policy", "backend", "evict_chunks"),
     donate=("kv", "carry"),
     model=MODEL,
     kv=SHARD,
@@ -83,6 +94,7 @@ def decode_slots(model, kv, tokens, active, rows: Rows, policy_params, *, policy
     starts=ROWS,
     counts=ROWS,
     lengths=ROWS,
+    offsets=ROWS,
     budget_tokens=ROWS,
     thresholds=ROWS,
     policy_params=POLICY_PARAMS,
@@ -96,17 +108,21 @@ def prefill_rows(
     starts,
     counts,
     lengths,
+    offsets,
     budget_tokens,
     thresholds,
     policy_params,
     *,
     policy,
     backend,
+    evict_chunks,
 ):
     """One chunk of each of `rows` (int32 [R], kv rows, distinct, prefill rows): row r reads
-    tokens[r, :counts[r]], its prompt's tokens starts[r] onwards (`read_chunk`; a row with
-    counts 0 reads nothing); a row with starts 0 and counts > 0 starts a prefill (its carry
-    fresh). Returns (kv, carry)."""
+    tokens[r, :counts[r]], its prompt's tokens starts[r] onwards, at positions offsets[r]
+    onwards (`read_chunk`; a row with counts 0 reads nothing); a row with starts 0 and
+    counts > 0 starts a prefill (its carry fresh). `evict_chunks`: whether the policy's chunk
+    eviction runs (not over a question, whose row shares a context's pages). Returns (kv,
+    carry)."""
     index = _carry_index(kv, carry, rows)
     part = carry_rows(carry, index)
     fresh = initial_carry(model, rows.shape[0], policy)
@@ -117,7 +133,7 @@ def prefill_rows(
         starts,
         counts,
         lengths,
-        jnp.zeros_like(starts),
+        offsets,
         budget_tokens,
         thresholds,
         take_rows(kv, rows),
@@ -125,13 +141,13 @@ def prefill_rows(
         policy_params,
         policy=policy,
         backend=backend,
-        evict_chunks=True,
+        evict_chunks=evict_chunks,
     )
     return put_rows(kv, rows, view), put_carry_rows(carry, index, part)
 
 
 @program(
-    static=("policy",),
+    static=("policy", "compress"),
     donate=("kv",),
     model=MODEL,
     kv=SHARD,
@@ -157,15 +173,16 @@ def finish_row(
     key,
     *,
     policy,
+    compress,
 ):
     """The policy's compression of a prefilled row (int32 [1], a kv row) of the active lane,
     from what its prefill observed (`compress_observed`; tokens [1, T] its prompt where the
-    compression reads it). Returns (kv, last_hidden [1, D], whether any head holds fewer than
-    its `length` tokens)."""
+    compression reads it; none unless `compress`: a question over a cached context). Returns
+    (kv, last_hidden [1, D], whether any head holds fewer than the `length` tokens it read)."""
     index = _carry_index(kv, carry, row)
     observed = carry_rows(carry, index)
 
-    def compress(kv):
+    def compressed_row(kv):
         part, _ = compress_observed(
             model,
             tokens,
@@ -180,7 +197,8 @@ def finish_row(
         )
         return put_rows(kv, row, part)
 
-    kv = _if_active(active, compress, kv)
+    if compress:
+        kv = _if_active(active, compressed_row, kv)
     compressed = jnp.any(take_rows(kv, row).tokens_held() < length[0])
     return kv, observed.last_hidden, compressed
 
@@ -195,12 +213,13 @@ def first_token(model, last_hidden, row: Rows):
 
 
 @program(kv=SHARD)
-def row_pages(kv: KVState) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """int32 [B] each row's pages held and the pages its next decode step may allocate (one
-    per (layer, KV head) whose last page is full), and the free pages []."""
+def row_pages(kv: KVState) -> tuple[jax.Array, ...]:
+    """int32 [B] each row's pages named (shared ones too), those it alone names (what its
+    release frees), the pages its next decode step may allocate (one per (layer, KV head)
+    whose last page is full), and the free pages []."""
     held = jnp.sum(kv.page_table >= 0, axis=(0, 2, 3))
     full = kv.full_precision_lengths() % kv.pool.page_size == 0
-    return held, jnp.sum(full, axis=(0, 2)), kv.pool.allocator.num_free
+    return held, own_pages(kv), jnp.sum(full, axis=(0, 2)), kv.pool.allocator.num_free
 
 
 @program(static=("batch",), row=SAME)
@@ -213,6 +232,13 @@ def start_rows(row: Rows, *, batch: int) -> Rows:
 def move(kv: KVState, source, destination, active) -> KVState:
     """The active lane's kv row `source` moved to row `destination` ([1] each; `move_row`)."""
     return _if_active(active, lambda kv: move_row(kv, source[0], destination[0]), kv)
+
+
+@program(donate=("kv",), kv=SHARD, context=ROWS, destination=ROWS, active=ROWS)
+def attach(kv: KVState, context, destination, active) -> KVState:
+    """The active lane's empty kv row `destination` attached to context row `context` ([1]
+    each; `attach_row`: the context's full pages shared, its partial pages copied)."""
+    return _if_active(active, lambda kv: attach_row(kv, context[0], destination[0]), kv)
 
 
 @program(donate=("kv",), kv=SHARD, rows=ROWS)

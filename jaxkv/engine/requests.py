@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jaxkv.cache import KVState
+from jaxkv.engine.contexts import Context
 from jaxkv.generation.request import Prompts
 from jaxkv.sampling import Sampler
 from jaxkv.step.rows import Rows
@@ -67,6 +68,9 @@ class Request:
     Where it is: in the queue; in prefill row `row` (reading its prompt, `read` tokens so far,
     until `state` is set); ready (`state` set: its row state after its first token), in its
     prefill row or swapped out to the host (`swapped`: its one-row KV state); in a slot.
+    A request on a cached `context` reads its prompt (the question) after the context's tokens
+    (`offset` positions), in the context's lane; a request that `makes_context` prefills one
+    (it samples no token: its row moves into the context's row).
     """
 
     id: int
@@ -89,6 +93,14 @@ class Request:
     state: Rows | None = None
     swapped: KVState | None = None
     swapped_pages: tuple[int, int] = (0, 0)  # (held, growth) of its swapped-out state
+    context: Context | None = None  # the cached context it reads
+    makes_context: Context | None = None  # the cached context it prefills
+    lane: int | None = None  # the lane it must run in (its context's), None: any
+
+    @property
+    def offset(self) -> int:
+        """Positions before its prompt: its context's tokens (0 without one)."""
+        return 0 if self.context is None else self.context.tokens
 
     @property
     def length(self) -> int:

@@ -25,6 +25,9 @@ token sampled; in its prefill row, or swapped out to the host after a preemption
    step's; a request starts only when the most pages it may hold until its first decode step
    fit beside what the prefills in flight may still allocate (so they never wait on each
    other).
+Cached contexts (`Engine.add_context`) hold pages too: one that no request reads or waits for
+is idle, and idle contexts are dropped, least recently used first, whenever steps 1, 2 or 4
+need their pages, before any request is preempted (`drop_contexts`).
 """
 
 from __future__ import annotations
@@ -83,6 +86,16 @@ class Waiting:
 
 
 @dataclasses.dataclass(frozen=True)
+class IdleContext:
+    """A cached context no request reads or waits for: its context row, when it was last used
+    (a count that grows), and the pages dropping it frees."""
+
+    row: int
+    last_used: int
+    pages: int
+
+
+@dataclasses.dataclass(frozen=True)
 class View:
     """What the scheduler sees of the engine at the start of a step (host numbers).
 
@@ -92,6 +105,7 @@ class View:
       free_slots, free_rows: the slots and the prefill rows no request holds.
       free_pages, num_pages: the pool's free pages and size.
       max_batched_tokens: the tokens one step may run (decode rows count one each).
+      idle_contexts: the cached contexts that may be dropped for their pages.
     """
 
     running: tuple[Running, ...]
@@ -103,6 +117,7 @@ class View:
     free_pages: int
     num_pages: int
     max_batched_tokens: int
+    idle_contexts: tuple[IdleContext, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +125,7 @@ class Plan:
     """What a step does (`jaxkv.engine.Engine.step` executes it in this order).
 
     Attributes:
+      drop_contexts: context rows of idle contexts dropped, their pages freed, first.
       refuse: orders of ready requests whose pages and first step exceed the pool: they end
         `too_large`.
       refuse_waiting: indices in `View.waiting` of queued requests whose prefill's peak exceeds
@@ -125,6 +141,7 @@ class Plan:
         reads its first chunk in this step).
     """
 
+    drop_contexts: tuple[int, ...] = ()
     refuse: tuple[int, ...] = ()
     refuse_waiting: tuple[int, ...] = ()
     preempt: tuple[int, ...] = ()
@@ -143,6 +160,17 @@ def plan_step(view: View) -> Plan:
     running = list(view.running)
     ready = sorted(view.ready, key=lambda r: r.order)
     prefilling = list(view.prefilling)
+    idle = sorted(view.idle_contexts, key=lambda c: c.last_used)
+    dropped = []
+
+    def room_for(pages: int) -> bool:
+        """Whether `pages` are free, once idle contexts are dropped (oldest first) for them."""
+        nonlocal free
+        while free < pages and idle:
+            context = idle.pop(0)
+            dropped.append(context.row)
+            free += context.pages
+        return free >= pages
 
     refuse = [r.order for r in ready if r.held_pages + r.growth_pages > view.num_pages]
     for r in ready:
@@ -153,7 +181,7 @@ def plan_step(view: View) -> Plan:
     admit, slots = [], list(view.free_slots)
     for r in list(ready):
         brings = r.held_pages if r.row is None else 0
-        if not slots or _growth(running) + r.growth_pages + brings > free:
+        if not slots or not room_for(_growth(running) + r.growth_pages + brings):
             break
         slot = slots.pop(0)
         admit.append((r.order, slot))
@@ -162,6 +190,7 @@ def plan_step(view: View) -> Plan:
         free -= brings
 
     preempt, swap_out, abort, too_large = [], [], [], []
+    room_for(_growth(running))
     while running and _growth(running) > free:
         holders = [r for r in ready if r.row is not None] + prefilling
         if len(running) > 1:
@@ -195,13 +224,15 @@ def plan_step(view: View) -> Plan:
     refuse_waiting = [i for i, w in enumerate(view.waiting) if w.peak_pages > view.num_pages]
     start = []
     for w in [w for i, w in enumerate(view.waiting) if i not in refuse_waiting]:
-        room = free - _growth(running) - reserved
-        if not rows or w.chunk_tokens > tokens or w.peak_pages > room:
+        if not rows or w.chunk_tokens > tokens:
+            break
+        if not room_for(_growth(running) + reserved + w.peak_pages):
             break
         start.append(rows.pop(0))
         tokens -= w.chunk_tokens
         reserved += w.peak_pages
     return Plan(
+        drop_contexts=tuple(dropped),
         refuse=tuple(refuse),
         refuse_waiting=tuple(refuse_waiting),
         preempt=tuple(preempt),
