@@ -36,6 +36,21 @@ def add_parser(commands) -> None:
     serve.add_argument("--max-context", type=int, default=None, help="prompt + generation")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests (503 past)")
     serve.add_argument(
+        "--max-contexts",
+        type=int,
+        default=8,
+        help="cached contexts held at once: documents compressed once that many requests read "
+        "(POST /v1/contexts, and chats' messages before the last user turn); idle ones are "
+        "dropped, least recently used, when requests need their pages (0: none)",
+    )
+    serve.add_argument(
+        "--auto-context-tokens",
+        type=int,
+        default=256,
+        help="a chat's messages before its last user turn become a cached context when they "
+        "hold at least this many tokens",
+    )
+    serve.add_argument(
         "--mesh",
         default=None,
         metavar="DATAxMODEL",
@@ -90,6 +105,7 @@ def run(args) -> int:
         max_batched_tokens=args.max_batched_tokens,
         max_context=args.max_context,
         max_waiting=args.max_waiting,
+        max_contexts=args.max_contexts,
         mesh=None if args.mesh is None else mesh_from_text(args.mesh),
         policy_params=params,
         backend=args.backend,
@@ -101,6 +117,7 @@ def run(args) -> int:
         policy_spec=args.policy,
         defaults=defaults,
         warm_up_first=not args.no_warm_up,
+        auto_context_tokens=args.auto_context_tokens,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

@@ -24,11 +24,8 @@ class ContextsFullError(ValueError):
     """`Engine.add_context`: every context row holds a context that requests read or wait for."""
 
 
-class UnknownContextError(KeyError):
+class UnknownContextError(ValueError):
     """A context id the engine does not hold (never made, dropped, or evicted for its pages)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 @dataclasses.dataclass(frozen=True)

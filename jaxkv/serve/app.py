@@ -15,14 +15,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxkv.engine import Engine, QueueFullError, TooLargeForPoolError
+from jaxkv.engine import Engine, QueueFullError, TooLargeForPoolError, UnknownContextError
+from jaxkv.generation.decoding import check_shared_decode
 from jaxkv.models import Tokenizer, encode_chat
 from jaxkv.policies import Budget
 from jaxkv.prose import prose
+from jaxkv.serve.contexts import Contexts, ServedContext
 from jaxkv.serve.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    ContextRequest,
     RequestDefaults,
     SamplingFields,
     error_response,
@@ -61,6 +64,20 @@ METRICS = (
         "kv_bytes_in_use",
     ),
     ("jaxkv_preemptions_total", "counter", "Requests preempted for pages.", "preemptions"),
+    ("jaxkv_contexts", "gauge", "Cached contexts held (being made or ready).", "contexts"),
+    ("jaxkv_context_pages", "gauge", "Pages of the pool the ready contexts hold.", "context_pages"),
+    (
+        "jaxkv_context_hits_total",
+        "counter",
+        "Requests that read a cached context.",
+        "context_hits",
+    ),
+    (
+        "jaxkv_contexts_evicted_total",
+        "counter",
+        "Idle cached contexts dropped for pages requests needed.",
+        "contexts_evicted",
+    ),
     ("jaxkv_generation_tokens_total", "counter", "Tokens generated.", "tokens_generated"),
     (
         "jaxkv_generation_tokens_per_second",
@@ -113,12 +130,12 @@ class Server:
     policy_spec: str
     defaults: RequestDefaults
     stop_ids: list[int]
+    contexts: Contexts
     worker: EngineWorker | None = None
 
-    async def submit(self, body: SamplingFields, prompt_ids: list[int], chat: bool, events):
-        """The request submitted to the engine (its tokens to `events`): its id, and the fields
-        its prompt and its limit came from; APIErrors for what the engine refuses."""
-        if body.policy is not None and body.policy != self.policy_spec:
+    def check_names(self, body) -> None:
+        """The request's `policy` and `model`, if given, must be the server's."""
+        if getattr(body, "policy", None) not in (None, self.policy_spec):
             raise APIError(
                 400,
                 f"policy={body.policy!r}: this server's pool runs policy {self.policy_spec!r} "
@@ -128,6 +145,28 @@ class Server:
         if body.model is not None and body.model != self.model_name:
             message = f"model={body.model!r}: this server serves {self.model_name!r}"
             raise APIError(404, message, "model")
+
+    def decode_evicts(self, body: SamplingFields) -> bool:
+        """Whether the policy would evict during this request's decode (so no cached context,
+        whose pages it would free, may serve it)."""
+        try:
+            check_shared_decode(self.engine.policy, new_tokens(body, self.defaults)[0])
+        except ValueError:
+            return True
+        return False
+
+    async def submit(
+        self,
+        body: SamplingFields,
+        prompt_ids: list[int],
+        chat: bool,
+        events,
+        context: ServedContext | None = None,
+    ):
+        """The request submitted to the engine (its tokens to `events`), read after `context`
+        if given: its id, and the fields its prompt and its limit came from; APIErrors for
+        what the engine refuses."""
+        self.check_names(body)
         self.check_budget(body.budget)
         max_new_tokens, limit_field = new_tokens(body, self.defaults)
         prompt_field = "messages" if chat else "prompt"
@@ -141,9 +180,12 @@ class Server:
             key=jax.random.PRNGKey(seed),
             stop_tokens=self.stop_ids,
             budget=body.budget,
+            context=None if context is None else context.engine_id,
         )
         try:
             request_id = await asyncio.wrap_future(future)
+        except UnknownContextError as error:
+            raise APIError(404, str(error), "context", code="context_not_found") from None
         except QueueFullError as error:
             raise APIError(503, str(error), None, "server_overloaded") from None
         except TooLargeForPoolError as error:
@@ -157,10 +199,21 @@ class Server:
             raise APIError(503, f"the engine has stopped: {error}") from None
         return request_id, prompt_field, limit_field
 
-    async def complete(self, body: SamplingFields, prompt_ids: list[int], chat: bool):
-        """A completion of `prompt_ids`: streamed as server-sent events, or whole."""
+    async def complete(
+        self,
+        body: SamplingFields,
+        prompt_ids: list[int],
+        chat: bool,
+        context: ServedContext | None = None,
+    ):
+        """A completion of `prompt_ids` (read after `context`, if given): streamed as
+        server-sent events, or whole."""
         events: asyncio.Queue = asyncio.Queue()
-        request_id, prompt_field, limit_field = await self.submit(body, prompt_ids, chat, events)
+        request_id, prompt_field, limit_field = await self.submit(
+            body, prompt_ids, chat, events, context
+        )
+        if context is not None:
+            context.hits += 1
         name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         ending = Ending(self.worker, prompt_field, limit_field)
         text = StopText(self.tokenizer, body.stop)
@@ -173,7 +226,11 @@ class Server:
             pieces.append(delta)
             count += event.token >= 0
             reason, last = finish or reason, event
-        usage = usage_of(len(prompt_ids), count, last)
+        if context is None:
+            usage = usage_of(len(prompt_ids), count, last)
+        else:
+            cached = len(context.ids)
+            usage = usage_of(cached + len(prompt_ids), count, last, context.id, cached)
         return completion_body(name, self.model_name, chat, "".join(pieces), reason, usage)
 
     def check_budget(self, budget) -> None:
@@ -242,6 +299,10 @@ async def completions(body: CompletionRequest, request: Request):
     if not body.prompt:
         raise APIError(400, "prompt is empty", "prompt")
     server = _server(request)
+    if body.context is not None:
+        context = server.contexts.named(body.context)
+        ids = server.contexts.question_ids(context, body.prompt, None)
+        return await server.complete(body, ids, chat=False, context=context)
     return await server.complete(body, server.tokenizer.encode(body.prompt), chat=False)
 
 
@@ -250,10 +311,68 @@ async def chat_completions(body: ChatRequest, request: Request):
     server = _server(request)
     messages = [message.model_dump() for message in body.messages]
     try:
-        prompt_ids = encode_chat(server.tokenizer, messages)
+        if body.context is not None:
+            context = server.contexts.named(body.context)
+            ids = server.contexts.question_ids(context, None, messages)
+            return await server.complete(body, ids, chat=True, context=context)
+        split = server.contexts.chat_split(messages, server.decode_evicts(body))
+        if split is None:
+            return await server.complete(body, encode_chat(server.tokenizer, messages), chat=True)
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
-    return await server.complete(body, prompt_ids, chat=True)
+    server.check_names(body)
+    server.check_budget(body.budget)
+    prefix, prefix_ids, whole = split
+    for attempt in (1, 2):  # the context may be dropped for its pages in between: made again
+        context = await server.contexts.automatic(prefix_ids, prefix, body.budget)
+        try:
+            return await server.complete(
+                body.model_copy(update={"budget": None}),
+                whole[len(prefix_ids) :],
+                chat=True,
+                context=context,
+            )
+        except APIError as error:
+            if error.code != "context_not_found" or attempt == 2:
+                raise
+            server.contexts.forget(context)
+
+
+@routes.post("/v1/contexts")
+async def create_context(body: ContextRequest, request: Request):
+    server = _server(request)
+    server.check_names(body)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give a context as prompt (text) or as messages, one of them", "prompt")
+    server.check_budget(body.budget)
+    if body.prompt is not None:
+        if not body.prompt:
+            raise APIError(400, "prompt is empty", "prompt")
+        ids, messages = server.tokenizer.encode(body.prompt), None
+    else:
+        messages = [message.model_dump() for message in body.messages]
+        try:
+            ids = encode_chat(server.tokenizer, messages, add_generation_prompt=False)
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from None
+    context = await server.contexts.create(ids, messages, body.budget)
+    await context.ready
+    return context.card()
+
+
+@routes.get("/v1/contexts")
+async def list_contexts(request: Request):
+    return {"object": "list", "data": _server(request).contexts.listed()}
+
+
+@routes.get("/v1/contexts/{context_id}")
+async def get_context(context_id: str, request: Request):
+    return _server(request).contexts.named(context_id).card()
+
+
+@routes.delete("/v1/contexts/{context_id}")
+async def delete_context(context_id: str, request: Request):
+    return await _server(request).contexts.delete(context_id)
 
 
 async def _api_error(request: Request, error: APIError):
@@ -284,9 +403,13 @@ def create_app(
     *,
     defaults: RequestDefaults | None = None,
     warm_up_first: bool = True,
+    auto_context_tokens: int = 256,
 ) -> FastAPI:
     """The FastAPI application over `engine` (started with the app, stopped with it): fields a
-    request leaves out from `defaults`; `warm_up_first` runs `warm_up` before it serves."""
+    request leaves out from `defaults`; `warm_up_first` runs `warm_up` before it serves; a
+    chat's messages before its last user turn are a cached context of their own when they
+    render to at least `auto_context_tokens` tokens and the engine holds contexts
+    (`jaxkv.serve.contexts`)."""
     stop_ids = [t for t in [tokenizer.eos_id, *engine.model.config.eos_token_ids] if t is not None]
     server = Server(
         engine,
@@ -295,12 +418,13 @@ def create_app(
         policy_spec,
         RequestDefaults() if defaults is None else defaults,
         stop_ids,
+        Contexts(tokenizer, engine.max_contexts, auto_context_tokens),
     )
 
     async def lifespan(app):
         if warm_up_first:
             await asyncio.to_thread(warm_up, engine, tokenizer)
-        server.worker = EngineWorker(engine)
+        server.worker = server.contexts.worker = EngineWorker(engine)
         yield
         server.worker.stop()
         server.worker = None

@@ -1,6 +1,6 @@
 """What a request says and what an error answers, in OpenAI's shapes: the bodies of
-`/v1/completions` and `/v1/chat/completions`, the server's defaults for fields left out, and
-`APIError` (`{"error": {"message", "type", "param", "code"}}`)."""
+`/v1/completions`, `/v1/chat/completions` and `/v1/contexts`, the server's defaults for fields
+left out, and `APIError` (`{"error": {"message", "type", "param", "code"}}`)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ class SamplingFields(BaseModel):
     # Not OpenAI's: a smaller budget of the server's policy, a ratio or a token count (checked by
     # `jaxkv.policies.Budget.parse`, whose errors name the field, so any JSON value is let in).
     budget: Any = None
+    # Not OpenAI's: the id of a cached context the request reads after (`POST /v1/contexts`).
+    context: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -63,6 +65,18 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+class ContextRequest(BaseModel):
+    """`POST /v1/contexts`: a document to compress once, as a prompt's text or as chat
+    messages (exactly one), with an optional smaller budget of the server's policy."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    budget: Any = None
 
 
 class APIError(Exception):

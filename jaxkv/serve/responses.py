@@ -158,15 +158,25 @@ def completion_body(name, model, chat, text, reason, usage: dict) -> dict:
     }
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int, last: TokenEvent | None) -> dict:
+def usage_of(
+    prompt_tokens: int,
+    completion_tokens: int,
+    last: TokenEvent | None,
+    context: str | None = None,
+    cached_tokens: int = 0,
+) -> dict:
     """OpenAI's usage, with (not OpenAI's fields) the KV bytes the request held at its last
     step, `kv_bytes`, and those the full cache would have held, `kv_bytes_full_cache`, when
-    the engine reported them on its final event `last` (not when a stop string cancelled it)."""
+    the engine reported them on its final event `last` (not when a stop string cancelled it).
+    A request on a cached `context` counts its tokens in its prompt's, as OpenAI's
+    `prompt_tokens_details.cached_tokens`, and names it (`context`)."""
     usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if context is not None:
+        usage |= {"prompt_tokens_details": {"cached_tokens": cached_tokens}, "context": context}
     if last is not None and last.kv_bytes is not None:
         usage |= {"kv_bytes": last.kv_bytes, "kv_bytes_full_cache": last.full_kv_bytes}
     return usage

@@ -1,5 +1,6 @@
 """The engine in a thread of its own: request handlers talk to it through a queue, and each
-request's tokens come back to the callback it was submitted with."""
+request's tokens (each cached context's events) come back to the callback it was submitted
+with."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import queue
 import threading
 import time
 
-from jaxkv.engine import Engine, TokenEvent
+from jaxkv.engine import ContextEvent, Engine, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +24,15 @@ class EngineStoppedError(RuntimeError):
 
 
 class EngineWorker:
-    """The engine in a thread of its own: `submit` and `cancel` from any thread, each request's
-    `TokenEvent`s to the callback it was submitted with (called in the engine's thread)."""
+    """The engine in a thread of its own: `submit`, `cancel`, `add_context` and
+    `drop_context` from any thread, each request's `TokenEvent`s (each context's
+    `ContextEvent`s) to the callback it was submitted with (called in the engine's thread)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()
         self._listeners: dict[int, callable] = {}
+        self._context_listeners: dict[int, callable] = {}
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self.tokens_generated = 0
         # The engine's stats as of its last command or step, taken in its thread: the engine's
@@ -48,10 +51,22 @@ class EngineWorker:
     def submit(self, on_event, /, *args, **kwargs) -> concurrent.futures.Future:
         """A future of the request id (or of the engine's ValueError, or EngineStoppedError) for
         `Engine.submit`."""
+        return self._command("submit", on_event, args, kwargs)
+
+    def add_context(self, on_event, /, *args, **kwargs) -> concurrent.futures.Future:
+        """A future of the context id (or of the engine's ValueError, or EngineStoppedError)
+        for `Engine.add_context`; the context's events go to `on_event`."""
+        return self._command("add_context", on_event, args, kwargs)
+
+    def drop_context(self, context_id: int) -> concurrent.futures.Future:
+        """A future of `Engine.drop_context`'s answer."""
+        return self._command("drop_context", None, (context_id,), {})
+
+    def _command(self, kind: str, on_event, args, kwargs) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._failing:
             if self.failure is None:
-                self._commands.put(("submit", future, on_event, args, kwargs))
+                self._commands.put((kind, future, on_event, args, kwargs))
             else:
                 future.set_exception(EngineStoppedError(self.failure))
         return future
@@ -74,15 +89,20 @@ class EngineWorker:
         self._thread.join(timeout=30)
 
     def _handle(self, command) -> None:
-        if command[0] == "submit":
-            _, future, on_event, args, kwargs = command
+        if command[0] in ("submit", "add_context", "drop_context"):
+            kind, future, on_event, args, kwargs = command
             try:
-                request_id = self.engine.submit(*args, **kwargs)
+                result = getattr(self.engine, kind)(*args, **kwargs)
             except ValueError as error:
                 future.set_exception(error)
                 return
-            self._listeners[request_id] = on_event
-            future.set_result(request_id)
+            if kind == "submit":
+                self._listeners[result] = on_event
+            elif kind == "add_context":
+                self._context_listeners[result] = on_event
+            elif result:
+                self._context_listeners.pop(args[0], None)
+            future.set_result(result)
         elif command[0] == "cancel":
             request_id = command[1]
             if self.engine.cancel(request_id) and request_id in self._listeners:
@@ -103,11 +123,14 @@ class EngineWorker:
             while not self._commands.empty():
                 commands.append(self._commands.get_nowait())
         for command in commands:
-            if command[0] == "submit":
+            if command[0] != "cancel":
                 command[1].set_exception(EngineStoppedError(failure))
         for request_id, listener in self._listeners.items():
             listener(TokenEvent(request_id, -1, True, "error"))
+        for context_id, listener in self._context_listeners.items():
+            listener(ContextEvent(context_id, "error", 0))
         self._listeners.clear()
+        self._context_listeners.clear()
 
     def _serve(self) -> None:
         while not self._stopped.is_set():
@@ -120,14 +143,24 @@ class EngineWorker:
                 pass
             events = self.engine.step()
             self._engine_stats = self.engine.stats()
-            produced = sum(event.token >= 0 for event in events)
+            produced = sum(isinstance(e, TokenEvent) and e.token >= 0 for e in events)
             self.tokens_generated += produced
             self._recent.append((time.monotonic(), produced))
             while self._recent and time.monotonic() - self._recent[0][0] > RATE_WINDOW_SECONDS:
                 self._recent.popleft()
             for event in events:
+                if isinstance(event, ContextEvent):
+                    self._tell_context(event)
+                    continue
                 listener = self._listeners.get(event.request_id)
                 if listener is not None:
                     listener(event)
                     if event.finished:
                         del self._listeners[event.request_id]
+
+    def _tell_context(self, event: ContextEvent) -> None:
+        listener = self._context_listeners.get(event.context_id)
+        if listener is not None:
+            listener(event)
+            if event.state != "ready":
+                del self._context_listeners[event.context_id]
