@@ -170,27 +170,19 @@ class Executor:
 
     def move(self, lane: int, source: int, destination: int) -> None:
         """kv row `source`'s pages to the empty kv row `destination` of `lane` (no copy)."""
-        lanes = self.lanes
-        self.kv = programs.move(
-            self.placement,
-            kv=self.kv,
-            source=lanes.one_lane(lane, source, 0),
-            destination=lanes.one_lane(lane, destination, 0),
-            active=lanes.active(lane),
-        )
+        self.kv = self._on_lane(programs.move, lane, source=source, destination=destination)
 
     def attach(self, lane: int, context: int, destination: int) -> None:
         """The empty kv row `destination` of `lane` attached to its context kv row `context`
         (the context's full pages shared, its partial pages copied)."""
-        lanes = self.lanes
-        self.kv = programs.attach(
-            self.placement,
-            kv=self.kv,
-            context=lanes.one_lane(lane, context, 0),
-            destination=lanes.one_lane(lane, destination, 0),
-            active=lanes.active(lane),
-        )
+        self.kv = self._on_lane(programs.attach, lane, context=context, destination=destination)
         self.kv.check()
+
+    def _on_lane(self, program, lane: int, **kv_rows) -> KVState:
+        """`program` over the state, only `lane` active, each of `kv_rows` one kv row of it."""
+        lanes = self.lanes
+        rows = {name: lanes.one_lane(lane, row, 0) for name, row in kv_rows.items()}
+        return program(self.placement, kv=self.kv, active=lanes.active(lane), **rows)
 
     def admit(self, lane: int, slot_kv_row: int, row: Rows, *, source=None, swapped=None):
         """A ready row into a slot: the pages of prefill kv row `source` (no copy) or a
