@@ -7,9 +7,9 @@ number in the README and `docs/` traces back to a command and a file, and runs r
 fresh process (their own memory peak, device count or XLA flags) through `run_child` and
 `print_row`. Shared by several benchmarks: their options' help (`HelpFormatter`,
 `MODEL_HELP`), the timing and bandwidth probe (`seconds_per_call`, `copy_bandwidth`), a sweep
-cell's policy (`build_policy`), the Wilson interval of a share of correct answers
-(`wilson_interval`) and the interval of one policy's correct answers over another's on the same
-episodes (`paired_ratio_interval`).
+cell's policy (`build_policy`), a learned policy's parameters (`learned_params`), the Wilson
+interval of a share of correct answers (`wilson_interval`) and the interval of one policy's
+correct answers over another's on the same episodes (`paired_ratio_interval`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv import policies
+from jaxkv.model_sources import shipped_name
 
 # The line a child process prints its result on: this marker, then the result as JSON.
 ROW_MARKER = "JAXKV_ROW_JSON "
@@ -250,3 +251,18 @@ def paired_ratio_interval(
     ratios = found[defined] / found_by_baseline[defined]
     low, high = np.percentile(ratios, [2.5, 97.5])
     return float(low), float(high)
+
+
+def learned_params(policy, model, model_arg: str, given: dict):
+    """A learned policy's parameters: `given` (--params NAME=PATH, parsed), else the ones jaxkv
+    ships for `model_arg` (--model); None for a policy that learns nothing."""
+    if policy.params is None:
+        return None
+    path = given.get(policy.name, [None])[-1]
+    path = path or policy.params.shipped_path(shipped_name(model_arg))
+    if path is None:
+        raise ValueError(
+            f"--policies {policy.name}: jaxkv ships no trained parameters of it for --model "
+            f"{model_arg}; give them, --params {policy.name}=PATH"
+        )
+    return policy.params.load(path, model.config)

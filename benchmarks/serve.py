@@ -38,7 +38,7 @@ import jaxkv
 from jaxkv import policies
 from jaxkv.benchmarks import harness
 from jaxkv.engine import TooLargeForPoolError
-from jaxkv.model_sources import load_model, shipped_name
+from jaxkv.model_sources import load_model
 from jaxkv.policies import spec as spec_lib
 from jaxkv.prose import prose
 from jaxkv.sharding import mesh_from_text
@@ -68,20 +68,6 @@ def pool_pages(model, args, requests: int, page_size: int) -> int:
     cfg = model.config
     per_head = -(-(args.max_prompt + args.max_new) // page_size)
     return requests * cfg.num_layers * cfg.num_kv_heads * per_head
-
-
-def learned_params(policy, model, args, given: dict):
-    """A learned policy's parameters: --params, else the ones shipped for --model."""
-    if policy.params is None:
-        return None
-    path = given.get(policy.name, [None])[-1]
-    path = path or policy.params.shipped_path(shipped_name(args.model))
-    if path is None:
-        raise ValueError(
-            f"--policies {policy.name}: jaxkv ships no trained parameters of it for --model "
-            f"{args.model}; give them, --params {policy.name}=PATH"
-        )
-    return policy.params.load(path, model.config)
 
 
 def run_policy(
@@ -267,7 +253,10 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_model(args.model)
     trace = build_trace(tokenizer, args)
     specs = {spec: policies.from_spec(spec).for_tokenizer(tokenizer) for spec in args.policies}
-    params = {spec: learned_params(policy, model, args, given) for spec, policy in specs.items()}
+    params = {
+        spec: harness.learned_params(policy, model, args.model, given)
+        for spec, policy in specs.items()
+    }
     rows = []
     for requests in args.pool_requests:
         num_pages = pool_pages(model, args, requests, jaxkv.CacheConfig().page_size)
