@@ -193,3 +193,40 @@ def test_bad_context_requests_are_refused_before_anything_runs(model):
         eng.submit(QUESTIONS[0], max_new_tokens=8000, context=context)
     assert not eng.drop_context(7)
     assert eng.stats()["waiting"] == 0  # the context's prefill is not a request
+
+
+def test_a_context_copied_out_saved_and_loaded_serves_as_the_one_made_in_the_engine(
+    model, tmp_path
+):
+    options = dict(cache=CacheConfig(num_pages=2048), max_slots=2, max_contexts=1)
+    eng = Engine(model, "snapkv:0.3", **options)
+    made = eng.add_context(CONTEXT)
+    (ready,) = [e for e in eng.stream() if isinstance(e, ContextEvent)]
+    session = eng.context_session(made)
+    assert session.memory_bytes() == ready.kv_bytes == eng.stats()["kv_bytes_in_use"]
+    asked = jaxkv.ask(model, CONTEXT, QUESTIONS, "snapkv:0.3", max_new_tokens=ANSWER_TOKENS)
+    from_engine = jaxkv.ask(model, session, QUESTIONS, max_new_tokens=ANSWER_TOKENS)
+    assert from_engine.answers.tokens.tolist() == asked.answers.tokens.tolist()
+
+    path = jaxkv.save_session(session, tmp_path / "context")
+    other = Engine(model, "snapkv:0.3", **options)
+    loaded = other.add_session(jaxkv.load_session(path, model, "snapkv:0.3"))
+    assert other.contexts()[loaded]["ready"] and other.stats()["context_pages"] > 0
+    ids = [other.submit(q, max_new_tokens=ANSWER_TOKENS, context=loaded) for q in QUESTIONS]
+    tokens, contexts, _ = run(other)
+    assert contexts == []  # ready when added
+    for i, request in enumerate(ids):
+        expected = asked.answers.tokens[i, : int(asked.answers.num_tokens[i])].tolist()
+        assert tokens[request] == expected, f"question {i}"
+    assert other.stats()["kv_bytes_in_use"] == ready.kv_bytes  # the context alone is left
+
+    with pytest.raises(ValueError, match="policy 'full'"):
+        other.add_session(jaxkv.prefill(model, CONTEXT, "full"))
+    with pytest.raises(ValueError, match="one-row session"):
+        other.add_session(session.fork(QUESTIONS[:2]))
+    with pytest.raises(ValueError, match="page size"):
+        other.add_session(
+            jaxkv.prefill(model, CONTEXT, "snapkv:0.3", cache=CacheConfig(page_size=32))
+        )
+    with pytest.raises(ValueError, match="not ready"):
+        other.context_session(other.add_context(CONTEXT))  # dropped the loaded one (idle)

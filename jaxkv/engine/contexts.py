@@ -65,6 +65,8 @@ class Context:
       pages: the pages its row holds (every device's), recorded when it is ready.
       hits: the requests that have read it.
       dropping: deleted while requests read it: dropped when the last one ends.
+      last_hidden: [1, D] (host) the hidden state after its last token, once it is ready (what
+        a `Session` of it holds).
     """
 
     id: int
@@ -80,6 +82,7 @@ class Context:
     pages: int = 0
     hits: int = 0
     dropping: bool = False
+    last_hidden: np.ndarray | None = None
 
     @property
     def idle(self) -> bool:

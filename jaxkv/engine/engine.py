@@ -34,6 +34,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import sharding
@@ -67,6 +68,7 @@ from jaxkv.generation.request import (
     prompt_lengths,
     prompt_lists,
 )
+from jaxkv.generation.session import Session
 from jaxkv.models.decoder import Model
 from jaxkv.pallas_kernels.common import next_power_of_two
 from jaxkv.policies import FullCache, Policy, from_spec
@@ -348,6 +350,109 @@ class Engine:
             for held in self._contexts.values()
             if not held.dropping
         }
+
+    def context_session(self, context_id: int) -> Session:
+        """A ready cached context as a one-row `Session` (its pages copied out of the pool): what
+        `jaxkv.save_session` writes, `add_session` takes back and `jaxkv.ask` reads. On one
+        device only."""
+        held = self._named_context(context_id)
+        if not held.ready:
+            raise ValueError(
+                f"context={context_id} is not ready: step the engine until its "
+                "ContextEvent(state='ready')"
+            )
+        if self.placement is not None:
+            raise ValueError("a context on a mesh is not copied out: run the engine on one device")
+        lane = self.lanes.context_lane(held.row)
+        kv = self.executor.copy_row(lane, self.lanes.context_kv_row(held.row))
+        return Session(
+            model=self.model,
+            kv=kv,
+            last_hidden=jnp.asarray(held.last_hidden),
+            lengths=np.array([held.tokens], np.int32),
+            budget_tokens=held.budget_tokens,
+            budget_ratio=held.budget_ratio,
+            thresholds=held.thresholds,
+            policy_params=self.executor.policy_params,
+            policy=self.policy,
+            cache=self.cache,
+            backend=self.executor.backend,
+        )
+
+    def add_session(self, session: Session) -> int:
+        """A one-row session made with this engine's model and policy (`jaxkv.prefill`,
+        `jaxkv.load_session`, `context_session`) as a cached context, ready at once: its held
+        pages copied into a context row (idle contexts dropped, least recently used first, for
+        them). Refused, named: no context rows, a mesh, a session of several rows, forked or with
+        int8 storage, another policy or model configuration, another page geometry, more tokens
+        a head than max_context, more pages than the pool can free (`TooLargeForPoolError`)."""
+        if not self.max_contexts:
+            raise ValueError("the engine holds no contexts: give Engine(..., max_contexts >= 1)")
+        if self.placement is not None:
+            raise ValueError("a session is not added to an engine on a mesh: run it on one device")
+        if session.batch != 1 or session.shared or session.kv.pool.int8 is not None:
+            raise ValueError(
+                "session: give a one-row session without shared pages or int8 storage (prefill "
+                f"one context), not one of {session.batch} rows (shared={session.shared})"
+            )
+        if session.model.config != self.model.config or session.policy != self.policy:
+            raise ValueError(
+                f"session: made with policy {session.policy.name!r} and model "
+                f"{session.model.config.family.value}; this engine runs {self.policy.name!r} on "
+                "its own model: prefill it with the engine's"
+            )
+        theirs, mine = session.kv, self.executor.kv
+        if _geometry(theirs) != _geometry(mine):
+            raise ValueError(
+                f"session: its KV state's (page size, dtype, head dim, layers, KV heads, key "
+                f"bounds, ring) are {_geometry(theirs)}, the engine's {_geometry(mine)}"
+            )
+        if theirs.page_table.shape[-1] > mine.page_table.shape[-1]:
+            raise ValueError(
+                f"session: its heads hold up to {theirs.page_table.shape[-1]} pages, more than "
+                f"the engine's max_context={self.max_context} allows"
+            )
+        pages = int(theirs.pages_in_use())
+        row = self._free_context_row()
+        lane = self.lanes.context_lane(row)
+        self._make_room(lane, pages)
+        held = Context(
+            id=self._next_context,
+            row=row,
+            tokens=int(session.lengths[0]),
+            budget_tokens=np.asarray(session.budget_tokens),
+            budget_ratio=np.asarray(session.budget_ratio),
+            thresholds=np.asarray(session.thresholds),
+            request=None,
+            ready=True,
+            last_used=self._uses,
+            pages=pages,
+            last_hidden=np.asarray(session.last_hidden),
+        )
+        with compiling_as("the engine's preemption"):
+            self.executor.insert(lane, self.lanes.context_kv_row(row), theirs)
+        self._contexts[held.id] = self._context_rows[row] = held
+        self._next_context += 1
+        return held.id
+
+    def _make_room(self, lane: int, pages: int) -> None:
+        """Drops idle contexts of `lane`, least recently used first, until `pages` are free
+        (TooLargeForPoolError if they cannot be)."""
+        while (free := int(self.executor.row_pages()[3][lane].min())) < pages:
+            idle = [
+                c
+                for c in self._context_rows
+                if c is not None and c.idle and self.lanes.context_lane(c.row) == lane
+            ]
+            if not idle:
+                raise TooLargeForPoolError(
+                    f"session: its {pages} pages exceed the pool's {free} free ones (no idle "
+                    "context left to drop): retry when requests have ended, or a larger pool",
+                    pages_needed=pages,
+                    num_pages=self.cache.num_pages,
+                    field="session",
+                )
+            self._drop(min(idle, key=lambda c: c.last_used), reason="evicted")
 
     def _named_context(self, context_id) -> Context:
         held = self._contexts.get(context_id) if isinstance(context_id, int) else None
@@ -888,7 +993,7 @@ class Engine:
             keys=row_keys(request.key, [0]),
             sampling=request.sampler.rows(1),
         )
-        token, request.state, compressed = self.executor.finish_row(
+        last_hidden, compressed = self.executor.finish_row(
             self.lanes.prefill_lane(request.row),
             self.lanes.prefill_kv_row(request.row),
             request.prompts.tokens[0] if reads_prompt else np.zeros((1,), np.int32),
@@ -896,9 +1001,9 @@ class Engine:
             request.budget_tokens[0],
             request.thresholds[0],
             request.prefill_key,
-            row,
             compress=compress,
         )
+        token, request.state = self.executor.first_token(last_hidden, row)
         if request.ends_with(token):
             self._record_held_pages(self.executor.row_pages()[0])  # what it ends with
         if self._emit(request, token, events, compressed=compressed):
@@ -913,7 +1018,7 @@ class Engine:
         compression = self.policy.prompt_compression
         reads_prompt = compression is not None and compression.needs_prompt_tokens
         lane, kv_row = lanes.prefill_lane(request.row), lanes.prefill_kv_row(request.row)
-        _, _, compressed = self.executor.finish_row(
+        held.last_hidden, compressed = self.executor.finish_row(
             lane,
             kv_row,
             request.prompts.tokens[0] if reads_prompt else np.zeros((1,), np.int32),
@@ -921,7 +1026,6 @@ class Engine:
             request.budget_tokens[0],
             request.thresholds[0],
             request.prefill_key,
-            None,
         )
         with compiling_as("the engine's admission"):
             self.executor.move(lane, kv_row, lanes.context_kv_row(held.row))
@@ -1042,3 +1146,19 @@ class Engine:
             self._record_held_pages(self.executor.row_pages()[0])  # what they end with
         for slot in slots:
             self._emit(self._slots[slot], int(new_tokens[slot]), events, slot=slot)
+
+
+def _geometry(kv) -> tuple:
+    """What one device's KV states must share for a row to move between them: (page size,
+    dtype, head dim, layers, KV heads, key bounds, ring window)."""
+    pool, table = kv.pool, kv.page_table
+    ring = None if kv.ring is None else kv.ring.window
+    return (
+        pool.page_size,
+        str(pool.k_pages.dtype),
+        pool.k_pages.shape[-1],
+        table.shape[0],
+        table.shape[-2],
+        pool.key_min is not None,
+        ring,
+    )

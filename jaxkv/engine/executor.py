@@ -135,16 +135,14 @@ class Executor:
         budget,
         thresholds,
         prefill_key,
-        row: Rows | None,
         *,
         compress: bool = True,
-    ):
+    ) -> tuple[np.ndarray, bool]:
         """The policy's compression of a prefill row whose prompt is read (unless not
-        `compress`: a question over a cached context), and its first token: (token, the row
-        state after it, whether any head holds fewer than the `length` tokens the row read).
-        tokens: the prompt (read by a compression that replays it) or a placeholder; budget,
-        thresholds: its request's row of each; row: its row state before the first token (one
-        row), or None for a context, which samples no token (token and state are then None)."""
+        `compress`: a question over a cached context): (its last hidden state [1, D] on the
+        host, whether any head holds fewer than the `length` tokens the row read). tokens: the
+        prompt (read by a compression that replays it) or a placeholder; budget, thresholds:
+        its request's row of each."""
         lanes = self.lanes
         self.kv, last_hidden, compressed = programs.finish_row(
             self.placement,
@@ -162,11 +160,13 @@ class Executor:
             compress=compress,
         )
         self.kv.check()
-        compressed = bool(lanes.lane_value(compressed, lane))
-        if row is None:
-            return None, None, compressed
-        token, state = programs.first_token(self.model, lanes.lane_value(last_hidden, lane), row)
-        return int(token), jax.device_get(state), compressed
+        return lanes.lane_value(last_hidden, lane), bool(lanes.lane_value(compressed, lane))
+
+    def first_token(self, last_hidden: np.ndarray, row: Rows) -> tuple[int, Rows]:
+        """The token a prefilled row samples first from its last hidden state [1, D], and its
+        row state (one row, `row` before it) after it."""
+        token, state = programs.first_token(self.model, last_hidden, row)
+        return int(token), jax.device_get(state)
 
     def move(self, lane: int, source: int, destination: int) -> None:
         """kv row `source`'s pages to the empty kv row `destination` of `lane` (no copy)."""
@@ -239,6 +239,30 @@ class Executor:
             state = jax.tree.map(lambda x: lanes.lane_value(x, lane), taken)
         swapped = jax.tree.map(lambda x: lanes.per_lane(x)[lane], alone)
         return swapped, (held, growth), state
+
+    def copy_row(self, lane: int, kv_row: int) -> KVState:
+        """The kv row's state alone, in a pool of its own of the pages it names (one device's
+        state: the engine copies out on one device only)."""
+        held = int(self.row_pages()[0][lane].max(axis=0)[kv_row])
+        return programs.copy_row(
+            self.placement,
+            kv=self.kv,
+            row=self.lanes.one_lane(lane, kv_row, 0),
+            num_pages=pool_pages_bucket(held, self.page_size),
+        )
+
+    def insert(self, lane: int, kv_row: int, alone: KVState) -> None:
+        """A one-row state with a pool of its own (one device's) into the empty kv row of
+        `lane`: its held pages copied into the pool (`insert_row`)."""
+        per_device = jax.tree.map(lambda x: np.asarray(x)[None], alone)
+        self.kv = programs.swap_in(
+            self.placement,
+            kv=self.kv,
+            alone=self._in_lane(per_device, lane),
+            slot=self.lanes.one_lane(lane, kv_row, 0),
+            active=self.lanes.active(lane),
+        )
+        self.kv.check()
 
     def release(self, kv_rows_mask: np.ndarray) -> None:
         """These kv rows' pages back to the pool (bool [lanes * rows], `Lanes.kv_rows_mask`)."""

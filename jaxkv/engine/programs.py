@@ -19,7 +19,8 @@ Programs and what each compiles for (`Engine`'s docstring counts them):
   the prompt's tokens, KVzip's; once more for a question, which is not compressed).
 - `row_pages`, `start_rows`, `move`, `attach`, `release`, `insert_rows`, `take_row_state`:
   once.
-- `swap_out`, `swap_in`: per bucket of the swapped request's pages.
+- `swap_out`, `swap_in`, `copy_row`: per bucket of the swapped request's (or copied
+  context's) pages.
 `first_token` (a one-row sample from the hidden state) is a plain jit.
 """
 
@@ -247,11 +248,18 @@ def release(kv: KVState, rows) -> KVState:
     return release_rows(kv, rows)
 
 
+@program(static=("num_pages",), kv=SHARD, row=ROWS)
+def copy_row(kv: KVState, row, *, num_pages: int) -> KVState:
+    """Each lane's kv row `row` ([1]) alone, in a pool of its own of `num_pages` pages (`kv`
+    unchanged: a cached context copied out)."""
+    return repack(take_rows(kv, row), num_pages=num_pages, max_pages=kv.page_table.shape[-1])
+
+
 @program(static=("num_pages",), donate=("kv",), kv=SHARD, row=ROWS, active=ROWS)
 def swap_out(kv: KVState, row, active, *, num_pages: int) -> tuple[KVState, KVState]:
     """(kv with the active lane's `row` ([1]) released, the row alone in a pool of its own of
     `num_pages` pages: what the host keeps of a preempted request)."""
-    alone = repack(take_rows(kv, row), num_pages=num_pages, max_pages=kv.page_table.shape[-1])
+    alone = copy_row.fn(kv, row, num_pages=num_pages)
     released = jnp.zeros((kv.page_table.shape[1],), bool).at[row[0]].set(active[0])
     return release_rows(kv, released), alone
 
