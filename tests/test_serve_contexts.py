@@ -194,3 +194,22 @@ def test_bad_contexts_and_requests_are_refused_naming_the_field(model, tokenizer
             client.delete("/contexts/ctx-nope", cast_to=object)
         assert post(url, "/v1/contexts", {"prompt": DOCUMENT}).status_code == 200
         assert metrics(url)["jaxkv_contexts"] == 2
+
+
+def test_contexts_outlive_the_server_in_its_folder(model, tokenizer, tmp_path):
+    folder = tmp_path / "contexts"
+    question = dict(model="reference", prompt=QUESTIONS[0], max_tokens=ANSWER_TOKENS, temperature=0)
+    with served(model, tokenizer, contexts_dir=folder) as url:
+        card = post(url, "/v1/contexts", {"prompt": DOCUMENT}).json()
+        first = openai_client(url).completions.create(
+            **question, extra_body={"context": card["id"]}
+        )
+    assert (folder / card["id"] / "context.json").is_file()
+    with served(model, tokenizer, contexts_dir=folder) as url:
+        client = openai_client(url)
+        (loaded,) = client.get("/contexts", cast_to=object)["data"]
+        assert loaded == card | {"hits": 1}
+        again = client.completions.create(**question, extra_body={"context": card["id"]})
+        assert again.choices[0].text == first.choices[0].text
+        assert again.usage.kv_bytes == first.usage.kv_bytes
+        assert metrics(url)["jaxkv_contexts"] == 1

@@ -51,6 +51,12 @@ def add_parser(commands) -> None:
         "hold at least this many tokens",
     )
     serve.add_argument(
+        "--contexts-dir",
+        default=None,
+        help="a folder the cached contexts are saved to when the server stops and loaded from "
+        "when it starts (default: none; contexts live as long as the process)",
+    )
+    serve.add_argument(
         "--mesh",
         default=None,
         metavar="DATAxMODEL",
@@ -118,6 +124,7 @@ def run(args) -> int:
         defaults=defaults,
         warm_up_first=not args.no_warm_up,
         auto_context_tokens=args.auto_context_tokens,
+        contexts_dir=args.contexts_dir,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

@@ -1120,6 +1120,10 @@ class Engine:
             "full_kv_bytes": self._full_pages(written) * page_bytes,
         }
 
+    def full_kv_bytes(self, tokens: int) -> int:
+        """Bytes the full cache holds for `tokens` tokens of every head (the pool's pages)."""
+        return self._full_pages(tokens) * self.executor.page_bytes
+
     def _full_pages(self, tokens: int) -> int:
         """Pages the full cache holds for `tokens` tokens (every head's)."""
         cfg = self.model.config

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import uuid
+from pathlib import Path
 
 import jax
 from fastapi import APIRouter, FastAPI, Request
@@ -404,12 +405,14 @@ def create_app(
     defaults: RequestDefaults | None = None,
     warm_up_first: bool = True,
     auto_context_tokens: int = 256,
+    contexts_dir: str | os.PathLike | None = None,
 ) -> FastAPI:
     """The FastAPI application over `engine` (started with the app, stopped with it): fields a
     request leaves out from `defaults`; `warm_up_first` runs `warm_up` before it serves; a
     chat's messages before its last user turn are a cached context of their own when they
     render to at least `auto_context_tokens` tokens and the engine holds contexts
-    (`jaxkv.serve.contexts`)."""
+    (`jaxkv.serve.contexts`); with `contexts_dir`, the contexts saved there are loaded before it
+    serves and its contexts saved there when it stops."""
     stop_ids = [t for t in [tokenizer.eos_id, *engine.model.config.eos_token_ids] if t is not None]
     server = Server(
         engine,
@@ -424,10 +427,15 @@ def create_app(
     async def lifespan(app):
         if warm_up_first:
             await asyncio.to_thread(warm_up, engine, tokenizer)
+        if contexts_dir is not None:
+            server.contexts.load_all(engine, Path(contexts_dir))
         server.worker = server.contexts.worker = EngineWorker(engine)
         yield
+        failure = server.worker.failure
         server.worker.stop()
         server.worker = None
+        if contexts_dir is not None and failure is None:  # a failed engine's state is not kept
+            server.contexts.save_all(engine, Path(contexts_dir))
 
     app = FastAPI(title="jaxkv", lifespan=lifespan)
     app.state.server = server

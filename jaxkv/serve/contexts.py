@@ -16,19 +16,33 @@ Two ways in:
   its context.
 The engine drops an idle context, least recently used first, when requests need its pages: a
 request naming it then gets a 404 (add it again); an automatic one is made again.
+
+With a directory (`jaxkv serve --contexts-dir`), the server saves its ready contexts there when
+it stops (each a folder named by its id: the context copied out of the pool as a `Session` in
+`save_session`'s format, and `context.json`: its ids, messages, budget, hits) and loads them when
+it starts, before it serves: the same ids answer as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import logging
+import shutil
 import time
 import uuid
+from pathlib import Path
 
-from jaxkv.engine import ContextEvent, ContextsFullError, TooLargeForPoolError
+from jaxkv.engine import ContextEvent, ContextsFullError, Engine, TooLargeForPoolError
+from jaxkv.generation.saved import load_session, save_session
 from jaxkv.models import Tokenizer, encode_chat
 from jaxkv.serve.protocol import APIError
 from jaxkv.serve.worker import EngineStoppedError, EngineWorker
+
+log = logging.getLogger(__name__)
+
+SAVED = "context.json"  # beside the saved session, in each context's folder
 
 
 @dataclasses.dataclass
@@ -236,3 +250,70 @@ class Contexts:
                 "messages",
             )
         return whole[len(context.ids) :]
+
+    def save_all(self, engine: Engine, directory: Path) -> None:
+        """Each ready context into `directory` (module docstring), the folders of contexts the
+        server no longer holds removed; run once the engine's thread has stopped."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for folder in directory.glob("ctx-*"):
+            shutil.rmtree(folder)
+        for context in self._by_id.values():
+            if not (context.ready.done() and not context.ready.exception()):
+                continue
+            folder = directory / context.id
+            save_session(engine.context_session(context.engine_id), folder / "session")
+            record = {
+                "ids": context.ids,
+                "messages": context.messages,
+                "budget": context.budget,
+                "auto": context.auto,
+                "created": context.created,
+                "hits": context.hits,
+            }
+            (folder / SAVED).write_text(json.dumps(record) + "\n")
+        log.info("saved %d contexts to %s", len(list(directory.glob("ctx-*"))), directory)
+
+    def load_all(self, engine: Engine, directory: Path) -> None:
+        """The contexts saved in `directory` into the engine, ready, under their ids; run before
+        the engine's thread starts. One that does not load (another model or policy, a full
+        pool) is skipped, said in the log."""
+        loop = asyncio.get_running_loop()
+        for folder in sorted(directory.glob("ctx-*")) if directory.is_dir() else []:
+            try:
+                record = json.loads((folder / SAVED).read_text())
+                session = load_session(folder / "session", engine.model, engine.policy)
+                engine_id = engine.add_session(session)
+            except (OSError, ValueError) as error:
+                log.warning("context %s not loaded: %s", folder.name, error)
+                continue
+            context = ServedContext(
+                id=folder.name,
+                engine_id=engine_id,
+                ids=record["ids"],
+                messages=record["messages"],
+                budget=record["budget"],
+                auto=record["auto"],
+                created=record["created"],
+                ready=loop.create_future(),
+                hits=record["hits"],
+            )
+            context.ready.set_result(
+                ContextEvent(
+                    engine_id,
+                    "ready",
+                    len(context.ids),
+                    kv_bytes=session.memory_bytes(),
+                    full_kv_bytes=engine.full_kv_bytes(len(context.ids)),
+                    compressed=bool(session.compressed()[0]),
+                )
+            )
+            self._by_id[context.id] = self._by_engine_id[engine_id] = context
+            if context.auto:
+                self._automatic[(repr(context.budget), tuple(context.ids))] = _done(context)
+        log.info("loaded %d contexts from %s", len(self._by_id), directory)
+
+
+def _done(context: ServedContext) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(context)
+    return future
