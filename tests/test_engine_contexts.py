@@ -230,3 +230,17 @@ def test_a_context_copied_out_saved_and_loaded_serves_as_the_one_made_in_the_eng
         )
     with pytest.raises(ValueError, match="not ready"):
         other.context_session(other.add_context(CONTEXT))  # dropped the loaded one (idle)
+
+
+def test_a_context_that_waits_for_pages_read_by_questions_behind_it_does_not_block_them(model):
+    # The pool holds one of the two contexts: `second` waits for `first` to be idle, and the
+    # question on `first`, queued behind `second`, is what keeps it read: it passes.
+    eng = Engine(model, cache=CacheConfig(num_pages=800), max_slots=1, max_contexts=2)
+    first = eng.add_context(CONTEXT)
+    run(eng)
+    second = eng.add_context(OTHER_CONTEXT)
+    question = eng.submit(QUESTIONS[0], max_new_tokens=4, context=first)
+    tokens, contexts, _ = run(eng)
+    assert [(e.context_id, e.state) for e in contexts] == [(first, "evicted"), (second, "ready")]
+    asked = jaxkv.ask(model, CONTEXT, QUESTIONS[:1], max_new_tokens=4).answers
+    assert tokens[question] == asked.tokens[0, : int(asked.num_tokens[0])].tolist()

@@ -139,3 +139,13 @@ def test_a_queued_request_whose_prefill_exceeds_the_pool_is_refused_not_waited_f
     queue = [Waiting(peak_pages=201, chunk_tokens=64), Waiting(peak_pages=50, chunk_tokens=64)]
     got = plan_step(view(waiting=queue, free_rows=(0, 1), free=200))
     assert got == Plan(refuse_waiting=(0,), start=(0,))
+
+
+def test_a_request_reading_a_cached_context_passes_one_whose_pages_do_not_fit():
+    """Behind a request waiting for pages (an idle context to drop), a plain request waits and
+    one reading a cached context starts: it is what keeps the contexts read."""
+    queue = (Waiting(150, 64), Waiting(20, 16), Waiting(20, 16, reads_context=True))
+    got = plan_step(view(waiting=queue, free_rows=(0, 1, 2), free=100))
+    assert got == Plan(start=(0,), passed=(0, 1))
+    fits = plan_step(view(waiting=queue, free_rows=(0, 1, 2), free=200))
+    assert fits == Plan(start=(0, 1, 2))  # in order when they fit

@@ -777,7 +777,8 @@ class Engine:
             )
             plan = plan_step(view)
             gone = [head[i] for i in plan.refuse_waiting]
-            starting = [r for r in head if r not in gone][: len(plan.start)]
+            skipped = {*plan.refuse_waiting, *plan.passed}
+            starting = [r for i, r in enumerate(head) if i not in skipped][: len(plan.start)]
             refused += gone
             started += list(zip(plan.start, starting, strict=True))
             queue = [r for r in queue if r not in gone and r not in starting]
@@ -788,7 +789,7 @@ class Engine:
             **{
                 field.name: tuple(x for plan in plans for x in getattr(plan, field.name))
                 for field in dataclasses.fields(Plan)
-                if field.name != "refuse_waiting"
+                if field.name not in ("refuse_waiting", "passed")
             }
         )
         return merged, started, refused
@@ -858,7 +859,7 @@ class Engine:
         free_rows = tuple(
             row for row in lanes.lane_prefills(lane) if self._prefill_rows[row] is None
         )
-        head = queue[: len(free_rows)]
+        head = queue if free_rows else []  # requests reading a context may pass the first
         idle = tuple(
             IdleContext(row, c.last_used, int(held[lanes.context_kv_row(row)]))
             for row in lanes.lane_contexts(lane)
@@ -868,7 +869,7 @@ class Engine:
             running=running,
             ready=tuple(sorted(ready, key=lambda r: r.order)),
             prefilling=tuple(prefilling),
-            waiting=tuple(Waiting(r.peak_pages, r.next_chunk) for r in head),
+            waiting=tuple(Waiting(r.peak_pages, r.next_chunk, r.context is not None) for r in head),
             free_slots=tuple(s for s in lanes.lane_slots(lane) if self._slots[s] is None),
             free_rows=free_rows,
             free_pages=free,

@@ -24,7 +24,8 @@ token sampled; in its prefill row, or swapped out to the host after a preemption
    and their pages fit: a chunk runs when the pages it may allocate are free after the decode
    step's; a request starts only when the most pages it may hold until its first decode step
    fit beside what the prefills in flight may still allocate (so they never wait on each
-   other).
+   other); in queue order, except that a request reading a cached context may start past one
+   that does not fit.
 Cached contexts (`Engine.add_context`) hold pages too: one that no request reads or waits for
 is idle, and idle contexts are dropped, least recently used first, whenever steps 1, 2 or 4
 need their pages, before any request is preempted (`drop_contexts`).
@@ -79,10 +80,12 @@ class Prefilling:
 @dataclasses.dataclass(frozen=True)
 class Waiting:
     """A request in the queue: the most pages it may hold from its first chunk to its first
-    decode step, and the tokens of its first chunk."""
+    decode step, the tokens of its first chunk, and whether it reads a cached context (it may
+    then start past a request whose pages do not fit: it is what makes contexts idle)."""
 
     peak_pages: int
     chunk_tokens: int
+    reads_context: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +104,7 @@ class View:
 
     Attributes:
       running, ready, prefilling: the requests in slots, waiting for one, reading prompts.
-      waiting: the queue's first requests, in order (at most one per free prefill row).
+      waiting: the queue (of those that may start in this lane), in order.
       free_slots, free_rows: the slots and the prefill rows no request holds.
       free_pages, num_pages: the pool's free pages and size.
       max_batched_tokens: the tokens one step may run (decode rows count one each).
@@ -138,7 +141,10 @@ class Plan:
       decode: the slots that decode a token.
       prefill: the prefill rows that read their next chunk.
       start: the free prefill rows the queue's first len(start) requests start in (each
-        reads its first chunk in this step).
+        reads its first chunk in this step), but for those in `passed`.
+      passed: indices in `View.waiting` of queued requests that do not start while requests
+        behind them do: requests that read a cached context pass one whose pages do not fit
+        (else its wait for idle contexts could wait on them: they keep those contexts read).
     """
 
     drop_contexts: tuple[int, ...] = ()
@@ -152,6 +158,7 @@ class Plan:
     decode: tuple[int, ...] = ()
     prefill: tuple[int, ...] = ()
     start: tuple[int, ...] = ()
+    passed: tuple[int, ...] = ()
 
 
 def plan_step(view: View) -> Plan:
@@ -222,15 +229,24 @@ def plan_step(view: View) -> Plan:
     reserved += sum(r.growth_pages for r in ready if r.row is not None)
     rows = sorted(view.free_rows)  # an aborted row is free from the next step on
     refuse_waiting = [i for i, w in enumerate(view.waiting) if w.peak_pages > view.num_pages]
-    start = []
-    for w in [w for i, w in enumerate(view.waiting) if i not in refuse_waiting]:
+    start, started, passed, blocked = [], [], [], False
+    for i, w in enumerate(view.waiting):
+        if i in refuse_waiting:
+            continue
         if not rows or w.chunk_tokens > tokens:
             break
+        if blocked and not w.reads_context:
+            passed.append(i)
+            continue
         if not room_for(_growth(running) + reserved + w.peak_pages):
-            break
+            blocked = True  # it waits; only requests that read a cached context pass it
+            passed.append(i)
+            continue
         start.append(rows.pop(0))
+        started.append(i)
         tokens -= w.chunk_tokens
         reserved += w.peak_pages
+    passed = [i for i in passed if started and i < started[-1]]
     return Plan(
         drop_contexts=tuple(dropped),
         refuse=tuple(refuse),
@@ -243,6 +259,7 @@ def plan_step(view: View) -> Plan:
         decode=tuple(sorted(r.slot for r in running)),
         prefill=tuple(sorted(reading)),
         start=tuple(start),
+        passed=tuple(passed),
     )
 
 
