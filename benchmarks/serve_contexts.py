@@ -21,8 +21,9 @@ The full cache's cached run is exact prefix reuse (nothing is compressed). Per r
 second (end to end), time to first token (p50, p99) of every request and of those whose context
 was ready when they arrived (the cache's hits), time per output token, the KV bytes a request
 held at its end (mean), contexts dropped for pages, and, for a cached run, how many answers
-equal `jaxkv.ask`'s over the same document and question (greedy, token for token). Run on one
-machine in one process: ratios between runs are the measurement.
+equal `jaxkv.ask`'s over the same document and question (greedy, token for token). The report
+is written again as each run ends. Run on one machine in one process: ratios between runs are
+the measurement.
 """
 
 from __future__ import annotations
@@ -282,7 +283,14 @@ def main(argv: list[str] | None = None) -> dict:
     cfg, page_size = model.config, jaxkv.CacheConfig().page_size
     longest = max(map(len, documents)) + max(len(r["question"]) for r in trace) + args.max_new
     num_pages = args.pool_requests * cfg.num_layers * cfg.num_kv_heads * -(-longest // page_size)
-    rows = []
+    report = {
+        "provenance": harness.provenance("jaxkv bench serve_contexts", argv or sys.argv[1:]),
+        "model": args.model,
+        "trace": {key: value for key, value in vars(args).items() if key != "out"},
+        "questions": list(QUESTIONS),
+        "rows": [],
+    }
+    out = args.out / Path(args.model).stem
     for spec in args.policies:
         policy = policies.from_spec(spec).for_tokenizer(tokenizer)
         params = harness.learned_params(policy, model, args.model, given)
@@ -294,16 +302,8 @@ def main(argv: list[str] | None = None) -> dict:
             row = {"policy": spec, "cached": cached, "num_pages": num_pages, **result}
             row["equal_to_ask"] = equal
             harness.print_row(row)
-            rows.append(row)
-    report = {
-        "provenance": harness.provenance("jaxkv bench serve_contexts", argv or sys.argv[1:]),
-        "model": args.model,
-        "trace": {key: value for key, value in vars(args).items() if key != "out"},
-        "questions": list(QUESTIONS),
-        "rows": rows,
-    }
-    out = args.out / Path(args.model).stem
-    harness.save(out, "serve_contexts", report, markdown(report))
+            report["rows"].append(row)
+            harness.save(out, "serve_contexts", report, markdown(report))  # each run as it ends
     print(markdown(report))
     return report
 
