@@ -253,6 +253,17 @@ def paired_ratio_interval(
     return float(low), float(high)
 
 
+def add_params_option(parser: argparse.ArgumentParser) -> None:
+    """--params NAME=PATH ... (`learned_params` reads them, parsed by `spec.parse_params`)."""
+    parser.add_argument(
+        "--params",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="a learned policy's parameters (without: the ones jaxkv ships for --model)",
+    )
+
+
 def learned_params(policy, model, model_arg: str, given: dict):
     """A learned policy's parameters: `given` (--params NAME=PATH, parsed), else the ones jaxkv
     ships for `model_arg` (--model); None for a policy that learns nothing."""

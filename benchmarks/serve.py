@@ -211,13 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         default=[4],
         help="pool sizes, in full-cache requests of the longest prompt + output (one run each)",
     )
-    parser.add_argument(
-        "--params",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="a learned policy's parameters (without: the ones jaxkv ships for --model)",
-    )
+    harness.add_params_option(parser)
     parser.add_argument("--max-slots", type=int, default=16, help="requests decoded at once")
     parser.add_argument(
         "--max-prefills",

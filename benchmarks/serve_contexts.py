@@ -259,13 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="the pool, in full-cache requests of the longest document + question + answer",
     )
     parser.add_argument("--max-slots", type=int, default=16, help="requests decoded at once")
-    parser.add_argument(
-        "--params",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="a learned policy's parameters (without: the ones jaxkv ships for --model)",
-    )
+    harness.add_params_option(parser)
     parser.add_argument("--seed", type=int, default=0, help="the trace's documents and arrivals")
     parser.add_argument(
         "--out",
