@@ -311,16 +311,18 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatRequest, request: Request):
     server = _server(request)
     messages = [message.model_dump() for message in body.messages]
-    try:
+    context, split = None, None
+    try:  # the chat template's errors
         if body.context is not None:
             context = server.contexts.named(body.context)
             ids = server.contexts.question_ids(context, None, messages)
-            return await server.complete(body, ids, chat=True, context=context)
-        split = server.contexts.chat_split(messages, server.decode_evicts(body))
-        if split is None:
-            return await server.complete(body, encode_chat(server.tokenizer, messages), chat=True)
+        else:
+            split = server.contexts.chat_split(messages, server.decode_evicts(body))
+            ids = encode_chat(server.tokenizer, messages) if split is None else None
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
+    if split is None:
+        return await server.complete(body, ids, chat=True, context=context)
     server.check_names(body)
     server.check_budget(body.budget)
     prefix, prefix_ids, whole = split
