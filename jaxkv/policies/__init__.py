@@ -27,6 +27,7 @@ from jaxkv.policies.expected_attention import ExpectedAttention
 from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
+from jaxkv.policies.query_agnostic import CUR, KeyDiff, LagKV, Random
 from jaxkv.policies.quest import Quest
 from jaxkv.policies.sage import SageKV
 from jaxkv.policies.scissorhands import Scissorhands
@@ -42,6 +43,7 @@ from jaxkv.policies.scorers import (
     StreamingLLM,
 )
 from jaxkv.policies.spec import from_spec
+from jaxkv.policies.structure import Block, Chunk, ChunkKV
 from jaxkv.policies.wgkv import (
     WGKV,
     DuoAttention,
@@ -59,8 +61,12 @@ __all__ = [
     "H2O",
     "TOVA",
     "WGKV",
+    "CUR",
     "AdaKV",
+    "Block",
     "Budget",
+    "Chunk",
+    "ChunkKV",
     "Composed",
     "ConfKV",
     "ConfidenceWeights",
@@ -73,7 +79,9 @@ __all__ = [
     "FullCache",
     "GVote",
     "KVzip",
+    "KeyDiff",
     "Knorm",
+    "LagKV",
     "LayerView",
     "LearnedParams",
     "LocalAttention",
@@ -82,6 +90,7 @@ __all__ = [
     "PrefillObservations",
     "PyramidKV",
     "Quest",
+    "Random",
     "Ranking",
     "RetrievalHeads",
     "RingAdmission",

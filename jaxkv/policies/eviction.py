@@ -137,11 +137,15 @@ class Scorer(abc.ABC):
       query_moments_from: the first position whose pre-RoPE query prefill adds to each head's
         query moments (ExpectedAttention); None records none.
       reads_values: whether `layer_scores` reads the layer's values (`LayerView.values`).
+      cache_only: whether the scores are a function of the view's cache alone (keys, values,
+        which slots are held, the layer's key), so that a run of slots scores on its own (the
+        chunked and block-wise presses of `jaxkv.policies.structure`).
     """
 
     observation_window: ClassVar[int] = 0
     query_moments_from: ClassVar[int | None] = None
     reads_values: ClassVar[bool] = False
+    cache_only: ClassVar[bool] = False
 
     @abc.abstractmethod
     def layer_scores(self, view: LayerView) -> jax.Array:

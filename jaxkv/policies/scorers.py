@@ -200,6 +200,8 @@ class TOVA(EvictionPolicy):
 class KeyNormScores(Scorer):
     """Knorm's scores: the smaller a key's L2 norm, the higher it ranks."""
 
+    cache_only: ClassVar[bool] = True
+
     def layer_scores(self, view: LayerView) -> jax.Array:
         return -jnp.linalg.norm(view.keys.astype(jnp.float32), axis=-1)
 

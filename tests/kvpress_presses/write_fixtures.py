@@ -1,0 +1,219 @@
+"""Writes the kvpress fixtures of `tests/test_kvpress_presses.py`: what kvpress 0.5.5's presses
+keep on small random Llama and Qwen3 models, for jaxkv's presses to be compared with.
+
+Runs in kvpress's own environment (kvpress pins transformers < 5.3; see
+`jaxkv/benchmarks/kvpress_reference.py`):
+
+    python -m venv .venv-kvpress && . .venv-kvpress/bin/activate && pip install -e '.[kvpress]'
+    python tests/kvpress_presses/write_fixtures.py
+
+For each model (written here as a Hugging Face directory, `MODEL/`, which the test loads with
+jaxkv's own loader) one random prompt is prefilled under each press of `CASES`; `MODEL/PRESS.npz`
+holds, per layer, the positions each KV head kept (`kept`, int [L, K, n], -1 past a layer's count) and, for presses that
+score tokens, kvpress's scores of every position (`scores`, f32 [L, K, T]: the test accepts any
+choice among tokens tied at the cut). `fixtures.json` records the command, the commit, the
+machine and the versions.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import kvpress
+import numpy as np
+import torch
+import transformers
+from transformers import DynamicCache
+
+HERE = Path(__file__).resolve().parent
+PROMPT_TOKENS = 203
+SEED = 0
+
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+
+MODELS = {
+    "llama": (transformers.LlamaConfig, dict(_COMMON, rope_theta=10000.0)),
+    "qwen3": (transformers.Qwen3Config, dict(_COMMON, rope_theta=1000000.0)),
+}
+
+# name: (kvpress press, the jaxkv spec that should keep the same positions)
+CASES = {
+    "knorm": (lambda: kvpress.KnormPress(compression_ratio=0.5), "knorm:0.5"),
+    "keydiff": (lambda: kvpress.KeyDiffPress(compression_ratio=0.5), "keydiff:0.5"),
+    "keydiff-0.25": (lambda: kvpress.KeyDiffPress(compression_ratio=0.75), "keydiff:0.25"),
+    "lagkv": (
+        lambda: kvpress.LagKVPress(compression_ratio=0.5, n_sink=4, lag_size=16),
+        "lagkv:0.5:lag_size=16",
+    ),
+    "lagkv-cross": (
+        lambda: kvpress.LagKVPress(compression_ratio=0.6, lag_size=32, cross_scoring=True),
+        "lagkv:0.4:lag_size=32:cross_scoring=true",
+    ),
+    "lagkv-short": (
+        lambda: kvpress.LagKVPress(compression_ratio=0.5, lag_size=128),
+        "lagkv:0.5",
+    ),
+    "cur": (lambda: kvpress.CURPress(compression_ratio=0.5), "cur:0.5"),
+    "cur-key": (
+        lambda: kvpress.CURPress(
+            compression_ratio=0.7, leverage_type="key", use_local_approximation=False
+        ),
+        "cur:0.3:leverage_type=key:local_window=0",
+    ),
+    "cur-kv_avg": (
+        lambda: kvpress.CURPress(
+            compression_ratio=0.5, leverage_type="kv_avg", local_window_size=8, num_sinks=2
+        ),
+        "cur:0.5:leverage_type=kv_avg:local_window=8:sinks=2",
+    ),
+    "chunkkv-knorm": (
+        lambda: kvpress.ChunkKVPress(kvpress.KnormPress(compression_ratio=0.5), chunk_length=20),
+        "chunkkv:0.5:inner=knorm:chunk_length=20",
+    ),
+    "chunkkv-keydiff": (
+        lambda: kvpress.ChunkKVPress(kvpress.KeyDiffPress(compression_ratio=0.7), chunk_length=8),
+        "chunkkv:0.3:inner=keydiff:chunk_length=8",
+    ),
+    "chunk-keydiff": (
+        lambda: kvpress.ChunkPress(kvpress.KeyDiffPress(compression_ratio=0.5), chunk_length=64),
+        "chunk:0.5:inner=keydiff:chunk_length=64",
+    ),
+    "chunk-cur": (
+        lambda: kvpress.ChunkPress(kvpress.CURPress(compression_ratio=0.6), chunk_length=50),
+        "chunk:0.4:inner=cur:chunk_length=50",
+    ),
+    "block-keydiff": (
+        lambda: kvpress.BlockPress(kvpress.KeyDiffPress(compression_ratio=0.5), block_size=32),
+        "block:0.5:inner=keydiff:block_size=32",
+    ),
+    "block-knorm": (
+        lambda: kvpress.BlockPress(kvpress.KnormPress(compression_ratio=0.75), block_size=16),
+        "block:0.25:inner=knorm:block_size=16",
+    ),
+}
+
+
+def build_model(name: str, directory: Path) -> transformers.PreTrainedModel:
+    """A random fp32 model (norms near 1, weights of std 0.08), saved to `directory`."""
+    config_cls, kwargs = MODELS[name]
+    torch.manual_seed(SEED)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config_cls(**kwargs), attn_implementation="sdpa", dtype=torch.float32
+    )
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.08 * torch.randn_like(param))
+    model.eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def prefill(model, ids: torch.Tensor, press=None) -> DynamicCache:
+    cache = DynamicCache()
+    with torch.no_grad():
+        if press is None:
+            model(ids, past_key_values=cache)
+        else:
+            with press(model):
+                model(ids, past_key_values=cache)
+    return cache
+
+
+def recorded_scores(press) -> dict[int, np.ndarray]:
+    """Wraps the press's `score` (a scoring press's own) to record each layer's scores."""
+    scores: dict[int, np.ndarray] = {}
+    original = press.score
+
+    def score(module, *args, **kwargs):
+        out = original(module, *args, **kwargs)
+        scores[module.layer_idx] = out[0].float().numpy()
+        return out
+
+    press.score = score
+    return scores
+
+
+def kept_positions(full: torch.Tensor, kept: torch.Tensor) -> np.ndarray:
+    """int [K, n]: the position of each kept key (rows of `kept` [1, K, n, H] found in
+    `full` [1, K, T, H], by exact equality: a press gathers, it does not compute)."""
+    heads = []
+    for head in range(full.shape[1]):
+        equal = (kept[0, head][:, None, :] == full[0, head][None, :, :]).all(-1)  # [n, T]
+        if not bool((equal.sum(-1) == 1).all()):
+            raise RuntimeError("a kept key matches no position, or several")
+        heads.append(equal.int().argmax(-1).numpy())
+    return np.stack(heads)
+
+
+def padded(per_layer: list[np.ndarray]) -> np.ndarray:
+    """int [L, K, n]: the layers' kept positions, -1 after a layer's last (ChunkKV's layers
+    may keep different counts)."""
+    width = max(kept.shape[-1] for kept in per_layer)
+    out = np.full((len(per_layer), per_layer[0].shape[0], width), -1, np.int64)
+    for layer, kept in enumerate(per_layer):
+        out[layer, :, : kept.shape[-1]] = kept
+    return out
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE)
+    return out.stdout.strip()
+
+
+def main() -> None:
+    rng = np.random.default_rng(SEED)
+    # Distinct tokens: a repeated one has the same key norm, a tie for Knorm.
+    ids = torch.tensor(3 + rng.permutation(_COMMON["vocab_size"] - 3)[None, :PROMPT_TOKENS])
+    for model_name in MODELS:
+        directory = HERE / model_name
+        directory.mkdir(exist_ok=True)
+        model = build_model(model_name, directory)
+        full = prefill(model, ids)
+        for case, (make_press, _) in CASES.items():
+            press = make_press()
+            scores = None if hasattr(press, "press") else recorded_scores(press)
+            cache = prefill(model, ids, press)
+            kept = [
+                kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
+                for layer in range(len(full.layers))
+            ]
+            arrays = {"kept": padded(kept)}
+            if scores is not None:
+                arrays["scores"] = np.stack([scores[layer] for layer in sorted(scores)])
+            np.savez(directory / f"{case}.npz", **arrays)
+            print(model_name, case, arrays["kept"].shape)
+    meta = {
+        "command": "python tests/kvpress_presses/write_fixtures.py",
+        "commit": git_commit(),
+        "machine": f"{platform.node()}, {platform.machine()}, python {platform.python_version()}",
+        "versions": {
+            "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "prompt": ids[0].tolist(),
+        "cases": {case: spec for case, (_, spec) in CASES.items()},
+        "argv": sys.argv[1:],
+    }
+    (HERE / "fixtures.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""kvpress's presses in jaxkv keep what kvpress 0.5.5 keeps: per layer and KV head, the positions
+kept on small random Llama and Qwen3 models, against fixtures written in kvpress's own
+environment (`tests/kvpress_presses/write_fixtures.py`, its command and versions in
+`fixtures.json`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import policies
+from jaxkv.models import load_hf_checkpoint
+
+FIXTURES = Path(__file__).parent / "kvpress_presses"
+META = json.loads((FIXTURES / "fixtures.json").read_text())
+MODELS = ("llama", "qwen3")
+# Scores within this of kvpress's lowest kept score are ties at the cut (float32 in torch and
+# XLA sum in different orders): either side of the cut is kvpress's choice.
+TIE_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request):
+    return request.param, load_hf_checkpoint(FIXTURES / request.param, dtype="float32")
+
+
+def kept_by_head(state, num_layers: int) -> list[list[set[int]]]:
+    """[layer][head] the positions the (single-row) state holds."""
+    kept = []
+    for layer in range(num_layers):
+        positions = np.asarray(state.positions(layer))[0]
+        kept.append([set(int(p) for p in head[head >= 0]) for head in positions])
+    return kept
+
+
+def assert_keeps_as_kvpress(ours: set[int], theirs: set[int], scores, where: str) -> None:
+    assert len(ours) == len(theirs), f"{where}: kept {len(ours)} tokens, kvpress {len(theirs)}"
+    differ = ours ^ theirs
+    if scores is None:
+        assert not differ, f"{where}: kept {sorted(ours - theirs)}, kvpress {sorted(theirs - ours)}"
+        return
+    cut = min(scores[p] for p in theirs)
+    off_cut = [p for p in differ if abs(scores[p] - cut) > TIE_TOLERANCE * max(1.0, abs(cut))]
+    assert not off_cut, (
+        f"{where}: positions {sorted(off_cut)} differ from kvpress's choice and do not tie at "
+        f"its cut (scores {[float(scores[p]) for p in sorted(off_cut)]}, cut {cut})"
+    )
+
+
+@pytest.mark.parametrize("case", sorted(META["cases"]))
+def test_kept_positions_equal_kvpress(model, case):
+    name, loaded = model
+    spec = META["cases"][case]
+    fixture = np.load(FIXTURES / name / f"{case}.npz")
+    state = jaxkv.compress_prompt(loaded, [META["prompt"]], policies.from_spec(spec))
+    ours = kept_by_head(state, loaded.config.num_layers)
+    for layer, heads in enumerate(fixture["kept"]):
+        for head, theirs in enumerate(heads):
+            scores = fixture["scores"][layer, head] if "scores" in fixture else None
+            assert_keeps_as_kvpress(
+                ours[layer][head],
+                set(int(p) for p in theirs[theirs >= 0]),
+                scores,
+                f"{name} {spec} layer {layer} head {head}",
+            )
+
+
+def test_random_keeps_the_budget_and_follows_the_key(model):
+    _, loaded = model
+    prompt = [META["prompt"]]
+    policy = policies.from_spec("random:0.25")
+    runs = [jaxkv.compress_prompt(loaded, prompt, policy, key=jax.random.key(seed)) for seed in (0, 0, 1)]
+    kept = [kept_by_head(state, loaded.config.num_layers) for state in runs]
+    budget = int(0.25 * len(META["prompt"]))
+    assert all(len(head) == budget for layer in kept[0] for head in layer)
+    assert kept[0] == kept[1]
+    assert kept[0] != kept[2]
+    # Uniform: every position is as likely kept; the kept positions' mean is the prompt's middle.
+    positions = [p for layer in kept[0] for head in layer for p in head]
+    assert abs(np.mean(positions) - (len(META["prompt"]) - 1) / 2) < 0.15 * len(META["prompt"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("chunk:0.5:inner=snapkv", "inner='snapkv' scores from queries"),
+        ("block:0.5:inner=tova", "inner='tova' scores from queries"),
+        ("chunkkv:0.5:inner=kvzip", "inner='kvzip' must be a scoring eviction policy"),
+        ("chunkkv:64", "budget= as a ratio"),
+        ("chunk:0.5:chunk_length=0", "chunk_length=0 must be >= 1"),
+        ("lagkv:0.5:lag_size=1", "lag_size=1 must be >= 2"),
+        ("cur:0.5:leverage_type=values", "leverage_type='values'"),
+    ],
+)
+def test_bad_settings_name_the_field(spec, match):
+    with pytest.raises(ValueError, match=match):
+        policies.from_spec(spec)
