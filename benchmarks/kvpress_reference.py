@@ -82,6 +82,15 @@ PRESSES = {
     "pyramidkv": "PyramidKVPress",
     "kvzip": "KVzipPress",
     "observed_attention": "ObservedAttentionPress",
+    "keydiff": "KeyDiffPress",
+    "lagkv": "LagKVPress",
+    "cur": "CURPress",
+}
+# jaxkv's wrapping policies -> (kvpress's wrapper, the press it wraps: jaxkv's default `inner`).
+WRAPPERS = {
+    "chunkkv": ("ChunkKVPress", "SnapKVPress"),
+    "chunk": ("ChunkPress", "KeyDiffPress"),
+    "block": ("BlockPress", "KeyDiffPress"),
 }
 # kvpress presses changed to test a difference from jaxkv's policy of the same name:
 #   kvzip_scored_prefix  KVzipPress scoring the whole context. kvpress skips the chat template's
@@ -91,7 +100,8 @@ PRESSES = {
 VARIANTS = ("kvzip_scored_prefix",)
 # The attention each press runs under: eager (which every press but KVzip supports, and
 # ObservedAttention needs for its attention weights) unless named here.
-ATTENTION = {"kvzip": "sdpa", "kvzip_scored_prefix": "sdpa"}  # KVzipPress refuses eager
+# KVzipPress refuses eager, and the wrappers refuse attention weights.
+ATTENTION = {"kvzip": "sdpa", "kvzip_scored_prefix": "sdpa"} | dict.fromkeys(WRAPPERS, "sdpa")
 # The presses --reuse runs by default: the full cache and those of jaxkv's policies.
 REUSE_PRESSES = ("full", "kvzip", "kvzip_scored_prefix", "snapkv", "tova", "streaming_llm", "knorm")
 # Options of one mode only: (option, its mode).
@@ -155,6 +165,9 @@ def make_press(name: str, budget: float | None):
 
     if name == "kvzip_scored_prefix":
         return _kvzip_scoring_prefix(kvpress.KVzipPress)(compression_ratio=1.0 - budget)
+    if name in WRAPPERS:
+        wrapper, inner = WRAPPERS[name]
+        return getattr(kvpress, wrapper)(getattr(kvpress, inner)(compression_ratio=1.0 - budget))
     return getattr(kvpress, PRESSES[name])(compression_ratio=1.0 - budget)
 
 
@@ -286,7 +299,7 @@ def ask_document(pipe, tokenizer, name: str, budget: float | None, document: Doc
     ]
     return {
         "press": name,
-        "kvpress_press": None if name == "full" else PRESSES.get(name, name),
+        "kvpress_press": None if name == "full" else PRESSES.get(name, WRAPPERS.get(name, name)),
         "budget": budget,
         "compression_ratio": None if budget is None else 1.0 - budget,
         "attention": ATTENTION.get(name, "eager"),
@@ -458,8 +471,8 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
             mode = "with --reuse only" if option in _REUSE_ONLY else "real_quality's, not --reuse's"
             raise SystemExit(f"--{option}: an option {mode}")
     for name in args.presses or []:
-        if name != "full" and name not in PRESSES and name not in VARIANTS:
-            known = sorted([*PRESSES, *VARIANTS])
+        if name != "full" and name not in {*PRESSES, *WRAPPERS, *VARIANTS}:
+            known = sorted([*PRESSES, *WRAPPERS, *VARIANTS])
             raise SystemExit(f"--presses {name}: kvpress presses here are full, {known}")
     for budget in args.budgets:
         if not 0 < budget < 1:

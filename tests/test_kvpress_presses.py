@@ -74,7 +74,10 @@ def test_random_keeps_the_budget_and_follows_the_key(model):
     _, loaded = model
     prompt = [META["prompt"]]
     policy = policies.from_spec("random:0.25")
-    runs = [jaxkv.compress_prompt(loaded, prompt, policy, key=jax.random.key(seed)) for seed in (0, 0, 1)]
+    runs = [
+        jaxkv.compress_prompt(loaded, prompt, policy, key=jax.random.key(seed))
+        for seed in (0, 0, 1)
+    ]
     kept = [kept_by_head(state, loaded.config.num_layers) for state in runs]
     budget = int(0.25 * len(META["prompt"]))
     assert all(len(head) == budget for layer in kept[0] for head in layer)

@@ -36,6 +36,13 @@ EXPECTED = {
     "wgkv": ("admission", "gate"),
     "local_attention": ("admission", "gate"),
     "duo_attention": ("admission", "gate"),
+    "keydiff": ("prompt_compression",),
+    "lagkv": ("prompt_compression",),
+    "cur": ("prompt_compression",),
+    "random": ("prompt_compression",),
+    "chunkkv": ("prompt_compression",),
+    "chunk": ("prompt_compression",),
+    "block": ("prompt_compression",),
 }
 
 

@@ -76,6 +76,13 @@ POLICIES = {
     "wgkv": dict(window=32, tau=0.5),
     "duo_attention": dict(window=32),
     "fastkvzip": dict(budget=0.4, window=8, decode_buffer=4),
+    "keydiff": dict(budget=0.3),
+    "lagkv": dict(budget=0.3, lag_size=8),
+    "cur": dict(budget=0.3),
+    "random": dict(budget=0.3),
+    "chunkkv": dict(budget=0.3, inner=policies.get("snapkv", window=8), chunk_length=8),
+    "chunk": dict(budget=0.3, inner="cur", chunk_length=16),
+    "block": dict(budget=0.3, inner="keydiff", block_size=8),
 }
 
 

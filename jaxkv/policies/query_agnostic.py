@@ -20,6 +20,7 @@ from typing import ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
+from jaxkv import collectives
 from jaxkv.policies import base
 from jaxkv.policies.eviction import EvictionPolicy, LayerView, Scorer
 
@@ -222,12 +223,21 @@ class CUR(EvictionPolicy):
 
 @dataclasses.dataclass(frozen=True)
 class RandomScores(Scorer):
-    """Uniform random scores from the layer's key (the prefill's key: a request's seed)."""
+    """Uniform random scores from the layer's key (the prefill's key: a request's seed) and
+    each row's index in the request."""
 
     cache_only: ClassVar[bool] = True
 
     def layer_scores(self, view: LayerView) -> jax.Array:
-        return jax.random.uniform(view.key, view.positions.shape)
+        # Drawn per request row over every KV head, so that a mesh draws what one device does.
+        b, k, s = view.positions.shape
+        heads = k * collectives.head_shards()
+
+        def row_scores(row):
+            return jax.random.uniform(jax.random.fold_in(view.key, row), (heads, s))
+
+        scores = jax.vmap(row_scores)(collectives.global_rows(b))
+        return collectives.local_heads(scores, axis=1)
 
 
 @base.register

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, keep_top_per_head
 from jaxkv.policies import base
@@ -132,16 +133,25 @@ class ChunkKVCompression(base.PromptCompressionPart):
         held = positions >= 0
         newest = positions >= obs.prompt_lengths[:, None, None] - self.inner.protected_recent
         protected = held & ((positions < self.inner.sinks) | newest)
+        share = kept_share(obs)
+
+        def keep(scores, held, protected):  # over every KV head of a layer
+            return self._keep(scores, held, protected, share)
+
+        return compact(kv, collectives.over_all_heads(keep, scores, held, protected, axis=2))
+
+    def _keep(self, scores, held, protected, share) -> jax.Array:
+        """bool [L, B, K, S]: the kept slots, the protected ones scoring the row's best + 1."""
         free = jnp.where(held & ~protected, scores, -jnp.inf)
         top = jnp.max(free, axis=(2, 3), keepdims=True) + 1  # kvpress pads them with max + 1
         scores = jnp.where(protected, top, scores)
-        share = kept_share(obs)
         counts = jnp.max(jnp.sum(held, axis=-1, dtype=jnp.int32), axis=-1)  # [L, B]
-        keep = self._chunks_kept(scores, held, counts, share)
+        chunks = self._chunks_kept(scores, held, counts, share)
+        # A prompt shorter than a chunk: the inner's top share per head (kvpress delegates).
         budgets = jnp.broadcast_to(share_of(counts, share)[..., None], held.shape[:3])
         single = keep_top_per_head(scores, budgets, held, jnp.zeros_like(held))
         whole, _ = chunked_counts(counts, self.chunk_length)
-        return compact(kv, jnp.where((whole == 0)[..., None, None], single, keep))
+        return jnp.where((whole == 0)[..., None, None], single, chunks)
 
     def _chunks_kept(self, scores, held, counts, share) -> jax.Array:
         """bool [L, B, K, S]: the slots of the best share of chunks (head-summed mean scores)."""
@@ -258,9 +268,8 @@ class BlockCompression(base.PromptCompressionPart):
             return jnp.where(size > 0, ranked, kept)
 
         blocks = -(-s // self.block_size)
-        kept = jax.lax.fori_loop(
-            0, blocks, one_block, jnp.broadcast_to(slots, counts.shape[:2] + (s,))
-        )
+        first = collectives.varying_like(jnp.broadcast_to(slots, view.positions.shape), counts)
+        kept = jax.lax.fori_loop(0, blocks, one_block, first)
         mask = jnp.zeros(kept.shape, bool)
         rows = jnp.arange(kept.shape[0])[:, None, None]
         heads = jnp.arange(kept.shape[1])[None, :, None]
@@ -297,7 +306,7 @@ class _ChunkedPolicy(base.Policy):
 
     request_knobs: ClassVar[tuple[str, ...]] = ("budget",)
     budget: float | None = None
-    inner: EvictionPolicy | str = "knorm"
+    inner: EvictionPolicy | str = "keydiff"
     chunk_length: int = 20
 
     def _check(self) -> None:
@@ -330,11 +339,13 @@ class ChunkKV(_ChunkedPolicy):
     chunks for every head of a layer (module docstring). `budget` is the share of the chunks.
 
     Attributes:
-      inner: the scoring eviction policy (or its name) whose scores rank the chunks.
+      inner: the scoring eviction policy (or its name) whose scores rank the chunks (SnapKV's
+        by default, as the paper's).
       chunk_length: tokens per chunk (kvpress's default 20).
     """
 
     name: ClassVar[str] = "chunkkv"
+    inner: EvictionPolicy | str = "snapkv"  # the paper's attention scores
 
     def _parts(self) -> dict:
         compression = scoring_compression(self.name, self.inner)
@@ -351,7 +362,7 @@ class Chunk(_ChunkedPolicy):
     tokens by a cache-only inner scorer (module docstring).
 
     Attributes:
-      inner: the cache-only scoring policy (or its name).
+      inner: the cache-only scoring policy (or its name; KeyDiff by default).
       chunk_length: tokens per chunk (kvpress's default 1024).
     """
 
@@ -374,7 +385,7 @@ class Block(base.Policy):
 
     Attributes:
       budget: tokens kept per head: a ratio of the prompt or a token count.
-      inner: the cache-only scoring policy (or its name).
+      inner: the cache-only scoring policy (or its name; KeyDiff by default, as its paper).
       block_size: tokens per block (kvpress's default 128).
     """
 

@@ -8,11 +8,11 @@ Runs in kvpress's own environment (kvpress pins transformers < 5.3; see
     python tests/kvpress_presses/write_fixtures.py
 
 For each model (written here as a Hugging Face directory, `MODEL/`, which the test loads with
-jaxkv's own loader) one random prompt is prefilled under each press of `CASES`; `MODEL/PRESS.npz`
-holds, per layer, the positions each KV head kept (`kept`, int [L, K, n], -1 past a layer's count) and, for presses that
-score tokens, kvpress's scores of every position (`scores`, f32 [L, K, T]: the test accepts any
-choice among tokens tied at the cut). `fixtures.json` records the command, the commit, the
-machine and the versions.
+jaxkv's own loader) one prompt of distinct random tokens is prefilled under each press of
+`CASES`; `MODEL/PRESS.npz` holds, per layer, the positions each KV head kept (`kept`, int
+[L, K, n], -1 past a layer's count) and, for presses that score tokens, kvpress's scores of
+every position (`scores`, f32 [L, K, T]: the test accepts any choice among tokens tied at the
+cut). `fixtures.json` records the command, the commit, the machine and the versions.
 """
 
 from __future__ import annotations
@@ -83,6 +83,10 @@ CASES = {
     "chunkkv-knorm": (
         lambda: kvpress.ChunkKVPress(kvpress.KnormPress(compression_ratio=0.5), chunk_length=20),
         "chunkkv:0.5:inner=knorm:chunk_length=20",
+    ),
+    "chunkkv-snapkv": (
+        lambda: kvpress.ChunkKVPress(kvpress.SnapKVPress(compression_ratio=0.5), chunk_length=20),
+        "chunkkv:0.5:inner=snapkv",
     ),
     "chunkkv-keydiff": (
         lambda: kvpress.ChunkKVPress(kvpress.KeyDiffPress(compression_ratio=0.7), chunk_length=8),
