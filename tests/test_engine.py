@@ -54,7 +54,7 @@ def run_staggered(eng: Engine, arrivals: dict[int, list]) -> tuple[dict, dict, i
     return tokens, ids, peak
 
 
-@pytest.mark.parametrize("policy", ["full", "snapkv:0.3", "h2o:0.3"])
+@pytest.mark.parametrize("policy", ["full", "snapkv:0.3", "h2o:0.3", "chunk:0.3:chunk_length=16"])
 def test_staggered_requests_give_generate_s_tokens(model, policy):
     arrivals = {
         0: [(0, 14, {}), (1, 9, {})],
@@ -83,11 +83,13 @@ def test_staggered_requests_give_generate_s_tokens(model, policy):
     }
 
 
-@pytest.mark.parametrize("policy", ["full", "snapkv:0.3", "h2o:0.3", "kvzip:0.3"])
+@pytest.mark.parametrize(
+    "policy", ["full", "snapkv:0.3", "h2o:0.3", "kvzip:0.3", "chunkkv:0.3:chunk_length=8"]
+)
 def test_the_plan_at_submit_bounds_the_pages_a_request_holds(model, policy):
     """`pages_needed_alone` is what `submit` refuses by: a request never holds more (the full
     cache holds exactly that), whether its policy compresses the prompt, evicts during decode
-    or splits its budget across heads (KVzip)."""
+    or splits its budget across heads (KVzip) or keeps whole chunks (ChunkKV)."""
     eng = Engine(model, policy, cache=CacheConfig(num_pages=1024), max_slots=3, max_context=1024)
     planned = pages_needed_alone(eng.policy, model.config, len(PROMPTS[2]), 40, 16)
     eng.submit(PROMPTS[2], max_new_tokens=40, stop_tokens=())
