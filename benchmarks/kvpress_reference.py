@@ -91,6 +91,8 @@ WRAPPERS = {
     "chunkkv": ("ChunkKVPress", "SnapKVPress"),
     "chunk": ("ChunkPress", "KeyDiffPress"),
     "block": ("BlockPress", "KeyDiffPress"),
+    "criticalkv": ("CriticalKVPress", "SnapKVPress"),
+    "critical_adakv": ("CriticalAdaKVPress", "SnapKVPress"),
 }
 # kvpress presses changed to test a difference from jaxkv's policy of the same name:
 #   kvzip_scored_prefix  KVzipPress scoring the whole context. kvpress skips the chat template's

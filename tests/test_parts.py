@@ -43,6 +43,8 @@ EXPECTED = {
     "chunkkv": ("prompt_compression",),
     "chunk": ("prompt_compression",),
     "block": ("prompt_compression",),
+    "criticalkv": ("prompt_compression",),
+    "critical_adakv": ("prompt_compression",),
 }
 
 

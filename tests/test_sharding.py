@@ -83,6 +83,8 @@ POLICIES = {
     "chunkkv": dict(budget=0.3, inner=policies.get("snapkv", window=8), chunk_length=8),
     "chunk": dict(budget=0.3, inner="cur", chunk_length=16),
     "block": dict(budget=0.3, inner="keydiff", block_size=8),
+    "criticalkv": dict(budget=0.3, inner=policies.get("snapkv", window=8)),
+    "critical_adakv": dict(budget=0.3, inner=policies.get("snapkv", window=8)),
 }
 
 

@@ -22,6 +22,7 @@ from jaxkv.policies.confkv import (
     confidence_logit,
     is_confident,
 )
+from jaxkv.policies.critical import CriticalAdaKV, CriticalKV
 from jaxkv.policies.eviction import DecodeEvictionPolicy, EvictionPolicy, LayerView
 from jaxkv.policies.expected_attention import ExpectedAttention
 from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
@@ -70,6 +71,8 @@ __all__ = [
     "Composed",
     "ConfKV",
     "ConfidenceWeights",
+    "CriticalAdaKV",
+    "CriticalKV",
     "DecodeContext",
     "DecodeEvictionPolicy",
     "DuoAttention",

@@ -121,6 +121,16 @@ def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn, *, values
     return jax.lax.map(one_layer, xs)
 
 
+def protected_on_top(scores, held, protected) -> jax.Array:
+    """scores [..., B, K, S] with each protected slot scoring one above its row's best other
+    score (over its layer's heads): how kvpress's presses pad the tokens they always keep
+    (SnapKV's window, ExpectedAttention's sinks) for the presses that wrap them (ChunkKV,
+    CriticalKV) to rank. Call it over every KV head (`collectives.over_all_heads`)."""
+    free = jnp.where(held & ~protected, scores, -jnp.inf)
+    top = jnp.max(free, axis=(-2, -1), keepdims=True) + 1
+    return jnp.where(protected, top, scores)
+
+
 def group_mean(per_query_head: jax.Array, num_kv_heads: int) -> jax.Array:
     """[B, N, S] -> [B, K, S]: the mean over each KV head's query heads."""
     b, n, s = per_query_head.shape
@@ -198,8 +208,7 @@ class ScoredCompression(PromptCompressionPart):
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         positions = kv.positions()
         held = positions >= 0
-        newest = positions >= obs.prompt_lengths[:, None, None] - self.protected_recent
-        protected = held & ((positions < self.sinks) | newest)
+        protected = protected_slots(self, positions, obs.prompt_lengths)
         scores = map_layers(
             kv, obs, model, self.scorer.layer_scores, values=self.scorer.reads_values
         )
@@ -216,6 +225,13 @@ class ScoredCompression(PromptCompressionPart):
             return keep_top_across_heads(scores, budgets, held, protected, self.safeguard)
 
         return collectives.over_all_heads(keep, scores, held, protected, axis=2)
+
+
+def protected_slots(compression: ScoredCompression, positions, prompt_lengths) -> jax.Array:
+    """bool [L, B, K, S]: the held slots a compression keeps whatever their scores (its sinks
+    and each prompt's newest `protected_recent`), of positions int32 [L, B, K, S]."""
+    newest = positions >= prompt_lengths[:, None, None] - compression.protected_recent
+    return (positions >= 0) & ((positions < compression.sinks) | newest)
 
 
 def across_heads(

@@ -39,6 +39,8 @@ from jaxkv.policies.eviction import (
     ScoredCompression,
     Scorer,
     map_layers,
+    protected_on_top,
+    protected_slots,
 )
 from jaxkv.step.parts import PrefillObservations
 
@@ -131,8 +133,7 @@ class ChunkKVCompression(base.PromptCompressionPart):
         scores = map_layers(kv, obs, model, scorer.layer_scores, values=scorer.reads_values)
         positions = kv.positions()
         held = positions >= 0
-        newest = positions >= obs.prompt_lengths[:, None, None] - self.inner.protected_recent
-        protected = held & ((positions < self.inner.sinks) | newest)
+        protected = protected_slots(self.inner, positions, obs.prompt_lengths)
         share = kept_share(obs)
 
         def keep(scores, held, protected):  # over every KV head of a layer
@@ -142,9 +143,7 @@ class ChunkKVCompression(base.PromptCompressionPart):
 
     def _keep(self, scores, held, protected, share) -> jax.Array:
         """bool [L, B, K, S]: the kept slots, the protected ones scoring the row's best + 1."""
-        free = jnp.where(held & ~protected, scores, -jnp.inf)
-        top = jnp.max(free, axis=(2, 3), keepdims=True) + 1  # kvpress pads them with max + 1
-        scores = jnp.where(protected, top, scores)
+        scores = protected_on_top(scores, held, protected)
         counts = jnp.max(jnp.sum(held, axis=-1, dtype=jnp.int32), axis=-1)  # [L, B]
         chunks = self._chunks_kept(scores, held, counts, share)
         # A prompt shorter than a chunk: the inner's top share per head (kvpress delegates).

@@ -100,6 +100,27 @@ CASES = {
         lambda: kvpress.ChunkPress(kvpress.CURPress(compression_ratio=0.6), chunk_length=50),
         "chunk:0.4:inner=cur:chunk_length=50",
     ),
+    "adakv": (lambda: kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=0.5)), "adakv:0.5"),
+    "criticalkv-snapkv": (
+        lambda: kvpress.CriticalKVPress(kvpress.SnapKVPress(compression_ratio=0.5)),
+        "criticalkv:0.5:inner=snapkv",
+    ),
+    "criticalkv-keydiff": (
+        lambda: kvpress.CriticalKVPress(
+            kvpress.KeyDiffPress(compression_ratio=0.6), first_stage_ratio=0.3
+        ),
+        "criticalkv:0.4:inner=keydiff:first_stage=0.3",
+    ),
+    "critical_adakv-snapkv": (
+        lambda: kvpress.CriticalAdaKVPress(kvpress.SnapKVPress(compression_ratio=0.5)),
+        "critical_adakv:0.5:inner=snapkv",
+    ),
+    "critical_adakv-knorm": (
+        lambda: kvpress.CriticalAdaKVPress(
+            kvpress.KnormPress(compression_ratio=0.7), alpha_safeguard=0.4
+        ),
+        "critical_adakv:0.3:inner=knorm:safeguard=0.4",
+    ),
     "block-keydiff": (
         lambda: kvpress.BlockPress(kvpress.KeyDiffPress(compression_ratio=0.5), block_size=32),
         "block:0.5:inner=keydiff:block_size=32",
@@ -166,13 +187,28 @@ def kept_positions(full: torch.Tensor, kept: torch.Tensor) -> np.ndarray:
     return np.stack(heads)
 
 
-def padded(per_layer: list[np.ndarray]) -> np.ndarray:
-    """int [L, K, n]: the layers' kept positions, -1 after a layer's last (ChunkKV's layers
-    may keep different counts)."""
-    width = max(kept.shape[-1] for kept in per_layer)
-    out = np.full((len(per_layer), per_layer[0].shape[0], width), -1, np.int64)
+def attention_modules(model) -> list:
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def unmasked_positions(masked, full: torch.Tensor) -> list[np.ndarray]:
+    """[K] the positions a head-wise press (AdaKV, CriticalAdaKV) left unmasked: kvpress keeps
+    every key and masks the evicted ones (`module.masked_key_indices`) in attention."""
+    _, heads, positions = (index.numpy() for index in masked)
+    length = full.shape[2]
+    return [
+        np.setdiff1d(np.arange(length), positions[heads == head]) for head in range(full.shape[1])
+    ]
+
+
+def padded(per_layer: list) -> np.ndarray:
+    """int [L, K, n]: each layer's and head's kept positions, -1 after its last (ChunkKV's
+    layers and AdaKV's heads keep different counts)."""
+    width = max(len(head) for kept in per_layer for head in kept)
+    out = np.full((len(per_layer), len(per_layer[0]), width), -1, np.int64)
     for layer, kept in enumerate(per_layer):
-        out[layer, :, : kept.shape[-1]] = kept
+        for head, positions in enumerate(kept):
+            out[layer, head, : len(positions)] = positions
     return out
 
 
@@ -192,11 +228,14 @@ def main() -> None:
         full = prefill(model, ids)
         for case, (make_press, _) in CASES.items():
             press = make_press()
-            scores = None if hasattr(press, "press") else recorded_scores(press)
+            wraps = hasattr(press, "press")
+            scores = None if wraps or not hasattr(press, "score") else recorded_scores(press)
             cache = prefill(model, ids, press)
             kept = [
                 kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
-                for layer in range(len(full.layers))
+                if getattr(attention, "masked_key_indices", None) is None
+                else unmasked_positions(attention.masked_key_indices, full.layers[layer].keys)
+                for layer, attention in enumerate(attention_modules(model))
             ]
             arrays = {"kept": padded(kept)}
             if scores is not None:
