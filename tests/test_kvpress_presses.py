@@ -103,3 +103,22 @@ def test_random_keeps_the_budget_and_follows_the_key(model):
 def test_bad_settings_name_the_field(spec, match):
     with pytest.raises(ValueError, match=match):
         policies.from_spec(spec)
+
+
+@pytest.mark.parametrize("case", sorted(META["decoding_cases"]))
+def test_compression_during_decode_keeps_what_kvpress_keeps(model, case):
+    """kvpress's decoding presses, greedy from the same prompt: the same tokens, and the same
+    positions held after the last step."""
+    name, loaded = model
+    spec, steps = META["decoding_cases"][case]
+    fixture = np.load(FIXTURES / name / f"{case}.npz")
+    out = jaxkv.generate(
+        loaded, [META["prompt"]], max_new_tokens=steps + 1, policy=policies.from_spec(spec)
+    )
+    assert out.tokens[0].tolist() == fixture["tokens"].tolist()
+    ours = kept_by_head(out.state, loaded.config.num_layers)
+    for layer, heads in enumerate(fixture["kept"]):
+        for head, theirs in enumerate(heads):
+            assert ours[layer][head] == set(int(p) for p in theirs[theirs >= 0]), (
+                f"{name} {spec} layer {layer} head {head}"
+            )

@@ -45,6 +45,8 @@ EXPECTED = {
     "block": ("prompt_compression",),
     "criticalkv": ("prompt_compression",),
     "critical_adakv": ("prompt_compression",),
+    "decoding": ("decode_eviction",),
+    "ratio_decoding": ("decode_eviction",),
 }
 
 

@@ -85,6 +85,8 @@ POLICIES = {
     "block": dict(budget=0.3, inner="keydiff", block_size=8),
     "criticalkv": dict(budget=0.3, inner=policies.get("snapkv", window=8)),
     "critical_adakv": dict(budget=0.3, inner=policies.get("snapkv", window=8)),
+    "decoding": dict(target_size=16, compression_interval=4),
+    "ratio_decoding": dict(budget=0.3, compression_interval=4),
 }
 
 

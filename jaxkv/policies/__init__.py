@@ -23,6 +23,7 @@ from jaxkv.policies.confkv import (
     is_confident,
 )
 from jaxkv.policies.critical import CriticalAdaKV, CriticalKV
+from jaxkv.policies.decoding import Decoding, RatioDecoding
 from jaxkv.policies.eviction import DecodeEvictionPolicy, EvictionPolicy, LayerView
 from jaxkv.policies.expected_attention import ExpectedAttention
 from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
@@ -74,6 +75,7 @@ __all__ = [
     "CriticalAdaKV",
     "CriticalKV",
     "DecodeContext",
+    "Decoding",
     "DecodeEvictionPolicy",
     "DuoAttention",
     "EvictionPolicy",
@@ -94,6 +96,7 @@ __all__ = [
     "PyramidKV",
     "Quest",
     "Random",
+    "RatioDecoding",
     "Ranking",
     "RetrievalHeads",
     "RingAdmission",

@@ -13,7 +13,8 @@ composition, each naming the field and both policies:
   budget (StreamingLLM, H2O, SnapKV, ...) and Quest, whose budget is of pages read, cannot share
   a composition;
 - two parts from different policies that the engine does not run together (`RUNS_TOGETHER`):
-  an admission (and its gate) with a page selection is the one such pair today.
+  an admission (and its gate) with a page selection, and a prompt compression with a decode
+  eviction (kvpress's PrefillDecodingPress: `knorm:0.5+decoding:256`), are the pairs today.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ _WHY = {
 # How an error names a field that is not a part's name.
 _NOUNS = {"params": "parameter set", "budget_rule": "budget", "threshold_set": "threshold set"}
 # Pairs of parts, from different policies, that the engine runs together.
-RUNS_TOGETHER = {frozenset(pair) for pair in (("admission", "selection"), ("gate", "selection"))}
+RUNS_TOGETHER = {
+    frozenset(pair)
+    for pair in (
+        ("admission", "selection"),
+        ("gate", "selection"),
+        ("prompt_compression", "decode_eviction"),
+    )
+}
 
 
 def fields_of(policy: base.Policy) -> tuple[str, ...]:
@@ -90,7 +98,8 @@ class Composed(base.Policy):
                     raise ValueError(
                         f"the {a} of policy {first.name!r} and the {b} of policy "
                         f"{second.name!r} do not run together: compose an admission policy "
-                        "(WG-KV, DuoAttention, local attention) with a page selection (Quest)"
+                        "(WG-KV, DuoAttention, local attention) with a page selection (Quest), "
+                        "or a prompt compression with a decode eviction (decoding)"
                     )
 
     def _parts(self) -> dict:

@@ -45,7 +45,8 @@ class LayerView:
       query_mean, query_covariance: f32 [B, N, H], [B, N, H, H] pre-RoPE query statistics
         (None unless requested: `PrefillObservations`).
       values: [B, K, S, H] values in cache order (None unless `map_layers` is asked for them).
-      params: the layer's parameters; layer: int32 [] its index; key: PRNG key for the layer.
+      params: the layer's parameters; layer: int32 [] its index; key: PRNG key for the layer
+        (params and key None in a view of the cache alone: `map_cache_layers`).
       config: the model's ModelConfig (RoPE for ExpectedAttention's future positions).
     """
 
@@ -83,10 +84,35 @@ class LayerView:
 def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn, *, values: bool = False):
     """Stacks `layer_fn(LayerView)` over the layers, one layer's view in memory at a time
     (with `values`, the view holds the layer's values too)."""
+    observed = (obs.queries, obs.input_mean, obs.input_var, obs.query_mean, obs.query_covariance)
     query_positions = obs.query_positions() if obs.queries is not None else None
+    layers = (model.params["layers"], jnp.arange(kv.num_layers))
+    return _map_views(
+        kv,
+        layers,
+        model.config,
+        obs.prompt_lengths,
+        observed,
+        query_positions,
+        obs.key,
+        layer_fn,
+        values,
+    )
 
+
+def map_cache_layers(kv: KVState, prompt_lengths, layer_fn, *, values: bool = False):
+    """`map_layers` over the cache alone (no observations, parameters nor key: a decode step's
+    eviction by a cache-only scorer that draws nothing). prompt_lengths: int32 [B]."""
+    layers = (None, jnp.arange(kv.num_layers))
+    return _map_views(kv, layers, None, prompt_lengths, (None,) * 5, None, None, layer_fn, values)
+
+
+def _map_views(
+    kv, layers, config, prompt_lengths, observed, query_positions, key, layer_fn, values
+):
     def one_layer(xs):
-        page_table, lengths, queries, mean, var, query_mean, query_covariance, params, layer = xs
+        page_table, lengths, observed, (params, layer) = xs
+        queries, mean, var, query_mean, query_covariance = observed
         layer_kv = dataclasses.replace(kv, page_table=page_table[None], lengths=lengths[None])
         view = LayerView(
             keys=attention_ops.gather_pages(kv.pool.k_pages, page_table),
@@ -94,7 +120,7 @@ def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn, *, values
             token_scores=layer_kv.token_scores(0),
             queries=queries,
             query_positions=query_positions,
-            prompt_lengths=obs.prompt_lengths,
+            prompt_lengths=prompt_lengths,
             input_mean=mean,
             input_var=var,
             query_mean=query_mean,
@@ -102,23 +128,12 @@ def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn, *, values
             values=attention_ops.gather_pages(kv.pool.v_pages, page_table) if values else None,
             params=params,
             layer=layer,
-            key=jax.random.fold_in(obs.key, layer),
-            config=model.config,
+            key=None if key is None else jax.random.fold_in(key, layer),
+            config=config,
         )
         return layer_fn(view)
 
-    xs = (
-        kv.page_table,
-        kv.lengths,
-        obs.queries,
-        obs.input_mean,
-        obs.input_var,
-        obs.query_mean,
-        obs.query_covariance,
-        model.params["layers"],
-        jnp.arange(kv.num_layers),
-    )
-    return jax.lax.map(one_layer, xs)
+    return jax.lax.map(one_layer, (kv.page_table, kv.lengths, observed, layers))
 
 
 def protected_on_top(scores, held, protected) -> jax.Array:

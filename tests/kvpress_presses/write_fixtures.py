@@ -131,6 +131,38 @@ CASES = {
     ),
 }
 
+# Presses that compress during generation: (press, jaxkv spec, greedy decode steps). The fixture
+# holds the generated tokens too (`tokens`), and the positions kept at the end.
+DECODING_CASES = {
+    "decoding-knorm": (
+        lambda: kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=8, target_size=64),
+        "decoding:64:inner=knorm:compression_interval=8",
+        20,
+    ),
+    "decoding-keydiff": (
+        lambda: kvpress.DecodingPress(
+            kvpress.KeyDiffPress(), compression_interval=5, target_size=150
+        ),
+        "decoding:150:inner=keydiff:compression_interval=5",
+        12,
+    ),
+    "ratio_decoding-knorm": (
+        lambda: kvpress.CompressionRatioDecodingPress(
+            kvpress.KnormPress(), target_compression_ratio=0.6, compression_interval=7
+        ),
+        "ratio_decoding:0.4:inner=knorm:compression_interval=7",
+        15,
+    ),
+    "prefill_decoding": (
+        lambda: kvpress.PrefillDecodingPress(
+            kvpress.KnormPress(compression_ratio=0.5),
+            kvpress.DecodingPress(kvpress.KeyDiffPress(), compression_interval=6, target_size=80),
+        ),
+        "knorm:0.5+decoding:80:inner=keydiff:compression_interval=6",
+        13,
+    ),
+}
+
 
 def build_model(name: str, directory: Path) -> transformers.PreTrainedModel:
     """A random fp32 model (norms near 1, weights of std 0.08), saved to `directory`."""
@@ -212,6 +244,74 @@ def padded(per_layer: list) -> np.ndarray:
     return out
 
 
+class PositionTracker:
+    """The position of every key a press's cache holds, through its compressions: each
+    `compress` of the wrapped presses maps the keys it keeps back to the keys it was given
+    (kvpress's cache holds them in the order its scorer ranked them), and the keys written in
+    between take the next positions."""
+
+    def __init__(self, *presses):
+        self.positions: dict[int, np.ndarray] = {}  # layer -> int [K, n]
+        self.seen: dict[int, int] = {}  # layer -> keys written so far
+        for press in presses:
+            self._wrap(press)
+
+    def _wrap(self, press) -> None:
+        original = press.compress
+
+        def compress(module, hidden_states, keys, values, attentions, kwargs):
+            layer = module.layer_idx
+            self.extend(layer, keys.shape[1], keys.shape[2])
+            kept_keys, kept_values = original(
+                module, hidden_states, keys, values, attentions, kwargs
+            )
+            chosen = kept_positions(keys, kept_keys)  # [K, n] indices into the cache given
+            self.positions[layer] = np.take_along_axis(self.positions[layer], chosen, axis=1)
+            return kept_keys, kept_values
+
+        press.compress = compress
+
+    def extend(self, layer: int, heads: int, length: int) -> None:
+        """Positions for the keys written since the last compression (length: the cache's)."""
+        held = self.positions.get(layer, np.zeros((heads, 0), np.int64))
+        seen = self.seen.get(layer, 0)
+        new = np.arange(seen, seen + length - held.shape[1])
+        self.positions[layer] = np.concatenate([held, np.broadcast_to(new, (heads, len(new)))], 1)
+        self.seen[layer] = seen + len(new)
+
+
+def decoded(model, ids: torch.Tensor, press, steps: int):
+    """kvpress's pipeline's greedy loop (explicit position ids): the prompt prefilled, then
+    `steps` decode forwards. Returns (the steps + 1 generated tokens, the cache)."""
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        logits = model(ids, past_key_values=cache).logits
+        tokens = [int(logits[0, -1].argmax())]
+        for step in range(steps):
+            position = torch.tensor([[ids.shape[1] + step]])
+            logits = model(
+                torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=position
+            ).logits
+            tokens.append(int(logits[0, -1].argmax()))
+    return tokens, cache
+
+
+def decoding_fixture(model, ids, make_press, steps: int) -> dict[str, np.ndarray]:
+    press = make_press()
+    parts = (
+        [press.prefilling_press, press.decoding_press]
+        if hasattr(press, "decoding_press")
+        else [press]
+    )
+    tracker = PositionTracker(*parts)
+    tokens, cache = decoded(model, ids, press, steps)
+    kept = []
+    for layer, cache_layer in enumerate(cache.layers):
+        tracker.extend(layer, cache_layer.keys.shape[1], cache_layer.keys.shape[2])
+        kept.append(np.sort(tracker.positions[layer], axis=1))
+    return {"kept": padded(kept), "tokens": np.asarray(tokens)}
+
+
 def git_commit() -> str:
     out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE)
     return out.stdout.strip()
@@ -242,6 +342,10 @@ def main() -> None:
                 arrays["scores"] = np.stack([scores[layer] for layer in sorted(scores)])
             np.savez(directory / f"{case}.npz", **arrays)
             print(model_name, case, arrays["kept"].shape)
+        for case, (make_press, _, steps) in DECODING_CASES.items():
+            arrays = decoding_fixture(model, ids, make_press, steps)
+            np.savez(directory / f"{case}.npz", **arrays)
+            print(model_name, case, arrays["kept"].shape, arrays["tokens"].tolist())
     meta = {
         "command": "python tests/kvpress_presses/write_fixtures.py",
         "commit": git_commit(),
@@ -253,6 +357,9 @@ def main() -> None:
         },
         "prompt": ids[0].tolist(),
         "cases": {case: spec for case, (_, spec) in CASES.items()},
+        "decoding_cases": {
+            case: [spec, steps] for case, (_, spec, steps) in DECODING_CASES.items()
+        },
         "argv": sys.argv[1:],
     }
     (HERE / "fixtures.json").write_text(json.dumps(meta, indent=1) + "\n")
