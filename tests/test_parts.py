@@ -47,6 +47,7 @@ EXPECTED = {
     "critical_adakv": ("prompt_compression",),
     "decoding": ("decode_eviction",),
     "ratio_decoding": ("decode_eviction",),
+    "per_layer": ("prompt_compression",),
 }
 
 

@@ -24,6 +24,8 @@ from tests.tiny_models import tiny_config
         ("confkv:tight=256:loose=512:pyramid=true", policies.ConfKV(256, 512, pyramid=True)),
         (" full ", policies.FullCache()),
         ("wgkv:0.3+quest:64", policies.compose(policies.WGKV(tau=0.3), policies.Quest(64))),
+        ("per_layer:0.7,0.3:inner=keydiff", policies.PerLayer((0.7, 0.3), inner="keydiff")),
+        ("kvzip:0.3:repeat_ids=5,6", policies.get("kvzip", ratio=0.3, repeat_ids=(5, 6))),
     ],
 )
 def test_specs_build_the_policy_the_keywords_build(text, expected):
@@ -57,6 +59,8 @@ def test_every_policy_that_builds_from_defaults_builds_from_its_name():
         ("confkv:64", "protected=64 must be smaller"),
         ("wgkv:0.3+", "give SPEC\\+SPEC with no empty part"),
         ("snapkv:0.3+quest:64", "'snapkv' and 'quest' both have a budget"),
+        ("per_layer:0.7,x", "0.7,x: expected comma-separated numbers"),
+        ("per_layer:0.7,1.5", "give each layer's share of the prompt kept, in \\(0, 1\\]"),
     ],
 )
 def test_bad_specs_name_the_part_and_what_is_allowed(text, match):

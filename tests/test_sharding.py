@@ -87,6 +87,7 @@ POLICIES = {
     "critical_adakv": dict(budget=0.3, inner=policies.get("snapkv", window=8)),
     "decoding": dict(target_size=16, compression_interval=4),
     "ratio_decoding": dict(budget=0.3, compression_interval=4),
+    "per_layer": dict(budgets=(0.2, 0.5)[: CONFIG.num_layers], inner="keydiff"),
 }
 
 

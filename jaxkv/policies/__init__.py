@@ -45,7 +45,7 @@ from jaxkv.policies.scorers import (
     StreamingLLM,
 )
 from jaxkv.policies.spec import from_spec
-from jaxkv.policies.structure import Block, Chunk, ChunkKV
+from jaxkv.policies.structure import Block, Chunk, ChunkKV, PerLayer
 from jaxkv.policies.wgkv import (
     WGKV,
     DuoAttention,
@@ -91,6 +91,7 @@ __all__ = [
     "LearnedParams",
     "LocalAttention",
     "ObservedAttention",
+    "PerLayer",
     "Policy",
     "PrefillObservations",
     "PyramidKV",

@@ -75,6 +75,8 @@ def _field_types(field: dataclasses.Field) -> list:
     default = field.default
     if isinstance(default, enum.Enum):
         return [str]
+    if isinstance(default, tuple):
+        return [tuple]
     if default is not None and type(default) in _SCALAR_TYPES.values():
         return [type(default), *optional]
     if default is None:
@@ -93,6 +95,11 @@ def _parse_scalar(kind, text: str):
         )
     if kind is str:
         return text
+    if kind is tuple:  # comma-separated numbers: "0.7,0.3" or "1,2,3"
+        items = [_parse_scalar(int, item) for item in lowered.split(",")]
+        if _UNPARSED in items:
+            items = [_parse_scalar(float, item) for item in lowered.split(",")]
+        return _UNPARSED if _UNPARSED in items else tuple(items)
     try:
         value = kind(lowered)
     except ValueError:
@@ -115,7 +122,8 @@ def field_value(name: str, field: dataclasses.Field, text: str, *, option: str) 
         value = _parse_scalar(kind, text)
         if value is not _UNPARSED:
             return value
-    wanted = " or ".join("none" if kind is None else kind.__name__ for kind in types)
+    names = {None: "none", tuple: "comma-separated numbers"}
+    wanted = " or ".join(names.get(kind) or kind.__name__ for kind in types)
     raise ValueError(f"{option} {field.name}={text}: expected {wanted}")
 
 

@@ -121,6 +121,18 @@ CASES = {
         ),
         "critical_adakv:0.3:inner=knorm:safeguard=0.4",
     ),
+    "per_layer-knorm": (
+        lambda: kvpress.PerLayerCompressionPress(
+            kvpress.KnormPress(), compression_ratios=[0.3, 0.7]
+        ),
+        "per_layer:0.7,0.3:inner=knorm",
+    ),
+    "per_layer-snapkv": (
+        lambda: kvpress.PerLayerCompressionPress(
+            kvpress.SnapKVPress(), compression_ratios=[0.5, 0.6]
+        ),
+        "per_layer:0.5,0.4:inner=snapkv",
+    ),
     "block-keydiff": (
         lambda: kvpress.BlockPress(kvpress.KeyDiffPress(compression_ratio=0.5), block_size=32),
         "block:0.5:inner=keydiff:block_size=32",
