@@ -49,8 +49,13 @@ class Sweep:
 
 def _runs_by_default(name: str) -> bool:
     """A policy without parameters, or whose parameters ship for the reference model; the
-    others (calibrated heads) run when given theirs."""
-    policy = policies.get(name)
+    others (calibrated heads) run when given theirs, and those that need settings with no
+    default (per_layer's shares of each layer, DMS's threshold) when given them."""
+    try:
+        policy = policies.get(name)
+        policy.thresholds(1)
+    except ValueError:
+        return False
     return policy.params is None or policy.params.shipped_path(bundled.REFERENCE) is not None
 
 

@@ -88,6 +88,7 @@ POLICIES = {
     "decoding": dict(target_size=16, compression_interval=4),
     "ratio_decoding": dict(budget=0.3, compression_interval=4),
     "per_layer": dict(budgets=(0.2, 0.5)[: CONFIG.num_layers], inner="keydiff"),
+    "dms": dict(threshold=-1.0, window=8),
 }
 
 

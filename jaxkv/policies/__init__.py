@@ -24,6 +24,7 @@ from jaxkv.policies.confkv import (
 )
 from jaxkv.policies.critical import CriticalAdaKV, CriticalKV
 from jaxkv.policies.decoding import Decoding, RatioDecoding
+from jaxkv.policies.dms import DMS
 from jaxkv.policies.eviction import DecodeEvictionPolicy, EvictionPolicy, LayerView
 from jaxkv.policies.expected_attention import ExpectedAttention
 from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
@@ -74,6 +75,7 @@ __all__ = [
     "ConfidenceWeights",
     "CriticalAdaKV",
     "CriticalKV",
+    "DMS",
     "DecodeContext",
     "Decoding",
     "DecodeEvictionPolicy",

@@ -217,7 +217,10 @@ class ThresholdSet:
     def array(self, batch: int) -> np.ndarray:
         """f32 [B, n]: the values, the same for every row."""
         if self.values is None:
-            raise ValueError(f"policy {self.owner!r}: thresholds of a static() policy are gone")
+            raise ValueError(
+                f"policy {self.owner!r} needs {', '.join(self.names)}= (none given, or a "
+                "static() copy, whose thresholds travel as arrays)"
+            )
         return np.tile(np.asarray(self.values, np.float32), (batch, 1))
 
 

@@ -133,6 +133,14 @@ CASES = {
         ),
         "per_layer:0.5,0.4:inner=snapkv",
     ),
+    "dms-knorm": (
+        lambda: kvpress.DMSPress(kvpress.KnormPress(), threshold=-2.7, sliding_window_size=32),
+        "dms:-2.7:window=32",
+    ),
+    "dms-knorm-4": (
+        lambda: kvpress.DMSPress(kvpress.KnormPress(), threshold=-4.0, sliding_window_size=50),
+        "dms:-4.0:window=50",
+    ),
     "block-keydiff": (
         lambda: kvpress.BlockPress(kvpress.KeyDiffPress(compression_ratio=0.5), block_size=32),
         "block:0.5:inner=keydiff:block_size=32",
@@ -164,6 +172,20 @@ DECODING_CASES = {
         ),
         "ratio_decoding:0.4:inner=knorm:compression_interval=7",
         15,
+    ),
+    "dms-decoding": (
+        lambda: kvpress.DMSPress(
+            kvpress.KnormPress(), threshold=-2.7, sliding_window_size=16, decoding=True
+        ),
+        "dms:-2.7:window=16:decoding=true",
+        24,
+    ),
+    "dms-decoding-4": (
+        lambda: kvpress.DMSPress(
+            kvpress.KnormPress(), threshold=-4.0, sliding_window_size=16, decoding=True
+        ),
+        "dms:-4.0:window=16:decoding=true",
+        24,
     ),
     "prefill_decoding": (
         lambda: kvpress.PrefillDecodingPress(
@@ -318,7 +340,12 @@ def decoding_fixture(model, ids, make_press, steps: int) -> dict[str, np.ndarray
     tracker = PositionTracker(*parts)
     tokens, cache = decoded(model, ids, press, steps)
     kept = []
-    for layer, cache_layer in enumerate(cache.layers):
+    for layer, (cache_layer, attention) in enumerate(
+        zip(cache.layers, attention_modules(model), strict=True)
+    ):
+        if getattr(attention, "masked_key_indices", None) is not None:  # DMS masks
+            kept.append(unmasked_positions(attention.masked_key_indices, cache_layer.keys))
+            continue
         tracker.extend(layer, cache_layer.keys.shape[1], cache_layer.keys.shape[2])
         kept.append(np.sort(tracker.positions[layer], axis=1))
     return {"kept": padded(kept), "tokens": np.asarray(tokens)}
