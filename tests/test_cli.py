@@ -46,7 +46,7 @@ def test_generate_from_a_checkpoint_directory(tmp_path, capsys):
 
 def test_bad_arguments_exit_with_a_message(capsys):
     assert cli.main(["generate", "--policy", "nope", "--max-new-tokens", "2"]) == 2
-    assert "--policy 'nope': registered policies are adakv, confkv" in capsys.readouterr().err
+    assert "--policy 'nope': registered policies are adakv, block" in capsys.readouterr().err
     assert cli.main(["generate", "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens=0 must be >= 1" in capsys.readouterr().err
 
@@ -209,6 +209,9 @@ POLICY_OPTIONS = {
     "kvzip": ["--budget", "30%"],
     "fastkvzip": ["--budget", "0.5", "--policy-arg", "window=8"],
     "quest": ["--budget", "16"],
+    "decoding": ["--policy-arg", "target_size=8", "--policy-arg", "compression_interval=1"],
+    "dms": ["--policy-arg", "threshold=-1.0", "--policy-arg", "window=4"],
+    "per_layer": ["--policy-arg", "budgets=0.5,0.3"],
 }
 
 

@@ -151,7 +151,7 @@ class RatioDecoding(_Decoding):
 
     name: ClassVar[str] = "ratio_decoding"
     request_knobs: ClassVar[tuple[str, ...]] = ("budget",)
-    budget: float | None = None
+    budget: base.Budget | float | None = None
 
     def _check(self) -> None:
         super()._check()
@@ -162,11 +162,11 @@ class RatioDecoding(_Decoding):
                     f"policy {self.name!r} keeps a share of the tokens seen: give budget= as a "
                     f"ratio in (0, 1], not a token count (got {self.budget!r})"
                 )
-            object.__setattr__(self, "budget", parsed.ratio)
+            object.__setattr__(self, "budget", parsed)
 
     def _parts(self) -> dict:
         scorer = cache_only_scorer(self.name, self.inner)
-        share = self.budget
+        share = None if self.budget is None else self.budget.ratio
         return {
             "decode_eviction": TargetDecodeEviction(scorer, self.compression_interval, None, share),
             "threshold_set": base.ThresholdSet(

@@ -304,7 +304,7 @@ class _ChunkedPolicy(base.Policy):
     """The settings `chunkkv` and `chunk` share: a ratio budget, an inner policy, a chunk."""
 
     request_knobs: ClassVar[tuple[str, ...]] = ("budget",)
-    budget: float | None = None
+    budget: base.Budget | float | None = None
     inner: EvictionPolicy | str = "keydiff"
     chunk_length: int = 20
 
@@ -317,12 +317,12 @@ class _ChunkedPolicy(base.Policy):
                     f"policy {self.name!r} keeps a share: give budget= as a ratio in (0, 1], "
                     f"not a token count (got {self.budget!r})"
                 )
-            object.__setattr__(self, "budget", parsed.ratio)
+            object.__setattr__(self, "budget", parsed)
         if self.chunk_length < 1:
             raise ValueError(f"chunk_length={self.chunk_length} must be >= 1")
 
     def _budget_parts(self, whole_chunks: bool) -> dict:
-        share = self.budget
+        share = None if self.budget is None else self.budget.ratio
         return {
             "budget_rule": ChunkedBudget(self.name, share, self.chunk_length, whole_chunks),
             "threshold_set": base.ThresholdSet(
