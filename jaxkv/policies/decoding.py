@@ -28,7 +28,7 @@ from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, keep_top_per_head, run_if
 from jaxkv.policies import base
 from jaxkv.policies.eviction import EvictionPolicy, Scorer, map_cache_layers
-from jaxkv.policies.structure import cache_only_scorer
+from jaxkv.policies.structure import cache_only_scorer, ratio_budget
 from jaxkv.step.parts import DecodeContext
 
 THRESHOLD_NAMES = ("share",)  # ratio_decoding's share of the tokens seen, an array in jit
@@ -156,13 +156,7 @@ class RatioDecoding(_Decoding):
     def _check(self) -> None:
         super()._check()
         if self.budget is not None:
-            parsed = base.Budget.parse(self.budget)
-            if parsed.ratio is None:
-                raise ValueError(
-                    f"policy {self.name!r} keeps a share of the tokens seen: give budget= as a "
-                    f"ratio in (0, 1], not a token count (got {self.budget!r})"
-                )
-            object.__setattr__(self, "budget", parsed)
+            object.__setattr__(self, "budget", ratio_budget(self.name, self.budget))
 
     def _parts(self) -> dict:
         scorer = cache_only_scorer(self.name, self.inner)

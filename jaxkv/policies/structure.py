@@ -299,6 +299,17 @@ def cache_only_scorer(owner: str, inner: EvictionPolicy | str) -> Scorer:
     return scorer
 
 
+def ratio_budget(owner: str, value) -> base.Budget:
+    """`value` as the budget of a policy that keeps a share (a ratio), never a token count."""
+    parsed = base.Budget.parse(value)
+    if parsed.ratio is None:
+        raise ValueError(
+            f"policy {owner!r} keeps a share: give budget= as a ratio in (0, 1], not a token "
+            f"count (got {value!r})"
+        )
+    return parsed
+
+
 @dataclasses.dataclass(frozen=True)
 class _ChunkedPolicy(base.Policy):
     """The settings `chunkkv` and `chunk` share: a ratio budget, an inner policy, a chunk."""
@@ -311,13 +322,7 @@ class _ChunkedPolicy(base.Policy):
     def _check(self) -> None:
         super()._check()
         if self.budget is not None:
-            parsed = base.Budget.parse(self.budget)
-            if parsed.ratio is None:
-                raise ValueError(
-                    f"policy {self.name!r} keeps a share: give budget= as a ratio in (0, 1], "
-                    f"not a token count (got {self.budget!r})"
-                )
-            object.__setattr__(self, "budget", parsed)
+            object.__setattr__(self, "budget", ratio_budget(self.name, self.budget))
         if self.chunk_length < 1:
             raise ValueError(f"chunk_length={self.chunk_length} must be >= 1")
 
