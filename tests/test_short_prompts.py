@@ -25,6 +25,8 @@ LONG = 300
 NEW_TOKENS = 8
 KVZIP_IDS = dict(repeat_ids=(1, 2, 3), continue_ids=(4, 5, 6))
 
+KNORM_RECENT = policies.get("knorm", recent=32)
+
 # Every registered policy, with options under which a 20-token prompt is too short to compress
 # (the defaults where they are: SnapKV's 64-token window), and the prompt length where 20 is
 # not short for it: GVote compresses any prompt of two tokens, DuoAttention picks its heads on
@@ -51,6 +53,19 @@ KEPT_WHOLE = {
     "wgkv": (dict(window=32, tau=0.5), SHORT),
     "duo_attention": (dict(window=32), 4),
     "fastkvzip": (dict(budget=0.4, window=32, decode_buffer=4), SHORT),
+    "keydiff": (dict(budget=0.3, recent=32), SHORT),
+    "lagkv": (dict(budget=0.3, recent=32), SHORT),
+    "cur": (dict(budget=0.3, recent=32), SHORT),
+    "random": (dict(budget=0.3, recent=32), SHORT),
+    "chunkkv": (dict(budget=0.3), SHORT),
+    "chunk": (dict(budget=0.3), 1),
+    "block": (dict(budget=32), SHORT),
+    "per_layer": (dict(budgets=(0.3,) * CONFIG.num_layers, inner=KNORM_RECENT), SHORT),
+    "criticalkv": (dict(budget=0.3), SHORT),
+    "critical_adakv": (dict(budget=0.3), SHORT),
+    "decoding": (dict(target_size=32, compression_interval=4), SHORT),
+    "ratio_decoding": (dict(budget=0.3, compression_interval=512), SHORT),
+    "dms": (dict(threshold=0.0, window=32), SHORT),
 }
 
 

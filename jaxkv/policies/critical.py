@@ -133,7 +133,9 @@ class _Critical(base.Policy):
             "prompt_compression": CriticalCompression(
                 compression, self.epsilon, self.first_stage, safeguard
             ),
-            "budget_rule": base.PromptBudget(self.name, self.budget),
+            "budget_rule": base.PromptBudget(
+                self.name, self.budget, compression.sinks + compression.protected_recent
+            ),
         }
 
 

@@ -140,10 +140,11 @@ def protected_on_top(scores, held, protected) -> jax.Array:
     """scores [..., B, K, S] with each protected slot scoring one above its row's best other
     score (over its layer's heads): how kvpress's presses pad the tokens they always keep
     (SnapKV's window, ExpectedAttention's sinks) for the presses that wrap them (ChunkKV,
-    CriticalKV) to rank. Call it over every KV head (`collectives.over_all_heads`)."""
+    CriticalKV) to rank; 1 where a row protects every slot it holds (a prompt too short to
+    compress). Call it over every KV head (`collectives.over_all_heads`)."""
     free = jnp.where(held & ~protected, scores, -jnp.inf)
-    top = jnp.max(free, axis=(-2, -1), keepdims=True) + 1
-    return jnp.where(protected, top, scores)
+    best = jnp.max(free, axis=(-2, -1), keepdims=True)
+    return jnp.where(protected, jnp.where(jnp.isfinite(best), best + 1, 1.0), scores)
 
 
 def group_mean(per_query_head: jax.Array, num_kv_heads: int) -> jax.Array:

@@ -62,6 +62,14 @@ def share_of(count, share) -> jax.Array | np.ndarray:
     return jnp.where(count > 0, kept, 0).astype(jnp.int32)
 
 
+def layer_share_of(lengths, share, protected: int) -> jax.Array | np.ndarray:
+    """`share_of` the prompt lengths, or the whole prompt where that is fewer than the tokens
+    every head protects (as `base.keep_short_prompts_whole`); on the host and in jit alike."""
+    tokens = share_of(lengths, share)
+    where = np.where if isinstance(tokens, np.ndarray) else jnp.where
+    return where(tokens < protected, lengths, tokens).astype(tokens.dtype)
+
+
 def chunked_counts(prompt_lengths, chunk_length: int):
     """(whole chunks, tokens in the partial last one) of each prompt."""
     return prompt_lengths // chunk_length, prompt_lengths % chunk_length
@@ -417,10 +425,11 @@ class Block(base.Policy):
 @dataclasses.dataclass(frozen=True)
 class PerLayerScores(Scorer):
     """An inner scorer's scores with a share of the prompt of its own per layer:
-    floor(shares[l] x T) tokens per head in layer l."""
+    floor(shares[l] x T) tokens per head in layer l (`layer_share_of`)."""
 
     inner: Scorer
     shares: tuple[float, ...]
+    protected: int
 
     @property
     def observation_window(self) -> int:
@@ -444,22 +453,23 @@ class PerLayerScores(Scorer):
     def layer_budgets(self, budget_tokens, prompt_lengths, num_layers: int) -> jax.Array:
         del budget_tokens, num_layers
         shares = jnp.asarray(self.shares, jnp.float32)[:, None]
-        return share_of(prompt_lengths[None], shares)
+        return layer_share_of(prompt_lengths[None], shares, self.protected)
 
 
 @dataclasses.dataclass(frozen=True)
 class PerLayerBudget:
-    """`per_layer`'s budget part: each head keeps floor(share x T) tokens in its layer (at
-    least one), so the pool plans their mean over the layers."""
+    """`per_layer`'s budget part: each head keeps `layer_share_of` tokens in its layer, so the
+    pool plans their mean over the layers."""
 
     owner: str
     shares: tuple[float, ...]
+    protected: int
 
     columns: ClassVar[tuple[str, ...]] = ()
 
     def tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
         lengths = np.asarray(prompt_lengths, np.int64)
-        per_layer = [share_of(lengths, share) for share in self.shares]
+        per_layer = [layer_share_of(lengths, share, self.protected) for share in self.shares]
         return np.ceil(np.mean(per_layer, axis=0)).astype(np.int32)
 
     def ratio(self, batch: int) -> np.ndarray:
@@ -496,10 +506,11 @@ class PerLayer(base.Policy):
 
     def _parts(self) -> dict:
         compression = scoring_compression(self.name, self.inner)
-        scorer = PerLayerScores(compression.scorer, self.budgets)
+        protected = compression.sinks + compression.protected_recent
+        scorer = PerLayerScores(compression.scorer, self.budgets, protected)
         return {
             "prompt_compression": dataclasses.replace(compression, scorer=scorer),
-            "budget_rule": PerLayerBudget(self.name, self.budgets),
+            "budget_rule": PerLayerBudget(self.name, self.budgets, protected),
         }
 
     def check_model(self, model_config) -> None:
