@@ -211,6 +211,7 @@ POLICY_OPTIONS = {
     "quest": ["--budget", "16"],
     "decoding": ["--policy-arg", "target_size=8", "--policy-arg", "compression_interval=1"],
     "dms": ["--policy-arg", "threshold=-1.0", "--policy-arg", "window=4"],
+    "simlayerkv": ["--policy-arg", "lazy_threshold=0.1", "--policy-arg", "n_recent=8"],
     "per_layer": ["--policy-arg", "budgets=0.5,0.3"],
 }
 

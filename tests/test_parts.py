@@ -48,7 +48,8 @@ EXPECTED = {
     "decoding": ("decode_eviction",),
     "ratio_decoding": ("decode_eviction",),
     "per_layer": ("prompt_compression",),
-    "dms": ("prompt_compression",),  # with decoding=True, a decode eviction too
+    "dms": ("prompt_compression",),
+    "simlayerkv": ("prompt_compression",),  # with decoding=True, a decode eviction too
 }
 
 

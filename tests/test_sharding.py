@@ -89,6 +89,7 @@ POLICIES = {
     "ratio_decoding": dict(budget=0.3, compression_interval=4),
     "per_layer": dict(budgets=(0.2, 0.5)[: CONFIG.num_layers], inner="keydiff"),
     "dms": dict(threshold=-1.0, window=8),
+    "simlayerkv": dict(lazy_threshold=0.2, n_recent=16),
 }
 
 

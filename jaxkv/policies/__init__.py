@@ -45,6 +45,7 @@ from jaxkv.policies.scorers import (
     SnapKV,
     StreamingLLM,
 )
+from jaxkv.policies.simlayerkv import SimLayerKV
 from jaxkv.policies.spec import from_spec
 from jaxkv.policies.structure import Block, Chunk, ChunkKV, PerLayer
 from jaxkv.policies.wgkv import (
@@ -106,6 +107,7 @@ __all__ = [
     "SageKV",
     "SinkGateParams",
     "Scissorhands",
+    "SimLayerKV",
     "SlidingWindow",
     "SnapKV",
     "StreamingLLM",

@@ -133,6 +133,18 @@ CASES = {
         ),
         "per_layer:0.5,0.4:inner=snapkv",
     ),
+    "simlayerkv-0.305": (
+        lambda: kvpress.SimLayerKVPress(lazy_threshold=0.305, n_recent=64),
+        "simlayerkv:0.305:n_recent=64",
+    ),
+    "simlayerkv-0.335": (
+        lambda: kvpress.SimLayerKVPress(lazy_threshold=0.335, n_recent=64),
+        "simlayerkv:0.335:n_recent=64",
+    ),
+    "simlayerkv-last4": (
+        lambda: kvpress.SimLayerKVPress(lazy_threshold=0.2, n_last=4, n_recent=48, n_initial=2),
+        "simlayerkv:0.2:n_last=4:n_recent=48:n_initial=2",
+    ),
     "dms-knorm": (
         lambda: kvpress.DMSPress(kvpress.KnormPress(), threshold=-2.7, sliding_window_size=32),
         "dms:-2.7:window=32",
