@@ -212,6 +212,7 @@ POLICY_OPTIONS = {
     "decoding": ["--policy-arg", "target_size=8", "--policy-arg", "compression_interval=1"],
     "dms": ["--policy-arg", "threshold=-1.0", "--policy-arg", "window=4"],
     "simlayerkv": ["--policy-arg", "lazy_threshold=0.1", "--policy-arg", "n_recent=8"],
+    "think": ["--policy-arg", "key_channel_ratio=0.5"],
     "per_layer": ["--policy-arg", "budgets=0.5,0.3"],
 }
 

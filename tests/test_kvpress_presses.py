@@ -70,6 +70,26 @@ def test_kept_positions_equal_kvpress(model, case):
             )
 
 
+@pytest.mark.parametrize("case", sorted(META["channel_cases"]))
+def test_zeroed_key_channels_equal_kvpress(model, case):
+    """ThinK: every token kept, and in each head the same key channels zero in every key."""
+    name, loaded = model
+    fixture = np.load(FIXTURES / name / f"{case}.npz")
+    policy = policies.from_spec(META["channel_cases"][case])
+    state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy)
+    length = len(META["prompt"])
+    pages = np.asarray(state.pool.k_pages)
+    for layer, heads in enumerate(fixture["zeroed"]):
+        for head, theirs in enumerate(heads):
+            table = np.asarray(state.page_table)[layer, 0, head]
+            keys = pages[table[table >= 0]].reshape(-1, pages.shape[-1])[:length]
+            assert sorted(np.asarray(state.positions(layer))[0, head][:length]) == list(
+                range(length)
+            )
+            ours = (keys == 0).all(axis=0)
+            assert ours.tolist() == theirs.tolist(), f"{name} {case} layer {layer} head {head}"
+
+
 def test_random_keeps_the_budget_and_follows_the_key(model):
     _, loaded = model
     prompt = [META["prompt"]]

@@ -49,7 +49,8 @@ EXPECTED = {
     "ratio_decoding": ("decode_eviction",),
     "per_layer": ("prompt_compression",),
     "dms": ("prompt_compression",),
-    "simlayerkv": ("prompt_compression",),  # with decoding=True, a decode eviction too
+    "simlayerkv": ("prompt_compression",),
+    "think": ("prompt_compression",),  # with decoding=True, a decode eviction too
 }
 
 

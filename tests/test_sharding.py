@@ -90,6 +90,7 @@ POLICIES = {
     "per_layer": dict(budgets=(0.2, 0.5)[: CONFIG.num_layers], inner="keydiff"),
     "dms": dict(threshold=-1.0, window=8),
     "simlayerkv": dict(lazy_threshold=0.2, n_recent=16),
+    "think": dict(key_channel_ratio=0.5, window=8),
 }
 
 

@@ -48,6 +48,7 @@ from jaxkv.policies.scorers import (
 from jaxkv.policies.simlayerkv import SimLayerKV
 from jaxkv.policies.spec import from_spec
 from jaxkv.policies.structure import Block, Chunk, ChunkKV, PerLayer
+from jaxkv.policies.think import ThinK
 from jaxkv.policies.wgkv import (
     WGKV,
     DuoAttention,
@@ -64,6 +65,7 @@ from jaxkv.step.parts import DecodeContext, PrefillObservations
 __all__ = [
     "H2O",
     "TOVA",
+    "ThinK",
     "WGKV",
     "CUR",
     "AdaKV",

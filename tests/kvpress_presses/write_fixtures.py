@@ -165,6 +165,19 @@ CASES = {
 
 # Presses that compress during generation: (press, jaxkv spec, greedy decode steps). The fixture
 # holds the generated tokens too (`tokens`), and the positions kept at the end.
+# name: (kvpress press, jaxkv spec): presses that zero key channels and keep every token;
+# `MODEL/CASE.npz` holds `zeroed`, bool [L, K, H], the channels zero in every key of a head.
+CHANNEL_CASES = {
+    "think-0.5": (
+        lambda: kvpress.ThinKPress(key_channel_compression_ratio=0.5),
+        "think:0.5",
+    ),
+    "think-0.3-window8": (
+        lambda: kvpress.ThinKPress(key_channel_compression_ratio=0.3, window_size=8),
+        "think:0.3:window=8",
+    ),
+}
+
 DECODING_CASES = {
     "decoding-knorm": (
         lambda: kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=8, target_size=64),
@@ -393,6 +406,11 @@ def main() -> None:
                 arrays["scores"] = np.stack([scores[layer] for layer in sorted(scores)])
             np.savez(directory / f"{case}.npz", **arrays)
             print(model_name, case, arrays["kept"].shape)
+        for case, (make_press, _) in CHANNEL_CASES.items():
+            cache = prefill(model, ids, make_press())
+            zeroed = np.stack([(layer.keys[0] == 0).all(1).numpy() for layer in cache.layers])
+            np.savez(directory / f"{case}.npz", zeroed=zeroed)
+            print(model_name, case, zeroed.sum(-1).tolist())
         for case, (make_press, _, steps) in DECODING_CASES.items():
             arrays = decoding_fixture(model, ids, make_press, steps)
             np.savez(directory / f"{case}.npz", **arrays)
@@ -408,6 +426,7 @@ def main() -> None:
         },
         "prompt": ids[0].tolist(),
         "cases": {case: spec for case, (_, spec) in CASES.items()},
+        "channel_cases": {case: spec for case, (_, spec) in CHANNEL_CASES.items()},
         "decoding_cases": {
             case: [spec, steps] for case, (_, spec, steps) in DECODING_CASES.items()
         },
