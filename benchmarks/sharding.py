@@ -43,8 +43,11 @@ _COLLECTIVE = re.compile(
 )
 _TUPLE_COLLECTIVE = re.compile(r"= \(.*?\) (" + "|".join(COLLECTIVE_KINDS) + r")(?:-start)?\(")
 _HEADER = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
-_CALLS = re.compile(r"\b(?:body|condition|calls|true_computation|false_computation)=%([\w.-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CALLS = re.compile(r"\b(?:body|condition|calls)=%([\w.-]+)")
+# A conditional's branches: an index's (`lax.switch`) or a predicate's (`lax.cond`).
+_BRANCHES = re.compile(
+    r"branch_computations=\{([^}]*)\}|true_computation=%([\w.-]+), false_computation=%([\w.-]+)"
+)
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 DEFAULTS = {
     "model": "cpu-small",
@@ -127,7 +130,9 @@ def count_collectives(
             continue
         branch_list = _BRANCHES.search(line)
         if branch_list:
-            names = [b.strip().lstrip("%") for b in branch_list.group(1).split(",")]
+            listed, on_true, on_false = branch_list.groups()
+            names = [b.strip().lstrip("%") for b in listed.split(",")] if listed else []
+            names += [b for b in (on_true, on_false) if b]
             for branch in names:
                 inner_always, inner_branches = count_collectives(computations, branch, memo)
                 branches |= inner_always + inner_branches  # the largest branch, kind by kind

@@ -54,6 +54,23 @@ def test_counts_a_layer_loop_per_layer_and_branches_apart():
     assert counted["eviction_branch"]["all-gather"] == 1
 
 
+def test_a_predicate_s_branches_count_apart_from_every_step():
+    """`lax.cond` on a predicate compiles to true/false computations (not a branch list):
+    their collectives run only when the branch does."""
+    computations = {
+        "step": [
+            "%ar = f32[4]{0} all-reduce(f32[4]{0} %x), to_apply=%add",
+            "%c = f32[4]{0} conditional(pred[] %p, f32[4]{0} %x, f32[4]{0} %x), "
+            "true_computation=%evict, false_computation=%keep",
+        ],
+        "evict": ["%ag = f32[16]{0} all-gather(f32[4]{0} %x), dimensions={0}"],
+        "keep": ["ROOT %x = f32[4]{0} parameter(0)"],
+    }
+    always, branches = bench.count_collectives(computations, "step")
+    assert always["all-reduce"] == 1 and "all-gather" not in always
+    assert branches["all-gather"] == 1 and branches["all-gather elements"] == 16
+
+
 def test_one_policy_end_to_end(tmp_path):
     out = tmp_path / "sharding"
     argv = ["--policies", "adakv:0.4", "--context", "192", "--new-tokens", "4"]
