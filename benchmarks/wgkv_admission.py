@@ -90,7 +90,7 @@ def markdown(report: dict) -> str:
         f"# WG-KV admission per head ({report['texts']} held-out texts of {report['length']} "
         f"bytes; tau {report['tau']}, band {report['window']})",
         "",
-        f"{report['date']}, jax {report['jax']}, {report['machine']}. `{report['command']}`",
+        harness.provenance_line(report),
         "",
         "| gates | mean admitted share | heads deciding for whole texts | per-head share "
         "spread over texts (median) |",

@@ -90,6 +90,29 @@ def test_zeroed_key_channels_equal_kvpress(model, case):
             assert ours.tolist() == theirs.tolist(), f"{name} {case} layer {layer} head {head}"
 
 
+@pytest.mark.parametrize("case", sorted(META["rotation_cases"]))
+def test_rerotated_keys_and_tokens_equal_kvpress(model, case):
+    """KeyRerotation: the inner press's kept positions, each head's keys rotated as kvpress
+    rotates them (float32 rounding apart), and the same greedy tokens after the prompt."""
+    name, loaded = model
+    spec, kept_case, steps = META["rotation_cases"][case]
+    fixture = np.load(FIXTURES / name / f"{case}.npz")
+    kept = np.load(FIXTURES / name / f"{kept_case}.npz")["kept"]
+    policy = policies.from_spec(spec)
+    state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy)
+    pages = np.asarray(state.pool.k_pages)
+    for layer, heads in enumerate(fixture["keys"]):
+        positions = np.asarray(state.positions(layer))[0]
+        for head, theirs in enumerate(heads):
+            held = positions[head][positions[head] >= 0]
+            assert held.tolist() == sorted(int(p) for p in kept[layer, head] if p >= 0)
+            table = np.asarray(state.page_table)[layer, 0, head]
+            keys = pages[table[table >= 0]].reshape(-1, pages.shape[-1])[: len(held)]
+            np.testing.assert_allclose(keys, theirs, rtol=1e-4, atol=1e-5)
+    out = jaxkv.generate(loaded, [META["prompt"]], max_new_tokens=steps + 1, policy=policy)
+    assert out.tokens[0][: int(out.num_tokens[0])].tolist() == fixture["tokens"].tolist()
+
+
 def test_random_keeps_the_budget_and_follows_the_key(model):
     _, loaded = model
     prompt = [META["prompt"]]

@@ -50,7 +50,8 @@ EXPECTED = {
     "per_layer": ("prompt_compression",),
     "dms": ("prompt_compression",),
     "simlayerkv": ("prompt_compression",),
-    "think": ("prompt_compression",),  # with decoding=True, a decode eviction too
+    "think": ("prompt_compression",),
+    "key_rerotation": ("prompt_compression",),  # with decoding=True, a decode eviction too
 }
 
 

@@ -91,6 +91,7 @@ POLICIES = {
     "dms": dict(threshold=-1.0, window=8),
     "simlayerkv": dict(lazy_threshold=0.2, n_recent=16),
     "think": dict(key_channel_ratio=0.5, window=8),
+    "key_rerotation": dict(budget=0.3, inner="keydiff"),
 }
 
 

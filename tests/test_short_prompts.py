@@ -67,6 +67,7 @@ KEPT_WHOLE = {
     "ratio_decoding": (dict(budget=0.3, compression_interval=512), SHORT),
     "dms": (dict(threshold=0.0, window=32), SHORT),
     "simlayerkv": (dict(lazy_threshold=0.0, n_recent=16), SHORT),
+    "key_rerotation": (dict(budget=0.3, inner=KNORM_RECENT), SHORT),
     "think": (dict(key_channel_ratio=0.5 / CONFIG.head_dim), SHORT),  # prunes no channel
 }
 

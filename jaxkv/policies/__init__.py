@@ -32,6 +32,7 @@ from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.query_agnostic import CUR, KeyDiff, LagKV, Random
 from jaxkv.policies.quest import Quest
+from jaxkv.policies.rerotation import KeyRerotation
 from jaxkv.policies.sage import SageKV
 from jaxkv.policies.scissorhands import Scissorhands
 from jaxkv.policies.scorers import (
@@ -90,6 +91,7 @@ __all__ = [
     "GVote",
     "KVzip",
     "KeyDiff",
+    "KeyRerotation",
     "Knorm",
     "LagKV",
     "LayerView",

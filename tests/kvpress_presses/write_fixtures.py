@@ -178,6 +178,24 @@ CHANNEL_CASES = {
     ),
 }
 
+# name: (kvpress press, jaxkv spec, the case in CASES keeping the same positions, decode
+# steps): presses that rotate the kept keys. `MODEL/CASE.npz` holds the cache's keys after the
+# prompt (`keys`, [L, K, n, H], in position order) and the greedy tokens after it (`tokens`).
+ROTATION_CASES = {
+    "key_rerotation-knorm": (
+        lambda: kvpress.KeyRerotationPress(kvpress.KnormPress(compression_ratio=0.5)),
+        "key_rerotation:0.5",
+        "knorm",
+        6,
+    ),
+    "key_rerotation-keydiff": (
+        lambda: kvpress.KeyRerotationPress(kvpress.KeyDiffPress(compression_ratio=0.75)),
+        "key_rerotation:0.25:inner=keydiff",
+        "keydiff-0.25",
+        6,
+    ),
+}
+
 DECODING_CASES = {
     "decoding-knorm": (
         lambda: kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=8, target_size=64),
@@ -411,6 +429,12 @@ def main() -> None:
             zeroed = np.stack([(layer.keys[0] == 0).all(1).numpy() for layer in cache.layers])
             np.savez(directory / f"{case}.npz", zeroed=zeroed)
             print(model_name, case, zeroed.sum(-1).tolist())
+        for case, (make_press, _, _, steps) in ROTATION_CASES.items():
+            cache = prefill(model, ids, make_press())
+            keys = np.stack([layer.keys[0].numpy() for layer in cache.layers])
+            tokens, _ = decoded(model, ids, make_press(), steps)
+            np.savez(directory / f"{case}.npz", keys=keys, tokens=np.asarray(tokens))
+            print(model_name, case, keys.shape, tokens)
         for case, (make_press, _, steps) in DECODING_CASES.items():
             arrays = decoding_fixture(model, ids, make_press, steps)
             np.savez(directory / f"{case}.npz", **arrays)
@@ -427,6 +451,9 @@ def main() -> None:
         "prompt": ids[0].tolist(),
         "cases": {case: spec for case, (_, spec) in CASES.items()},
         "channel_cases": {case: spec for case, (_, spec) in CHANNEL_CASES.items()},
+        "rotation_cases": {
+            case: [spec, kept, steps] for case, (_, spec, kept, steps) in ROTATION_CASES.items()
+        },
         "decoding_cases": {
             case: [spec, steps] for case, (_, spec, steps) in DECODING_CASES.items()
         },
