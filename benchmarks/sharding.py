@@ -43,7 +43,7 @@ _COLLECTIVE = re.compile(
 )
 _TUPLE_COLLECTIVE = re.compile(r"= \(.*?\) (" + "|".join(COLLECTIVE_KINDS) + r")(?:-start)?\(")
 _HEADER = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
-_CALLS = re.compile(r"\b(?:body|condition|calls)=%([\w.-]+)")
+_CALLS = re.compile(r"\b(body|condition|calls)=%([\w.-]+)")
 # A conditional's branches: an index's (`lax.switch`) or a predicate's (`lax.cond`).
 _BRANCHES = re.compile(
     r"branch_computations=\{([^}]*)\}|true_computation=%([\w.-]+), false_computation=%([\w.-]+)"
@@ -139,8 +139,13 @@ def count_collectives(
             continue
         trips = _TRIP_COUNT.search(line)
         repeat = int(trips.group(1)) if trips else 1
-        for called in _CALLS.findall(line):
+        # A loop of unknown trip count inside a step is `cache.eviction.run_if`: a branch.
+        maybe_once = " while(" in line and not trips
+        for kind, called in _CALLS.findall(line):
             inner_always, inner_branches = count_collectives(computations, called, memo)
+            if maybe_once and kind == "body":
+                branches |= inner_always + inner_branches
+                continue
             for key, value in inner_always.items():
                 always[key] += repeat * value
             for key, value in inner_branches.items():
@@ -159,7 +164,7 @@ def decode_step_collectives(hlo_text: str) -> dict:
     if len(loops) != 1:
         raise ValueError(f"expected one decode loop in the entry computation, found {len(loops)}")
     per_step, on_eviction = collections.Counter(), collections.Counter()
-    for called in _CALLS.findall(loops[0]):
+    for _, called in _CALLS.findall(loops[0]):
         always, branches = count_collectives(computations, called)
         per_step.update(always)
         on_eviction.update(branches)

@@ -71,6 +71,24 @@ def test_a_predicate_s_branches_count_apart_from_every_step():
     assert branches["all-gather"] == 1 and branches["all-gather elements"] == 16
 
 
+def test_a_loop_of_unknown_trips_inside_a_step_is_a_branch():
+    """`run_if` (a while loop of zero or one trips) holds the eviction: its body's collectives
+    run only on the steps it does; a scan's (known trips) run every step, per trip."""
+    computations = {
+        "step": [
+            "%w = (pred[], f32[4]{0}) while((pred[], f32[4]{0}) %t), condition=%c, body=%evict",
+            "%s = (s32[], f32[4]{0}) while((s32[], f32[4]{0}) %u), condition=%c, body=%layer, "
+            'backend_config={"known_trip_count":{"n":"3"}}',
+        ],
+        "c": ["ROOT %p = pred[] parameter(0)"],
+        "evict": ["%ag = f32[16]{0} all-gather(f32[4]{0} %x), dimensions={0}"],
+        "layer": ["%ar = f32[4]{0} all-reduce(f32[4]{0} %x), to_apply=%add"],
+    }
+    always, branches = bench.count_collectives(computations, "step")
+    assert always["all-reduce"] == 3 and "all-gather" not in always
+    assert branches["all-gather"] == 1
+
+
 def test_one_policy_end_to_end(tmp_path):
     out = tmp_path / "sharding"
     argv = ["--policies", "adakv:0.4", "--context", "192", "--new-tokens", "4"]
