@@ -1,0 +1,97 @@
+"""Every committed results file says how it was made: the command with its arguments, the source
+commit it ran at and the machine (`benchmarks.harness.provenance`, issue 72).
+
+A few files were written before the benchmarks recorded their commit and cost hours of CPU to run
+again. They are listed here and in docs/results.md ("Results without provenance"), which the
+quoting pages cite as such; the list only shrinks: a listed file that gains its provenance, or
+is retired, fails the test until it leaves the list.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+RESULTS_PAGE = ROOT / "docs" / "results.md"
+PROVENANCE_KEYS = ("command", "commit", "machine")
+
+WITHOUT_PROVENANCE = frozenset(
+    {
+        "results/confkv/confkv-ablation.json",
+        "results/confkv/confkv.json",
+        "results/fastkvzip/optimizers/adamw/quality/quality.json",
+        "results/fastkvzip/optimizers/adamw/training.json",
+        "results/fastkvzip/optimizers/sgd/quality/quality.json",
+        "results/fastkvzip/optimizers/sgd/training.json",
+        "results/fastkvzip/prefill.json",
+        "results/fastkvzip/quality-10-20/quality.json",
+        "results/fastkvzip/quality-30-40/quality.json",
+        "results/quality/quality.json",
+        "results/real-quality/kvpress/quality.json",
+        "results/real-quality/quality.json",
+        "results/real-quality/rebuilt-gates/fastkvzip-smollm2-135m-instruct-training.json",
+        "results/real-quality/rebuilt-gates/wgkv-lambda-0.08-run.json",
+        "results/real-quality/samples-48/quality.json",
+        "results/real-quality/samples-48/rebuilt-gates/fastkvzip-smollm2-135m-instruct-training.json",
+        "results/real-quality/samples-48/rebuilt-gates/wgkv-lambda-0.3-run.json",
+        "results/reference-full-cache/quality.json",
+        "results/system/cpu-kv/system-1k-8k.json",
+        "results/wgkv-quality/length-2048/wgkv_quality.json",
+        "results/wgkv-quality/length-4096-lambda-0.02/wgkv_quality.json",
+        "results/wgkv-quality/length-4096/wgkv_quality.json",
+    }
+)
+
+
+def provenance_of(report) -> dict:
+    """The provenance block of a results file: its `provenance` entry, or its top level (the
+    older benchmarks write the keys beside their rows)."""
+    if not isinstance(report, dict):
+        return {}
+    block = report.get("provenance", report)
+    return block if isinstance(block, dict) else {}
+
+
+def missing_provenance(path: Path) -> list[str]:
+    """The provenance keys `path`'s JSON lacks (or leaves empty)."""
+    block = provenance_of(json.loads(path.read_text()))
+    return [key for key in PROVENANCE_KEYS if not block.get(key)]
+
+
+def _results_files() -> list[str]:
+    return sorted(str(path.relative_to(ROOT)) for path in RESULTS.rglob("*.json"))
+
+
+def test_missing_provenance_names_the_keys_a_file_lacks(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"command": "jaxkv bench x", "commit": "", "rows": []}))
+    assert missing_provenance(path) == ["commit", "machine"]
+    path.write_text(json.dumps({"provenance": {"command": "c", "commit": "abc", "machine": {}}}))
+    assert missing_provenance(path) == ["machine"]
+    path.write_text(json.dumps([1, 2]))
+    assert missing_provenance(path) == list(PROVENANCE_KEYS)
+
+
+@pytest.mark.parametrize("name", _results_files())
+def test_a_results_file_records_its_command_commit_and_machine(name):
+    missing = missing_provenance(ROOT / name)
+    if name in WITHOUT_PROVENANCE:
+        assert missing, f"{name} now has its provenance: take it off WITHOUT_PROVENANCE"
+    else:
+        assert not missing, (
+            f"{name} lacks {missing}: write it with `benchmarks.harness.provenance` (rerun the "
+            "command that made it) or retire it"
+        )
+
+
+def test_the_files_without_provenance_exist_and_the_results_page_names_them():
+    page = RESULTS_PAGE.read_text()
+    section = page.split("## Results without provenance", 1)
+    assert len(section) == 2 or not WITHOUT_PROVENANCE, "docs/results.md lacks the section"
+    for name in sorted(WITHOUT_PROVENANCE):
+        assert (ROOT / name).exists(), f"{name} is gone: take it off WITHOUT_PROVENANCE"
+        assert f"`{name}`" in section[1], f"docs/results.md's section does not name {name}"
