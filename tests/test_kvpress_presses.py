@@ -113,6 +113,32 @@ def test_rerotated_keys_and_tokens_equal_kvpress(model, case):
     assert out.tokens[0][: int(out.num_tokens[0])].tolist() == fixture["tokens"].tolist()
 
 
+@pytest.mark.parametrize("case", sorted(META["merge_cases"]))
+def test_merged_values_equal_kvpress(model, case):
+    """Merging: the inner press's kept positions, and each kept token's value after the
+    evicted values are merged as kvpress merges them (float32 rounding apart)."""
+    name, loaded = model
+    fixture = np.load(FIXTURES / name / f"{case}.npz")
+    policy = policies.from_spec(META["merge_cases"][case])
+    state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy)
+    pages = np.asarray(state.pool.v_pages)
+    merged = 0
+    for layer, heads in enumerate(fixture["kept"]):
+        positions = np.asarray(state.positions(layer))[0]
+        for head, theirs in enumerate(heads):
+            theirs = theirs[theirs >= 0]
+            held = positions[head][positions[head] >= 0]
+            assert sorted(held.tolist()) == sorted(theirs.tolist())
+            table = np.asarray(state.page_table)[layer, 0, head]
+            values = pages[table[table >= 0]].reshape(-1, pages.shape[-1])[: len(held)]
+            by_position = dict(zip(held.tolist(), values, strict=True))
+            ours = np.stack([by_position[int(p)] for p in theirs])
+            expected = fixture["values"][layer, head, : len(theirs)]
+            np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5)
+            merged += int(np.sum(np.any(np.abs(ours) > 0, -1)))
+    assert merged  # the values compared are the cache's, not all zeros
+
+
 def test_random_keeps_the_budget_and_follows_the_key(model):
     _, loaded = model
     prompt = [META["prompt"]]

@@ -51,7 +51,8 @@ EXPECTED = {
     "dms": ("prompt_compression",),
     "simlayerkv": ("prompt_compression",),
     "think": ("prompt_compression",),
-    "key_rerotation": ("prompt_compression",),  # with decoding=True, a decode eviction too
+    "key_rerotation": ("prompt_compression",),
+    "merging": ("prompt_compression",),  # with decoding=True, a decode eviction too
 }
 
 

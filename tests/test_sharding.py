@@ -92,6 +92,7 @@ POLICIES = {
     "simlayerkv": dict(lazy_threshold=0.2, n_recent=16),
     "think": dict(key_channel_ratio=0.5, window=8),
     "key_rerotation": dict(budget=0.3, inner="keydiff"),
+    "merging": dict(budget=0.3, inner="keydiff"),
 }
 
 

@@ -68,6 +68,7 @@ KEPT_WHOLE = {
     "dms": (dict(threshold=0.0, window=32), SHORT),
     "simlayerkv": (dict(lazy_threshold=0.0, n_recent=16), SHORT),
     "key_rerotation": (dict(budget=0.3, inner=KNORM_RECENT), SHORT),
+    "merging": (dict(budget=0.3, inner=KNORM_RECENT), SHORT),
     "think": (dict(key_channel_ratio=0.5 / CONFIG.head_dim), SHORT),  # prunes no channel
 }
 

@@ -31,6 +31,7 @@ from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.query_agnostic import CUR, KeyDiff, LagKV, Random
+from jaxkv.policies.merging import Merging
 from jaxkv.policies.quest import Quest
 from jaxkv.policies.rerotation import KeyRerotation
 from jaxkv.policies.sage import SageKV
@@ -97,6 +98,7 @@ __all__ = [
     "LayerView",
     "LearnedParams",
     "LocalAttention",
+    "Merging",
     "ObservedAttention",
     "PerLayer",
     "Policy",

@@ -222,14 +222,7 @@ class ScoredCompression(PromptCompressionPart):
         return self.scorer.query_moments_from
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
-        positions = kv.positions()
-        held = positions >= 0
-        protected = protected_slots(self, positions, obs.prompt_lengths)
-        scores = map_layers(
-            kv, obs, model, self.scorer.layer_scores, values=self.scorer.reads_values
-        )
-        budgets = self.scorer.layer_budgets(obs.budget_tokens, obs.prompt_lengths, kv.num_layers)
-        kept = compact(kv, self._keep(scores, budgets, held, protected))
+        kept = compact(kv, scored_keep_mask(self, kv, obs, model))
         return kept.with_token_scores_zeroed() if self.reset_scores else kept
 
     def _keep(self, scores, budgets, held, protected) -> jax.Array:
@@ -241,6 +234,19 @@ class ScoredCompression(PromptCompressionPart):
             return keep_top_across_heads(scores, budgets, held, protected, self.safeguard)
 
         return collectives.over_all_heads(keep, scores, held, protected, axis=2)
+
+
+def scored_keep_mask(
+    compression: ScoredCompression, kv: KVState, obs: PrefillObservations, model
+) -> jax.Array:
+    """bool [L, B, K, S]: the slots `compression` keeps (before `compact` moves them): its
+    protected tokens and its scorer's best, to each layer's budget."""
+    positions = kv.positions()
+    protected = protected_slots(compression, positions, obs.prompt_lengths)
+    scorer = compression.scorer
+    scores = map_layers(kv, obs, model, scorer.layer_scores, values=scorer.reads_values)
+    budgets = scorer.layer_budgets(obs.budget_tokens, obs.prompt_lengths, kv.num_layers)
+    return compression._keep(scores, budgets, positions >= 0, protected)
 
 
 def protected_slots(compression: ScoredCompression, positions, prompt_lengths) -> jax.Array:

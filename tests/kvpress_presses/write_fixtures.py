@@ -196,6 +196,24 @@ ROTATION_CASES = {
     ),
 }
 
+# name: (kvpress press, jaxkv spec): presses that merge evicted values into kept ones.
+# `MODEL/CASE.npz` holds `kept` (as CASES) and the kept tokens' values after merging
+# (`values`, [L, K, n, H], in `kept`'s order).
+MERGE_CASES = {
+    "merging-knorm": (
+        lambda: kvpress.MergingPress(press=kvpress.KnormPress(compression_ratio=0.5)),
+        "merging:0.5",
+    ),
+    "merging-keydiff-gated": (
+        lambda: kvpress.MergingPress(
+            press=kvpress.KeyDiffPress(compression_ratio=0.7),
+            similarity_threshold=0.2,
+            merge_fraction=0.75,
+        ),
+        "merging:0.3:inner=keydiff:similarity_threshold=0.2:merge_fraction=0.75",
+    ),
+}
+
 DECODING_CASES = {
     "decoding-knorm": (
         lambda: kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=8, target_size=64),
@@ -429,6 +447,15 @@ def main() -> None:
             zeroed = np.stack([(layer.keys[0] == 0).all(1).numpy() for layer in cache.layers])
             np.savez(directory / f"{case}.npz", zeroed=zeroed)
             print(model_name, case, zeroed.sum(-1).tolist())
+        for case, (make_press, _) in MERGE_CASES.items():
+            cache = prefill(model, ids, make_press())
+            kept = [
+                kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
+                for layer in range(len(cache.layers))
+            ]
+            values = np.stack([layer.values[0].numpy() for layer in cache.layers])
+            np.savez(directory / f"{case}.npz", kept=padded(kept), values=values)
+            print(model_name, case, values.shape)
         for case, (make_press, _, _, steps) in ROTATION_CASES.items():
             cache = prefill(model, ids, make_press())
             keys = np.stack([layer.keys[0].numpy() for layer in cache.layers])
@@ -451,6 +478,7 @@ def main() -> None:
         "prompt": ids[0].tolist(),
         "cases": {case: spec for case, (_, spec) in CASES.items()},
         "channel_cases": {case: spec for case, (_, spec) in CHANNEL_CASES.items()},
+        "merge_cases": {case: spec for case, (_, spec) in MERGE_CASES.items()},
         "rotation_cases": {
             case: [spec, kept, steps] for case, (_, spec, kept, steps) in ROTATION_CASES.items()
         },
