@@ -30,8 +30,8 @@ from jaxkv.policies.expected_attention import ExpectedAttention
 from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
-from jaxkv.policies.query_agnostic import CUR, KeyDiff, LagKV, Random
 from jaxkv.policies.merging import Merging
+from jaxkv.policies.query_agnostic import CUR, KeyDiff, LagKV, Random
 from jaxkv.policies.quest import Quest
 from jaxkv.policies.rerotation import KeyRerotation
 from jaxkv.policies.sage import SageKV
