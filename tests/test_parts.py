@@ -52,7 +52,8 @@ EXPECTED = {
     "simlayerkv": ("prompt_compression",),
     "think": ("prompt_compression",),
     "key_rerotation": ("prompt_compression",),
-    "merging": ("prompt_compression",),  # with decoding=True, a decode eviction too
+    "merging": ("prompt_compression",),
+    "finch": ("prompt_compression",),  # with decoding=True, a decode eviction too
 }
 
 

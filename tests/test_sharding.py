@@ -93,6 +93,7 @@ POLICIES = {
     "think": dict(key_channel_ratio=0.5, window=8),
     "key_rerotation": dict(budget=0.3, inner="keydiff"),
     "merging": dict(budget=0.3, inner="keydiff"),
+    "finch": dict(budget=0.3, window=8),
 }
 
 

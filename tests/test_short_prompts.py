@@ -69,6 +69,7 @@ KEPT_WHOLE = {
     "simlayerkv": (dict(lazy_threshold=0.0, n_recent=16), SHORT),
     "key_rerotation": (dict(budget=0.3, inner=KNORM_RECENT), SHORT),
     "merging": (dict(budget=0.3, inner=KNORM_RECENT), SHORT),
+    "finch": (dict(budget=0.3), SHORT),
     "think": (dict(key_channel_ratio=0.5 / CONFIG.head_dim), SHORT),  # prunes no channel
 }
 

@@ -28,6 +28,7 @@ from jaxkv.policies.dms import DMS
 from jaxkv.policies.eviction import DecodeEvictionPolicy, EvictionPolicy, LayerView
 from jaxkv.policies.expected_attention import ExpectedAttention
 from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
+from jaxkv.policies.finch import Finch
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.merging import Merging
@@ -88,6 +89,7 @@ __all__ = [
     "EvictionPolicy",
     "ExpectedAttention",
     "FastKVzip",
+    "Finch",
     "FullCache",
     "GVote",
     "KVzip",

@@ -50,6 +50,18 @@ MODELS = {
     "qwen3": (transformers.Qwen3Config, dict(_COMMON, rope_theta=1000000.0)),
 }
 
+QUESTION_TOKENS = 24  # the prompt's last tokens, FINCH's question
+
+
+def finch(**kwargs):
+    """A FinchPress whose question is the prompt's last QUESTION_TOKENS (kvpress finds it by a
+    delimiter token; a delimiter id absent from the prompt leaves the window as set)."""
+    press = kvpress.FinchPress(**kwargs)
+    press.window_size = QUESTION_TOKENS
+    press.delimiter_token_id = 0  # the prompt's ids start at 3
+    return press
+
+
 # name: (kvpress press, the jaxkv spec that should keep the same positions)
 CASES = {
     "knorm": (lambda: kvpress.KnormPress(compression_ratio=0.5), "knorm:0.5"),
@@ -145,6 +157,14 @@ CASES = {
         lambda: kvpress.SimLayerKVPress(lazy_threshold=0.2, n_last=4, n_recent=48, n_initial=2),
         "simlayerkv:0.2:n_last=4:n_recent=48:n_initial=2",
     ),
+    "finch-kept": (
+        lambda: finch(compression_ratio=0.5, rerotate_keys=False),
+        f"finch:0.5:window={QUESTION_TOKENS}:rerotate_keys=false",
+    ),
+    "finch-unnormalized-kept": (
+        lambda: finch(compression_ratio=0.7, rerotate_keys=False, normalize_scores=False),
+        f"finch:0.3:window={QUESTION_TOKENS}:rerotate_keys=false:normalize_scores=false",
+    ),
     "dms-knorm": (
         lambda: kvpress.DMSPress(kvpress.KnormPress(), threshold=-2.7, sliding_window_size=32),
         "dms:-2.7:window=32",
@@ -186,6 +206,12 @@ ROTATION_CASES = {
         lambda: kvpress.KeyRerotationPress(kvpress.KnormPress(compression_ratio=0.5)),
         "key_rerotation:0.5",
         "knorm",
+        6,
+    ),
+    "finch": (
+        lambda: finch(compression_ratio=0.5),
+        f"finch:0.5:window={QUESTION_TOKENS}",
+        "finch-kept",
         6,
     ),
     "key_rerotation-keydiff": (
