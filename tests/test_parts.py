@@ -53,7 +53,8 @@ EXPECTED = {
     "think": ("prompt_compression",),
     "key_rerotation": ("prompt_compression",),
     "merging": ("prompt_compression",),
-    "finch": ("prompt_compression",),  # with decoding=True, a decode eviction too
+    "finch": ("prompt_compression",),
+    "entropy_chunkkv": ("prompt_compression",),  # with decoding=True, a decode eviction too
 }
 
 

@@ -70,6 +70,7 @@ KEPT_WHOLE = {
     "key_rerotation": (dict(budget=0.3, inner=KNORM_RECENT), SHORT),
     "merging": (dict(budget=0.3, inner=KNORM_RECENT), SHORT),
     "finch": (dict(budget=0.3), SHORT),
+    "entropy_chunkkv": (dict(budget=0.3), 1),
     "think": (dict(key_channel_ratio=0.5 / CONFIG.head_dim), SHORT),  # prunes no channel
 }
 

@@ -25,6 +25,7 @@ from jaxkv.policies.confkv import (
 from jaxkv.policies.critical import CriticalAdaKV, CriticalKV
 from jaxkv.policies.decoding import Decoding, RatioDecoding
 from jaxkv.policies.dms import DMS
+from jaxkv.policies.entropy_chunks import EntropyGatedChunkKV
 from jaxkv.policies.eviction import DecodeEvictionPolicy, EvictionPolicy, LayerView
 from jaxkv.policies.expected_attention import ExpectedAttention
 from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
@@ -86,6 +87,7 @@ __all__ = [
     "Decoding",
     "DecodeEvictionPolicy",
     "DuoAttention",
+    "EntropyGatedChunkKV",
     "EvictionPolicy",
     "ExpectedAttention",
     "FastKVzip",

@@ -157,6 +157,18 @@ CASES = {
         lambda: kvpress.SimLayerKVPress(lazy_threshold=0.2, n_last=4, n_recent=48, n_initial=2),
         "simlayerkv:0.2:n_last=4:n_recent=48:n_initial=2",
     ),
+    "entropy_chunkkv-snapkv": (
+        lambda: kvpress.EntropyGatedChunkKVPress(press=kvpress.SnapKVPress(compression_ratio=0.5)),
+        "entropy_chunkkv:0.5",
+    ),
+    "entropy_chunkkv-knorm": (
+        lambda: kvpress.EntropyGatedChunkKVPress(
+            press=kvpress.KnormPress(compression_ratio=0.7),
+            chunk_length=12,
+            low_entropy_chunk_length=3,
+        ),
+        "entropy_chunkkv:0.3:inner=knorm:chunk_length=12:low_entropy_length=3",
+    ),
     "finch-kept": (
         lambda: finch(compression_ratio=0.5, rerotate_keys=False),
         f"finch:0.5:window={QUESTION_TOKENS}:rerotate_keys=false",
