@@ -54,7 +54,8 @@ EXPECTED = {
     "key_rerotation": ("prompt_compression",),
     "merging": ("prompt_compression",),
     "finch": ("prompt_compression",),
-    "entropy_chunkkv": ("prompt_compression",),  # with decoding=True, a decode eviction too
+    "entropy_chunkkv": ("prompt_compression",),
+    "cap": ("prompt_compression",),  # with decoding=True, a decode eviction too
 }
 
 

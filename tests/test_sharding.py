@@ -94,6 +94,7 @@ POLICIES = {
     "key_rerotation": dict(budget=0.3, inner="keydiff"),
     "merging": dict(budget=0.3, inner="keydiff"),
     "finch": dict(budget=0.3, window=8),
+    "cap": dict(budget=0.3, future_positions=16),
     "entropy_chunkkv": dict(budget=0.3, inner=policies.get("snapkv", window=8), chunk_length=8),
 }
 

@@ -71,6 +71,7 @@ KEPT_WHOLE = {
     "merging": (dict(budget=0.3, inner=KNORM_RECENT), SHORT),
     "finch": (dict(budget=0.3), SHORT),
     "entropy_chunkkv": (dict(budget=0.3), 1),
+    "cap": (dict(budget=0.3, recent=32), SHORT),
     "think": (dict(key_channel_ratio=0.5 / CONFIG.head_dim), SHORT),  # prunes no channel
 }
 

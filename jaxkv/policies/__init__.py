@@ -11,6 +11,7 @@ from jaxkv.policies.base import (
     register,
     registered,
 )
+from jaxkv.policies.cap import Cap
 from jaxkv.policies.compose import Composed, compose
 from jaxkv.policies.confkv import (
     ConfidenceWeights,
@@ -75,6 +76,7 @@ __all__ = [
     "AdaKV",
     "Block",
     "Budget",
+    "Cap",
     "Chunk",
     "ChunkKV",
     "Composed",

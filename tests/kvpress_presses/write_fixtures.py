@@ -169,6 +169,11 @@ CASES = {
         ),
         "entropy_chunkkv:0.3:inner=knorm:chunk_length=12:low_entropy_length=3",
     ),
+    "cap": (lambda: kvpress.CapPress(compression_ratio=0.5), "cap:0.5"),
+    "cap-tau2": (
+        lambda: kvpress.CapPress(compression_ratio=0.7, tau=2.0, n_future_positions=64, n_sink=2),
+        "cap:0.3:tau=2.0:future_positions=64:sinks=2",
+    ),
     "finch-kept": (
         lambda: finch(compression_ratio=0.5, rerotate_keys=False),
         f"finch:0.5:window={QUESTION_TOKENS}:rerotate_keys=false",
