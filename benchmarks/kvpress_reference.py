@@ -85,6 +85,7 @@ PRESSES = {
     "keydiff": "KeyDiffPress",
     "lagkv": "LagKVPress",
     "cur": "CURPress",
+    "cap": "CapPress",
 }
 # jaxkv's wrapping policies -> (kvpress's wrapper, the press it wraps: jaxkv's default `inner`).
 WRAPPERS = {
@@ -93,6 +94,9 @@ WRAPPERS = {
     "block": ("BlockPress", "KeyDiffPress"),
     "criticalkv": ("CriticalKVPress", "SnapKVPress"),
     "critical_adakv": ("CriticalAdaKVPress", "SnapKVPress"),
+    "entropy_chunkkv": ("EntropyGatedChunkKVPress", "SnapKVPress"),
+    "key_rerotation": ("KeyRerotationPress", "KnormPress"),
+    "merging": ("MergingPress", "KnormPress"),
 }
 # kvpress presses changed to test a difference from jaxkv's policy of the same name:
 #   kvzip_scored_prefix  KVzipPress scoring the whole context. kvpress skips the chat template's
