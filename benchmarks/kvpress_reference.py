@@ -343,10 +343,6 @@ def reuse_markdown(report: dict) -> str:
 
 def run_reuse(args: argparse.Namespace, argv: list[str]) -> dict:
     """--reuse: each press once over `jaxkv bench reuse`'s document; writes the report."""
-    import kvpress
-    import torch
-    import transformers
-
     path = downloads.model_path(args.model)
     (model, _), tokenizer = load_model(path), gguf_tokenizer(path)
     document = build_document(tokenizer, args.lengths[0], args.questions)
@@ -356,14 +352,8 @@ def run_reuse(args: argparse.Namespace, argv: list[str]) -> dict:
         for budget in [None] if name == "full" else args.budgets:
             rows.append(ask_document(pipe, tokenizer, name, budget, document))
             print(json.dumps(rows[-1]), flush=True)
-    provenance = harness.provenance("python -m jaxkv.benchmarks.kvpress_reference", argv)
-    versions = {
-        "kvpress": getattr(kvpress, "__version__", "0.5.5"),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
     report = {
-        "provenance": {**provenance, **versions},
+        "provenance": reference_provenance(argv),
         "model": args.model,
         "file_sha256": downloads.KNOWN_MODELS[args.model].sha256,
         "context_tokens": len(document.context_ids),
@@ -379,6 +369,21 @@ def run_reuse(args: argparse.Namespace, argv: list[str]) -> dict:
     return report
 
 
+def reference_provenance(argv: list[str]) -> dict:
+    """`harness.provenance` of this command, with kvpress's, torch's and transformers'
+    versions."""
+    import kvpress
+    import torch
+    import transformers
+
+    provenance = harness.provenance("python -m jaxkv.benchmarks.kvpress_reference", argv)
+    return provenance | {
+        "kvpress": getattr(kvpress, "__version__", "0.5.5"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
 def ruler_cells(args: argparse.Namespace):
     """(press, ratio, setting) in run order; the full cache once, at ratio 0."""
     if "full" in args.presses:
@@ -390,8 +395,9 @@ def ruler_cells(args: argparse.Namespace):
                     yield name, ratio, setting
 
 
-def run_ruler(args: argparse.Namespace) -> dict:
-    """--ruler: every exported sample through kvpress's presses; records appended as they end."""
+def run_ruler(args: argparse.Namespace, argv: list[str]) -> dict:
+    """--ruler: every exported sample through kvpress's presses; records appended as they end,
+    OUT/run.json the provenance of the latest (resumed) run."""
     lines = args.ruler.read_text().splitlines()
     samples = [sample_from_json(json.loads(line)) for line in lines]
     samples = [
@@ -400,6 +406,8 @@ def run_ruler(args: argparse.Namespace) -> dict:
     path = downloads.model_path(args.model)
     (model, stop), tokenizer = load_model(path), gguf_tokenizer(path)
     args.out.mkdir(parents=True, exist_ok=True)
+    provenance = {"provenance": reference_provenance(argv), "model": args.model}
+    (args.out / "run.json").write_text(json.dumps(provenance, indent=1, default=str) + "\n")
     records = args.out / "records.jsonl"
     done = {record_key(r) for r in load_records(records)}
     jobs = [
@@ -526,7 +534,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_arguments(argv)
     if args.ruler is not None:
-        return run_ruler(args)
+        return run_ruler(args, argv)
     if args.reuse:
         return run_reuse(args, argv)
     path = downloads.model_path(args.model)
