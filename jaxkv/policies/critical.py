@@ -27,8 +27,8 @@ from jaxkv.cache.eviction import compact, keep_top_across_heads, keep_top_per_he
 from jaxkv.policies import base
 from jaxkv.policies.eviction import (
     EvictionPolicy,
+    InnerScoredCompression,
     LayerView,
-    ScoredCompression,
     group_mean,
     map_layers,
     protected_on_top,
@@ -53,22 +53,13 @@ def projected_value_norms(view: LayerView) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class CriticalCompression(base.PromptCompressionPart):
+class CriticalCompression(InnerScoredCompression):
     """CriticalKV's prompt compression of an inner `ScoredCompression` (module docstring);
     `safeguard` set: CriticalAdaKV's."""
 
-    inner: ScoredCompression
     epsilon: float
     first_stage: float
     safeguard: float | None = None
-
-    @property
-    def observation_window(self) -> int:
-        return self.inner.observation_window
-
-    @property
-    def query_moments_from(self) -> int | None:
-        return self.inner.query_moments_from
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         scorer = self.inner.scorer

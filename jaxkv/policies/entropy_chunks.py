@@ -24,7 +24,7 @@ from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.policies import base
 from jaxkv.policies.eviction import (
     EvictionPolicy,
-    ScoredCompression,
+    InnerScoredCompression,
     map_layers,
     protected_on_top,
     protected_slots,
@@ -94,20 +94,11 @@ def gated_row_keep(scores, count, share, chunk_length: int, low_length: int) -> 
 
 
 @dataclasses.dataclass(frozen=True)
-class EntropyGatedChunkCompression(base.PromptCompressionPart):
+class EntropyGatedChunkCompression(InnerScoredCompression):
     """EntropyGatedChunkKV's prompt compression of an inner `ScoredCompression`."""
 
-    inner: ScoredCompression
     chunk_length: int
     low_entropy_length: int
-
-    @property
-    def observation_window(self) -> int:
-        return self.inner.observation_window
-
-    @property
-    def query_moments_from(self) -> int | None:
-        return self.inner.query_moments_from
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         scorer = self.inner.scorer

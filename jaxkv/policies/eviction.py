@@ -236,6 +236,23 @@ class ScoredCompression(PromptCompressionPart):
         return collectives.over_all_heads(keep, scores, held, protected, axis=2)
 
 
+@dataclasses.dataclass(frozen=True)
+class InnerScoredCompression(PromptCompressionPart):
+    """Base of the prompt compressions that run over an inner score-and-evict compression
+    (ChunkKV, EntropyGatedChunkKV, CriticalKV, KeyRerotation, Merging): prefill observes what
+    the inner's scorer reads."""
+
+    inner: ScoredCompression
+
+    @property
+    def observation_window(self) -> int:
+        return self.inner.observation_window
+
+    @property
+    def query_moments_from(self) -> int | None:
+        return self.inner.query_moments_from
+
+
 def scored_keep_mask(
     compression: ScoredCompression, kv: KVState, obs: PrefillObservations, model
 ) -> jax.Array:

@@ -23,7 +23,11 @@ from jaxkv import attention as attention_ops
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact
 from jaxkv.policies import base
-from jaxkv.policies.eviction import EvictionPolicy, ScoredCompression, scored_keep_mask
+from jaxkv.policies.eviction import (
+    EvictionPolicy,
+    InnerScoredCompression,
+    scored_keep_mask,
+)
 from jaxkv.policies.structure import scoring_compression
 from jaxkv.step.parts import PrefillObservations
 
@@ -70,20 +74,11 @@ def merged_layer_values(keys, values, keep, held, threshold: float, fraction: fl
 
 
 @dataclasses.dataclass(frozen=True)
-class MergedCompression(base.PromptCompressionPart):
+class MergedCompression(InnerScoredCompression):
     """An inner `ScoredCompression`'s choice, the evicted values merged into the kept ones."""
 
-    inner: ScoredCompression
     similarity_threshold: float
     merge_fraction: float
-
-    @property
-    def observation_window(self) -> int:
-        return self.inner.observation_window
-
-    @property
-    def query_moments_from(self) -> int | None:
-        return self.inner.query_moments_from
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         pool = kv.pool

@@ -22,7 +22,7 @@ from jaxkv.cache import KVState
 from jaxkv.cache.state import PagePool
 from jaxkv.models import layers
 from jaxkv.policies import base
-from jaxkv.policies.eviction import EvictionPolicy, ScoredCompression
+from jaxkv.policies.eviction import EvictionPolicy, InnerScoredCompression
 from jaxkv.policies.structure import scoring_compression
 from jaxkv.step.parts import PrefillObservations
 
@@ -63,18 +63,8 @@ def rerotate_pool(pool: PagePool, page_table: jax.Array, config) -> PagePool:
 
 
 @dataclasses.dataclass(frozen=True)
-class RerotatedCompression(base.PromptCompressionPart):
+class RerotatedCompression(InnerScoredCompression):
     """An inner `ScoredCompression`, then every kept key rotated to its rank's position."""
-
-    inner: ScoredCompression
-
-    @property
-    def observation_window(self) -> int:
-        return self.inner.observation_window
-
-    @property
-    def query_moments_from(self) -> int | None:
-        return self.inner.query_moments_from
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         kv = self.inner.compress(kv, obs, model)

@@ -35,6 +35,7 @@ from jaxkv.cache.eviction import compact, keep_top_per_head
 from jaxkv.policies import base
 from jaxkv.policies.eviction import (
     EvictionPolicy,
+    InnerScoredCompression,
     LayerView,
     ScoredCompression,
     Scorer,
@@ -122,19 +123,10 @@ class ChunkedBudget:
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkKVCompression(base.PromptCompressionPart):
+class ChunkKVCompression(InnerScoredCompression):
     """ChunkKV's prompt compression of an inner `ScoredCompression` (module docstring)."""
 
-    inner: ScoredCompression
     chunk_length: int
-
-    @property
-    def observation_window(self) -> int:
-        return self.inner.observation_window
-
-    @property
-    def query_moments_from(self) -> int | None:
-        return self.inner.query_moments_from
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         scorer = self.inner.scorer
