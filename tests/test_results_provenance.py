@@ -28,8 +28,6 @@ WITHOUT_PROVENANCE = frozenset(
         "results/fastkvzip/optimizers/sgd/quality/quality.json",
         "results/fastkvzip/optimizers/sgd/training.json",
         "results/fastkvzip/prefill.json",
-        "results/fastkvzip/quality-10-20/quality.json",
-        "results/fastkvzip/quality-30-40/quality.json",
         "results/quality/quality.json",
         "results/real-quality/kvpress/quality.json",
         "results/real-quality/quality.json",
