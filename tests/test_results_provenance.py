@@ -27,7 +27,6 @@ WITHOUT_PROVENANCE = frozenset(
         "results/fastkvzip/optimizers/adamw/training.json",
         "results/fastkvzip/optimizers/sgd/quality/quality.json",
         "results/fastkvzip/optimizers/sgd/training.json",
-        "results/fastkvzip/prefill.json",
         "results/quality/quality.json",
         "results/real-quality/kvpress/quality.json",
         "results/real-quality/quality.json",
