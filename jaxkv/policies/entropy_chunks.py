@@ -25,9 +25,7 @@ from jaxkv.policies import base
 from jaxkv.policies.eviction import (
     EvictionPolicy,
     InnerScoredCompression,
-    map_layers,
     protected_on_top,
-    protected_slots,
 )
 from jaxkv.policies.structure import (
     THRESHOLD_NAMES,
@@ -101,11 +99,7 @@ class EntropyGatedChunkCompression(InnerScoredCompression):
     low_entropy_length: int
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
-        scorer = self.inner.scorer
-        scores = map_layers(kv, obs, model, scorer.layer_scores, values=scorer.reads_values)
-        positions = kv.positions()
-        held = positions >= 0
-        protected = protected_slots(self.inner, positions, obs.prompt_lengths)
+        scores, held, protected = self._inner_scores(kv, obs, model)
         share = kept_share(obs)
 
         def keep(scores, held, protected):  # over every KV head of a layer

@@ -252,6 +252,15 @@ class InnerScoredCompression(PromptCompressionPart):
     def query_moments_from(self) -> int | None:
         return self.inner.query_moments_from
 
+    def _inner_scores(self, kv: KVState, obs: PrefillObservations, model):
+        """(scores f32, held bool, protected bool), each [L, B, K, S]: the inner scorer's
+        scores of every held slot and the slots the inner compression always keeps."""
+        scorer = self.inner.scorer
+        scores = map_layers(kv, obs, model, scorer.layer_scores, values=scorer.reads_values)
+        positions = kv.positions()
+        protected = protected_slots(self.inner, positions, obs.prompt_lengths)
+        return scores, positions >= 0, protected
+
 
 def scored_keep_mask(
     compression: ScoredCompression, kv: KVState, obs: PrefillObservations, model

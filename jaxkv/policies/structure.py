@@ -41,7 +41,6 @@ from jaxkv.policies.eviction import (
     Scorer,
     map_layers,
     protected_on_top,
-    protected_slots,
 )
 from jaxkv.step.parts import PrefillObservations
 
@@ -129,11 +128,7 @@ class ChunkKVCompression(InnerScoredCompression):
     chunk_length: int
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
-        scorer = self.inner.scorer
-        scores = map_layers(kv, obs, model, scorer.layer_scores, values=scorer.reads_values)
-        positions = kv.positions()
-        held = positions >= 0
-        protected = protected_slots(self.inner, positions, obs.prompt_lengths)
+        scores, held, protected = self._inner_scores(kv, obs, model)
         share = kept_share(obs)
 
         def keep(scores, held, protected):  # over every KV head of a layer
