@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache import KVState
+from jaxkv.cache.eviction import rank_descending
 from jaxkv.policies import base
 from jaxkv.policies.eviction import LayerView, map_layers
 from jaxkv.step.parts import PrefillObservations
@@ -46,9 +47,7 @@ def channel_scores(view: LayerView) -> jax.Array:
 
 def lowest_channels(scores: jax.Array, pruned: int) -> jax.Array:
     """bool [..., H]: the `pruned` lowest scores of each head (ties: the lower channel)."""
-    order = jnp.argsort(scores, axis=-1, stable=True)
-    rank = jnp.argsort(order, axis=-1, stable=True)
-    return rank < pruned
+    return rank_descending(-scores) < pruned
 
 
 def zero_key_channels(kv: KVState, pruned: jax.Array) -> KVState:
