@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxkv
-from jaxkv import CacheConfig, Sampler, bundled, policies, prose
+from jaxkv import Sampler, bundled, policies, prose
 from jaxkv.cache.sharing import row_pages
 from jaxkv.models import load_hf_checkpoint
 from jaxkv.models.configs import Family
@@ -179,8 +179,6 @@ def test_bad_questions_and_sessions_are_refused_before_compiling(model):
         jaxkv.decode(session, model.config.max_position_embeddings)
     with pytest.raises(ValueError, match=r"outside the token ids \[0, 259\)"):
         session.extend([300])
-    with pytest.raises(ValueError, match="int8 storage"):
-        jaxkv.prefill(model, CONTEXT[:64], cache=CacheConfig(storage="int8")).fork([[1]])
     other = jaxkv.models.init_model(tiny_config(Family.LLAMA, vocab_size=259), seed=0)
     with pytest.raises(ValueError, match="another model"):
         jaxkv.ask(other, session, [[1]], max_new_tokens=2)

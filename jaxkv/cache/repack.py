@@ -141,14 +141,25 @@ def retable(kv: KVState, *, max_pages: int) -> KVState:
     return dataclasses.replace(kv, pool=pool, page_table=table_of_width(kv.page_table, max_pages))
 
 
-def grow(kv: KVState, num_pages: int) -> KVState:
+def grow(kv: KVState, num_pages: int, int8_pages: int | None = None) -> KVState:
     """`kv` with a pool of `num_pages` (>= its own) pages: the same pages under the same ids,
-    the new ones free. Used during prefill by policies whose need is known only as they admit
-    tokens (a policy with an admission part)."""
-    pool = kv.pool
+    the new ones free; with an int8 tier, its pool grown to `int8_pages` (needed exactly
+    then) the same way. Used during prefill by policies whose need is known only as they admit
+    tokens (a policy with an admission part), and by a loaded session."""
+    tier = kv.pool.int8
+    if (tier is None) != (int8_pages is None):
+        raise ValueError("grow: int8_pages is needed exactly when the state has an int8 tier")
+    pool = _grown_pool(kv.pool, num_pages)
+    if tier is not None:
+        tier = dataclasses.replace(tier, pool=_grown_pool(tier.pool, int8_pages))
+        pool = dataclasses.replace(pool, int8=tier)
+    return dataclasses.replace(kv, pool=pool)
+
+
+def _grown_pool(pool: PagePool, num_pages: int) -> PagePool:
     added = num_pages - pool.num_pages
-    if added < 0 or pool.int8 is not None:
-        raise ValueError(f"grow: num_pages={num_pages} must be >= {pool.num_pages}, no int8 tier")
+    if added < 0:
+        raise ValueError(f"grow: num_pages={num_pages} must be >= {pool.num_pages}")
 
     def pad(pages, fill=0):
         if pages is None:
@@ -161,14 +172,13 @@ def grow(kv: KVState, num_pages: int) -> KVState:
         free_stack=jnp.concatenate([new_ids, pool.allocator.free_stack]),
         num_free=pool.allocator.num_free + added,
     )
-    pool = dataclasses.replace(
+    return dataclasses.replace(
         pool.map_token_data(pad),
         token_positions=pad(pool.token_positions, -1),
         key_min=pad(pool.key_min),
         key_max=pad(pool.key_max),
         allocator=allocator,
     )
-    return dataclasses.replace(kv, pool=pool)
 
 
 def _bucketed_geometry(
@@ -240,12 +250,16 @@ def device_decode_geometry(
     return _bucketed_geometry(grown, p, bound_pages, duplicate_entries)
 
 
-def int8_decode_geometry(kv: KVState, max_new_tokens: int) -> tuple[int, int]:
+def int8_decode_geometry(
+    kv: KVState, max_new_tokens: int, duplicate_entries: int = 0
+) -> tuple[int, int]:
     """(num_pages, max_pages) of the int8 tier for `max_new_tokens` more steps (host side; of
-    the fullest device for stacked states, as `decode_geometry`)."""
+    the fullest device for stacked states, as `decode_geometry`); `duplicate_entries` of its
+    tables' entries name a page another entry names (one device)."""
     tier = kv.pool.int8
     full, held = to_host(kv.full_precision_lengths()), to_host(tier.lengths)
     grown = held + np.maximum(full + max(max_new_tokens - 1, 0) - tier.window, 0)
     return _largest(
-        _bucketed_geometry(device, tier.pool.page_size) for device in _per_device(grown)
+        _bucketed_geometry(device, tier.pool.page_size, duplicate_entries=duplicate_entries)
+        for device in _per_device(grown)
     )

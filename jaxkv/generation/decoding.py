@@ -16,7 +16,6 @@ from jaxkv import sharding
 from jaxkv.cache import KVState
 from jaxkv.cache.config import check_count
 from jaxkv.cache.geometry import decode_steps_bucket
-from jaxkv.cache.sharing import duplicate_entries
 from jaxkv.compile_log import counting_compiles
 from jaxkv.generation.loop import (
     GenState,
@@ -173,7 +172,7 @@ def run_decode(
         placement=placement,
         num_pages=session.cache.num_pages if not session.shared else None,
         max_new_tokens=max_new_tokens,
-        duplicate_entries=duplicate_entries(session.kv) if session.shared else 0,
+        shared=session.shared,
     )
     loop = decode_loop if consume else decode_loop_keeping_kv
     with token_listener(on_token) as listener, counting_compiles() as compiled:

@@ -22,6 +22,7 @@ from jaxkv.cache import (
     repack,
     retable,
 )
+from jaxkv.cache.sharing import duplicate_entries
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.models.decoder import Model, logits_from_hidden
 from jaxkv.policies import Policy
@@ -143,13 +144,13 @@ def to_decode_geometry(
     placement: InferenceMesh | None,
     num_pages: int | None,
     max_new_tokens: int,
-    duplicate_entries: int = 0,
+    shared: bool = False,
 ) -> KVState:
     """The state in a pool sized for what it holds and will hold during `max_new_tokens` steps
     (bounded by the policy's budget where it evicts; at most `num_pages`, the request's pool);
     the same state when that is its size, and in its own pool when a repack would save at most
-    half of it (`keeps_prefill_pool`). lengths: int [B] tokens read per row; duplicate_entries:
-    page-table entries naming pages other rows name too (`jaxkv.cache.sharing`)."""
+    half of it (`keeps_prefill_pool`). lengths: int [B] tokens read per row; shared: whether
+    rows share pages (`jaxkv.cache.sharing`: a shared page is held once)."""
     bound = None
     if policy.decode_eviction is not None:
         bound = policy.decode_eviction.decode_tokens_bound(budget_tokens, lengths, max_new_tokens)
@@ -158,10 +159,12 @@ def to_decode_geometry(
         # this device's heads.
         share = placement.model if policy.decides_across_heads else 1
         bound = placement.rows_per_device(bound) * share
-    decode_pages, max_pages = decode_geometry(kv, max_new_tokens, bound, duplicate_entries)
-    int8_geometry = None
-    if kv.pool.int8 is not None:
-        int8_geometry = int8_decode_geometry(kv, max_new_tokens)
+    duplicates = duplicate_entries(kv.page_table, kv.pool) if shared else 0
+    decode_pages, max_pages = decode_geometry(kv, max_new_tokens, bound, duplicates)
+    int8_geometry, tier = None, kv.pool.int8
+    if tier is not None:
+        duplicates = duplicate_entries(tier.page_table, tier.pool) if shared else 0
+        int8_geometry = int8_decode_geometry(kv, max_new_tokens, duplicates)
     if num_pages is not None:
         decode_pages = min(decode_pages, num_pages)
     if int8_geometry is None and (decode_pages, max_pages) == (

@@ -299,7 +299,7 @@ compress = program(
     carry=SHARD,
     key=SAME,
 )(compress_observed)
-grow_pool = program(static=("num_pages",), kv=SHARD)(grow)
+grow_pool = program(static=("num_pages", "int8_pages"), kv=SHARD)(grow)
 empty_carry = program(static=("batch", "policy"), model=MODEL)(initial_carry)
 
 
@@ -357,7 +357,8 @@ def prefill_next_chunk(
     if request.grows and free < chunk_need:
         in_use = kv.pool.num_pages - free
         wanted = max(2 * kv.pool.num_pages, in_use + chunk_need)
-        kv = grow_pool(mesh, kv=kv, num_pages=pool_pages_bucket(wanted, kv.pool.page_size))
+        num_pages = pool_pages_bucket(wanted, kv.pool.page_size)
+        kv = grow_pool(mesh, kv=kv, num_pages=num_pages, int8_pages=None)  # int8 comes after
     kv, carry = prefill_span(
         mesh,
         model=model,

@@ -29,13 +29,14 @@ import orbax.checkpoint as ocp
 from jaxkv.attention import Backend
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig
+from jaxkv.cache.int8 import create_tier
 from jaxkv.cache.repack import grow
 from jaxkv.generation.loop import repack_program
 from jaxkv.generation.session import Session
 from jaxkv.models.decoder import Model
 from jaxkv.policies import Policy, from_spec
 
-FORMAT = 2  # 2: the held pages only
+FORMAT = 2  # 2: the held pages only (and the int8 tier's pool size, where it has one)
 RECORD = "session.json"
 ARRAYS = "arrays"
 
@@ -51,10 +52,18 @@ def model_digest(model: Model) -> str:
 
 
 def held_pages_only(kv: KVState) -> KVState:
-    """`kv` in a pool of the pages it holds (at least one), renumbered in table order."""
-    held = max(int(kv.pages_in_use()), 1)
+    """`kv` in a pool of the pages it holds (at least one), renumbered in table order; its
+    int8 tier, if any, likewise."""
+    tier = kv.pool.int8
+    int8_geometry = None
+    if tier is not None:
+        int8_geometry = (max(int(tier.pages_in_use()), 1), tier.page_table.shape[-1])
     return repack_program(
-        None, kv=kv, num_pages=held, max_pages=kv.page_table.shape[-1], int8_geometry=None
+        None,
+        kv=kv,
+        num_pages=max(int(kv.pages_in_use()), 1),
+        max_pages=kv.page_table.shape[-1],
+        int8_geometry=int8_geometry,
     )
 
 
@@ -111,9 +120,8 @@ def save_session(session: Session, path: str | Path) -> Path:
         raise ValueError(f"path={str(path)!r} exists: give a new directory")
     if session.placement is not None:
         raise ValueError("saving a session on a mesh is not supported: prefill on one device")
-    if session.kv.pool.int8 is not None:
-        raise ValueError("saving a session with int8 storage is not supported")
     session.kv.check()
+    tier = session.kv.pool.int8
     path.mkdir(parents=True)
     ocp.PyTreeCheckpointer().save(path / ARRAYS, _arrays(session))
     record = {
@@ -123,6 +131,7 @@ def save_session(session: Session, path: str | Path) -> Path:
         "policy": repr(session.policy),
         "policy_fields": policy_fields(session.policy),
         "pool_pages": session.kv.pool.num_pages,
+        "int8_pool_pages": None if tier is None else tier.pool.num_pages,
         "cache": _cache_record(session.cache),
         "backend": session.backend.value,
         "shared": session.shared,
@@ -161,7 +170,7 @@ def _empty_state(arrays: dict, record: dict) -> KVState:
     pool, table = arrays["kv"]["pool"], arrays["kv"]["page_table"]
     num_pages, page_size, head_dim = pool["k_pages"].shape
     num_layers, batch, num_kv_heads, max_pages = table.shape
-    return KVState.create(
+    kv = KVState.create(
         num_layers=num_layers,
         batch=batch,
         num_kv_heads=num_kv_heads,
@@ -173,6 +182,12 @@ def _empty_state(arrays: dict, record: dict) -> KVState:
         key_bounds=record["key_bounds"],
         local_window=record["local_window"],
     )
+    tier = pool.get("int8")
+    if tier is None:
+        return kv
+    window = record["cache"]["full_precision_window"]
+    tier = create_tier(kv, window, tier["pool"]["k_pages"].shape[0], tier["page_table"].shape[-1])
+    return dataclasses.replace(kv, pool=dataclasses.replace(kv.pool, int8=tier))
 
 
 def load_session(path: str | Path, model: Model, policy: Policy | str) -> Session:
@@ -196,7 +211,7 @@ def load_session(path: str | Path, model: Model, policy: Policy | str) -> Sessio
         )
     arrays = ocp.PyTreeCheckpointer().restore(path / ARRAYS)
     kv = flax.serialization.from_state_dict(_empty_state(arrays, record), arrays["kv"])
-    kv = grow(jax.tree.map(jnp.asarray, kv), record["pool_pages"])
+    kv = grow(jax.tree.map(jnp.asarray, kv), record["pool_pages"], record.get("int8_pool_pages"))
     params = arrays.get("policy_params")
     if params is not None and policy.params is not None:
         template = policy.params.init(model.config, jax.random.PRNGKey(0))

@@ -14,7 +14,9 @@ continuations. `generate` is `decode(prefill(...))`.
 
 Forked rows share the context's full pages (`jaxkv.cache.sharing`): bytes held = one context +
 per row its question and answer. Nothing writes or frees a shared page: decoding a forked
-session with a policy whose decode eviction would run is refused.
+session with a policy whose decode eviction would run is refused. With int8 storage the rows
+share the int8 tier's full pages and each copies the context's window (its tokens move as they
+age); such a session reads in chunks of at most its window.
 """
 
 from __future__ import annotations
@@ -247,42 +249,85 @@ def check_positions(session: Session, more: int, what: str) -> None:
         )
 
 
-def _with_room(session: Session, more: np.ndarray) -> KVState:
-    """The session's state with room for `more` int [B] tokens per row: the same state when
-    its pool and tables hold them, else a copy in a larger pool (shared pages stay shared).
-    On a mesh, every device's pool gets the size the fullest one needs."""
+def _pages_to_grow(pool, page_table, held: np.ndarray, grown: np.ndarray):
+    """Whether `pool` (one device's, or stacked [S, ...]) and its tables hold heads growing
+    from `held` to `grown` int [S, L, B, K] tokens, and else the (num_pages, max_pages) of a
+    pool that does: the fullest device's pages in use plus its growth (shared pages stay
+    shared), and tables as wide as the longest head."""
+    p = pool.page_size
+    growth = np.sum(-(-grown // p) - -(-held // p), axis=(1, 2, 3))
+    free = sharding.to_host(pool.allocator.num_free).reshape(-1)
+    in_use = sharding.to_host(pool.allocator.pages_in_use()).reshape(-1)
+    width = int(np.max(-(-grown // p)))
+    fits = bool(np.all(growth <= free)) and width <= page_table.shape[-1]
+    num_pages = max(pool_pages_bucket(int(np.max(in_use + growth)), p), pool.num_pages)
+    return fits, (num_pages, max(table_pages_bucket(width), page_table.shape[-1]))
+
+
+def _per_device(kv: KVState, lengths) -> np.ndarray:
+    """int [S, L, B, K] of a state's lengths [L, B, K] (or stacked [S, ...]), on the host."""
+    return sharding.to_host(lengths).reshape(-1, *kv.lengths.shape[-3:])
+
+
+def _tier_growth(kv: KVState, more: np.ndarray, chunk: int):
+    """((held, grown) of the model-dtype pages, (held, grown) of the int8 tier or None): the
+    tokens per head [S, L, B, K] before and at most during a read of more int [S, 1, B, 1]
+    tokens per head in `chunk`-token chunks. With int8 storage the model-dtype pages hold at
+    most the window plus a chunk (the step writes a chunk, then spills the oldest to int8)."""
+    full = _per_device(kv, kv.full_precision_lengths())
+    tier = kv.pool.int8
+    if tier is None:
+        return (full, full + more), None
+    int8 = _per_device(kv, tier.lengths)
+    peak = np.minimum(full + more, np.maximum(full, tier.window) + np.minimum(more, chunk))
+    return (full, peak), (int8, int8 + np.maximum(full + more - tier.window, 0))
+
+
+def _with_room(session: Session, more: np.ndarray, chunk: int) -> KVState:
+    """The session's state with room for `more` int [B] tokens per row read in `chunk`-token
+    chunks: the same state when its pools and tables hold them, else a copy in larger pools
+    (shared pages stay shared). On a mesh, every device's pool gets the size the fullest one
+    needs."""
     kv = session.kv
-    p = kv.pool.page_size
-    held = sharding.to_host(kv.full_precision_lengths()).reshape(-1, *kv.lengths.shape[-3:])
     if session.placement is None:
         more_per_device = more[None]
     else:
         more_per_device = session.placement.rows_per_device(more)
-    grown = held + more_per_device[:, None, :, None]  # [S, L, B, K]
-    growth = np.sum(-(-grown // p) - -(-held // p), axis=(1, 2, 3))
-    free = sharding.to_host(kv.pool.allocator.num_free).reshape(-1)
-    width = int(np.max(-(-grown // p)))
-    if np.all(growth <= free) and width <= kv.page_table.shape[-1]:
+    full, int8 = _tier_growth(kv, more_per_device[:, None, :, None], chunk)
+    fits, geometry = _pages_to_grow(kv.pool, kv.page_table, *full)
+    int8_geometry = None
+    if int8 is not None:
+        tier = kv.pool.int8
+        int8_fits, int8_geometry = _pages_to_grow(tier.pool, tier.page_table, *int8)
+        fits = fits and int8_fits
+    if fits:
         return kv
-    in_use = sharding.to_host(kv.pages_in_use()).reshape(-1)
-    num_pages = pool_pages_bucket(int(np.max(in_use + growth)), p)
     kv = repack_program(
         session.placement,
         kv=kv,
-        num_pages=max(num_pages, kv.pool.num_pages),
-        max_pages=max(table_pages_bucket(width), kv.page_table.shape[-1]),
-        int8_geometry=None,
+        num_pages=geometry[0],
+        max_pages=geometry[1],
+        int8_geometry=int8_geometry,
     )
     kv.check()
     return kv
 
 
-def _check_plain_storage(session: Session, what: str) -> None:
-    if session.kv.pool.int8 is not None:
+def read_chunk_size(session: Session, prefill_chunk: int | None) -> int:
+    """The chunk `extend` reads in: `prefill_chunk`, by default `DEFAULT_PREFILL_CHUNK`; with
+    int8 storage at most the session's `full_precision_window` (a chunk is read in the model
+    dtype: a larger one is refused), by default the smaller of the two."""
+    tier = session.kv.pool.int8
+    if prefill_chunk is None:
+        return DEFAULT_PREFILL_CHUNK if tier is None else min(DEFAULT_PREFILL_CHUNK, tier.window)
+    prefill_chunk = check_count("prefill_chunk", prefill_chunk, 1)
+    if tier is not None and prefill_chunk > tier.window:
         raise ValueError(
-            f"{what} a session with int8 storage is not supported: its tiers move tokens as "
-            "they age; prefill without CacheConfig(storage=int8) to read on or fork"
+            f"prefill_chunk={prefill_chunk} exceeds the session's full_precision_window="
+            f"{tier.window}: with int8 storage a chunk is read in the model dtype; give "
+            f"prefill_chunk <= {tier.window}"
         )
+    return prefill_chunk
 
 
 def extend(session: Session, token_ids: PromptIds, *, prefill_chunk: int | None = None) -> Session:
@@ -292,7 +337,6 @@ def extend(session: Session, token_ids: PromptIds, *, prefill_chunk: int | None 
     and chunk eviction ran at `prefill`; its decode eviction runs in `decode`. Returns a new
     session; `session` stays valid."""
     rows = _new_token_rows(session, token_ids)
-    _check_plain_storage(session, "extending")
     new_session, _ = _read(session, rows, prefill_chunk, keep_hidden=False)
     return new_session
 
@@ -303,7 +347,6 @@ def extend_with_logits(
     """`extend`, and the logits f32 [B, T, V] the model gives after each token read (row b's
     first `len(token_ids[b])` entries; scoring a continuation token by token)."""
     rows = _new_token_rows(session, token_ids)
-    _check_plain_storage(session, "extending")
     new_session, hidden = _read(session, rows, prefill_chunk, keep_hidden=True)
     if session.placement is not None:
         hidden = jnp.asarray(session.placement.join_rows(hidden))
@@ -314,9 +357,8 @@ def extend_with_logits(
 
 def _read(session: Session, rows: list[list[int]], prefill_chunk: int | None, keep_hidden: bool):
     more = np.array([len(row) for row in rows], np.int32)
-    chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
-    padded = pad_prompts(rows, more, chunk)
-    kv = _with_room(session, more)
+    padded = pad_prompts(rows, more, read_chunk_size(session, prefill_chunk))
+    kv = _with_room(session, more, padded.chunk)
     kv, last_hidden, hidden = read_tokens(
         session.placement,
         model=session.model,
@@ -339,7 +381,9 @@ def _read(session: Session, rows: list[list[int]], prefill_chunk: int | None, ke
     return new, hidden
 
 
-fork_program = program(static=("num_rows", "num_pages", "max_pages"), kv=SHARD)(fork_rows)
+fork_program = program(static=("num_rows", "num_pages", "max_pages", "int8_geometry"), kv=SHARD)(
+    fork_rows
+)
 
 
 def fork(
@@ -363,8 +407,8 @@ def fork(
         )
     if session.placement is not None:
         raise ValueError("fork runs on one device: prefill the context without a mesh")
-    _check_plain_storage(session, "forking")
     reserve_tokens = check_count("reserve_tokens", reserve_tokens, 0)
+    chunk = read_chunk_size(session, prefill_chunk)
     num_rows = len(questions)
     broadcast = session.replace(
         lengths=np.repeat(session.lengths, num_rows),
@@ -378,17 +422,26 @@ def fork(
     if not all(rows):
         empty = next(i for i, row in enumerate(rows) if not row)
         raise ValueError(f"question {empty} is empty: every question needs >= 1 token")
-    kv = session.kv
-    p, longest = kv.pool.page_size, max(map(len, rows)) + reserve_tokens
-    heads = kv.num_layers * kv.page_table.shape[-2]
-    own = num_rows * heads * (-(-longest // p) + 1)
-    max_len = int(np.max(sharding.to_host(kv.lengths)))
-    kv = fork_program(
-        None,
-        kv=kv,
-        num_rows=num_rows,
-        num_pages=pool_pages_bucket(fork_pages_needed(kv, num_rows) + own, p),
-        max_pages=table_pages_bucket(-(-(max_len + longest) // p)),
-    )
+    longest = max(map(len, rows)) + reserve_tokens
+    geometry = _fork_geometry(session.kv, num_rows, longest, chunk)
+    kv = fork_program(None, kv=session.kv, num_rows=num_rows, **geometry)
     kv.check()
-    return extend(broadcast.replace(kv=kv), rows, prefill_chunk=prefill_chunk)
+    return extend(broadcast.replace(kv=kv), rows, prefill_chunk=chunk)
+
+
+def _fork_geometry(kv: KVState, num_rows: int, longest: int, chunk: int) -> dict:
+    """`fork_rows`' geometry for `num_rows` rows over the one-row `kv`, each with room for
+    `longest` more tokens read in `chunk`-token chunks: num_pages, max_pages and int8_geometry
+    (None without an int8 tier)."""
+    p = kv.pool.page_size
+    forked, int8_forked = fork_pages_needed(kv, num_rows)
+    full, int8 = _tier_growth(kv, np.array(longest), chunk)
+
+    def geometry(forked_pages, held, grown):
+        growth = int(np.sum(-(-grown // p) - -(-held // p)))
+        width = int(np.max(-(-grown // p)))
+        return pool_pages_bucket(forked_pages + num_rows * growth, p), table_pages_bucket(width)
+
+    num_pages, max_pages = geometry(forked, *full)
+    int8_geometry = None if int8 is None else geometry(int8_forked, *int8)
+    return dict(num_pages=num_pages, max_pages=max_pages, int8_geometry=int8_geometry)
