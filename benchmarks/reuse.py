@@ -1,12 +1,13 @@
 """Compress once, ask many: `jaxkv.ask` (one compressed context, one row per question sharing its
 pages) against one `generate` per question, on a real model.
 
-    jaxkv bench reuse --model smollm2-135m-instruct --policy kvzip:0.3 --length 2048 \
-        --questions 8 --out results/reuse
+    jaxkv bench reuse --model smollm2-135m-instruct --policies kvzip:0.3 --length 2048 \
+        --questions 8 --storages model int8 --out results/reuse
 
 The document is prose with one 7-digit needle per question at evenly spread depths
 (`needles.build_document`), in the model's chat format; each question asks for one needle.
-Reported, all from one process:
+Each policy runs with each storage (`--storages`: the model dtype, or int8 storage with
+Conf-KV's tier: each head's newest 128 tokens in the model dtype). Reported, all from one process:
   bytes   what `ask` holds after decoding (the shared context once, each row its own pages)
           against one compressed context plus the questions' and answers' tokens (the bound),
           and against one copy of the compressed context per question;
@@ -39,7 +40,9 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
-def _separate(model, document, policy, stop, params) -> tuple[list[np.ndarray], float, float]:
+def _separate(
+    model, document, policy, stop, params, cache
+) -> tuple[list[np.ndarray], float, float]:
     """Each question's answer by its own `generate` call; (answers, warm seconds, cold seconds
     of the first call)."""
 
@@ -51,6 +54,7 @@ def _separate(model, document, policy, stop, params) -> tuple[list[np.ndarray], 
             policy=policy,
             stop_tokens=stop,
             policy_params=params,
+            cache=cache,
         )
         return out.tokens[0]
 
@@ -69,8 +73,11 @@ def _bound_bytes(session, document, out) -> int:
     return session.memory_bytes() + rows * per_token * heads
 
 
-def run(model, tokenizer, policy, length: int, questions: int, params=None) -> dict:
+def run(
+    model, tokenizer, policy, length: int, questions: int, storage: str = "model", params=None
+) -> dict:
     document = build_document(tokenizer, length, questions)
+    cache = jaxkv.CacheConfig(storage=storage)
     stop = list(model.config.eos_token_ids)
     questions_ids = [list(q) for q in document.questions]
 
@@ -83,12 +90,15 @@ def run(model, tokenizer, policy, length: int, questions: int, params=None) -> d
             max_new_tokens=ANSWER_TOKENS,
             stop_tokens=stop,
             policy_params=params,
+            cache=cache,
         )
 
     _, ask_cold = _timed(ask)
     out, ask_warm = _timed(ask)
-    separate, separate_warm, separate_cold = _separate(model, document, policy, stop, params)
-    session = jaxkv.prefill(model, list(document.context_ids), policy, policy_params=params)
+    separate, separate_warm, separate_cold = _separate(model, document, policy, stop, params, cache)
+    session = jaxkv.prefill(
+        model, list(document.context_ids), policy, policy_params=params, cache=cache
+    )
     alone = [
         jaxkv.decode(session.extend(q), ANSWER_TOKENS, stop_tokens=stop).tokens[0]
         for q in questions_ids
@@ -129,14 +139,16 @@ def run(model, tokenizer, policy, length: int, questions: int, params=None) -> d
 
 def markdown(report: dict) -> str:
     rows = [
-        "| policy | context | questions | ask KV bytes / bound | ask / one copy per question "
+        "| policy | storage | context | questions | context KV MB | ask KV MB "
+        "| ask KV bytes / bound | ask / one copy per question "
         "| ask / generate each (warm s) | exact: ask | exact: generate each "
         "| ask = asked alone |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         rows.append(
-            f"| {row['policy']} | {row['context_tokens']} | {row['questions']} "
+            f"| {row['policy']} | {row['storage']} | {row['context_tokens']} | {row['questions']} "
+            f"| {row['kv_bytes_shared_context'] / 1e6:.2f} | {row['kv_bytes_ask'] / 1e6:.2f} "
             f"| {row['ask_over_bound']:.3f} | {row['ask_over_one_copy_per_question']:.3f} "
             f"| {row['ask_over_generate_each_warm']:.3f} ({row['seconds_ask_warm']:.1f} / "
             f"{row['seconds_generate_each_warm']:.1f}) "
@@ -163,6 +175,13 @@ def main(argv: list[str] | None = None) -> dict:
         "--questions", type=int, default=8, help="questions over the context, a needle each"
     )
     parser.add_argument(
+        "--storages",
+        nargs="+",
+        choices=["model", "int8"],
+        default=["model"],
+        help="cache storages, a row each per policy: the model dtype, or int8 storage",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path("results/reuse"),
@@ -173,9 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for spec in args.policies:
         policy = policies.from_spec(spec).for_tokenizer(tokenizer)
-        row = {"policy": spec, **run(model, tokenizer, policy, args.length, args.questions)}
-        harness.print_row(row)
-        rows.append(row)
+        for storage in args.storages:
+            measured = run(model, tokenizer, policy, args.length, args.questions, storage)
+            row = {"policy": spec, "storage": storage, **measured}
+            harness.print_row(row)
+            rows.append(row)
     report = {
         "provenance": harness.provenance("jaxkv bench reuse", argv or sys.argv[1:]),
         "model": args.model,
