@@ -34,6 +34,7 @@ from jaxkv.policies.finch import Finch
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.merging import Merging
+from jaxkv.policies.qfilter import QFilter, QueryFilters
 from jaxkv.policies.query_agnostic import CUR, KeyDiff, LagKV, Random
 from jaxkv.policies.quest import Quest
 from jaxkv.policies.rerotation import KeyRerotation
@@ -110,6 +111,8 @@ __all__ = [
     "Policy",
     "PrefillObservations",
     "PyramidKV",
+    "QFilter",
+    "QueryFilters",
     "Quest",
     "Random",
     "RatioDecoding",

@@ -17,6 +17,7 @@ cut). `fixtures.json` records the command, the commit, the machine and the versi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import subprocess
@@ -301,6 +302,25 @@ DECODING_CASES = {
     ),
 }
 
+# name: (kvpress compression ratio, jaxkv spec): QFilterPress with filters given here (kvpress
+# reads them from the Hugging Face hub, which has none for these models): seeded random f32
+# [L, K, H] filters, saved in `MODEL/CASE.npz` as `filters` beside `kept` and `scores`.
+FILTER_CASES = {
+    "qfilter-0.5": (0.5, "qfilter:0.5"),
+    "qfilter-0.2": (0.8, "qfilter:0.2"),
+}
+
+
+def given_filters(ratio: float, filters: np.ndarray):
+    """A QFilterPress that uses `filters` instead of loading the model's from the hub."""
+
+    @dataclasses.dataclass
+    class GivenFilters(kvpress.QFilterPress):
+        def post_init_from_model(self, model):
+            self.q_filters = torch.tensor(filters, dtype=model.dtype)
+
+    return GivenFilters(compression_ratio=ratio)
+
 
 def build_model(name: str, directory: Path) -> transformers.PreTrainedModel:
     """A random fp32 model (norms near 1, weights of std 0.08), saved to `directory`."""
@@ -505,6 +525,20 @@ def main() -> None:
             tokens, _ = decoded(model, ids, make_press(), steps)
             np.savez(directory / f"{case}.npz", keys=keys, tokens=np.asarray(tokens))
             print(model_name, case, keys.shape, tokens)
+        config = model.config
+        shape = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        filters = np.random.default_rng(SEED + 1).standard_normal(shape).astype(np.float32)
+        for case, (ratio, _) in FILTER_CASES.items():
+            press = given_filters(ratio, filters)
+            scores = recorded_scores(press)
+            cache = prefill(model, ids, press)
+            kept = [
+                kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
+                for layer in range(len(cache.layers))
+            ]
+            scores = np.stack([scores[layer] for layer in sorted(scores)])
+            np.savez(directory / f"{case}.npz", kept=padded(kept), scores=scores, filters=filters)
+            print(model_name, case, padded(kept).shape)
         for case, (make_press, _, steps) in DECODING_CASES.items():
             arrays = decoding_fixture(model, ids, make_press, steps)
             np.savez(directory / f"{case}.npz", **arrays)
@@ -525,6 +559,7 @@ def main() -> None:
         "rotation_cases": {
             case: [spec, kept, steps] for case, (_, spec, kept, steps) in ROTATION_CASES.items()
         },
+        "filter_cases": {case: spec for case, (_, spec) in FILTER_CASES.items()},
         "decoding_cases": {
             case: [spec, steps] for case, (_, spec, steps) in DECODING_CASES.items()
         },
