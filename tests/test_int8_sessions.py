@@ -123,6 +123,11 @@ def test_forked_int8_rows_answer_as_each_question_alone_and_share_the_int8_pages
     np.testing.assert_array_equal(np.asarray(rows.kv.pool.int8.pool.k_pages)[shared_ids], before)
     # One copy of the context's int8 pages: three rows hold less than three contexts.
     assert rows.memory_bytes() < len(QUESTIONS) * session.memory_bytes()
+    asked = jaxkv.ask(model, session, QUESTIONS, max_new_tokens=ANSWER_TOKENS)
+    np.testing.assert_array_equal(asked.answers.tokens, out.tokens)
+    int8_page_bytes = session.kv.pool.int8.pool.page_bytes
+    assert asked.shared_bytes == int(np.sum(context_full_pages)) * int8_page_bytes
+    assert asked.total_bytes == int(asked.answers.memory_bytes[-1])
 
 
 def test_a_saved_int8_session_loads_reads_on_and_forks_as_before(model, tmp_path):

@@ -161,13 +161,40 @@ class RowPages:
 
 
 def row_pages(kv: KVState) -> RowPages:
-    """Which pages of a one-device state are shared by rows and which each row owns."""
-    table = to_host(kv.page_table)  # [L, B, K, M]
+    """Which model-dtype pages of a one-device state are shared by rows and which each row
+    owns (`tier_row_pages` for the int8 tier's)."""
+    return _pages_by_row(to_host(kv.page_table), kv.pool.num_pages)
+
+
+def tier_row_pages(kv: KVState) -> RowPages:
+    """`row_pages` of the int8 tier of a one-device state with int8 storage."""
+    tier = kv.pool.int8
+    return _pages_by_row(to_host(tier.page_table), tier.pool.num_pages)
+
+
+def _pages_by_row(table: np.ndarray, num_pages: int) -> RowPages:
+    """`RowPages` of page tables [L, B, K, M] over a pool of `num_pages` pages."""
     batch = table.shape[1]
-    rows_naming = np.zeros(kv.pool.num_pages, np.int64)
+    rows_naming = np.zeros(num_pages, np.int64)
     for row in range(batch):
         rows_naming[np.unique(table[:, row][table[:, row] >= 0])] += 1
     own = np.array(
         [int(np.sum(rows_naming[table[:, row][table[:, row] >= 0]] == 1)) for row in range(batch)]
     )
     return RowPages(shared=int(np.sum(rows_naming > 1)), own=own)
+
+
+def shared_and_own_bytes(kv: KVState) -> tuple[int, np.ndarray]:
+    """Host-side (bytes of the pages rows share, held once; int64 [B] bytes each row alone
+    holds) of a one-device state: both tiers' pages, and with an int8 tier each row's channel
+    scales (its own)."""
+    pages = row_pages(kv)
+    shared = pages.shared * kv.pool.page_bytes
+    own = pages.own.astype(np.int64) * kv.pool.page_bytes
+    tier = kv.pool.int8
+    if tier is not None:
+        int8 = tier_row_pages(kv)
+        shared += int8.shared * tier.pool.page_bytes
+        own += int8.own.astype(np.int64) * tier.pool.page_bytes
+        own += tier.channel_scale_bytes // len(own)
+    return shared, own

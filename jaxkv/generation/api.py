@@ -14,7 +14,7 @@ import numpy as np
 from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig, check_count
-from jaxkv.cache.sharing import row_pages
+from jaxkv.cache.sharing import shared_and_own_bytes
 from jaxkv.compile_log import counting_compiles
 from jaxkv.generation.decoding import (
     GenerateOutput,
@@ -213,7 +213,8 @@ class AskOutput:
         the context's prefill (when `ask` was given its ids) and the questions' reading.
       shared_bytes: bytes of the context's pages all rows share, held once.
       row_bytes: int64 [N] bytes each row holds alone: its copy of the context's partial last
-        pages, its question and its answer (and its local ring, for ring policies).
+        pages, its question and its answer (and its local ring, for ring policies; with int8
+        storage its copy of the context's window and its channel scales).
       total_bytes: bytes held after decoding: shared_bytes + row_bytes.sum().
       separate_bytes: bytes N copies of the context would hold, one per question:
         N x shared_bytes + row_bytes.sum().
@@ -311,11 +312,8 @@ def ask(
     answers = dataclasses.replace(
         answers, prefill_seconds=prefilled - start, prefill_compile_seconds=compiled.seconds
     )
-    pages = row_pages(answers.state)
-    page_bytes = answers.state.pool.page_bytes
-    ring_per_row = answers.state.ring_bytes // len(questions)
-    row_bytes = pages.own.astype(np.int64) * page_bytes + ring_per_row
-    shared_bytes = pages.shared * page_bytes
+    shared_bytes, own_bytes = shared_and_own_bytes(answers.state)
+    row_bytes = own_bytes + answers.state.ring_bytes // len(questions)
     return AskOutput(
         answers=answers,
         shared_bytes=shared_bytes,
