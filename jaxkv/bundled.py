@@ -21,6 +21,10 @@ WGKV_GATES = ASSETS / "wgkv-gates"
 FASTKVZIP_GATES = ASSETS / "fastkvzip-gates"
 # DuoAttention retrieval heads (bool [L, K] .npy), one directory per model.
 DUO_HEADS = ASSETS / "duo-heads"
+# Q-Filters (f32 [L, K, H] filters.npy, `jaxkv train qfilter`), one directory per model.
+Q_FILTERS = ASSETS / "q-filters"
+# ExpectedAttention's query statistics (statistics.npz, `jaxkv train expected_attention_stats`).
+QUERY_STATISTICS = ASSETS / "query-statistics"
 
 # The name jaxkv ships parameters under for its reference model; a fetched model's are under its
 # `jaxkv fetch` name.
@@ -34,18 +38,23 @@ SHIPPED_PARAMS: dict[str, dict[str, Path]] = {
     REFERENCE: {
         "wgkv": WGKV_GATES / "lambda-0.08",
         "fastkvzip": FASTKVZIP_GATES,
+        "qfilter": Q_FILTERS / REFERENCE / "source-8x1024",
+        "expected_attention_stats": QUERY_STATISTICS / REFERENCE / "source-8x1024",
     },
     SMOLLM2: {
         "wgkv": WGKV_GATES / SMOLLM2 / "docstrings-lambda-0.3-600",
         "fastkvzip": FASTKVZIP_GATES / SMOLLM2 / "docstrings-64-adamw",
         "duo_attention": DUO_HEADS / SMOLLM2 / "copy-0.2" / "heads.npy",
+        "qfilter": Q_FILTERS / SMOLLM2 / "source-8x1024",
+        "expected_attention_stats": QUERY_STATISTICS / SMOLLM2 / "source-8x1024",
     },
 }
 
 
 def shipped_params_path(kind: str, model_name: str | None) -> Path | None:
-    """Where jaxkv ships `kind`'s ("wgkv", "fastkvzip", "duo_attention") parameters for the
-    model named `model_name` (`REFERENCE` or a fetched model's name), or None."""
+    """Where jaxkv ships `kind`'s (`policies.LearnedParams.kind`: "wgkv", "qfilter", ...)
+    parameters for the model named `model_name` (`REFERENCE` or a fetched model's name), or
+    None."""
     return SHIPPED_PARAMS.get(model_name or "", {}).get(kind)
 
 

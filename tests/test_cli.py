@@ -183,10 +183,16 @@ def _tiny_gates(tmp_path):
         fastkvzip_gate.init_params(cfg, jax.random.PRNGKey(0)), tmp_path / "fkz.safetensors"
     )
     np.save(tmp_path / "duo.npy", np.array([[True, False], [False, False]]))
+    filters = policies.get("qfilter").params.init(cfg, jax.random.PRNGKey(0))["filters"]
+    np.save(tmp_path / "filters.npy", np.asarray(filters))
+    stats = policies.get("expected_attention_stats").params.init(cfg, jax.random.PRNGKey(0))
+    np.savez(tmp_path / "statistics.npz", **{k: np.asarray(v) for k, v in stats.items()})
     return {
         "wgkv": str(tmp_path / "wgkv.safetensors"),
         "fastkvzip": str(tmp_path / "fkz.safetensors"),
         "duo_attention": str(tmp_path / "duo.npy"),
+        "qfilter": str(tmp_path / "filters.npy"),
+        "expected_attention_stats": str(tmp_path / "statistics.npz"),
     }
 
 

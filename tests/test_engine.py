@@ -334,13 +334,14 @@ def model_f32():
     return load_hf_checkpoint(bundled.REFERENCE_MODEL, dtype="float32")
 
 
-@pytest.mark.parametrize("name", ["wgkv", "fastkvzip"])
+@pytest.mark.parametrize("name", ["wgkv", "fastkvzip", "expected_attention_stats"])
 def test_learned_policies_with_a_ring_or_chunk_eviction_give_generate_s_tokens(model_f32, name):
-    """WG-KV's local ring moves with its row; Fast KVzip evicts between its prefill chunks. In
-    float32: Fast KVzip's 4th token of PROMPTS[1] is a near tie (top two logits 0.048 apart),
-    which bf16 rounding in the engine's batch geometry and in `generate`'s resolves apart."""
+    """WG-KV's local ring moves with its row; Fast KVzip evicts between its prefill chunks;
+    ExpectedAttentionStats' compression reads its parameters. In float32: Fast KVzip's 4th
+    token of PROMPTS[1] is a near tie (top two logits 0.048 apart), which bf16 rounding in the
+    engine's batch geometry and in `generate`'s resolves apart."""
     model = model_f32
-    policy = jaxkv.policies.get(name) if name == "wgkv" else jaxkv.policies.get(name, ratio=0.3)
+    policy = jaxkv.policies.get(name) if name == "wgkv" else jaxkv.policies.get(name, budget=0.3)
     params = policy.params.load(policy.params.shipped_path(bundled.REFERENCE), model.config)
     eng = Engine(
         model,

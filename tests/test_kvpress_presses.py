@@ -113,6 +113,49 @@ def test_rerotated_keys_and_tokens_equal_kvpress(model, case):
     assert out.tokens[0][: int(out.num_tokens[0])].tolist() == fixture["tokens"].tolist()
 
 
+def given_parameters(name: str, case: str) -> tuple[np.lib.npyio.NpzFile, dict]:
+    """(the fixture, the parameters kvpress was given: every array but `kept` and `scores`)."""
+    fixture = np.load(FIXTURES / name / f"{case}.npz")
+    return fixture, {key: fixture[key] for key in fixture.files if key not in ("kept", "scores")}
+
+
+def assert_keeps_as_fixture(state, fixture, num_layers: int, where: str) -> None:
+    ours = kept_by_head(state, num_layers)
+    for layer, heads in enumerate(fixture["kept"]):
+        for head, theirs in enumerate(heads):
+            assert_keeps_as_kvpress(
+                ours[layer][head],
+                set(int(p) for p in theirs[theirs >= 0]),
+                fixture["scores"][layer, head],
+                f"{where} layer {layer} head {head}",
+            )
+
+
+@pytest.mark.parametrize("case", sorted(META["filter_cases"]))
+def test_qfilter_keeps_what_kvpress_keeps_with_the_same_filters(model, case):
+    """QFilter, given kvpress's filters: the stored scores equal kvpress's (float32 rounding
+    apart) and each head keeps kvpress's positions."""
+    name, loaded = model
+    fixture, params = given_parameters(name, case)
+    whole = policies.from_spec("qfilter:1.0")  # every token kept, in position order
+    full = jaxkv.compress_prompt(loaded, [META["prompt"]], whole, policy_params=params)
+    ours_scores = np.asarray(full.token_scores())[:, 0]  # [L, K, S]
+    length = fixture["scores"].shape[-1]
+    np.testing.assert_allclose(ours_scores[..., :length], fixture["scores"], rtol=1e-4, atol=1e-5)
+    policy = policies.from_spec(META["filter_cases"][case])
+    state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy, policy_params=params)
+    assert_keeps_as_fixture(state, fixture, loaded.config.num_layers, f"{name} {case}")
+
+
+@pytest.mark.parametrize("case", sorted(META["stats_cases"]))
+def test_expected_attention_stats_keeps_what_kvpress_keeps_with_the_same_statistics(model, case):
+    name, loaded = model
+    fixture, params = given_parameters(name, case)
+    policy = policies.from_spec(META["stats_cases"][case])
+    state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy, policy_params=params)
+    assert_keeps_as_fixture(state, fixture, loaded.config.num_layers, f"{name} {case}")
+
+
 @pytest.mark.parametrize("case", sorted(META["merge_cases"]))
 def test_merged_values_equal_kvpress(model, case):
     """Merging: the inner press's kept positions, and each kept token's value after the

@@ -56,6 +56,8 @@ EXPECTED = {
     "finch": ("prompt_compression",),
     "entropy_chunkkv": ("prompt_compression",),
     "cap": ("prompt_compression",),  # with decoding=True, a decode eviction too
+    "qfilter": ("gate", "prompt_compression"),
+    "expected_attention_stats": ("prompt_compression",),
 }
 
 
@@ -131,7 +133,7 @@ def test_named_budget_columns_of_confkv_and_fastkvzip():
 
 
 # The policies with a learned-parameters part (`Policy.params`), each of the kind of its name.
-LEARNED = {"wgkv", "fastkvzip", "duo_attention"}
+LEARNED = {"wgkv", "fastkvzip", "duo_attention", "qfilter", "expected_attention_stats"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

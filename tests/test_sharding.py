@@ -47,10 +47,26 @@ def _mesh(data: int, model_shards: int) -> sharding.InferenceMesh:
     return sharding.InferenceMesh(sharding.make_inference_mesh(data, model_shards))
 
 
+def expected_attention_statistics(config) -> dict:
+    """Random query statistics of `config`'s shapes: a mean and a covariance A A^T / H per
+    query head, different across heads (a mesh must give each device its heads' own)."""
+    rng = np.random.default_rng(6)
+    heads = (config.num_layers, config.num_heads, config.head_dim)
+    factor = rng.standard_normal((*heads, config.head_dim))
+    return {
+        "query_mean": rng.standard_normal(heads).astype(np.float32),
+        "query_covariance": (factor @ np.swapaxes(factor, -1, -2) / config.head_dim).astype(
+            np.float32
+        ),
+    }
+
+
 POLICY_PARAMS = {
     "wgkv": lambda: wgkv_gates.init_write_gates(CONFIG, jax.random.PRNGKey(3)),
     "fastkvzip": lambda: fastkvzip_gates.init_params(CONFIG, jax.random.PRNGKey(4)),
     "duo_attention": lambda: np.array([[True, False, False, True], [False, True, False, False]]),
+    "qfilter": lambda: policies.get("qfilter").params.init(CONFIG, jax.random.PRNGKey(5)),
+    "expected_attention_stats": lambda: expected_attention_statistics(CONFIG),
 }
 
 # Every registered policy, with options that make it evict at these prompt lengths.
@@ -96,6 +112,8 @@ POLICIES = {
     "finch": dict(budget=0.3, window=8),
     "cap": dict(budget=0.3, future_positions=16),
     "entropy_chunkkv": dict(budget=0.3, inner=policies.get("snapkv", window=8), chunk_length=8),
+    "qfilter": dict(budget=0.3),
+    "expected_attention_stats": dict(budget=0.3, future_positions=16),
 }
 
 

@@ -73,6 +73,8 @@ KEPT_WHOLE = {
     "entropy_chunkkv": (dict(budget=0.3), 1),
     "cap": (dict(budget=0.3, recent=32), SHORT),
     "think": (dict(key_channel_ratio=0.5 / CONFIG.head_dim), SHORT),  # prunes no channel
+    "qfilter": (dict(budget=0.3, recent=32), SHORT),
+    "expected_attention_stats": (dict(budget=0.3, recent=32, future_positions=16), SHORT),
 }
 
 
@@ -86,13 +88,16 @@ def _prompt(length: int, seed: int = 0) -> list[int]:
 
 
 def _policy_params(policy, model, prompt):
-    """Fresh gates for the learned policies; DuoAttention's heads picked on the prompt."""
+    """Fresh gates and filters for the learned policies; DuoAttention's heads picked on the
+    prompt."""
     if policy.name == "wgkv":
         return wgkv_gates.init_write_gates(CONFIG, jax.random.PRNGKey(3))
     if policy.name == "fastkvzip":
         return fastkvzip_gates.init_params(CONFIG, jax.random.PRNGKey(4))
     if policy.name == "duo_attention":
         return policy.params.from_prompt(model, prompt)
+    if policy.name in ("qfilter", "expected_attention_stats"):
+        return policy.params.init(CONFIG, jax.random.PRNGKey(5))
     return None
 
 

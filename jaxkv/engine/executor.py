@@ -156,6 +156,7 @@ class Executor:
             budget_tokens=lanes.one_lane(lane, budget, budget),
             thresholds=lanes.one_lane(lane, thresholds, thresholds),
             key=prefill_key,
+            policy_params=self.policy_params,
             policy=self.policy,
             compress=compress,
         )

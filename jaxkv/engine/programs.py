@@ -160,6 +160,7 @@ def prefill_rows(
     budget_tokens=ROWS,
     thresholds=ROWS,
     key=SAME,
+    policy_params=POLICY_PARAMS,
 )
 def finish_row(
     model,
@@ -172,6 +173,7 @@ def finish_row(
     budget_tokens,
     thresholds,
     key,
+    policy_params,
     *,
     policy,
     compress,
@@ -193,6 +195,7 @@ def finish_row(
             take_rows(kv, row),
             observed,
             key,
+            policy_params,
             policy=policy,
             int8_window=None,
         )

@@ -118,7 +118,9 @@ def query_moments_from(policy: Policy) -> int | None:
     return None if compression is None else compression.query_moments_from
 
 
-def observations(tokens, lengths, budget_tokens, thresholds, carry: PrefillCarry, key, compression):
+def observations(
+    tokens, lengths, budget_tokens, thresholds, carry: PrefillCarry, key, compression, policy_params
+):
     mean = var = None
     if carry.moments is not None:
         count, mean, m2 = carry.moments
@@ -138,4 +140,5 @@ def observations(tokens, lengths, budget_tokens, thresholds, carry: PrefillCarry
         prompt_tokens=tokens if compression.needs_prompt_tokens else None,
         query_mean=query_mean,
         query_covariance=query_covariance,
+        policy_params=policy_params,
     )

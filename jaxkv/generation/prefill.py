@@ -196,16 +196,19 @@ def compress_observed(
     kv,
     carry: PrefillCarry,
     key,
+    policy_params,
     *,
     policy,
     int8_window,
 ):
-    """The policy's prompt compression (if any) from what prefill observed, then (with int8
-    storage, window `int8_window` not None) every head's tokens but the newest `int8_window`
-    move to int8. Returns (kv, last_hidden)."""
+    """The policy's prompt compression (if any) from what prefill observed (and the policy's
+    learned parameters), then (with int8 storage, window `int8_window` not None) every head's
+    tokens but the newest `int8_window` move to int8. Returns (kv, last_hidden)."""
     compression = policy.prompt_compression
     if compression is not None:
-        observed = observations(tokens, lengths, budget_tokens, thresholds, carry, key, compression)
+        observed = observations(
+            tokens, lengths, budget_tokens, thresholds, carry, key, compression, policy_params
+        )
         kv = compression.compress(kv, observed, model)
     if int8_window is not None:
         kv = start_int8(kv, int8_window)
@@ -272,6 +275,7 @@ def prefill_and_compress(
         kv,
         carry,
         key,
+        policy_params,
         policy=policy,
         int8_window=int8_window,
     )
@@ -298,6 +302,7 @@ compress = program(
     kv=SHARD,
     carry=SHARD,
     key=SAME,
+    policy_params=POLICY_PARAMS,
 )(compress_observed)
 grow_pool = program(static=("num_pages", "int8_pages"), kv=SHARD)(grow)
 empty_carry = program(static=("batch", "policy"), model=MODEL)(initial_carry)
@@ -399,6 +404,7 @@ def finish_chunked_prefill(
         kv=prefill.kv,
         carry=prefill.carry,
         key=key,
+        policy_params=request.policy_params,
         policy=request.policy.static(),
         int8_window=request.cache.int8_window,
     )

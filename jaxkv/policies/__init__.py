@@ -28,7 +28,11 @@ from jaxkv.policies.decoding import Decoding, RatioDecoding
 from jaxkv.policies.dms import DMS
 from jaxkv.policies.entropy_chunks import EntropyGatedChunkKV
 from jaxkv.policies.eviction import DecodeEvictionPolicy, EvictionPolicy, LayerView
-from jaxkv.policies.expected_attention import ExpectedAttention
+from jaxkv.policies.expected_attention import (
+    ExpectedAttention,
+    ExpectedAttentionStats,
+    QueryStatistics,
+)
 from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
 from jaxkv.policies.finch import Finch
 from jaxkv.policies.gvote import GVote
@@ -93,6 +97,7 @@ __all__ = [
     "EntropyGatedChunkKV",
     "EvictionPolicy",
     "ExpectedAttention",
+    "ExpectedAttentionStats",
     "FastKVzip",
     "Finch",
     "FullCache",
@@ -113,6 +118,7 @@ __all__ = [
     "PyramidKV",
     "QFilter",
     "QueryFilters",
+    "QueryStatistics",
     "Quest",
     "Random",
     "RatioDecoding",

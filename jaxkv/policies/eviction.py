@@ -47,6 +47,8 @@ class LayerView:
       values: [B, K, S, H] values in cache order (None unless `map_layers` is asked for them).
       params: the layer's parameters; layer: int32 [] its index; key: PRNG key for the layer
         (params and key None in a view of the cache alone: `map_cache_layers`).
+      policy_params: the layer's slice of the policy's learned parameters (None without, and
+        in a view of the cache alone).
       config: the model's ModelConfig (RoPE for ExpectedAttention's future positions).
     """
 
@@ -64,6 +66,7 @@ class LayerView:
     params: Any
     layer: jax.Array
     key: jax.Array
+    policy_params: Any = None
     config: Any = flax.struct.field(pytree_node=False, default=None)
 
     @property
@@ -86,7 +89,7 @@ def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn, *, values
     (with `values`, the view holds the layer's values too)."""
     observed = (obs.queries, obs.input_mean, obs.input_var, obs.query_mean, obs.query_covariance)
     query_positions = obs.query_positions() if obs.queries is not None else None
-    layers = (model.params["layers"], jnp.arange(kv.num_layers))
+    layers = (model.params["layers"], obs.policy_params, jnp.arange(kv.num_layers))
     return _map_views(
         kv,
         layers,
@@ -103,7 +106,7 @@ def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn, *, values
 def map_cache_layers(kv: KVState, prompt_lengths, layer_fn, *, values: bool = False):
     """`map_layers` over the cache alone (no observations, parameters nor key: a decode step's
     eviction by a cache-only scorer that draws nothing). prompt_lengths: int32 [B]."""
-    layers = (None, jnp.arange(kv.num_layers))
+    layers = (None, None, jnp.arange(kv.num_layers))
     return _map_views(kv, layers, None, prompt_lengths, (None,) * 5, None, None, layer_fn, values)
 
 
@@ -111,7 +114,7 @@ def _map_views(
     kv, layers, config, prompt_lengths, observed, query_positions, key, layer_fn, values
 ):
     def one_layer(xs):
-        page_table, lengths, observed, (params, layer) = xs
+        page_table, lengths, observed, (params, policy_params, layer) = xs
         queries, mean, var, query_mean, query_covariance = observed
         layer_kv = dataclasses.replace(kv, page_table=page_table[None], lengths=lengths[None])
         view = LayerView(
@@ -129,6 +132,7 @@ def _map_views(
             params=params,
             layer=layer,
             key=None if key is None else jax.random.fold_in(key, layer),
+            policy_params=policy_params,
             config=config,
         )
         return layer_fn(view)

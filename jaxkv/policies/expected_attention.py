@@ -8,19 +8,29 @@ them to where future queries will be (R mu, R S R^T). For a Gaussian query q, E[
 = exp(mu'.k / sqrt(d) + k^T S' k / (2 d)), so each key's score is that exponent, softmaxed over
 the head's keys past the sinks, averaged over the KV head's query heads and multiplied by the
 value's norm (plus `epsilon`). The sinks score +inf: always kept, alone or inside AdaKV.
+
+`expected_attention_stats` (kvpress's ExpectedAttentionStatsPress) scores the same way from
+statistics computed once on calibration text instead of the prompt's queries: its parameters
+(`QueryStatistics`, `jaxkv train expected_attention_stats`) hold each query head's pre-RoPE
+query mean and covariance per layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.models import layers
 from jaxkv.policies import base
 from jaxkv.policies.eviction import EvictionPolicy, LayerView, Scorer, group_mean
+
+STATISTICS = ("query_mean", "query_covariance")
+STATISTICS_FILE = "statistics.npz"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +116,107 @@ class ExpectedAttention(EvictionPolicy):
             self.use_value_norm,
             self.epsilon,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class StatisticsScores(ExpectedAttentionScores):
+    """ExpectedAttention's scores from query statistics computed ahead of the prompt (the
+    policy's parameters, `QueryStatistics`) instead of the prompt's own queries."""
+
+    @property
+    def query_moments_from(self) -> None:
+        return None  # prefill records no query moments: the statistics are given
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        stats, batch = view.policy_params, view.keys.shape[0]
+        mean, covariance = (
+            jnp.broadcast_to(stats[name].astype(jnp.float32), (batch, *stats[name].shape))
+            for name in ("query_mean", "query_covariance")
+        )
+        return super().layer_scores(view.replace(query_mean=mean, query_covariance=covariance))
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryStatistics(base.LearnedParams):
+    """ExpectedAttention's query statistics computed on calibration text (`jaxkv train
+    expected_attention_stats` writes them): {"query_mean": f32 [L, N, H], "query_covariance":
+    f32 [L, N, H, H]}, each query head's pre-RoPE queries past the sinks, saved as
+    `statistics.npz`."""
+
+    kind: ClassVar[str] = "expected_attention_stats"
+    description: ClassVar[str] = (
+        "the query statistics (`jaxkv train expected_attention_stats` writes them)"
+    )
+
+    def init(self, model_config, key):
+        """Zero means and identity covariances (untrained; plans use their shapes)."""
+        del key
+        cfg = model_config
+        heads = (cfg.num_layers, cfg.num_heads)
+        eye = jnp.eye(cfg.head_dim, dtype=jnp.float32)
+        return {
+            "query_mean": jnp.zeros((*heads, cfg.head_dim), jnp.float32),
+            "query_covariance": jnp.broadcast_to(eye, (*heads, cfg.head_dim, cfg.head_dim)),
+        }
+
+    def load(self, path, model_config):
+        """`path`: a statistics .npz file or a directory holding `statistics.npz`."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / STATISTICS_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no query statistics at {path}: give a saved .npz of query_mean and "
+                "query_covariance (`jaxkv train expected_attention_stats` writes one)"
+            )
+        with np.load(path) as saved:
+            params = {name: jnp.asarray(saved[name]) for name in STATISTICS}
+        self.check(params, model_config)
+        return params
+
+    def check(self, params, model_config) -> None:
+        cfg = model_config
+        heads = (cfg.num_layers, cfg.num_heads, cfg.head_dim)
+        expected = {"query_mean": heads, "query_covariance": (*heads, cfg.head_dim)}
+        got = (
+            {name: tuple(np.shape(params[name])) for name in STATISTICS if name in params}
+            if isinstance(params, dict)
+            else params
+        )
+        if got != expected:
+            raise ValueError(
+                f"policy 'expected_attention_stats' needs policy_params of shapes {expected} "
+                f"(L, N query heads, H), got {got!r}"
+            )
+
+    def axes(self, params):
+        del params
+        return {
+            "query_mean": ("layers", "heads", "head_dim"),
+            "query_covariance": ("layers", "heads", "head_dim", "head_dim"),
+        }
+
+
+@base.register
+@dataclasses.dataclass(frozen=True)
+class ExpectedAttentionStats(ExpectedAttention):
+    """ExpectedAttention with the query statistics of calibration text, as kvpress's
+    ExpectedAttentionStatsPress (policy_params: `QueryStatistics`); attributes as
+    `ExpectedAttention`'s."""
+
+    name: ClassVar[str] = "expected_attention_stats"
+
+    def _scorer(self) -> StatisticsScores:
+        return StatisticsScores(
+            self.sinks,
+            self.future_positions,
+            self.use_covariance,
+            self.use_value_norm,
+            self.epsilon,
+        )
+
+    def _parts(self) -> dict:
+        return super()._parts() | {"params": QueryStatistics()}
 
 
 def average_rotation(cfg, prompt_lengths: jax.Array, future_positions: int) -> jax.Array:

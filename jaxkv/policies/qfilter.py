@@ -24,9 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import attention as attention_ops
-from jaxkv.models.decoder import attention_inputs, attention_output_and_mlp, embed, scan_layers
-from jaxkv.models.layers import rope_cos_sin
 from jaxkv.policies import base
 from jaxkv.policies.eviction import EvictionPolicy, LayerView, Scorer
 
@@ -127,22 +124,3 @@ def query_filters(queries: np.ndarray, num_kv_heads: int) -> np.ndarray:
     direction = np.where(most_positive[:, None], vh[:, 0], -vh[:, 0])
     n, h = direction.shape
     return (-direction).reshape(num_kv_heads, n // num_kv_heads, h).mean(axis=1).astype(np.float32)
-
-
-@jax.jit
-def rotated_queries(model, tokens) -> jax.Array:
-    """Every layer's queries after RoPE [L, B, N, T, H] under full causal attention over
-    tokens int32 [B, T] (no padding): what `query_filters` calibrates on."""
-    cfg, params = model.config, model.params
-    t = tokens.shape[1]
-    cos, sin = rope_cos_sin(cfg, jnp.broadcast_to(jnp.arange(t), tokens.shape))
-    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
-
-    def layer(x, lp, _):
-        q, k, v = attention_inputs(lp, cfg, x, cos, sin)
-        probs = attention_ops.attention_probabilities(q, k, causal, cfg.head_dim**-0.5)
-        attn = jnp.einsum("bnts,bnsh->bnth", probs, jnp.repeat(v, cfg.group_size, axis=1))
-        return attention_output_and_mlp(lp, cfg, x, attn), q
-
-    _, queries = scan_layers(layer, embed(params, tokens), params["layers"])
-    return queries

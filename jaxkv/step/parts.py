@@ -22,7 +22,7 @@ of a policy the engine sees.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import flax.struct
 import jax
@@ -64,6 +64,8 @@ class PrefillObservations:
       query_mean, query_covariance: f32 [L, B, N, H] and [L, B, N, H, H] mean and population
         covariance of each query head's pre-RoPE queries over the prompt's positions from the
         compression's `query_moments_from` on (None unless it sets one: ExpectedAttention).
+      policy_params: the policy's learned parameters, every leaf [L, ...] (None without):
+        what a compression fitted ahead of the prompt reads (ExpectedAttention's statistics).
     """
 
     prompt_lengths: jax.Array
@@ -76,6 +78,7 @@ class PrefillObservations:
     prompt_tokens: jax.Array | None = None
     query_mean: jax.Array | None = None
     query_covariance: jax.Array | None = None
+    policy_params: Any = None
 
     def query_positions(self) -> jax.Array:
         """int32 [B, w] the observed queries' positions, -1 for empty slots."""

@@ -309,6 +309,26 @@ FILTER_CASES = {
     "qfilter-0.5": (0.5, "qfilter:0.5"),
     "qfilter-0.2": (0.8, "qfilter:0.2"),
 }
+# name: (kvpress compression ratio, jaxkv spec): ExpectedAttentionStatsPress with statistics
+# given here (kvpress reads them from the hub): a seeded random query mean f32 [L, N, H] and
+# covariance A A^T / H [L, N, H, H], saved as `query_mean`, `query_covariance`.
+STATS_CASES = {
+    "expected_attention_stats-0.5": (0.5, "expected_attention_stats:0.5"),
+    "expected_attention_stats-0.25": (0.75, "expected_attention_stats:0.25"),
+}
+
+
+def given_statistics(ratio: float, mean: np.ndarray, covariance: np.ndarray):
+    """An ExpectedAttentionStatsPress that uses `mean` and `covariance` instead of loading the
+    model's from the hub."""
+
+    @dataclasses.dataclass
+    class GivenStatistics(kvpress.ExpectedAttentionStatsPress):
+        def post_init_from_model(self, model):
+            self.mu = torch.tensor(mean, dtype=model.dtype)
+            self.cov = torch.tensor(covariance, dtype=model.dtype)
+
+    return GivenStatistics(compression_ratio=ratio)
 
 
 def given_filters(ratio: float, filters: np.ndarray):
@@ -539,6 +559,24 @@ def main() -> None:
             scores = np.stack([scores[layer] for layer in sorted(scores)])
             np.savez(directory / f"{case}.npz", kept=padded(kept), scores=scores, filters=filters)
             print(model_name, case, padded(kept).shape)
+        stats_rng = np.random.default_rng(SEED + 2)
+        heads = (config.num_hidden_layers, config.num_attention_heads, config.head_dim)
+        mean = (0.5 * stats_rng.standard_normal(heads)).astype(np.float32)
+        factor = 0.3 * stats_rng.standard_normal((*heads, config.head_dim))
+        covariance = (factor @ np.swapaxes(factor, -1, -2) / config.head_dim).astype(np.float32)
+        for case, (ratio, _) in STATS_CASES.items():
+            press = given_statistics(ratio, mean, covariance)
+            scores = recorded_scores(press)
+            cache = prefill(model, ids, press)
+            kept = [
+                kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
+                for layer in range(len(cache.layers))
+            ]
+            arrays = dict(kept=padded(kept), scores=np.stack([scores[i] for i in sorted(scores)]))
+            np.savez(
+                directory / f"{case}.npz", **arrays, query_mean=mean, query_covariance=covariance
+            )
+            print(model_name, case, arrays["kept"].shape)
         for case, (make_press, _, steps) in DECODING_CASES.items():
             arrays = decoding_fixture(model, ids, make_press, steps)
             np.savez(directory / f"{case}.npz", **arrays)
@@ -560,6 +598,7 @@ def main() -> None:
             case: [spec, kept, steps] for case, (_, spec, kept, steps) in ROTATION_CASES.items()
         },
         "filter_cases": {case: spec for case, (_, spec) in FILTER_CASES.items()},
+        "stats_cases": {case: spec for case, (_, spec) in STATS_CASES.items()},
         "decoding_cases": {
             case: [spec, steps] for case, (_, spec, steps) in DECODING_CASES.items()
         },
