@@ -27,19 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxkv import bundled, policies
+from jaxkv import policies
 from jaxkv.model_sources import load_model, model_file_sha256
 from jaxkv.policies.kvzip import context_prefix_ids
-from jaxkv.train import corpus as corpus_lib
-from jaxkv.train.fastkvzip import TRAIN_SEED, contexts
+from jaxkv.train.calibration import calibration_parser, calibration_rows, check_counts, command
+from jaxkv.train.fastkvzip import TRAIN_SEED
 
 SCORES = ("copy", "mass")
 
@@ -91,9 +89,7 @@ def calibration_scores(
 def _check_arguments(args: argparse.Namespace) -> None:
     if not 0 < args.share < 1:
         raise ValueError(f"--share {args.share}: the share of retrieval heads, in (0, 1)")
-    for option, value in (("--contexts", args.contexts), ("--context-batch", args.context_batch)):
-        if value < 1:
-            raise ValueError(f"{option} {value} must be >= 1")
+    check_counts(args, "--contexts", "--context-batch")
     if args.sinks < 0 or args.window < 1:
         raise ValueError(f"--sinks {args.sinks} must be >= 0 and --window {args.window} >= 1")
     if args.length <= args.sinks + args.window:
@@ -103,24 +99,14 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="jaxkv train duo_attention", description=__doc__)
-    parser.add_argument(
-        "--model",
-        default=str(bundled.REFERENCE_MODEL),
-        help="a checkpoint directory, a .gguf file or a fetched model's name (jaxkv fetch)",
-    )
-    parser.add_argument(
-        "--out", type=Path, required=True, help="directory for heads.npy + run.json"
+    parser = calibration_parser(
+        "duo_attention", __doc__, "heads.npy + run.json", contexts=16, length=2048
     )
     defaults = policies.DuoAttention()
     parser.add_argument("--score", choices=SCORES, default="copy", help="see above")
     parser.add_argument(
         "--share", type=float, default=defaults.params.share, help="retrieval heads, in (0, 1)"
     )
-    parser.add_argument("--contexts", type=int, default=16, help="calibration contexts")
-    parser.add_argument("--length", type=int, default=2048, help="tokens per context")
-    parser.add_argument("--context-batch", type=int, default=2)
-    corpus_lib.add_text_argument(parser)
     parser.add_argument("--sinks", type=int, default=defaults.sinks, help="as the policy's")
     parser.add_argument("--window", type=int, default=defaults.window, help="as the policy's")
     args = parser.parse_args(argv)
@@ -133,7 +119,7 @@ def main(argv=None) -> dict:
             f"--length {args.length}: the copy score repeats half of the {args.length - prefix} "
             f"tokens after the prompt's opening, a distance that must exceed --window {args.window}"
         )
-    rows = contexts("train", args.contexts, args.length, TRAIN_SEED, tokenizer, text=args.text)
+    rows = calibration_rows(args, tokenizer)
     began = time.perf_counter()
     scores = calibration_scores(
         model,
@@ -146,7 +132,7 @@ def main(argv=None) -> dict:
     )
     heads = policies.retrieval_heads(scores, args.share)
     summary = {
-        "command": "jaxkv train duo_attention " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command("duo_attention", argv),
         "model": args.model,
         "model_file_sha256": model_file_sha256(args.model),
         "score": args.score,

@@ -18,22 +18,19 @@ command, the model's digest, the queries counted, seconds).
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxkv import bundled, policies
+from jaxkv import policies
 from jaxkv.model_sources import load_model, model_file_sha256
 from jaxkv.policies.calibration import layer_queries
 from jaxkv.policies.expected_attention import STATISTICS_FILE
-from jaxkv.train import corpus as corpus_lib
-from jaxkv.train.fastkvzip import TRAIN_SEED, contexts
+from jaxkv.train.calibration import calibration_parser, calibration_rows, check_counts, command
+from jaxkv.train.fastkvzip import TRAIN_SEED
 
 
 def query_statistics(model, rows: list[list[int]], sinks: int, batch: int):
@@ -54,47 +51,28 @@ def query_statistics(model, rows: list[list[int]], sinks: int, batch: int):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="jaxkv train expected_attention_stats", description=__doc__
+    parser = calibration_parser(
+        "expected_attention_stats", __doc__, "statistics.npz + run.json", contexts=8, length=1024
     )
-    parser.add_argument(
-        "--model",
-        default=str(bundled.REFERENCE_MODEL),
-        help="a checkpoint directory, a .gguf file or a fetched model's name (jaxkv fetch)",
-    )
-    parser.add_argument(
-        "--out", type=Path, required=True, help="directory for statistics.npz + run.json"
-    )
-    parser.add_argument("--contexts", type=int, default=8, help="calibration contexts")
-    parser.add_argument("--length", type=int, default=1024, help="tokens per context")
     parser.add_argument(
         "--sinks",
         type=int,
         default=policies.ExpectedAttentionStats().sinks,
         help="each context's first positions left out (the policy's sinks)",
     )
-    parser.add_argument("--context-batch", type=int, default=2)
-    corpus_lib.add_text_argument(parser)
     args = parser.parse_args(argv)
-    for option, value in (
-        ("--contexts", args.contexts),
-        ("--length", args.length),
-        ("--context-batch", args.context_batch),
-    ):
-        if value < 1:
-            raise ValueError(f"{option} {value} must be >= 1")
+    check_counts(args, "--contexts", "--length", "--context-batch")
     if not 0 <= args.sinks < args.length - 1:
         raise ValueError(
             f"--sinks {args.sinks} must lie in [0, --length - 1) = [0, {args.length - 1})"
         )
 
     model, tokenizer = load_model(args.model, dtype="float32")
-    rows = contexts("train", args.contexts, args.length, TRAIN_SEED, tokenizer, text=args.text)
+    rows = calibration_rows(args, tokenizer)
     began = time.perf_counter()
     mean, covariance, count = query_statistics(model, rows, args.sinks, args.context_batch)
     summary = {
-        "command": "jaxkv train expected_attention_stats "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command("expected_attention_stats", argv),
         "model": args.model,
         "model_file_sha256": model_file_sha256(args.model),
         "contexts": args.contexts,

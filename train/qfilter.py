@@ -19,22 +19,18 @@ direction, seconds).
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxkv import bundled
 from jaxkv.model_sources import load_model, model_file_sha256
 from jaxkv.policies.calibration import layer_queries
 from jaxkv.policies.qfilter import FILTERS_FILE, query_filters
-from jaxkv.train import corpus as corpus_lib
-from jaxkv.train.fastkvzip import TRAIN_SEED, contexts
+from jaxkv.train.calibration import calibration_parser, calibration_rows, check_counts, command
+from jaxkv.train.fastkvzip import TRAIN_SEED
 
 
 def sampled_queries(model, rows: list[list[int]], samples: int, batch: int, seed: int):
@@ -70,39 +66,22 @@ def direction_share(queries: np.ndarray, filters: np.ndarray) -> np.ndarray:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="jaxkv train qfilter", description=__doc__)
-    parser.add_argument(
-        "--model",
-        default=str(bundled.REFERENCE_MODEL),
-        help="a checkpoint directory, a .gguf file or a fetched model's name (jaxkv fetch)",
+    parser = calibration_parser(
+        "qfilter", __doc__, "filters.npy + run.json", contexts=8, length=1024
     )
-    parser.add_argument(
-        "--out", type=Path, required=True, help="directory for filters.npy + run.json"
-    )
-    parser.add_argument("--contexts", type=int, default=8, help="calibration contexts")
-    parser.add_argument("--length", type=int, default=1024, help="tokens per context")
     parser.add_argument("--samples", type=int, default=3000, help="tokens whose queries count")
-    parser.add_argument("--context-batch", type=int, default=2)
-    corpus_lib.add_text_argument(parser)
     args = parser.parse_args(argv)
-    for option, value in (
-        ("--contexts", args.contexts),
-        ("--length", args.length),
-        ("--samples", args.samples),
-        ("--context-batch", args.context_batch),
-    ):
-        if value < 1:
-            raise ValueError(f"{option} {value} must be >= 1")
+    check_counts(args, "--contexts", "--length", "--samples", "--context-batch")
 
     model, tokenizer = load_model(args.model, dtype="float32")
-    rows = contexts("train", args.contexts, args.length, TRAIN_SEED, tokenizer, text=args.text)
+    rows = calibration_rows(args, tokenizer)
     began = time.perf_counter()
     queries = sampled_queries(model, rows, args.samples, args.context_batch, TRAIN_SEED)
     k = model.config.num_kv_heads
     filters = np.stack([query_filters(layer, k) for layer in queries])
     share = direction_share(queries, filters)
     summary = {
-        "command": "jaxkv train qfilter " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command("qfilter", argv),
         "model": args.model,
         "model_file_sha256": model_file_sha256(args.model),
         "contexts": args.contexts,

@@ -396,6 +396,17 @@ class LearnedParams(abc.ABC):
         `jaxkv.collectives.LOGICAL_AXIS_RULES`), so that a mesh splits them with their KV
         heads."""
 
+    @staticmethod
+    def saved_file(path: str | Path, filename: str, what: str) -> Path:
+        """`path`, or `path / filename` where `path` is a directory; FileNotFoundError naming
+        `what` (the file expected and the command writing it) when there is none."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"no {what} at {path}")
+        return path
+
     def from_prompt(self, model, prompt_ids: list[int]) -> PolicyParams | None:
         """Parameters picked on the request's own prompt (ids without padding) when none are
         given, e.g. DuoAttention's retrieval heads; None for parameters that must be learned."""

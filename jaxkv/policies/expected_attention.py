@@ -18,7 +18,6 @@ query mean and covariance per layer.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import ClassVar
 
 import jax
@@ -161,15 +160,11 @@ class QueryStatistics(base.LearnedParams):
 
     def load(self, path, model_config):
         """`path`: a statistics .npz file or a directory holding `statistics.npz`."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / STATISTICS_FILE
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"no query statistics at {path}: give a saved .npz of query_mean and "
-                "query_covariance (`jaxkv train expected_attention_stats` writes one)"
-            )
-        with np.load(path) as saved:
+        what = (
+            "query statistics (an .npz of query_mean and query_covariance, `jaxkv train "
+            "expected_attention_stats` writes one)"
+        )
+        with np.load(self.saved_file(path, STATISTICS_FILE, what)) as saved:
             params = {name: jnp.asarray(saved[name]) for name in STATISTICS}
         self.check(params, model_config)
         return params

@@ -17,7 +17,6 @@ ranked at the end of prefill from the stored scores.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import ClassVar
 
 import jax
@@ -68,15 +67,8 @@ class QueryFilters(base.LearnedParams):
 
     def load(self, path, model_config):
         """`path`: a filters .npy file or a directory holding `filters.npy`."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / FILTERS_FILE
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"no Q-Filters at {path}: give a saved f32 [L, K, H] .npy (`jaxkv train "
-                "qfilter` writes one)"
-            )
-        params = {"filters": jnp.asarray(np.load(path))}
+        what = "Q-Filters (an f32 [L, K, H] .npy, `jaxkv train qfilter` writes one)"
+        params = {"filters": jnp.asarray(np.load(self.saved_file(path, FILTERS_FILE, what)))}
         self.check(params, model_config)
         return params
 
