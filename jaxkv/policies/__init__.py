@@ -37,6 +37,7 @@ from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
 from jaxkv.policies.finch import Finch
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
+from jaxkv.policies.leverage import LeverageScore
 from jaxkv.policies.merging import Merging
 from jaxkv.policies.qfilter import QFilter, QueryFilters
 from jaxkv.policies.query_agnostic import CUR, KeyDiff, LagKV, Random
@@ -106,6 +107,7 @@ __all__ = [
     "KeyDiff",
     "KeyRerotation",
     "Knorm",
+    "LeverageScore",
     "LagKV",
     "LayerView",
     "LearnedParams",

@@ -317,6 +317,28 @@ STATS_CASES = {
     "expected_attention_stats-0.25": (0.75, "expected_attention_stats:0.25"),
 }
 
+# name: (kvpress press, jaxkv spec): LeverageScorePress, whose Gaussian sketches (torch.randn)
+# are recorded: `MODEL/CASE.npz` holds `sketch` f32 [L, K, H, k] beside `kept` and `scores`.
+SKETCH_CASES = {
+    "leverage-0.5": (lambda: kvpress.LeverageScorePress(compression_ratio=0.5), "leverage:0.5"),
+    "leverage-0.25-k8": (
+        lambda: kvpress.LeverageScorePress(compression_ratio=0.75, sketch_dimension=8),
+        "leverage:0.25:sketch_dimension=8",
+    ),
+}
+
+
+def recording_randn(drawn: list):
+    """torch.randn, recording what it draws in `drawn`."""
+    original = torch.randn
+
+    def randn(*args, **kwargs):
+        sample = original(*args, **kwargs)
+        drawn.append(sample.detach().clone())
+        return sample
+
+    return original, randn
+
 
 def given_statistics(ratio: float, mean: np.ndarray, covariance: np.ndarray):
     """An ExpectedAttentionStatsPress that uses `mean` and `covariance` instead of loading the
@@ -577,6 +599,26 @@ def main() -> None:
                 directory / f"{case}.npz", **arrays, query_mean=mean, query_covariance=covariance
             )
             print(model_name, case, arrays["kept"].shape)
+        for case, (make_press, _) in SKETCH_CASES.items():
+            press = make_press()
+            scores = recorded_scores(press)
+            drawn = []
+            original, torch.randn = recording_randn(drawn)
+            try:
+                cache = prefill(model, ids, press)
+            finally:
+                torch.randn = original
+            kept = [
+                kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
+                for layer in range(len(cache.layers))
+            ]
+            arrays = dict(
+                kept=padded(kept),
+                scores=np.stack([scores[i] for i in sorted(scores)]),
+                sketch=np.stack([sample[0].numpy() for sample in drawn]),
+            )
+            np.savez(directory / f"{case}.npz", **arrays)
+            print(model_name, case, arrays["sketch"].shape)
         for case, (make_press, _, steps) in DECODING_CASES.items():
             arrays = decoding_fixture(model, ids, make_press, steps)
             np.savez(directory / f"{case}.npz", **arrays)
@@ -599,6 +641,7 @@ def main() -> None:
         },
         "filter_cases": {case: spec for case, (_, spec) in FILTER_CASES.items()},
         "stats_cases": {case: spec for case, (_, spec) in STATS_CASES.items()},
+        "sketch_cases": {case: spec for case, (_, spec) in SKETCH_CASES.items()},
         "decoding_cases": {
             case: [spec, steps] for case, (_, spec, steps) in DECODING_CASES.items()
         },
