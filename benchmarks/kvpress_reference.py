@@ -86,6 +86,7 @@ PRESSES = {
     "lagkv": "LagKVPress",
     "cur": "CURPress",
     "cap": "CapPress",
+    "leverage": "LeverageScorePress",
 }
 # jaxkv's wrapping policies -> (kvpress's wrapper, the press it wraps: jaxkv's default `inner`).
 WRAPPERS = {

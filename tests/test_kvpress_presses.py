@@ -156,6 +156,47 @@ def test_expected_attention_stats_keeps_what_kvpress_keeps_with_the_same_statist
     assert_keeps_as_fixture(state, fixture, loaded.config.num_layers, f"{name} {case}")
 
 
+def full_cache_keys(loaded, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keys f32 [1, K, T, H] after RoPE, positions [1, K, T]) of the prompt's full cache."""
+    state = jaxkv.compress_prompt(loaded, [META["prompt"]], "full")
+    table = np.asarray(state.page_table)[layer, 0]
+    pages = np.asarray(state.pool.k_pages)[np.maximum(table, 0)]  # [K, M, p, H]
+    keys = pages.reshape(table.shape[0], -1, pages.shape[-1])[:, : len(META["prompt"])]
+    positions = np.broadcast_to(np.arange(keys.shape[1]), keys.shape[:2])
+    return keys[None], positions[None]
+
+
+@pytest.mark.parametrize("case", sorted(META["sketch_cases"]))
+def test_leverage_scores_equal_kvpress_with_its_sketch(model, case):
+    """LeverageScore: with kvpress's own Gaussian sketch, each layer's z-scored leverage equals
+    kvpress's (float32 Cholesky solves apart); with a sketch wider than the head (k >= H the
+    sketch changes the scores only through kvpress's jitter) jaxkv's own draw keeps kvpress's
+    positions, ties at the cut apart."""
+    from jaxkv.policies import leverage
+
+    name, loaded = model
+    fixture = np.load(FIXTURES / name / f"{case}.npz")
+    for layer, theirs in enumerate(fixture["scores"]):
+        keys, positions = full_cache_keys(loaded, layer)
+        unrotated = leverage.unrotated_keys(loaded.config, jax.numpy.asarray(keys), positions)
+        held = np.ones(positions.shape, bool)
+        raw = leverage.leverage_scores(unrotated, held, fixture["sketch"][layer][None])
+        ours = np.asarray(leverage.z_scores(raw, held))[0]
+        np.testing.assert_allclose(ours, theirs, atol=5e-3, err_msg=f"{name} layer {layer}")
+    if fixture["sketch"].shape[-1] < loaded.config.head_dim:
+        return
+    policy = policies.from_spec(META["sketch_cases"][case])
+    state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy)
+    ours_kept = kept_by_head(state, loaded.config.num_layers)
+    for layer, heads in enumerate(fixture["kept"]):
+        for head, theirs in enumerate(heads):
+            theirs = set(int(p) for p in theirs[theirs >= 0])
+            scores = fixture["scores"][layer, head]
+            cut = min(scores[p] for p in theirs)
+            off_cut = [p for p in ours_kept[layer][head] ^ theirs if abs(scores[p] - cut) > 0.02]
+            assert len(ours_kept[layer][head]) == len(theirs) and not off_cut, (layer, head)
+
+
 @pytest.mark.parametrize("case", sorted(META["merge_cases"]))
 def test_merged_values_equal_kvpress(model, case):
     """Merging: the inner press's kept positions, and each kept token's value after the

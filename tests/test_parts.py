@@ -58,6 +58,7 @@ EXPECTED = {
     "cap": ("prompt_compression",),  # with decoding=True, a decode eviction too
     "qfilter": ("gate", "prompt_compression"),
     "expected_attention_stats": ("prompt_compression",),
+    "leverage": ("prompt_compression",),
 }
 
 

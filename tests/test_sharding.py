@@ -114,6 +114,7 @@ POLICIES = {
     "entropy_chunkkv": dict(budget=0.3, inner=policies.get("snapkv", window=8), chunk_length=8),
     "qfilter": dict(budget=0.3),
     "expected_attention_stats": dict(budget=0.3, future_positions=16),
+    "leverage": dict(budget=0.3, sketch_dimension=8),
 }
 
 

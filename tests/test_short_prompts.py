@@ -75,6 +75,7 @@ KEPT_WHOLE = {
     "think": (dict(key_channel_ratio=0.5 / CONFIG.head_dim), SHORT),  # prunes no channel
     "qfilter": (dict(budget=0.3, recent=32), SHORT),
     "expected_attention_stats": (dict(budget=0.3, recent=32, future_positions=16), SHORT),
+    "leverage": (dict(budget=0.3, recent=32), SHORT),
 }
 
 
