@@ -37,6 +37,7 @@ from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
 from jaxkv.policies.finch import Finch
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvzip import KVzip
+from jaxkv.policies.kvzap import KVzap, SurrogateParams
 from jaxkv.policies.leverage import LeverageScore
 from jaxkv.policies.merging import Merging
 from jaxkv.policies.qfilter import QFilter, QueryFilters
@@ -103,6 +104,7 @@ __all__ = [
     "Finch",
     "FullCache",
     "GVote",
+    "KVzap",
     "KVzip",
     "KeyDiff",
     "KeyRerotation",
@@ -129,6 +131,7 @@ __all__ = [
     "RingAdmission",
     "SageKV",
     "SinkGateParams",
+    "SurrogateParams",
     "Scissorhands",
     "SimLayerKV",
     "SlidingWindow",

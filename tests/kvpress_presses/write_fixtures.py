@@ -327,6 +327,62 @@ SKETCH_CASES = {
     ),
 }
 
+# name: (kvpress compression ratio, surrogate, jaxkv spec): KVzapPress with surrogates given
+# here (kvpress reads NVIDIA's from the hub, which has none for these models): seeded random
+# weights, saved in jaxkv's layout (weight [L, D, K], ...) beside `kept` and `scores`.
+SURROGATE_CASES = {
+    "kvzap-mlp-0.5": (0.5, "mlp", "kvzap:0.5"),
+    "kvzap-linear-0.3": (0.7, "linear", "kvzap:0.3:surrogate=linear"),
+}
+SURROGATE_HIDDEN = 12
+
+
+def surrogate_weights(rng, surrogate: str, layers: int, d: int, k: int) -> dict:
+    """Seeded random surrogate weights in jaxkv's layout (`jaxkv.policies.kvzap.AXES`)."""
+    m = SURROGATE_HIDDEN
+    shapes = {
+        "linear": {"weight": (layers, d, k), "bias": (layers, k)},
+        "mlp": {
+            "w_in": (layers, d, m),
+            "b_in": (layers, m),
+            "w_out": (layers, m, k),
+            "b_out": (layers, k),
+        },
+    }[surrogate]
+    return {
+        name: (0.5 * rng.standard_normal(shape)).astype(np.float32)
+        for name, shape in shapes.items()
+    }
+
+
+def given_surrogate(ratio: float, surrogate: str, weights: dict):
+    """A KVzapPress whose surrogates are `weights` instead of NVIDIA's from the hub."""
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    def linear(module, weight, bias):  # jaxkv's [in, out] -> torch's [out, in]
+        module.weight.data = torch.tensor(weight.T.copy())
+        module.bias.data = torch.tensor(bias)
+
+    @dataclasses.dataclass
+    class GivenSurrogate(kvpress.KVzapPress):
+        def post_init_from_model(self, model):
+            layers, d = model.config.num_hidden_layers, model.config.hidden_size
+            config = KVzapConfig(
+                input_dim=d,
+                output_dim=model.config.num_key_value_heads,
+                n_modules=layers,
+                hidden_dim=SURROGATE_HIDDEN if surrogate == "mlp" else None,
+            )
+            self.kvzap_model = KVzapModel(config)
+            for i, module in enumerate(self.kvzap_model.layers):
+                if surrogate == "linear":
+                    linear(module, weights["weight"][i], weights["bias"][i])
+                else:
+                    linear(module[0], weights["w_in"][i], weights["b_in"][i])
+                    linear(module[2], weights["w_out"][i], weights["b_out"][i])
+
+    return GivenSurrogate(compression_ratio=ratio, model_type=surrogate)
+
 
 def recording_randn(drawn: list):
     """torch.randn, recording what it draws in `drawn`."""
@@ -599,6 +655,25 @@ def main() -> None:
                 directory / f"{case}.npz", **arrays, query_mean=mean, query_covariance=covariance
             )
             print(model_name, case, arrays["kept"].shape)
+        for case, (ratio, surrogate, _) in SURROGATE_CASES.items():
+            rng = np.random.default_rng(SEED + 3)
+            weights = surrogate_weights(
+                rng,
+                surrogate,
+                config.num_hidden_layers,
+                config.hidden_size,
+                config.num_key_value_heads,
+            )
+            press = given_surrogate(ratio, surrogate, weights)
+            scores = recorded_scores(press)
+            cache = prefill(model, ids, press)
+            kept = [
+                kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
+                for layer in range(len(cache.layers))
+            ]
+            scores = np.stack([scores[i] for i in sorted(scores)])
+            np.savez(directory / f"{case}.npz", kept=padded(kept), scores=scores, **weights)
+            print(model_name, case, scores.shape)
         for case, (make_press, _) in SKETCH_CASES.items():
             press = make_press()
             scores = recorded_scores(press)
@@ -642,6 +717,7 @@ def main() -> None:
         "filter_cases": {case: spec for case, (_, spec) in FILTER_CASES.items()},
         "stats_cases": {case: spec for case, (_, spec) in STATS_CASES.items()},
         "sketch_cases": {case: spec for case, (_, spec) in SKETCH_CASES.items()},
+        "surrogate_cases": {case: spec for case, (_, _, spec) in SURROGATE_CASES.items()},
         "decoding_cases": {
             case: [spec, steps] for case, (_, spec, steps) in DECODING_CASES.items()
         },
