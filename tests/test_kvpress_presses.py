@@ -5,6 +5,7 @@ environment (`tests/kvpress_presses/write_fixtures.py`, its command and versions
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -131,18 +132,21 @@ def assert_keeps_as_fixture(state, fixture, num_layers: int, where: str) -> None
             )
 
 
-@pytest.mark.parametrize("case", sorted(META["filter_cases"]))
-def test_qfilter_keeps_what_kvpress_keeps_with_the_same_filters(model, case):
-    """QFilter, given kvpress's filters: the stored scores equal kvpress's (float32 rounding
-    apart) and each head keeps kvpress's positions."""
+WRITTEN_SCORE_CASES = META["filter_cases"] | META["surrogate_cases"]
+
+
+@pytest.mark.parametrize("case", sorted(WRITTEN_SCORE_CASES))
+def test_presses_scoring_tokens_as_written_keep_what_kvpress_keeps_with_its_parameters(model, case):
+    """QFilter and KVzap, given kvpress's filters or surrogates: the scores stored with each
+    token equal kvpress's (float32 rounding apart) and each head keeps kvpress's positions."""
     name, loaded = model
     fixture, params = given_parameters(name, case)
-    whole = policies.from_spec("qfilter:1.0")  # every token kept, in position order
+    policy = policies.from_spec(WRITTEN_SCORE_CASES[case])
+    whole = dataclasses.replace(policy, budget=1.0)  # every token kept, in position order
     full = jaxkv.compress_prompt(loaded, [META["prompt"]], whole, policy_params=params)
     ours_scores = np.asarray(full.token_scores())[:, 0]  # [L, K, S]
     length = fixture["scores"].shape[-1]
     np.testing.assert_allclose(ours_scores[..., :length], fixture["scores"], rtol=1e-4, atol=1e-5)
-    policy = policies.from_spec(META["filter_cases"][case])
     state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy, policy_params=params)
     assert_keeps_as_fixture(state, fixture, loaded.config.num_layers, f"{name} {case}")
 

@@ -59,6 +59,7 @@ EXPECTED = {
     "qfilter": ("gate", "prompt_compression"),
     "expected_attention_stats": ("prompt_compression",),
     "leverage": ("prompt_compression",),
+    "kvzap": ("gate", "prompt_compression"),
 }
 
 
@@ -134,7 +135,7 @@ def test_named_budget_columns_of_confkv_and_fastkvzip():
 
 
 # The policies with a learned-parameters part (`Policy.params`), each of the kind of its name.
-LEARNED = {"wgkv", "fastkvzip", "duo_attention", "qfilter", "expected_attention_stats"}
+LEARNED = {"wgkv", "fastkvzip", "duo_attention", "qfilter", "expected_attention_stats", "kvzap"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -76,6 +76,7 @@ KEPT_WHOLE = {
     "qfilter": (dict(budget=0.3, recent=32), SHORT),
     "expected_attention_stats": (dict(budget=0.3, recent=32, future_positions=16), SHORT),
     "leverage": (dict(budget=0.3, recent=32), SHORT),
+    "kvzap": (dict(budget=0.3, recent=32), SHORT),
 }
 
 
@@ -97,7 +98,7 @@ def _policy_params(policy, model, prompt):
         return fastkvzip_gates.init_params(CONFIG, jax.random.PRNGKey(4))
     if policy.name == "duo_attention":
         return policy.params.from_prompt(model, prompt)
-    if policy.name in ("qfilter", "expected_attention_stats"):
+    if policy.name in ("qfilter", "expected_attention_stats", "kvzap"):
         return policy.params.init(CONFIG, jax.random.PRNGKey(5))
     return None
 

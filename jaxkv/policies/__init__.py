@@ -36,8 +36,8 @@ from jaxkv.policies.expected_attention import (
 from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
 from jaxkv.policies.finch import Finch
 from jaxkv.policies.gvote import GVote
-from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.kvzap import KVzap, SurrogateParams
+from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.leverage import LeverageScore
 from jaxkv.policies.merging import Merging
 from jaxkv.policies.qfilter import QFilter, QueryFilters

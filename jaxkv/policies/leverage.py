@@ -70,18 +70,19 @@ class LeverageScores(Scorer):
 
     def layer_scores(self, view: LayerView) -> jax.Array:
         b, k, _, h = view.keys.shape
-        heads = k * collectives.head_shards()
 
         def row_sketch(row):  # per request row over every KV head: a mesh draws the same
-            normal = jax.random.normal(
-                jax.random.fold_in(view.key, row), (heads, h, self.sketch_dimension)
-            )
-            return normal / self.sketch_dimension**0.5
+            shape = (k * collectives.head_shards(), h, self.sketch_dimension)
+            return jax.random.normal(jax.random.fold_in(view.key, row), shape)
 
-        sketch = collectives.local_heads(jax.vmap(row_sketch)(collectives.global_rows(b)), axis=1)
+        sketch = jax.vmap(row_sketch)(collectives.global_rows(b)) / self.sketch_dimension**0.5
         keys = unrotated_keys(view.config, view.keys, view.positions)
-        scores = leverage_scores(keys, view.held, sketch)
-        return collectives.over_all_heads(z_scores, scores, view.held, axis=1)
+
+        def every_head(keys, held):  # a Cholesky solve's rounding follows its batch's shape:
+            # on a mesh, solved over every device's heads at once, as one device solves them
+            return z_scores(leverage_scores(keys, held, sketch), held)
+
+        return collectives.over_all_heads(every_head, keys, view.held, axis=1)
 
 
 @base.register
