@@ -249,16 +249,22 @@ def check_positions(session: Session, more: int, what: str) -> None:
         )
 
 
+def _growth(p: int, held: np.ndarray, grown: np.ndarray) -> tuple[np.ndarray, int]:
+    """(pages each device [S] adds when its heads grow from `held` to `grown` int [S, L, B, K]
+    tokens in `p`-token pages, the most pages one head then needs)."""
+    growth = np.sum(-(-grown // p) - -(-held // p), axis=(1, 2, 3))
+    return growth, int(np.max(-(-grown // p)))
+
+
 def _pages_to_grow(pool, page_table, held: np.ndarray, grown: np.ndarray):
     """Whether `pool` (one device's, or stacked [S, ...]) and its tables hold heads growing
     from `held` to `grown` int [S, L, B, K] tokens, and else the (num_pages, max_pages) of a
     pool that does: the fullest device's pages in use plus its growth (shared pages stay
     shared), and tables as wide as the longest head."""
     p = pool.page_size
-    growth = np.sum(-(-grown // p) - -(-held // p), axis=(1, 2, 3))
+    growth, width = _growth(p, held, grown)
     free = sharding.to_host(pool.allocator.num_free).reshape(-1)
     in_use = sharding.to_host(pool.allocator.pages_in_use()).reshape(-1)
-    width = int(np.max(-(-grown // p)))
     fits = bool(np.all(growth <= free)) and width <= page_table.shape[-1]
     num_pages = max(pool_pages_bucket(int(np.max(in_use + growth)), p), pool.num_pages)
     return fits, (num_pages, max(table_pages_bucket(width), page_table.shape[-1]))
@@ -437,10 +443,10 @@ def _fork_geometry(kv: KVState, num_rows: int, longest: int, chunk: int) -> dict
     forked, int8_forked = fork_pages_needed(kv, num_rows)
     full, int8 = _tier_growth(kv, np.array(longest), chunk)
 
-    def geometry(forked_pages, held, grown):
-        growth = int(np.sum(-(-grown // p) - -(-held // p)))
-        width = int(np.max(-(-grown // p)))
-        return pool_pages_bucket(forked_pages + num_rows * growth, p), table_pages_bucket(width)
+    def geometry(forked_pages, held, grown):  # every row grows as the context's one row
+        growth, width = _growth(p, held, grown)
+        pages = forked_pages + num_rows * int(growth[0])
+        return pool_pages_bucket(pages, p), table_pages_bucket(width)
 
     num_pages, max_pages = geometry(forked, *full)
     int8_geometry = None if int8 is None else geometry(int8_forked, *int8)

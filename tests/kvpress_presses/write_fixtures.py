@@ -384,6 +384,17 @@ def given_surrogate(ratio: float, surrogate: str, weights: dict):
     return GivenSurrogate(compression_ratio=ratio, model_type=surrogate)
 
 
+def scored_fixture(model, ids, full: DynamicCache, press) -> dict[str, np.ndarray]:
+    """`kept` and `scores` (`recorded_scores`) of a scoring press prefilling `ids`."""
+    scores = recorded_scores(press)
+    cache = prefill(model, ids, press)
+    kept = [
+        kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
+        for layer in range(len(cache.layers))
+    ]
+    return {"kept": padded(kept), "scores": np.stack([scores[i] for i in sorted(scores)])}
+
+
 def recording_randn(drawn: list):
     """torch.randn, recording what it draws in `drawn`."""
     original = torch.randn
@@ -627,33 +638,18 @@ def main() -> None:
         shape = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
         filters = np.random.default_rng(SEED + 1).standard_normal(shape).astype(np.float32)
         for case, (ratio, _) in FILTER_CASES.items():
-            press = given_filters(ratio, filters)
-            scores = recorded_scores(press)
-            cache = prefill(model, ids, press)
-            kept = [
-                kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
-                for layer in range(len(cache.layers))
-            ]
-            scores = np.stack([scores[layer] for layer in sorted(scores)])
-            np.savez(directory / f"{case}.npz", kept=padded(kept), scores=scores, filters=filters)
-            print(model_name, case, padded(kept).shape)
+            arrays = scored_fixture(model, ids, full, given_filters(ratio, filters))
+            np.savez(directory / f"{case}.npz", **arrays, filters=filters)
+            print(model_name, case, arrays["kept"].shape)
         stats_rng = np.random.default_rng(SEED + 2)
         heads = (config.num_hidden_layers, config.num_attention_heads, config.head_dim)
         mean = (0.5 * stats_rng.standard_normal(heads)).astype(np.float32)
         factor = 0.3 * stats_rng.standard_normal((*heads, config.head_dim))
         covariance = (factor @ np.swapaxes(factor, -1, -2) / config.head_dim).astype(np.float32)
         for case, (ratio, _) in STATS_CASES.items():
-            press = given_statistics(ratio, mean, covariance)
-            scores = recorded_scores(press)
-            cache = prefill(model, ids, press)
-            kept = [
-                kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
-                for layer in range(len(cache.layers))
-            ]
-            arrays = dict(kept=padded(kept), scores=np.stack([scores[i] for i in sorted(scores)]))
-            np.savez(
-                directory / f"{case}.npz", **arrays, query_mean=mean, query_covariance=covariance
-            )
+            arrays = scored_fixture(model, ids, full, given_statistics(ratio, mean, covariance))
+            statistics = dict(query_mean=mean, query_covariance=covariance)
+            np.savez(directory / f"{case}.npz", **arrays, **statistics)
             print(model_name, case, arrays["kept"].shape)
         for case, (ratio, surrogate, _) in SURROGATE_CASES.items():
             rng = np.random.default_rng(SEED + 3)
@@ -664,36 +660,19 @@ def main() -> None:
                 config.hidden_size,
                 config.num_key_value_heads,
             )
-            press = given_surrogate(ratio, surrogate, weights)
-            scores = recorded_scores(press)
-            cache = prefill(model, ids, press)
-            kept = [
-                kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
-                for layer in range(len(cache.layers))
-            ]
-            scores = np.stack([scores[i] for i in sorted(scores)])
-            np.savez(directory / f"{case}.npz", kept=padded(kept), scores=scores, **weights)
-            print(model_name, case, scores.shape)
+            arrays = scored_fixture(model, ids, full, given_surrogate(ratio, surrogate, weights))
+            np.savez(directory / f"{case}.npz", **arrays, **weights)
+            print(model_name, case, arrays["scores"].shape)
         for case, (make_press, _) in SKETCH_CASES.items():
-            press = make_press()
-            scores = recorded_scores(press)
             drawn = []
             original, torch.randn = recording_randn(drawn)
             try:
-                cache = prefill(model, ids, press)
+                arrays = scored_fixture(model, ids, full, make_press())
             finally:
                 torch.randn = original
-            kept = [
-                kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
-                for layer in range(len(cache.layers))
-            ]
-            arrays = dict(
-                kept=padded(kept),
-                scores=np.stack([scores[i] for i in sorted(scores)]),
-                sketch=np.stack([sample[0].numpy() for sample in drawn]),
-            )
-            np.savez(directory / f"{case}.npz", **arrays)
-            print(model_name, case, arrays["sketch"].shape)
+            sketch = np.stack([sample[0].numpy() for sample in drawn])
+            np.savez(directory / f"{case}.npz", **arrays, sketch=sketch)
+            print(model_name, case, sketch.shape)
         for case, (make_press, _, steps) in DECODING_CASES.items():
             arrays = decoding_fixture(model, ids, make_press, steps)
             np.savez(directory / f"{case}.npz", **arrays)
