@@ -129,9 +129,10 @@ def parse_policies(entries: list[str]) -> dict[str, tuple[str, dict]]:
     return parsed
 
 
-def shipped_params(name: str, model_arg: str, config):
-    """The learned parameters jaxkv ships for policy `name` and this model (None without)."""
-    part = policies.get(name).params
+def shipped_params(name: str, options: dict, model_arg: str, config):
+    """The learned parameters jaxkv ships for policy `name` with `options` (KVzap's surrogate
+    picks its file) and this model (None without)."""
+    part = policies.get(name, **options).params
     if part is None:
         return None
     path = part.shipped_path(shipped_name(model_arg))
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     harness.save(args.out, "run", run)
     if args.export_only:
         return {"samples": len(samples)}
-    params = {e: shipped_params(n, args.model, model.config) for e, (n, _) in parsed.items()}
+    params = {e: shipped_params(n, o, args.model, model.config) for e, (n, o) in parsed.items()}
     taus = {}  # WG-KV's, calibrated when its first sample comes
     stop = stop_tokens(tokenizer, model.config)
     done = {

@@ -25,6 +25,8 @@ DUO_HEADS = ASSETS / "duo-heads"
 Q_FILTERS = ASSETS / "q-filters"
 # ExpectedAttention's query statistics (statistics.npz, `jaxkv train expected_attention_stats`).
 QUERY_STATISTICS = ASSETS / "query-statistics"
+# KVzap's surrogates (linear.npz and mlp.npz, `jaxkv train kvzap`), one directory per model.
+KVZAP_SURROGATES = ASSETS / "kvzap-surrogates"
 
 # The name jaxkv ships parameters under for its reference model; a fetched model's are under its
 # `jaxkv fetch` name.
@@ -47,6 +49,7 @@ SHIPPED_PARAMS: dict[str, dict[str, Path]] = {
         "duo_attention": DUO_HEADS / SMOLLM2 / "copy-0.2" / "heads.npy",
         "qfilter": Q_FILTERS / SMOLLM2 / "source-8x1024",
         "expected_attention_stats": QUERY_STATISTICS / SMOLLM2 / "source-8x1024",
+        "kvzap": KVZAP_SURROGATES / SMOLLM2 / "docstrings-96x1024",
     },
 }
 

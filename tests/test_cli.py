@@ -188,14 +188,14 @@ def _tiny_gates(tmp_path):
     stats = policies.get("expected_attention_stats").params.init(cfg, jax.random.PRNGKey(0))
     np.savez(tmp_path / "statistics.npz", **{k: np.asarray(v) for k, v in stats.items()})
     surrogate = policies.get("kvzap").params.init(cfg, jax.random.PRNGKey(0))
-    np.savez(tmp_path / "surrogate.npz", **{k: np.asarray(v) for k, v in surrogate.items()})
+    np.savez(tmp_path / "mlp.npz", **{k: np.asarray(v) for k, v in surrogate.items()})
     return {
         "wgkv": str(tmp_path / "wgkv.safetensors"),
         "fastkvzip": str(tmp_path / "fkz.safetensors"),
         "duo_attention": str(tmp_path / "duo.npy"),
         "qfilter": str(tmp_path / "filters.npy"),
         "expected_attention_stats": str(tmp_path / "statistics.npz"),
-        "kvzap": str(tmp_path / "surrogate.npz"),
+        "kvzap": str(tmp_path / "mlp.npz"),
     }
 
 

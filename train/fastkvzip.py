@@ -214,12 +214,15 @@ def read_provenance(path: Path) -> dict:
         return json.loads(str(data["provenance"]))
 
 
-def resolve_build_options(args: argparse.Namespace, provenance: dict | None, path: Path) -> None:
+def resolve_build_options(
+    args: argparse.Namespace, provenance: dict | None, path: Path, options: dict = BUILD_OPTIONS
+) -> None:
     """Fills the build options not given (None) with what the targets at `path` were built with
-    (`provenance`; files from before `--text` hold the source text), or with BUILD_OPTIONS'
-    defaults when there is no file yet; a ValueError naming each given option that differs."""
+    (`provenance`; files from before `--text` hold the source text), or with `options`'
+    defaults ({option: (provenance key, default)}) when there is no file yet; a ValueError
+    naming each given option that differs."""
     differ = []
-    for name, (key, default) in BUILD_OPTIONS.items():
+    for name, (key, default) in options.items():
         built = default if provenance is None else provenance.get(key, default)
         given = getattr(args, name)
         if given is None:

@@ -191,7 +191,7 @@ def add_model_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> N
         "gates of the reference model), duo_attention (a bool [L, K] .npy; without it the "
         "retrieval heads are picked on the prompt, --policy-arg retrieval_share=0.25) or "
         "qfilter / expected_attention_stats (filters.npy / statistics.npz; default: the shipped "
-        "ones) or kvzap (surrogate.npz)",
+        "ones) or kvzap (linear.npz / mlp.npz, `jaxkv train kvzap`)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -24,7 +24,14 @@ from jaxkv.policies.eviction import EvictionPolicy
 from jaxkv.policies.qfilter import WrittenScores
 
 SURROGATES = ("linear", "mlp")
-PARAMS_FILE = "surrogate.npz"
+
+
+def params_file(surrogate: str) -> str:
+    """The file a directory of surrogates holds `surrogate`'s parameters in (`jaxkv train
+    kvzap` writes both)."""
+    return f"{surrogate}.npz"
+
+
 # The arrays of each surrogate, with the logical axes of their dimensions.
 AXES = {
     "linear": {"weight": ("layers", "embed", "kv_heads"), "bias": ("layers", "kv_heads")},
@@ -64,7 +71,7 @@ class SurrogateGate:
 
 @dataclasses.dataclass(frozen=True)
 class SurrogateParams(base.LearnedParams):
-    """KVzap's surrogates (module docstring), saved as `surrogate.npz`.
+    """KVzap's surrogates (module docstring), saved as `linear.npz` or `mlp.npz`.
 
     Attributes:
       surrogate: "linear" or "mlp".
@@ -96,9 +103,12 @@ class SurrogateParams(base.LearnedParams):
         }
 
     def load(self, path, model_config):
-        """`path`: a surrogate .npz file or a directory holding `surrogate.npz`."""
-        what = f"KVzap {self.surrogate} surrogates (an .npz of {', '.join(AXES[self.surrogate])})"
-        with np.load(self.saved_file(path, PARAMS_FILE, what)) as saved:
+        """`path`: a surrogate .npz file or a directory holding `params_file(surrogate)`."""
+        what = (
+            f"KVzap {self.surrogate} surrogates (an .npz of {', '.join(AXES[self.surrogate])}, "
+            "`jaxkv train kvzap`)"
+        )
+        with np.load(self.saved_file(path, params_file(self.surrogate), what)) as saved:
             params = {name: jnp.asarray(saved[name]) for name in saved.files}
         self.check(params, model_config)
         return params
