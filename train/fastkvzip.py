@@ -277,8 +277,12 @@ def sgd_optimizer(steps: int, learning_rate: float, warmup: int):
     return optax.sgd(schedule, momentum=0.9)
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="jaxkv train fastkvzip", description=__doc__)
+def targets_parser(stage: str, description: str, options: dict):
+    """`jaxkv train STAGE`'s parser with the options of a stage that builds targets once and
+    trains on them: --model, --targets, --contexts, --validation-contexts and --length (their
+    defaults `options`' (`BUILD_OPTIONS`' form), or what existing targets were built with);
+    returns it and `built(name)`, the help text's note for another build option."""
+    parser = argparse.ArgumentParser(prog=f"jaxkv train {stage}", description=description)
     parser.add_argument(
         "--model",
         default=str(bundled.REFERENCE_MODEL),
@@ -287,13 +291,29 @@ def main(argv=None) -> dict:
     parser.add_argument("--targets", required=True, help=".npz of inputs/targets (built if absent)")
 
     def built(name: str) -> str:
-        return f" (default {BUILD_OPTIONS[name][1]}, or what existing --targets were built with)"
+        return f" (default {options[name][1]}, or what existing --targets were built with)"
 
     parser.add_argument("--contexts", type=int, help="training contexts" + built("contexts"))
     parser.add_argument(
         "--validation-contexts", type=int, help="held-out contexts" + built("validation_contexts")
     )
     parser.add_argument("--length", type=int, help="tokens per context" + built("length"))
+    return parser, built
+
+
+def token_batches(h: np.ndarray, targets: np.ndarray, batch_tokens: int, seed: int, mesh):
+    """`trainer.train`'s batch_for_step for a per-token gate: `batch_tokens` random rows of h
+    and targets (drawn with replacement from [seed, step]), this process's share of them."""
+
+    def batch_for_step(step: int):
+        rows = np.random.default_rng([seed, step]).integers(0, len(h), batch_tokens)
+        return mesh_lib.process_share({"h": h[rows], "targets": targets[rows]}, mesh, 0)
+
+    return batch_for_step
+
+
+def main(argv=None) -> dict:
+    parser, built = targets_parser("fastkvzip", __doc__, BUILD_OPTIONS)
     parser.add_argument("--context-batch", type=int, default=4)
     parser.add_argument(
         "--episode-fraction",
@@ -348,10 +368,7 @@ def main(argv=None) -> dict:
         NamedSharding(mesh, PartitionSpec()),
     )
 
-    def batch_for_step(step: int):
-        rows = np.random.default_rng([args.seed, step]).integers(0, len(train_h), args.batch_tokens)
-        return mesh_lib.process_share({"h": train_h[rows], "targets": train_t[rows]}, mesh, 0)
-
+    batch_for_step = token_batches(train_h, train_t, args.batch_tokens, args.seed, mesh)
     validation_loss = jax.jit(per_layer_loss)
 
     def eval_fn(params, step):

@@ -43,7 +43,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxkv import attention as attention_ops
-from jaxkv import bundled
 from jaxkv.model_sources import load_model, model_file_sha256
 from jaxkv.models import Model
 from jaxkv.models.decoder import (
@@ -226,10 +225,7 @@ def fit_report(predicted: np.ndarray, targets: np.ndarray) -> dict:
 def train_mlp(args, params, train_h, train_t, val, metrics_path: Path | None, mesh):
     """AdamW on the mean squared error over random token batches; the trained parameters."""
 
-    def batch_for_step(step: int):
-        rows = np.random.default_rng([args.seed, step]).integers(0, len(train_h), args.batch_tokens)
-        return mesh_lib.process_share({"h": train_h[rows], "targets": train_t[rows]}, mesh, 0)
-
+    batch_for_step = fastkvzip.token_batches(train_h, train_t, args.batch_tokens, args.seed, mesh)
     validation_mse = jax.jit(per_layer_mse)
 
     def eval_fn(params, step):
@@ -262,22 +258,7 @@ def train_mlp(args, params, train_h, train_t, val, metrics_path: Path | None, me
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxkv train kvzap", description=__doc__)
-    p.add_argument(
-        "--model",
-        default=str(bundled.REFERENCE_MODEL),
-        help="a checkpoint directory, a .gguf file or a fetched model's name (jaxkv fetch)",
-    )
-    p.add_argument("--targets", required=True, help=".npz of inputs/targets (built if absent)")
-
-    def built(name: str) -> str:
-        return f" (default {BUILD_OPTIONS[name][1]}, or what existing --targets were built with)"
-
-    p.add_argument("--contexts", type=int, help="training contexts" + built("contexts"))
-    p.add_argument(
-        "--validation-contexts", type=int, help="held-out contexts" + built("validation_contexts")
-    )
-    p.add_argument("--length", type=int, help="tokens per context" + built("length"))
+    p, built = fastkvzip.targets_parser("kvzap", __doc__, BUILD_OPTIONS)
     p.add_argument(
         "--tokens-per-context",
         type=int,
