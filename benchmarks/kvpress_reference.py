@@ -87,6 +87,7 @@ PRESSES = {
     "cur": "CURPress",
     "cap": "CapPress",
     "leverage": "LeverageScorePress",
+    "kvcompose": "KVComposePress",
 }
 # jaxkv's wrapping policies -> (kvpress's wrapper, the press it wraps: jaxkv's default `inner`).
 WRAPPERS = {

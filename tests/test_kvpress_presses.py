@@ -255,6 +255,9 @@ def test_random_keeps_the_budget_and_follows_the_key(model):
         ("chunk:0.5:chunk_length=0", "chunk_length=0 must be >= 1"),
         ("lagkv:0.5:lag_size=1", "lag_size=1 must be >= 2"),
         ("cur:0.5:leverage_type=values", "leverage_type='values'"),
+        ("kvcompose:0.5:task=sum", "task='sum' must be one of max, mean"),
+        ("kvcompose:0.5:lower_bound=-1", "lower_bound=-1 must be >= 0"),
+        ("kvcompose:64", "ratio of the prompt"),
     ],
 )
 def test_bad_settings_name_the_field(spec, match):

@@ -56,6 +56,7 @@ EXPECTED = {
     "finch": ("prompt_compression",),
     "entropy_chunkkv": ("prompt_compression",),
     "cap": ("prompt_compression",),  # with decoding=True, a decode eviction too
+    "kvcompose": ("prompt_compression",),
     "qfilter": ("gate", "prompt_compression"),
     "expected_attention_stats": ("prompt_compression",),
     "leverage": ("prompt_compression",),

@@ -117,6 +117,7 @@ POLICIES = {
     "expected_attention_stats": dict(budget=0.3, future_positions=16),
     "leverage": dict(budget=0.3, sketch_dimension=8),
     "kvzap": dict(budget=0.3),
+    "kvcompose": dict(budget=0.3),
 }
 
 

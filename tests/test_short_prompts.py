@@ -77,6 +77,8 @@ KEPT_WHOLE = {
     "expected_attention_stats": (dict(budget=0.3, recent=32, future_positions=16), SHORT),
     "leverage": (dict(budget=0.3, recent=32), SHORT),
     "kvzap": (dict(budget=0.3, recent=32), SHORT),
+    # Compresses any prompt (a layer may keep none of it): kept whole only at budget 1.
+    "kvcompose": (dict(budget=1.0), SHORT),
 }
 
 

@@ -36,6 +36,7 @@ from jaxkv.policies.expected_attention import (
 from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
 from jaxkv.policies.finch import Finch
 from jaxkv.policies.gvote import GVote
+from jaxkv.policies.kvcompose import KVCompose
 from jaxkv.policies.kvzap import KVzap, SurrogateParams
 from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.leverage import LeverageScore
@@ -104,6 +105,7 @@ __all__ = [
     "Finch",
     "FullCache",
     "GVote",
+    "KVCompose",
     "KVzap",
     "KVzip",
     "KeyDiff",

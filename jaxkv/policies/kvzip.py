@@ -59,7 +59,7 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the previous context exactly, starting with"
 OVERLAP = 8
 DEFAULT_REPLAY_CHUNK = 512
-# Prefix slots a replay layer reads at once (`_replay_attention`): a chunk's scores are
+# Prefix slots a replay layer reads at once (`replay_attention`): a chunk's scores are
 # [chunk queries x this], not [chunk queries x the whole context].
 REPLAY_PREFIX_BLOCK = 4096
 
@@ -139,14 +139,24 @@ def _replay_inputs(tokens, lengths, index: jax.Array, chunk: int, repeat_ids, co
     return ids, jnp.where(valid, positions, -1)
 
 
-def _replay_attention(q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale):
+def largest_received(probs: jax.Array, query_valid: jax.Array) -> jax.Array:
+    """KVzip's importance: f32 [B, K, S] the largest probability each slot receives from any
+    query of its group (probs [B, K, G, C, S], 0 for invalid queries)."""
+    del query_valid
+    return jnp.max(probs, axis=(2, 3))
+
+
+def replay_attention(
+    q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale, received=largest_received
+):
     """Attention of the replay queries q [B, N, C, H] over the cached prefix (keys, values
     [B, K, S, H], slots held bool [B, K, S]) and, causally, the chunk itself (k, v [B, K, C, H]).
 
     The prefix is read in blocks of `REPLAY_PREFIX_BLOCK` slots, twice: an online softmax for
-    the output and the logsumexp, then each block's probabilities for the largest one every
-    slot receives; no [C, S] matrix is formed. Returns attn f32 [B, N, C, H] and f32 [B, K, S]
-    the largest probability each prefix slot receives from any valid query of its group.
+    the output and the logsumexp, then each block's probabilities [B, K, G, C, block] (0 for
+    invalid queries) reduced by `received(probs, query_valid)` to [B, K, block]; no [C, S]
+    matrix is formed. Returns attn f32 [B, N, C, H] and f32 [B, K, S] what each prefix slot
+    received (by default the largest probability from any valid query of its group).
     """
     b, n, c, _ = q.shape
     num_kv, s = prefix_k.shape[1], prefix_k.shape[2]
@@ -178,28 +188,48 @@ def _replay_attention(q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_sc
     out, lse = jax.lax.fori_loop(0, blocks, accumulate, (out, lse))
     grouped_lse = lse.reshape(b, num_kv, n // num_kv, c)[..., None]
 
-    def received(index):
+    def block_received(index):
         scores, _ = prefix_block(index)
         probs = jnp.where(jnp.isfinite(grouped_lse), jnp.exp(scores - grouped_lse), 0.0)
-        return jnp.max(probs, axis=(2, 3))  # [B, K, block]
+        return received(probs, query_valid)  # [B, K, block]
 
-    per_block = jax.lax.map(received, jnp.arange(blocks))  # [blocks, B, K, block]
+    per_block = jax.lax.map(block_received, jnp.arange(blocks))  # [blocks, B, K, block]
     return out, jnp.moveaxis(per_block, 0, 2).reshape(b, num_kv, -1)[..., :s]
 
 
-def _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, prefix_held):
+def _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, prefix_held, received):
     """One layer on the replay tokens over the cached prefix and themselves.
 
-    Returns the next residual stream and f32 [B, K, S] the largest probability each prefix slot
-    receives from any valid replay query of the group.
+    Returns the next residual stream and f32 [B, K, S] what each prefix slot received from the
+    replay queries (`replay_attention`).
     """
     h = attention_input(lp, cfg, x)
     q = project_queries(lp, cfg, h, cos, sin)
     k, v = project_keys_values(lp, cfg, h, cos, sin)
-    attn, received = _replay_attention(
-        q, k, v, positions, prefix_k, prefix_v, prefix_held, cfg.head_dim**-0.5
+    attn, slot_scores = replay_attention(
+        q, k, v, positions, prefix_k, prefix_v, prefix_held, cfg.head_dim**-0.5, received
     )
-    return attention_output_and_mlp(lp, cfg, x, attn, collectives.reduce_partial_sums), received
+    return attention_output_and_mlp(lp, cfg, x, attn, collectives.reduce_partial_sums), slot_scores
+
+
+def replay_scores(model, kv: KVState, ids, positions, received=largest_received) -> jax.Array:
+    """f32 [L, B, K, S]: one replay pass of ids int32 [B, C] at positions int32 [B, C] (-1:
+    padding) through every layer, over what `kv` holds and causally over themselves; what each
+    cached slot received from the replay queries (`replay_attention`'s `received`)."""
+    cfg, params = model.config, model.params
+    cos, sin = layers.rope_cos_sin(cfg, jnp.maximum(positions, 0))
+    slots = jnp.arange(kv.max_tokens_per_head)
+
+    def layer(x, lp, xs):
+        page_table, layer_lengths = xs
+        prefix_k = attention_ops.gather_pages(kv.pool.k_pages, page_table)
+        prefix_v = attention_ops.gather_pages(kv.pool.v_pages, page_table)
+        held = slots < layer_lengths[..., None]
+        return _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, held, received)
+
+    xs = (kv.page_table, kv.lengths)
+    _, slot_scores = scan_layers(layer, embed(params, ids), params["layers"], xs)
+    return slot_scores
 
 
 def reconstruction_scores(
@@ -218,7 +248,7 @@ def reconstruction_scores(
     tokens: int32 [B, T_pad] the right-padded contexts, T_pad a multiple of `chunk`;
     lengths: int32 [B].
     """
-    cfg, params = model.config, model.params
+    cfg = model.config
     if tokens.shape[1] % chunk:
         raise ValueError(f"tokens have {tokens.shape[1]} columns, not a multiple of chunk={chunk}")
     if max(*repeat_ids, *continue_ids) >= cfg.vocab_size:
@@ -226,22 +256,10 @@ def reconstruction_scores(
             f"repeat_ids/continue_ids hold ids outside the vocabulary [0, {cfg.vocab_size}): "
             "pass the model tokenizer's ids of the repeat prompts"
         )
-    slots = jnp.arange(kv.max_tokens_per_head)
 
     def one_chunk(best, index):
         ids, positions = _replay_inputs(tokens, lengths, index, chunk, repeat_ids, continue_ids)
-        cos, sin = layers.rope_cos_sin(cfg, jnp.maximum(positions, 0))
-
-        def layer(x, lp, xs):
-            page_table, layer_lengths = xs
-            prefix_k = attention_ops.gather_pages(kv.pool.k_pages, page_table)
-            prefix_v = attention_ops.gather_pages(kv.pool.v_pages, page_table)
-            held = slots < layer_lengths[..., None]
-            return _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, held)
-
-        xs = (kv.page_table, kv.lengths)
-        _, received = scan_layers(layer, embed(params, ids), params["layers"], xs)
-        return jnp.maximum(best, received), None
+        return jnp.maximum(best, replay_scores(model, kv, ids, positions)), None
 
     best = jnp.zeros(kv.lengths.shape + (kv.max_tokens_per_head,), jnp.float32)
     best = collectives.varying_like(best, kv.lengths)

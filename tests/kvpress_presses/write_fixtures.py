@@ -199,6 +199,23 @@ CASES = {
         lambda: kvpress.BlockPress(kvpress.KnormPress(compression_ratio=0.75), block_size=16),
         "block:0.25:inner=knorm:block_size=16",
     ),
+    "kvcompose": (lambda: kvpress.KVComposePress(compression_ratio=0.5), "kvcompose:0.5"),
+    "kvcompose-unstructured": (
+        lambda: kvpress.KVComposePress(structured=False, compression_ratio=0.75),
+        "kvcompose:0.25:structured=false",
+    ),
+    "kvcompose-mean-max": (
+        lambda: kvpress.KVComposePress(
+            compression_ratio=0.6,
+            agg_task="mean",
+            agg_group="max",
+            agg_head="max",
+            add_mean_across_heads=False,
+            keep_token_lower_bound=16,
+        ),
+        "kvcompose:0.4:task=mean:group=max:aggregate_heads=max:mean_across_heads=false"
+        ":lower_bound=16",
+    ),
 }
 
 # Presses that compress during generation: (press, jaxkv spec, greedy decode steps). The fixture
@@ -460,6 +477,17 @@ def prefill(model, ids: torch.Tensor, press=None) -> DynamicCache:
     return cache
 
 
+def eager_prefill(model, ids: torch.Tensor) -> DynamicCache:
+    """The cache of `prefill` under eager attention, which KVComposePress switches the model to
+    (its keys past the first layer differ from sdpa's in the last bits)."""
+    implementation = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        return prefill(model, ids)
+    finally:
+        model.config._attn_implementation = implementation
+
+
 def recorded_scores(press) -> dict[int, np.ndarray]:
     """Wraps the press's `score` (a scoring press's own) to record each layer's scores."""
     scores: dict[int, np.ndarray] = {}
@@ -598,13 +626,19 @@ def main() -> None:
         directory.mkdir(exist_ok=True)
         model = build_model(model_name, directory)
         full = prefill(model, ids)
+        eager_full = eager_prefill(model, ids)
         for case, (make_press, _) in CASES.items():
+            # A masking press's indices outlive its case; sdpa's prefill clears them, but
+            # KVComposePress prefills in eager attention, which kvpress does not patch.
+            for attention in attention_modules(model):
+                attention.masked_key_indices = None
             press = make_press()
             wraps = hasattr(press, "press")
             scores = None if wraps or not hasattr(press, "score") else recorded_scores(press)
             cache = prefill(model, ids, press)
+            reference = eager_full if isinstance(press, kvpress.KVComposePress) else full
             kept = [
-                kept_positions(full.layers[layer].keys, cache.layers[layer].keys)
+                kept_positions(reference.layers[layer].keys, cache.layers[layer].keys)
                 if getattr(attention, "masked_key_indices", None) is None
                 else unmasked_positions(attention.masked_key_indices, full.layers[layer].keys)
                 for layer, attention in enumerate(attention_modules(model))
