@@ -189,6 +189,8 @@ def _tiny_gates(tmp_path):
     np.savez(tmp_path / "statistics.npz", **{k: np.asarray(v) for k, v in stats.items()})
     surrogate = policies.get("kvzap").params.init(cfg, jax.random.PRNGKey(0))
     np.savez(tmp_path / "mlp.npz", **{k: np.asarray(v) for k, v in surrogate.items()})
+    curve = policies.get("lukv").params.init(cfg, jax.random.PRNGKey(0))["prune_shares"]
+    np.save(tmp_path / "curve.npy", np.moveaxis(np.asarray(curve), 1, 0))  # kvpress's layout
     return {
         "wgkv": str(tmp_path / "wgkv.safetensors"),
         "fastkvzip": str(tmp_path / "fkz.safetensors"),
@@ -196,6 +198,7 @@ def _tiny_gates(tmp_path):
         "qfilter": str(tmp_path / "filters.npy"),
         "expected_attention_stats": str(tmp_path / "statistics.npz"),
         "kvzap": str(tmp_path / "mlp.npz"),
+        "lukv": str(tmp_path / "curve.npy"),
     }
 
 

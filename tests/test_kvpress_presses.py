@@ -160,6 +160,15 @@ def test_expected_attention_stats_keeps_what_kvpress_keeps_with_the_same_statist
     assert_keeps_as_fixture(state, fixture, loaded.config.num_layers, f"{name} {case}")
 
 
+@pytest.mark.parametrize("case", sorted(META["curve_cases"]))
+def test_lukv_keeps_what_kvpress_keeps_with_the_same_budget_curve(model, case):
+    name, loaded = model
+    fixture, params = given_parameters(name, case)
+    policy = policies.from_spec(META["curve_cases"][case])
+    state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy, policy_params=params)
+    assert_keeps_as_fixture(state, fixture, loaded.config.num_layers, f"{name} {case}")
+
+
 def full_cache_keys(loaded, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """(keys f32 [1, K, T, H] after RoPE, positions [1, K, T]) of the prompt's full cache."""
     state = jaxkv.compress_prompt(loaded, [META["prompt"]], "full")
@@ -258,6 +267,9 @@ def test_random_keeps_the_budget_and_follows_the_key(model):
         ("kvcompose:0.5:task=sum", "task='sum' must be one of max, mean"),
         ("kvcompose:0.5:lower_bound=-1", "lower_bound=-1 must be >= 0"),
         ("kvcompose:64", "ratio of the prompt"),
+        ("lukv:0.5:inner=qfilter", "inner='qfilter' has learned parameters"),
+        ("lukv:0.5:inner=kvzip", "inner='kvzip' must be a scoring eviction policy"),
+        ("lukv:0.5:window=-1", "window=-1 must be an integer >= 0"),
     ],
 )
 def test_bad_settings_name_the_field(spec, match):

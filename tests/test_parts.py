@@ -57,6 +57,7 @@ EXPECTED = {
     "entropy_chunkkv": ("prompt_compression",),
     "cap": ("prompt_compression",),  # with decoding=True, a decode eviction too
     "kvcompose": ("prompt_compression",),
+    "lukv": ("prompt_compression",),
     "qfilter": ("gate", "prompt_compression"),
     "expected_attention_stats": ("prompt_compression",),
     "leverage": ("prompt_compression",),
@@ -136,7 +137,15 @@ def test_named_budget_columns_of_confkv_and_fastkvzip():
 
 
 # The policies with a learned-parameters part (`Policy.params`), each of the kind of its name.
-LEARNED = {"wgkv", "fastkvzip", "duo_attention", "qfilter", "expected_attention_stats", "kvzap"}
+LEARNED = {
+    "wgkv",
+    "fastkvzip",
+    "duo_attention",
+    "qfilter",
+    "expected_attention_stats",
+    "kvzap",
+    "lukv",
+}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

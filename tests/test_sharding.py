@@ -68,6 +68,11 @@ POLICY_PARAMS = {
     "qfilter": lambda: policies.get("qfilter").params.init(CONFIG, jax.random.PRNGKey(5)),
     "expected_attention_stats": lambda: expected_attention_statistics(CONFIG),
     "kvzap": lambda: policies.get("kvzap").params.init(CONFIG, jax.random.PRNGKey(7)),
+    "lukv": lambda: {  # a random budget curve: every head its own count
+        "prune_shares": np.random.default_rng(8)
+        .uniform(0, 1, (CONFIG.num_layers, 99, CONFIG.num_kv_heads))
+        .astype(np.float32)
+    },
 }
 
 # Every registered policy, with options that make it evict at these prompt lengths.
@@ -118,6 +123,7 @@ POLICIES = {
     "leverage": dict(budget=0.3, sketch_dimension=8),
     "kvzap": dict(budget=0.3),
     "kvcompose": dict(budget=0.3),
+    "lukv": dict(budget=0.3, inner="keydiff"),
 }
 
 

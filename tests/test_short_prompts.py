@@ -79,6 +79,7 @@ KEPT_WHOLE = {
     "kvzap": (dict(budget=0.3, recent=32), SHORT),
     # Compresses any prompt (a layer may keep none of it): kept whole only at budget 1.
     "kvcompose": (dict(budget=1.0), SHORT),
+    "lukv": (dict(budget=1.0), SHORT),  # the curve sets every head's count: 1 keeps all
 }
 
 
@@ -100,7 +101,7 @@ def _policy_params(policy, model, prompt):
         return fastkvzip_gates.init_params(CONFIG, jax.random.PRNGKey(4))
     if policy.name == "duo_attention":
         return policy.params.from_prompt(model, prompt)
-    if policy.name in ("qfilter", "expected_attention_stats", "kvzap"):
+    if policy.name in ("qfilter", "expected_attention_stats", "kvzap", "lukv"):
         return policy.params.init(CONFIG, jax.random.PRNGKey(5))
     return None
 

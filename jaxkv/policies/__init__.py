@@ -40,6 +40,7 @@ from jaxkv.policies.kvcompose import KVCompose
 from jaxkv.policies.kvzap import KVzap, SurrogateParams
 from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.leverage import LeverageScore
+from jaxkv.policies.lukv import LUKV, BudgetCurve
 from jaxkv.policies.merging import Merging
 from jaxkv.policies.qfilter import QFilter, QueryFilters
 from jaxkv.policies.query_agnostic import CUR, KeyDiff, LagKV, Random
@@ -112,6 +113,8 @@ __all__ = [
     "KeyRerotation",
     "Knorm",
     "LeverageScore",
+    "LUKV",
+    "BudgetCurve",
     "LagKV",
     "LayerView",
     "LearnedParams",

@@ -73,7 +73,7 @@ def _field_types(field: dataclasses.Field) -> list:
     annotated = [part.strip() for part in str(field.type).split("|")]
     optional = [None] if "None" in annotated else []
     default = field.default
-    if isinstance(default, enum.Enum):
+    if isinstance(default, enum.Enum | base.Policy):  # a policy as text: its name
         return [str]
     if isinstance(default, tuple):
         return [tuple]

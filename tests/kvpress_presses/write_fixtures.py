@@ -347,6 +347,16 @@ SKETCH_CASES = {
 # name: (kvpress compression ratio, surrogate, jaxkv spec): KVzapPress with surrogates given
 # here (kvpress reads NVIDIA's from the hub, which has none for these models): seeded random
 # weights, saved in jaxkv's layout (weight [L, D, K], ...) beside `kept` and `scores`.
+# name: (kvpress LUKVPress, jaxkv spec), given a random budget curve (`curve_cases`);
+# `MODEL/CASE.npz` holds it as jaxkv's `prune_shares` [L, 99, K] and the inner press's scores.
+CURVE_CASES = {
+    "lukv-0.5": (lambda: kvpress.LUKVPress(compression_ratio=0.5), "lukv:0.5"),
+    "lukv-knorm-0.3": (
+        lambda: kvpress.LUKVPress(kvpress.KnormPress(), compression_ratio=0.7, sink=2, window=8),
+        "lukv:0.3:inner=knorm:sinks=2:window=8",
+    ),
+}
+
 SURROGATE_CASES = {
     "kvzap-mlp-0.5": (0.5, "mlp", "kvzap:0.5"),
     "kvzap-linear-0.3": (0.7, "linear", "kvzap:0.3:surrogate=linear"),
@@ -435,6 +445,14 @@ def given_statistics(ratio: float, mean: np.ndarray, covariance: np.ndarray):
             self.cov = torch.tensor(covariance, dtype=model.dtype)
 
     return GivenStatistics(compression_ratio=ratio)
+
+
+def given_curve(make_press, curve: np.ndarray):
+    """An LUKVPress (`make_press()`) that uses `curve` ([99, L, K]) instead of downloading
+    Llama-3.1-8B's."""
+    press = make_press()
+    press._budget_curves = curve
+    return press
 
 
 def given_filters(ratio: float, filters: np.ndarray):
@@ -697,6 +715,22 @@ def main() -> None:
             arrays = scored_fixture(model, ids, full, given_surrogate(ratio, surrogate, weights))
             np.savez(directory / f"{case}.npz", **arrays, **weights)
             print(model_name, case, arrays["scores"].shape)
+        curve_shape = (99, config.num_hidden_layers, config.num_key_value_heads)
+        curve = np.random.default_rng(SEED + 4).uniform(0.0, 1.0, curve_shape).astype(np.float32)
+        for case, (make_press, _) in CURVE_CASES.items():
+            press = given_curve(make_press, curve)
+            scores = recorded_scores(press.press)
+            prefill(model, ids, press)
+            kept = [  # LUKVPress masks the keys it evicts (every prefill resets the masks)
+                unmasked_positions(attention.masked_key_indices, full.layers[layer].keys)
+                for layer, attention in enumerate(attention_modules(model))
+            ]
+            arrays = {
+                "kept": padded(kept),
+                "scores": np.stack([scores[layer] for layer in sorted(scores)]),
+            }
+            np.savez(directory / f"{case}.npz", **arrays, prune_shares=np.moveaxis(curve, 0, 1))
+            print(model_name, case, arrays["kept"].shape)
         for case, (make_press, _) in SKETCH_CASES.items():
             drawn = []
             original, torch.randn = recording_randn(drawn)
@@ -730,6 +764,7 @@ def main() -> None:
         "filter_cases": {case: spec for case, (_, spec) in FILTER_CASES.items()},
         "stats_cases": {case: spec for case, (_, spec) in STATS_CASES.items()},
         "sketch_cases": {case: spec for case, (_, spec) in SKETCH_CASES.items()},
+        "curve_cases": {case: spec for case, (_, spec) in CURVE_CASES.items()},
         "surrogate_cases": {case: spec for case, (_, _, spec) in SURROGATE_CASES.items()},
         "decoding_cases": {
             case: [spec, steps] for case, (_, spec, steps) in DECODING_CASES.items()
