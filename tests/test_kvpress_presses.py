@@ -169,6 +169,19 @@ def test_lukv_keeps_what_kvpress_keeps_with_the_same_budget_curve(model, case):
     assert_keeps_as_fixture(state, fixture, loaded.config.num_layers, f"{name} {case}")
 
 
+def test_noncausal_blocks_over_prefill_chunks_keep_what_one_chunk_keeps(model):
+    """Blocks start at each chunk's first position: chunks of whole blocks score every block as
+    one chunk does; a chunk that splits a block is refused before prefill."""
+    _, loaded = model
+    policy = policies.from_spec("noncausal_attention:0.5:block_size=32")
+    whole = jaxkv.compress_prompt(loaded, [META["prompt"]], policy)
+    chunked = jaxkv.compress_prompt(loaded, [META["prompt"]], policy, prefill_chunk=64)
+    num_layers = loaded.config.num_layers
+    assert kept_by_head(chunked, num_layers) == kept_by_head(whole, num_layers)
+    with pytest.raises(ValueError, match="prefill_chunk=48 must be a multiple of block_size=32"):
+        jaxkv.compress_prompt(loaded, [META["prompt"]], policy, prefill_chunk=48)
+
+
 def full_cache_keys(loaded, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """(keys f32 [1, K, T, H] after RoPE, positions [1, K, T]) of the prompt's full cache."""
     state = jaxkv.compress_prompt(loaded, [META["prompt"]], "full")
@@ -270,6 +283,7 @@ def test_random_keeps_the_budget_and_follows_the_key(model):
         ("lukv:0.5:inner=qfilter", "inner='qfilter' has learned parameters"),
         ("lukv:0.5:inner=kvzip", "inner='kvzip' must be a scoring eviction policy"),
         ("lukv:0.5:window=-1", "window=-1 must be an integer >= 0"),
+        ("noncausal_attention:0.5:block_size=0", "block_size=0 must be >= 1"),
     ],
 )
 def test_bad_settings_name_the_field(spec, match):

@@ -58,6 +58,7 @@ EXPECTED = {
     "cap": ("prompt_compression",),  # with decoding=True, a decode eviction too
     "kvcompose": ("prompt_compression",),
     "lukv": ("prompt_compression",),
+    "noncausal_attention": ("gate", "prompt_compression"),
     "qfilter": ("gate", "prompt_compression"),
     "expected_attention_stats": ("prompt_compression",),
     "leverage": ("prompt_compression",),

@@ -22,8 +22,8 @@ CONFIG = tiny_config()
 class _LinearKeyScores:
     """The gate part: score = w[layer, head] . k_unrotated."""
 
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del h, k, positions
+    def write_scores(self, layer_params, *, h, q, k_unrotated, k, v, positions):
+        del h, k, positions, q, v
         return jnp.einsum("bkch,kh->bkc", k_unrotated.astype(jnp.float32), layer_params)
 
 

@@ -124,6 +124,7 @@ POLICIES = {
     "kvzap": dict(budget=0.3),
     "kvcompose": dict(budget=0.3),
     "lukv": dict(budget=0.3, inner="keydiff"),
+    "noncausal_attention": dict(budget=0.3, block_size=16),
 }
 
 

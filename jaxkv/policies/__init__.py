@@ -42,6 +42,7 @@ from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.leverage import LeverageScore
 from jaxkv.policies.lukv import LUKV, BudgetCurve
 from jaxkv.policies.merging import Merging
+from jaxkv.policies.noncausal import NonCausalAttention
 from jaxkv.policies.qfilter import QFilter, QueryFilters
 from jaxkv.policies.query_agnostic import CUR, KeyDiff, LagKV, Random
 from jaxkv.policies.quest import Quest
@@ -120,6 +121,7 @@ __all__ = [
     "LearnedParams",
     "LocalAttention",
     "Merging",
+    "NonCausalAttention",
     "ObservedAttention",
     "PerLayer",
     "Policy",

@@ -120,8 +120,8 @@ class SinkAttentionGate:
     """The gate part: each layer's learned sink-attention gate (`jaxkv.gates.fastkvzip`) scores
     every written token from its attention input."""
 
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del k_unrotated, k, positions
+    def write_scores(self, layer_params, *, h, q, k_unrotated, k, v, positions):
+        del k_unrotated, k, positions, q, v
         return gate.gate_scores(layer_params, h)
 
 

@@ -64,8 +64,8 @@ def surrogate_scores(layer_params: dict, h: jax.Array) -> jax.Array:
 class SurrogateGate:
     """The gate part: each written token scored by its layer's surrogate."""
 
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del k_unrotated, k, positions
+    def write_scores(self, layer_params, *, h, q, k_unrotated, k, v, positions):
+        del k_unrotated, k, positions, q, v
         return surrogate_scores(layer_params, h)
 
 

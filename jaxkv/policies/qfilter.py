@@ -33,8 +33,8 @@ FILTERS_FILE = "filters.npy"
 class FilterGate:
     """The gate part: each written key scored -(filter . key) (its layer's filters [K, H])."""
 
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del h, k_unrotated, positions
+    def write_scores(self, layer_params, *, h, q, k_unrotated, k, v, positions):
+        del h, k_unrotated, positions, q, v
         filters = layer_params["filters"].astype(jnp.float32)
         keys = k.astype(jnp.float32)  # [B, K, C, H]
         return -jnp.einsum("kh,bkch->bkc", filters, keys, precision=jax.lax.Precision.HIGHEST)

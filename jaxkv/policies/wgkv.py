@@ -79,8 +79,8 @@ class LearnedWriteGate:
     """The gate part of WG-KV: each layer's learned write gate (`jaxkv.gates.wgkv`) on the
     token's keys before and after RoPE."""
 
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del h, positions
+    def write_scores(self, layer_params, *, h, q, k_unrotated, k, v, positions):
+        del h, positions, q, v
         return write_gate_values(layer_params, k_unrotated, k)
 
 
@@ -90,8 +90,8 @@ class SinkGate:
 
     sinks: int
 
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del layer_params, h, k_unrotated
+    def write_scores(self, layer_params, *, h, q, k_unrotated, k, v, positions):
+        del layer_params, h, k_unrotated, q, v
         return _sink_gates(positions, self.sinks, k.shape[1]).astype(jnp.float32)
 
 
@@ -102,8 +102,8 @@ class RetrievalHeadGate:
 
     sinks: int
 
-    def write_scores(self, layer_params, *, h, k_unrotated, k, positions):
-        del h, k_unrotated
+    def write_scores(self, layer_params, *, h, q, k_unrotated, k, v, positions):
+        del h, k_unrotated, q, v
         sink = _sink_gates(positions, self.sinks, k.shape[1])
         return (sink | layer_params[None, :, None]).astype(jnp.float32)
 

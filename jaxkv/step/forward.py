@@ -122,7 +122,13 @@ def forward_cached(
         write_scores = None
         if policy.gate is not None:
             write_scores = policy.gate.write_scores(
-                layer_policy_params, h=h, k_unrotated=k_unrotated, k=k, positions=positions
+                layer_policy_params,
+                h=h,
+                q=q,
+                k_unrotated=k_unrotated,
+                k=k,
+                v=v,
+                positions=positions,
             )
         attn, pool, page_table, lengths, ring = attend_and_write(
             pool,

@@ -151,10 +151,19 @@ class Gate(Protocol):
     parameters and stored with the token (WG-KV's and Fast KVzip's learned gates)."""
 
     def write_scores(
-        self, layer_params, *, h: jax.Array, k_unrotated: jax.Array, k: jax.Array, positions
+        self,
+        layer_params,
+        *,
+        h: jax.Array,
+        q: jax.Array,
+        k_unrotated: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        positions,
     ) -> jax.Array:
-        """f32 [B, K, C]. h [B, C, D] the attention input; k_unrotated, k [B, K, C, H] keys
-        before and after RoPE; positions [B, C] (-1 = padding)."""
+        """f32 [B, K, C]. h [B, C, D] the attention input; q [B, N, C, H] the queries after
+        RoPE; k_unrotated, k [B, K, C, H] keys before and after RoPE; v [B, K, C, H] values;
+        positions [B, C] (-1 = padding)."""
 
 
 @runtime_checkable

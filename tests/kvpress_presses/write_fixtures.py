@@ -199,6 +199,14 @@ CASES = {
         lambda: kvpress.BlockPress(kvpress.KnormPress(compression_ratio=0.75), block_size=16),
         "block:0.25:inner=knorm:block_size=16",
     ),
+    "noncausal": (
+        lambda: kvpress.NonCausalAttnPress(compression_ratio=0.5, chunk_size=64),
+        "noncausal_attention:0.5:block_size=64",
+    ),
+    "noncausal-256": (
+        lambda: kvpress.NonCausalAttnPress(compression_ratio=0.7),
+        "noncausal_attention:0.3",
+    ),
     "kvcompose": (lambda: kvpress.KVComposePress(compression_ratio=0.5), "kvcompose:0.5"),
     "kvcompose-unstructured": (
         lambda: kvpress.KVComposePress(structured=False, compression_ratio=0.75),
