@@ -151,20 +151,15 @@ def test_presses_scoring_tokens_as_written_keep_what_kvpress_keeps_with_its_para
     assert_keeps_as_fixture(state, fixture, loaded.config.num_layers, f"{name} {case}")
 
 
-@pytest.mark.parametrize("case", sorted(META["stats_cases"]))
-def test_expected_attention_stats_keeps_what_kvpress_keeps_with_the_same_statistics(model, case):
-    name, loaded = model
-    fixture, params = given_parameters(name, case)
-    policy = policies.from_spec(META["stats_cases"][case])
-    state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy, policy_params=params)
-    assert_keeps_as_fixture(state, fixture, loaded.config.num_layers, f"{name} {case}")
+GIVEN_PARAMETER_CASES = META["stats_cases"] | META["curve_cases"]
 
 
-@pytest.mark.parametrize("case", sorted(META["curve_cases"]))
-def test_lukv_keeps_what_kvpress_keeps_with_the_same_budget_curve(model, case):
+@pytest.mark.parametrize("case", sorted(GIVEN_PARAMETER_CASES))
+def test_presses_given_kvpress_s_parameters_keep_what_kvpress_keeps(model, case):
+    """ExpectedAttentionStats with kvpress's statistics, LU-KV with its budget curve."""
     name, loaded = model
     fixture, params = given_parameters(name, case)
-    policy = policies.from_spec(META["curve_cases"][case])
+    policy = policies.from_spec(GIVEN_PARAMETER_CASES[case])
     state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy, policy_params=params)
     assert_keeps_as_fixture(state, fixture, loaded.config.num_layers, f"{name} {case}")
 

@@ -32,14 +32,13 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxkv import collectives
 from jaxkv.cache import KVState
 from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.policies import base
 from jaxkv.policies.kvzip import replay_scores
-from jaxkv.policies.structure import share_of
+from jaxkv.policies.structure import SpreadShareBudget, share_of
 from jaxkv.step.parts import PrefillObservations
 
 AGGREGATIONS = ("max", "mean")
@@ -111,7 +110,7 @@ class ComposedReplayCompression(base.PromptCompressionPart):
     """KVCompose's prompt compression part (module docstring). Attributes: as `KVCompose`'s,
     `share` static (each share compiles its own program)."""
 
-    share: float | None  # None only where `ComposedBudget.tokens` refuses the policy first
+    share: float | None  # None only where `SpreadShareBudget.tokens` refuses the policy first
     structured: bool
     task: str
     group: str
@@ -147,29 +146,6 @@ class ComposedReplayCompression(base.PromptCompressionPart):
             )
 
         return compact(kv, collectives.over_all_heads(keep, scores, held, axis=2))
-
-
-@dataclasses.dataclass(frozen=True)
-class ComposedBudget:
-    """KVCompose's budget part: `share_of` each prompt per head on average; a layer (the first
-    above all) may keep its whole prompt, so the pool plans the whole prompt."""
-
-    owner: str
-    share: float | None
-
-    columns: ClassVar[tuple[str, ...]] = ()
-
-    def tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        if self.share is None:
-            raise ValueError(f"policy {self.owner!r} needs ratio= in (0, 1]")
-        return share_of(np.asarray(prompt_lengths, np.int64), self.share)
-
-    def ratio(self, batch: int) -> np.ndarray:
-        return np.zeros((batch,), np.float32)
-
-    def planned(self, budget_tokens, prompt_lengths) -> tuple[np.ndarray, str]:
-        del budget_tokens
-        return np.asarray(prompt_lengths), "data-dependent: planned at the whole prompt"
 
 
 @base.register
@@ -225,5 +201,5 @@ class KVCompose(base.Policy):
         )
         return {
             "prompt_compression": compression,
-            "budget_rule": ComposedBudget(self.name, share),
+            "budget_rule": SpreadShareBudget(self.name, share),
         }

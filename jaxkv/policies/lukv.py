@@ -34,7 +34,7 @@ from jaxkv.cache.eviction import compact, rank_descending
 from jaxkv.policies import base
 from jaxkv.policies.eviction import EvictionPolicy, InnerScoredCompression, protected_on_top
 from jaxkv.policies.expected_attention import ExpectedAttention
-from jaxkv.policies.structure import scoring_compression, share_of
+from jaxkv.policies.structure import SpreadShareBudget, scoring_compression
 from jaxkv.step.parts import PrefillObservations
 
 CURVE_FILE = "curve.npy"
@@ -70,7 +70,7 @@ class CurveCompression(InnerScoredCompression):
     the positions every head keeps first.
     """
 
-    share: float | None  # None only where `CurveBudget.tokens` refuses the policy first
+    share: float | None  # None only where `SpreadShareBudget.tokens` refuses the policy first
     sinks: int
     window: int
 
@@ -134,29 +134,6 @@ class BudgetCurve(base.LearnedParams):
         return {"prune_shares": ("layers", None, None)}  # every device ranks all heads
 
 
-@dataclasses.dataclass(frozen=True)
-class CurveBudget:
-    """LU-KV's budget part: `share_of` each prompt per head on average; the curve may give a
-    head its whole prompt, so the pool plans the whole prompt."""
-
-    owner: str
-    share: float | None
-
-    columns: ClassVar[tuple[str, ...]] = ()
-
-    def tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
-        if self.share is None:
-            raise ValueError(f"policy {self.owner!r} needs ratio= in (0, 1]")
-        return share_of(np.asarray(prompt_lengths, np.int64), self.share)
-
-    def ratio(self, batch: int) -> np.ndarray:
-        return np.zeros((batch,), np.float32)
-
-    def planned(self, budget_tokens, prompt_lengths) -> tuple[np.ndarray, str]:
-        del budget_tokens
-        return np.asarray(prompt_lengths), "set by the curve: planned at the whole prompt"
-
-
 @base.register
 @dataclasses.dataclass(frozen=True)
 class LUKV(base.Policy):
@@ -199,6 +176,6 @@ class LUKV(base.Policy):
             )
         return {
             "prompt_compression": CurveCompression(inner, share, self.sinks, self.window),
-            "budget_rule": CurveBudget(self.name, share),
+            "budget_rule": SpreadShareBudget(self.name, share),
             "params": BudgetCurve(),
         }

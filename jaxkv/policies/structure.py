@@ -70,6 +70,36 @@ def layer_share_of(lengths, share, protected: int) -> jax.Array | np.ndarray:
     return where(tokens < protected, lengths, tokens).astype(tokens.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class SpreadShareBudget:
+    """The budget part of a policy that keeps a share of all its KV pairs but lets its data (a
+    layer's composite scores, a profiled curve) spread it over layers and heads: `share_of`
+    each prompt per head on average; one head may keep its whole prompt, so the pool plans the
+    whole prompt.
+
+    Attributes:
+      owner: the policy's name, for errors.
+      share: the share kept, in (0, 1] (static: it compiles into the compression).
+    """
+
+    owner: str
+    share: float | None
+
+    columns: ClassVar[tuple[str, ...]] = ()
+
+    def tokens(self, prompt_lengths: np.ndarray) -> np.ndarray:
+        if self.share is None:
+            raise ValueError(f"policy {self.owner!r} needs ratio= in (0, 1]")
+        return share_of(np.asarray(prompt_lengths, np.int64), self.share)
+
+    def ratio(self, batch: int) -> np.ndarray:
+        return np.zeros((batch,), np.float32)
+
+    def planned(self, budget_tokens, prompt_lengths) -> tuple[np.ndarray, str]:
+        del budget_tokens
+        return np.asarray(prompt_lengths), "spread by the data: planned at the whole prompt"
+
+
 def chunked_counts(prompt_lengths, chunk_length: int):
     """(whole chunks, tokens in the partial last one) of each prompt."""
     return prompt_lengths // chunk_length, prompt_lengths % chunk_length
