@@ -65,11 +65,10 @@ def replay_received(task: str, group: str):
     return received
 
 
-def _replay_ids(tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(ids, positions) int32 [B, T_pad]: each prompt again after itself (-1: padding)."""
-    columns = jnp.arange(tokens.shape[1])
-    valid = columns < lengths[:, None]
-    return tokens, jnp.where(valid, lengths[:, None] + columns, -1)
+def _replay_positions(width: int, lengths: jax.Array) -> jax.Array:
+    """int32 [B, width]: the positions of each prompt read again after itself (-1: padding)."""
+    columns = jnp.arange(width)
+    return jnp.where(columns < lengths[:, None], lengths[:, None] + columns, -1)
 
 
 def composite_keep(
@@ -96,8 +95,7 @@ def composite_keep(
     else:
         composite = sorted_desc + boost  # [L, B, K, S]
     per_row = jnp.moveaxis(composite, 1, 0)  # [B, L, ...]
-    flat = jnp.where(jnp.isfinite(per_row), per_row, -jnp.inf).reshape(b, -1)
-    chosen = rank_descending(flat) < total[:, None]
+    chosen = rank_descending(per_row.reshape(b, -1)) < total[:, None]
     counts = jnp.sum(chosen.reshape(per_row.shape), axis=-1)  # [B, L] or [B, L, K]
     counts = jnp.moveaxis(counts, 0, 1)  # [L, B] or [L, B, K]
     if structured:
@@ -121,7 +119,8 @@ class ComposedReplayCompression(base.PromptCompressionPart):
     needs_prompt_tokens: ClassVar[bool] = True
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
-        ids, positions = _replay_ids(obs.prompt_tokens, obs.prompt_lengths)
+        ids = obs.prompt_tokens
+        positions = _replay_positions(ids.shape[1], obs.prompt_lengths)
         received = replay_received(self.task, self.group)
         scores = replay_scores(model, kv, ids, positions, received)  # [L, B, K, S]
         held = kv.positions() >= 0
