@@ -16,6 +16,7 @@ import pytest
 import jaxkv
 from jaxkv import policies
 from jaxkv.models import load_hf_checkpoint
+from jaxkv.policies.noncausal import block_attention_sums
 
 FIXTURES = Path(__file__).parent / "kvpress_presses"
 META = json.loads((FIXTURES / "fixtures.json").read_text())
@@ -162,6 +163,18 @@ def test_presses_given_kvpress_s_parameters_keep_what_kvpress_keeps(model, case)
     policy = policies.from_spec(GIVEN_PARAMETER_CASES[case])
     state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy, policy_params=params)
     assert_keeps_as_fixture(state, fixture, loaded.config.num_layers, f"{name} {case}")
+
+
+@pytest.mark.parametrize("length", [1, 5, 12])
+def test_noncausal_padding_past_a_short_chunk_equals_padding_written_out(length):
+    """A chunk shorter than a block scores as the same chunk padded to the block with invalid
+    positions (kvpress's padding), without forming the padding."""
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((1, 4, 16, 8)), rng.standard_normal((1, 2, 16, 8))
+    valid = np.arange(16)[None] < length - 1  # the last position is padding inside the chunk too
+    short = block_attention_sums(q[:, :, :length], k[:, :, :length], valid[:, :length], 16)
+    written_out = block_attention_sums(q, k, valid, 16)[..., :length]
+    np.testing.assert_allclose(short, written_out, rtol=1e-6, atol=1e-7)
 
 
 def test_noncausal_blocks_over_prefill_chunks_keep_what_one_chunk_keeps(model):

@@ -35,27 +35,40 @@ _PADDED_KEY_LOGIT = -1e-9  # kvpress's fill for a padded key (not a mask)
 DEFAULT_BLOCK = 256
 
 
+def _softmax_with_padding(logits: jax.Array, padding: int) -> jax.Array:
+    """softmax over the last axis as if `padding` (static) more keys of logit -1e-9 stood
+    there, without them: kvpress's padded keys past the chunk's own."""
+    if padding:
+        extra = jnp.full(logits.shape[:-1] + (1,), _PADDED_KEY_LOGIT + np.log(padding))
+        return jax.nn.softmax(jnp.concatenate([logits, extra], axis=-1), axis=-1)[..., :-1]
+    return jax.nn.softmax(logits, axis=-1)
+
+
 def block_attention_sums(q: jax.Array, k: jax.Array, valid: jax.Array, block: int) -> jax.Array:
     """f32 [B, N, C]: per query head, the probability each position gets summed over the
     queries of its block (module docstring). q [B, N, C, H], k [B, K, C, H] after RoPE; valid
-    bool [B, C]; C is padded to whole blocks here (the padding as kvpress's)."""
+    bool [B, C]. A chunk shorter than a block (a decode step, a short prompt) is one block whose
+    padding past the chunk is accounted for, not formed: a decode step costs [1 x 1] logits."""
     b, n, c, h = q.shape
     group = n // k.shape[1]
-    padded = -(-c // block) * block
-    pad = padded - c
-    q = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
-    k = jnp.pad(
-        jnp.repeat(k.astype(jnp.float32), group, axis=1), ((0, 0), (0, 0), (0, pad), (0, 0))
-    )
-    valid = jnp.pad(valid, ((0, 0), (0, pad)))
-    blocks = padded // block
-    q = q.reshape(b, n, blocks, block, h)
-    k = k.reshape(b, n, blocks, block, h)
-    valid = valid.reshape(b, 1, blocks, block)
+    width = min(block, c)
+    padded = -(-c // width) * width
+    virtual = block - width  # kvpress's padding past a chunk shorter than a block
+    along_positions = ((0, 0), (0, 0), (0, padded - c), (0, 0))
+    q = jnp.pad(q.astype(jnp.float32), along_positions)
+    k = jnp.pad(jnp.repeat(k.astype(jnp.float32), group, axis=1), along_positions)
+    valid = jnp.pad(valid, ((0, 0), (0, padded - c)))
+    blocks = padded // width
+    q = q.reshape(b, n, blocks, width, h)
+    k = k.reshape(b, n, blocks, width, h)
+    valid = valid.reshape(b, 1, blocks, width)
     logits = jnp.einsum("bnjqh,bnjkh->bnjqk", q, k, precision="highest")
     logits = jnp.where(valid[..., :, None], logits, 0.0)  # padded queries: 0 everywhere
     logits = jnp.where(valid[..., None, :], logits, _PADDED_KEY_LOGIT)
-    received = jnp.sum(jax.nn.softmax(logits, axis=-1), axis=-2)  # [B, N, blocks, block]
+    received = jnp.sum(_softmax_with_padding(logits, virtual), axis=-2)  # [B, N, blocks, width]
+    if virtual:  # each padded query past the chunk gives what a padded query row does
+        padded_row = jnp.where(valid, 0.0, _PADDED_KEY_LOGIT)  # [B, 1, blocks, width]
+        received = received + virtual * _softmax_with_padding(padded_row, virtual)
     return received.reshape(b, n, padded)[..., :c]
 
 
