@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 
 from jaxkv import cli, policies
+from jaxkv.attention.dispatch import Backend
 from jaxkv.gates import fastkvzip as fastkvzip_gate
 from jaxkv.gates.wgkv import init_write_gates, save_write_gates
+from jaxkv.generation import mesh as programs
 from jaxkv.models import byte_tokenizer, init_model, save_hf_checkpoint
 from jaxkv.models.configs import preset
 from jaxkv.policies import spec
+from tests.test_lowering import MOSAIC_CALL, TRITON_CALL
 
 
 def _report(capsys):
@@ -202,7 +205,7 @@ def _tiny_gates(tmp_path):
     }
 
 
-# Options that fit every registered policy to a 91-token prompt.
+# Options that fit every registered policy to a 136-token prompt.
 POLICY_OPTIONS = {
     "snapkv": ["--budget", "32", "--policy-arg", "window=8"],
     "pyramidkv": ["--budget", "32", "--policy-arg", "window=8"],
@@ -229,17 +232,50 @@ POLICY_OPTIONS = {
 }
 
 
+# Over splash attention's 128-token tile: the prefill's causal attention goes through it on a TPU.
+SWEEP_PROMPT = ["--prompt", "The quick brown fox jumps over the lazy dog. " * 3]
+
+
+@pytest.fixture
+def lowered_for_tpu(monkeypatch):
+    """Runs each program as it is, and lowers the same program for "tpu" with backend
+    "pallas" where it runs with a backend: {program name: lowered StableHLO text}."""
+    texts: dict[str, str] = {}
+    run = programs.Program._run
+
+    def run_and_lower(self, mesh, arguments):
+        if arguments.get("backend") in (Backend.XLA, Backend.INTERPRET_TPU):
+            on_tpu = arguments | {"backend": Backend.PALLAS}
+            lowered = self.jitted.trace(**on_tpu).lower(lowering_platforms=("tpu",))
+            texts[self.fn.__name__] = lowered.as_text()
+        return run(self, mesh, arguments)
+
+    monkeypatch.setattr(programs.Program, "_run", run_and_lower)
+    return texts
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", policies.registered())
-def test_every_registered_policy_runs_through_the_cli(tmp_path, capsys, name):
+def test_every_registered_policy_runs_through_the_cli_and_its_programs_lower_for_tpu(
+    tmp_path, capsys, lowered_for_tpu, name
+):
+    """The TPU path checked on the same run: each program the CLI runs, traced again for "tpu"
+    with backend "pallas", holds Mosaic calls and never a Triton call. The policies that score
+    the prompt run splash attention inside the layer scan, where a kernel first built inside a
+    trace used to leak that trace's arrays into the next one."""
     options = POLICY_OPTIONS.get(name, [] if name in ("full", "gvote") else ["--budget", "0.5"])
     gates = _tiny_gates(tmp_path)
     if name in gates:
         options = [*options, "--gates", gates[name]]
-    assert cli.main(["generate", *TINY, *TINY_PROMPT, "--policy", name, *options]) == 0
+    assert cli.main(["generate", *TINY, *SWEEP_PROMPT, "--policy", name, *options]) == 0
     report = _report(capsys)
-    assert report["policy"] == name and report["prompt_tokens"] == 91
+    assert report["policy"] == name and report["prompt_tokens"] == 136
     assert report["policy_params"] == gates.get(name)
+    assert any("decode_loop" in program for program in lowered_for_tpu), sorted(lowered_for_tpu)
+    assert any("prefill" in program for program in lowered_for_tpu), sorted(lowered_for_tpu)
+    for program, text in lowered_for_tpu.items():
+        assert TRITON_CALL not in text, program
+        assert MOSAIC_CALL in text, program
 
 
 def test_duo_attention_picks_retrieval_heads_on_the_prompt(capsys):
