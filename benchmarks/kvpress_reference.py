@@ -88,6 +88,7 @@ PRESSES = {
     "cap": "CapPress",
     "leverage": "LeverageScorePress",
     "kvcompose": "KVComposePress",
+    "kvgrad": "KVgradPress",
 }
 # jaxkv's wrapping policies -> (kvpress's wrapper, the press it wraps: jaxkv's default `inner`).
 WRAPPERS = {

@@ -71,6 +71,14 @@ def reduce_partial_sums(x: jax.Array) -> jax.Array:
     return jax.lax.psum(x, MODEL_AXIS) if _in_sharded_program() else x
 
 
+def alike_over_heads(x: jax.Array) -> jax.Array:
+    """x, which every device of the model axis holds alike (a row's token ids), typed as
+    invariant over that axis (a max over it; x itself on one device). A gradient taken inside a
+    sharded program from a residual stream that starts there counts each device's heads once;
+    from a stream typed as varying, the all-reduces' transposes would sum every device's copy."""
+    return jax.lax.pmax(x, MODEL_AXIS) if _in_sharded_program() else x
+
+
 def gather_heads(tree: Any, axis: int) -> Any:
     """Every KV head's values of each leaf (its KV-head axis `axis`), in head order."""
     if not _in_sharded_program():

@@ -57,6 +57,7 @@ EXPECTED = {
     "entropy_chunkkv": ("prompt_compression",),
     "cap": ("prompt_compression",),  # with decoding=True, a decode eviction too
     "kvcompose": ("prompt_compression",),
+    "kvgrad": ("prompt_compression",),
     "lukv": ("prompt_compression",),
     "noncausal_attention": ("gate", "prompt_compression"),
     "qfilter": ("gate", "prompt_compression"),

@@ -75,6 +75,9 @@ POLICY_PARAMS = {
     },
 }
 
+# The replay policies' prompts in the tiny vocabulary (their byte-level defaults lie outside it).
+REPLAY_IDS = dict(repeat_ids=(1, 2, 3), continue_ids=(4, 5, 6), suffix_ids=(7,))
+
 # Every registered policy, with options that make it evict at these prompt lengths.
 POLICIES = {
     "full": {},
@@ -123,6 +126,7 @@ POLICIES = {
     "leverage": dict(budget=0.3, sketch_dimension=8),
     "kvzap": dict(budget=0.3),
     "kvcompose": dict(budget=0.3),
+    "kvgrad": dict(budget=0.3, chunk=64, **REPLAY_IDS),
     "lukv": dict(budget=0.3, inner="keydiff"),
     "noncausal_attention": dict(budget=0.3, block_size=16),
 }

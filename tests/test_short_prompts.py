@@ -79,6 +79,10 @@ KEPT_WHOLE = {
     "kvzap": (dict(budget=0.3, recent=32), SHORT),
     # Compresses any prompt (a layer may keep none of it): kept whole only at budget 1.
     "kvcompose": (dict(budget=1.0), SHORT),
+    "kvgrad": (
+        dict(budget=1.0, repeat_ids=(1, 2, 3), continue_ids=(4, 5, 6), suffix_ids=(7,)),
+        SHORT,
+    ),
     "noncausal_attention": (dict(budget=0.3, recent=32), SHORT),
     "lukv": (dict(budget=1.0), SHORT),  # the curve sets every head's count: 1 keeps all
 }

@@ -37,6 +37,7 @@ from jaxkv.policies.fastkvzip import FastKVzip, SinkGateParams
 from jaxkv.policies.finch import Finch
 from jaxkv.policies.gvote import GVote
 from jaxkv.policies.kvcompose import KVCompose
+from jaxkv.policies.kvgrad import KVgrad
 from jaxkv.policies.kvzap import KVzap, SurrogateParams
 from jaxkv.policies.kvzip import KVzip
 from jaxkv.policies.leverage import LeverageScore
@@ -108,6 +109,7 @@ __all__ = [
     "FullCache",
     "GVote",
     "KVCompose",
+    "KVgrad",
     "KVzap",
     "KVzip",
     "KeyDiff",

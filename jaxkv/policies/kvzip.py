@@ -74,11 +74,11 @@ _BYTE_LEVEL_VOCAB_LIMIT = 512
 _CONTEXT_MARK = "\u2063KVZIP-CONTEXT\u2063"
 
 
-def _turn_after_context(tokenizer, request: str) -> str:
-    """The chat text that follows a context sent as a user message: the end of that turn, a user
-    turn asking `request`, and the assistant's header (rendered by the model's own template)."""
+def text_after_context(tokenizer, turns: list[dict]) -> str:
+    """The chat text that follows a context sent as a user message: the end of that turn, the
+    messages `turns` and the assistant's header (rendered by the model's own template)."""
     context = [{"role": "user", "content": _CONTEXT_MARK}]
-    text = render_chat(tokenizer, [*context, {"role": "user", "content": request}])
+    text = render_chat(tokenizer, [*context, *turns])
     return text[text.index(_CONTEXT_MARK) + len(_CONTEXT_MARK) :]
 
 
@@ -103,29 +103,41 @@ def repeat_prompt_ids(tokenizer) -> dict[str, tuple[int, ...]]:
         texts = (REPEAT_PROMPT, CONTINUE_PROMPT)
     else:
         texts = tuple(
-            _turn_after_context(tokenizer, p.strip()) for p in (REPEAT_PROMPT, CONTINUE_PROMPT)
+            text_after_context(tokenizer, [{"role": "user", "content": p.strip()}])
+            for p in (REPEAT_PROMPT, CONTINUE_PROMPT)
         )
     repeat, continue_ = (tuple(tokenizer.encode(text, add_bos=False)) for text in texts)
     return {"repeat_ids": repeat, "continue_ids": continue_}
 
 
-def _replay_inputs(tokens, lengths, index: jax.Array, chunk: int, repeat_ids, continue_ids):
+def replay_inputs(
+    tokens, lengths, index: jax.Array, chunk: int, repeat_ids, continue_ids, suffix_ids=()
+):
     """Token ids and positions [B, P + chunk] of replay chunk `index` (P = the longer prompt).
 
-    The first chunk's prompt is left-padded (position -1) to the length of the later ones'.
-    Rows whose context ends before the chunk get only padding.
+    The first chunk's prompt is `repeat_ids`; a later one's is `continue_ids`, the previous
+    chunk's last `OVERLAP` tokens and `suffix_ids` (none in KVzip's code; kvpress closes the
+    request with the chat template's turn end). The first chunk's prompt is left-padded
+    (position -1) to the length of the later ones'. Rows whose context ends before the chunk get
+    only padding.
     """
     b = tokens.shape[0]
     first = jnp.asarray(repeat_ids, jnp.int32)
-    later_prefix = jnp.asarray(continue_ids, jnp.int32)
     start = index * chunk
     overlap = jax.lax.dynamic_slice_in_dim(tokens, jnp.maximum(start - OVERLAP, 0), OVERLAP, 1)
-    later = jnp.concatenate([jnp.broadcast_to(later_prefix, (b, len(continue_ids))), overlap], 1)
+    later = jnp.concatenate(
+        [
+            jnp.broadcast_to(jnp.asarray(continue_ids, jnp.int32), (b, len(continue_ids))),
+            overlap,
+            jnp.broadcast_to(jnp.asarray(suffix_ids, jnp.int32), (b, len(suffix_ids))),
+        ],
+        axis=1,
+    )
     width = later.shape[1]
     if len(repeat_ids) > width:
         raise ValueError(
             f"the repeat prompt ({len(repeat_ids)} tokens) must not be longer than the continue "
-            f"prompt plus {OVERLAP} tokens ({width})"
+            f"prompt plus {OVERLAP} tokens plus the suffix ({width})"
         )
     padded_first = jnp.concatenate([jnp.zeros((width - len(repeat_ids),), jnp.int32), first])
     prompt = jnp.where(index == 0, jnp.broadcast_to(padded_first, (b, width)), later)
@@ -146,34 +158,18 @@ def largest_received(probs: jax.Array, query_valid: jax.Array) -> jax.Array:
     return jnp.max(probs, axis=(2, 3))
 
 
-def replay_attention(
-    q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale, received=largest_received
-):
-    """Attention of the replay queries q [B, N, C, H] over the cached prefix (keys, values
-    [B, K, S, H], slots held bool [B, K, S]) and, causally, the chunk itself (k, v [B, K, C, H]).
-
-    The prefix is read in blocks of `REPLAY_PREFIX_BLOCK` slots, twice: an online softmax for
-    the output and the logsumexp, then each block's probabilities [B, K, G, C, block] (0 for
-    invalid queries) reduced by `received(probs, query_valid)` to [B, K, block]; no [C, S]
-    matrix is formed. Returns attn f32 [B, N, C, H] and f32 [B, K, S] what each prefix slot
-    received (by default the largest probability from any valid query of its group).
-    """
-    b, n, c, _ = q.shape
-    num_kv, s = prefix_k.shape[1], prefix_k.shape[2]
+def _prefix_blocks(q, positions, prefix_k, prefix_v, prefix_held, sm_scale):
+    """The cached prefix in blocks of `REPLAY_PREFIX_BLOCK` slots: (number of blocks, a function
+    of a block index giving its scaled, masked scores [B, K, G, C, block] and values)."""
+    s = prefix_k.shape[2]
     block = min(s, REPLAY_PREFIX_BLOCK)
     blocks = -(-s // block)
-    padding = blocks * block - s
-    pad_slots = ((0, 0), (0, 0), (0, padding))
+    pad_slots = ((0, 0), (0, 0), (0, blocks * block - s))
     prefix_k, prefix_v = (jnp.pad(x, (*pad_slots, (0, 0))) for x in (prefix_k, prefix_v))
     prefix_held = jnp.pad(prefix_held, pad_slots)
     query_valid = (positions >= 0)[:, None, None, :, None]
-    causal = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] >= 0)
-    chunk_scores = grouped_scores(q, k) * sm_scale
-    chunk_scores = jnp.where(causal[:, None, None] & query_valid, chunk_scores, -jnp.inf)
-    out, lse = attention_from_scores(chunk_scores, v)
 
     def prefix_block(index):
-        """Scaled, masked scores [B, K, G, C, block] and values of one block of the prefix."""
         keys, values = (
             jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=2)
             for x in (prefix_k, prefix_v)
@@ -182,11 +178,41 @@ def replay_attention(
         scores = grouped_scores(q, keys) * sm_scale
         return jnp.where(held[:, :, None, None, :] & query_valid, scores, -jnp.inf), values
 
+    return blocks, prefix_block
+
+
+def replay_output(q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale):
+    """Attention of the replay queries q [B, N, C, H] over the cached prefix (keys, values
+    [B, K, S, H], slots held bool [B, K, S]) and, causally, the chunk itself (k, v [B, K, C, H]):
+    an online softmax over the prefix's blocks, no [C, S] matrix. Returns attn f32 [B, N, C, H]
+    and the logsumexp f32 [B, N, C]."""
+    query_valid = (positions >= 0)[:, None, None, :, None]
+    causal = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] >= 0)
+    chunk_scores = grouped_scores(q, k) * sm_scale
+    chunk_scores = jnp.where(causal[:, None, None] & query_valid, chunk_scores, -jnp.inf)
+    blocks, prefix_block = _prefix_blocks(q, positions, prefix_k, prefix_v, prefix_held, sm_scale)
+
     def accumulate(index, partial):
         return merge_partials(*partial, *attention_from_scores(*prefix_block(index)))
 
-    out, lse = jax.lax.fori_loop(0, blocks, accumulate, (out, lse))
+    return jax.lax.fori_loop(0, blocks, accumulate, attention_from_scores(chunk_scores, v))
+
+
+def replay_attention(
+    q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale, received=largest_received
+):
+    """`replay_output`, and what each prefix slot received: the prefix read a second time,
+    each block's probabilities [B, K, G, C, block] (0 for invalid queries) reduced by
+    `received(probs, query_valid)` to [B, K, block]. Returns attn f32 [B, N, C, H] and f32
+    [B, K, S] (by default the largest probability from any valid query of its group).
+    """
+    b, n, c, _ = q.shape
+    num_kv, s = prefix_k.shape[1], prefix_k.shape[2]
+    out, lse = replay_output(q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale)
     grouped_lse = lse.reshape(b, num_kv, n // num_kv, c)[..., None]
+    query_valid = (positions >= 0)[:, None, None, :, None]
+    _, prefix_block = _prefix_blocks(q, positions, prefix_k, prefix_v, prefix_held, sm_scale)
+    blocks = -(-s // min(s, REPLAY_PREFIX_BLOCK))
 
     def block_received(index):
         scores, _ = prefix_block(index)
@@ -251,14 +277,10 @@ def reconstruction_scores(
     cfg = model.config
     if tokens.shape[1] % chunk:
         raise ValueError(f"tokens have {tokens.shape[1]} columns, not a multiple of chunk={chunk}")
-    if max(*repeat_ids, *continue_ids) >= cfg.vocab_size:
-        raise ValueError(
-            f"repeat_ids/continue_ids hold ids outside the vocabulary [0, {cfg.vocab_size}): "
-            "pass the model tokenizer's ids of the repeat prompts"
-        )
+    check_replay_ids(cfg.vocab_size, repeat_ids, continue_ids)
 
     def one_chunk(best, index):
-        ids, positions = _replay_inputs(tokens, lengths, index, chunk, repeat_ids, continue_ids)
+        ids, positions = replay_inputs(tokens, lengths, index, chunk, repeat_ids, continue_ids)
         return jnp.maximum(best, replay_scores(model, kv, ids, positions)), None
 
     best = jnp.zeros(kv.lengths.shape + (kv.max_tokens_per_head,), jnp.float32)
@@ -298,10 +320,7 @@ class ReplayCompression(PromptCompressionPart):
     needs_prompt_tokens: ClassVar[bool] = True
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
-        tokens = obs.prompt_tokens
-        # A prompt shorter than a chunk replays in one chunk of its padded length.
-        chunk = min(self.chunk, tokens.shape[1])
-        tokens = jnp.pad(tokens, ((0, 0), (0, -tokens.shape[1] % chunk)))
+        tokens, chunk = replay_chunks(obs.prompt_tokens, self.chunk)
         scores = reconstruction_scores(
             model,
             kv,
@@ -312,17 +331,41 @@ class ReplayCompression(PromptCompressionPart):
             continue_ids=self.continue_ids,
         )
         positions = kv.positions()
-        held = positions >= 0
-        protected = held & (positions >= obs.prompt_lengths[:, None, None] - self.recent)
+        protected = positions >= obs.prompt_lengths[:, None, None] - self.recent
         total = obs.budget_tokens * kv.num_layers * kv.lengths.shape[2] * collectives.head_shards()
-        keep = collectives.over_all_heads(
-            lambda scores, held, protected: keep_top_globally(scores, total, held, protected),
-            scores,
-            held,
-            protected,
-            axis=2,
+        return compact_top_globally(kv, scores, total, protected)
+
+
+def replay_chunks(tokens: jax.Array, chunk: int) -> tuple[jax.Array, int]:
+    """The prompts int32 [B, T] padded to a multiple of the replay chunk, and the chunk: a
+    prompt shorter than `chunk` replays in one chunk of its padded length."""
+    chunk = min(chunk, tokens.shape[1])
+    return jnp.pad(tokens, ((0, 0), (0, -tokens.shape[1] % chunk))), chunk
+
+
+def compact_top_globally(kv: KVState, scores, total, protected) -> KVState:
+    """`kv` holding, per sequence, its protected slots and best-scored others, `total` in all
+    over every device's heads (`keep_top_globally`); scores f32 [L, B, K, S], total int [B],
+    protected bool [L, B, K, S]."""
+    held = kv.positions() >= 0
+    keep = collectives.over_all_heads(
+        lambda scores, held, protected: keep_top_globally(scores, total, held, protected),
+        scores,
+        held,
+        protected & held,
+        axis=2,
+    )
+    return compact(kv, keep)
+
+
+def check_replay_ids(vocab_size: int, *ids: tuple[int, ...]) -> None:
+    """Refuses replay prompt ids outside the model's vocabulary."""
+    if max(max(group, default=0) for group in ids) >= vocab_size:
+        raise ValueError(
+            f"the replay prompts' ids (repeat_ids, continue_ids, ...) hold ids outside the "
+            f"vocabulary [0, {vocab_size}): pass the model tokenizer's ids "
+            "(policy.for_tokenizer(tokenizer))"
         )
-        return compact(kv, keep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,9 +456,15 @@ class KVzip(Policy):
     def check_model(self, model_config) -> None:
         defaults = (byte_ids(REPEAT_PROMPT), byte_ids(CONTINUE_PROMPT))
         byte_level = (self.repeat_ids, self.continue_ids) == defaults
-        if byte_level and model_config.vocab_size > _BYTE_LEVEL_VOCAB_LIMIT:
-            raise ValueError(
-                f"policy 'kvzip' would replay its byte-level repeat prompt to a model with "
-                f"{model_config.vocab_size} tokens: give the model's ids with "
-                "policy.for_tokenizer(tokenizer) (or repeat_ids=/continue_ids=)"
-            )
+        check_byte_level_prompts(self.name, byte_level, model_config)
+
+
+def check_byte_level_prompts(owner: str, byte_level: bool, model_config) -> None:
+    """Refuses a replay policy's byte-level default prompts for a model whose vocabulary is
+    not byte-level (its ids would be other tokens)."""
+    if byte_level and model_config.vocab_size > _BYTE_LEVEL_VOCAB_LIMIT:
+        raise ValueError(
+            f"policy {owner!r} would replay its byte-level repeat prompt to a model with "
+            f"{model_config.vocab_size} tokens: give the model's ids with "
+            "policy.for_tokenizer(tokenizer) (or repeat_ids=/continue_ids=)"
+        )

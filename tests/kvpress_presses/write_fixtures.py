@@ -28,6 +28,7 @@ import kvpress
 import numpy as np
 import torch
 import transformers
+from kvpress.presses import kvzip_press
 from transformers import DynamicCache
 
 HERE = Path(__file__).resolve().parent
@@ -224,10 +225,15 @@ CASES = {
         "kvcompose:0.4:task=mean:group=max:aggregate_heads=max:mean_across_heads=false"
         ":lower_bound=16",
     ),
+    # The replay presses read their prompts through a byte-level stand-in tokenizer
+    # (`ByteTokenizer`): jaxkv's byte-level defaults are the same ids.
+    "kvgrad-chunks": (
+        lambda: kvpress.KVgradPress(compression_ratio=0.5, chunk_size=64),
+        "kvgrad:0.5:chunk=64",
+    ),
+    "kvgrad": (lambda: kvpress.KVgradPress(compression_ratio=0.7), "kvgrad:0.3"),
 }
 
-# Presses that compress during generation: (press, jaxkv spec, greedy decode steps). The fixture
-# holds the generated tokens too (`tokens`), and the positions kept at the end.
 # name: (kvpress press, jaxkv spec): presses that zero key channels and keep every token;
 # `MODEL/CASE.npz` holds `zeroed`, bool [L, K, H], the channels zero in every key of a head.
 CHANNEL_CASES = {
@@ -283,6 +289,8 @@ MERGE_CASES = {
     ),
 }
 
+# Presses that compress during generation: (press, jaxkv spec, greedy decode steps). The fixture
+# holds the generated tokens too (`tokens`), and the positions kept at the end.
 DECODING_CASES = {
     "decoding-knorm": (
         lambda: kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=8, target_size=64),
@@ -474,6 +482,37 @@ def given_filters(ratio: float, filters: np.ndarray):
     return GivenFilters(compression_ratio=ratio)
 
 
+class ByteTokenizer:
+    """What KVzipPress and KVgradPress read from the model's tokenizer (they load it by the
+    model's name, which a random model has not): no chat template, UTF-8 bytes as ids."""
+
+    chat_template = None
+
+    def encode(self, text: str, return_tensors=None, add_special_tokens=False) -> torch.Tensor:
+        del return_tensors, add_special_tokens
+        return torch.tensor([list(text.encode())])
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs) -> ByteTokenizer:
+        return cls()
+
+
+def recorded_replay_scores(press) -> dict[int, np.ndarray]:
+    """Wraps a replay press's `compress_post` to record its scores of every layer, sinks
+    raised above the rest (`score_val`, [L, 1, K, T]), before it evicts."""
+    scores: dict[int, np.ndarray] = {}
+    original = press.compress_post
+
+    def compress_post(model):
+        out = original(model)
+        for layer, layer_scores in enumerate(press.score_val.float().numpy()):
+            scores[layer] = layer_scores[0]
+        return out
+
+    press.compress_post = compress_post
+    return scores
+
+
 def build_model(name: str, directory: Path) -> transformers.PreTrainedModel:
     """A random fp32 model (norms near 1, weights of std 0.08), saved to `directory`."""
     config_cls, kwargs = MODELS[name]
@@ -644,6 +683,7 @@ def git_commit() -> str:
 
 
 def main() -> None:
+    kvzip_press.AutoTokenizer = ByteTokenizer
     rng = np.random.default_rng(SEED)
     # Distinct tokens: a repeated one has the same key norm, a tie for Knorm.
     ids = torch.tensor(3 + rng.permutation(_COMMON["vocab_size"] - 3)[None, :PROMPT_TOKENS])
@@ -660,7 +700,12 @@ def main() -> None:
                 attention.masked_key_indices = None
             press = make_press()
             wraps = hasattr(press, "press")
-            scores = None if wraps or not hasattr(press, "score") else recorded_scores(press)
+            if isinstance(press, kvpress.KVzipPress):
+                scores = recorded_replay_scores(press)
+            elif wraps or not hasattr(press, "score"):
+                scores = None
+            else:
+                scores = recorded_scores(press)
             cache = prefill(model, ids, press)
             reference = eager_full if isinstance(press, kvpress.KVComposePress) else full
             kept = [
