@@ -87,6 +87,7 @@ PRESSES = {
     "cur": "CURPress",
     "cap": "CapPress",
     "leverage": "LeverageScorePress",
+    "compactor": "CompactorPress",
     "kvcompose": "KVComposePress",
     "kvgrad": "KVgradPress",
 }

@@ -16,6 +16,7 @@ import pytest
 import jaxkv
 from jaxkv import policies
 from jaxkv.models import load_hf_checkpoint
+from jaxkv.policies import compactor, leverage
 from jaxkv.policies.noncausal import block_attention_sums
 
 FIXTURES = Path(__file__).parent / "kvpress_presses"
@@ -200,14 +201,32 @@ def full_cache_keys(loaded, layer: int) -> tuple[np.ndarray, np.ndarray]:
     return keys[None], positions[None]
 
 
-@pytest.mark.parametrize("case", sorted(META["sketch_cases"]))
+def _sketch_cases(policy: str) -> list[str]:
+    return sorted(c for c, spec in META["sketch_cases"].items() if spec.split(":")[0] == policy)
+
+
+def assert_kept_near_kvpress_cut(name: str, loaded, case: str, tolerance: float) -> None:
+    """The sketch case's policy (jaxkv's own sketch) keeps kvpress's positions per head on
+    model `name`, any choice among tokens within `tolerance` of kvpress's cut apart."""
+    fixture = np.load(FIXTURES / name / f"{case}.npz")
+    state = jaxkv.compress_prompt(loaded, [META["prompt"]], META["sketch_cases"][case])
+    ours_kept = kept_by_head(state, loaded.config.num_layers)
+    for layer, heads in enumerate(fixture["kept"]):
+        for head, theirs in enumerate(heads):
+            theirs = set(int(p) for p in theirs[theirs >= 0])
+            scores = fixture["scores"][layer, head]
+            cut = min(scores[p] for p in theirs)
+            differ = ours_kept[layer][head] ^ theirs
+            off_cut = [p for p in differ if abs(scores[p] - cut) > tolerance]
+            assert len(ours_kept[layer][head]) == len(theirs) and not off_cut, (layer, head)
+
+
+@pytest.mark.parametrize("case", _sketch_cases("leverage"))
 def test_leverage_scores_equal_kvpress_with_its_sketch(model, case):
     """LeverageScore: with kvpress's own Gaussian sketch, each layer's z-scored leverage equals
     kvpress's (float32 Cholesky solves apart); with a sketch wider than the head (k >= H the
     sketch changes the scores only through kvpress's jitter) jaxkv's own draw keeps kvpress's
     positions, ties at the cut apart."""
-    from jaxkv.policies import leverage
-
     name, loaded = model
     fixture = np.load(FIXTURES / name / f"{case}.npz")
     for layer, theirs in enumerate(fixture["scores"]):
@@ -217,18 +236,39 @@ def test_leverage_scores_equal_kvpress_with_its_sketch(model, case):
         raw = leverage.leverage_scores(unrotated, held, fixture["sketch"][layer][None])
         ours = np.asarray(leverage.z_scores(raw, held))[0]
         np.testing.assert_allclose(ours, theirs, atol=5e-3, err_msg=f"{name} layer {layer}")
-    if fixture["sketch"].shape[-1] < loaded.config.head_dim:
-        return
+    if fixture["sketch"].shape[-1] >= loaded.config.head_dim:
+        assert_kept_near_kvpress_cut(name, loaded, case, tolerance=0.02)
+
+
+@pytest.mark.parametrize("case", _sketch_cases("compactor"))
+def test_compactor_scores_equal_kvpress_with_its_sketch(model, case):
+    """Compactor: with kvpress's own sketch, each layer's blend of z-scored leverage and
+    non-causal block attention over the scored range equals kvpress's (the attention as the
+    gate stored it at prefill); with a sketch wider than the head, jaxkv's own draw keeps
+    kvpress's positions, ties at the cut apart."""
+    name, loaded = model
+    fixture = np.load(FIXTURES / name / f"{case}.npz")
     policy = policies.from_spec(META["sketch_cases"][case])
-    state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy)
-    ours_kept = kept_by_head(state, loaded.config.num_layers)
-    for layer, heads in enumerate(fixture["kept"]):
-        for head, theirs in enumerate(heads):
-            theirs = set(int(p) for p in theirs[theirs >= 0])
-            scores = fixture["scores"][layer, head]
-            cut = min(scores[p] for p in theirs)
-            off_cut = [p for p in ours_kept[layer][head] ^ theirs if abs(scores[p] - cut) > 0.02]
-            assert len(ours_kept[layer][head]) == len(theirs) and not off_cut, (layer, head)
+    length = len(META["prompt"])
+    whole = jaxkv.compress_prompt(loaded, [META["prompt"]], dataclasses.replace(policy, budget=1.0))
+    scored = slice(policy.sinks, length - policy.recent)
+    for layer, theirs in enumerate(fixture["scores"]):
+        keys, positions = full_cache_keys(loaded, layer)
+        unrotated = leverage.unrotated_keys(loaded.config, jax.numpy.asarray(keys), positions)
+        in_range = compactor.scored_range(
+            positions, np.array([length]), policy.sinks, policy.recent
+        )
+        attention = np.asarray(whole.token_scores(layer))[:, :, :length]
+        sketch = fixture["sketch"][layer][None]
+        ours = compactor.compactor_scores(unrotated, in_range, attention, sketch, policy.blending)
+        np.testing.assert_allclose(
+            np.asarray(ours)[0][:, scored],
+            theirs[:, scored],
+            atol=5e-3,
+            err_msg=f"{name} layer {layer}",
+        )
+    if fixture["sketch"].shape[-1] >= loaded.config.head_dim:
+        assert_kept_near_kvpress_cut(name, loaded, case, tolerance=0.02)
 
 
 @pytest.mark.parametrize("case", sorted(META["merge_cases"]))

@@ -60,6 +60,7 @@ EXPECTED = {
     "kvgrad": ("prompt_compression",),
     "lukv": ("prompt_compression",),
     "noncausal_attention": ("gate", "prompt_compression"),
+    "compactor": ("gate", "prompt_compression"),
     "qfilter": ("gate", "prompt_compression"),
     "expected_attention_stats": ("prompt_compression",),
     "leverage": ("prompt_compression",),

@@ -129,6 +129,7 @@ POLICIES = {
     "kvgrad": dict(budget=0.3, chunk=64, **REPLAY_IDS),
     "lukv": dict(budget=0.3, inner="keydiff"),
     "noncausal_attention": dict(budget=0.3, block_size=16),
+    "compactor": dict(budget=0.3, block_size=16, sketch_dimension=8),
 }
 
 

@@ -84,6 +84,7 @@ KEPT_WHOLE = {
         SHORT,
     ),
     "noncausal_attention": (dict(budget=0.3, recent=32), SHORT),
+    "compactor": (dict(budget=0.3), SHORT),  # 8 sinks + 4 recent: over 30% of 20
     "lukv": (dict(budget=1.0), SHORT),  # the curve sets every head's count: 1 keeps all
 }
 

@@ -12,6 +12,7 @@ from jaxkv.policies.base import (
     registered,
 )
 from jaxkv.policies.cap import Cap
+from jaxkv.policies.compactor import Compactor
 from jaxkv.policies.compose import Composed, compose
 from jaxkv.policies.confkv import (
     ConfidenceWeights,
@@ -90,6 +91,7 @@ __all__ = [
     "Cap",
     "Chunk",
     "ChunkKV",
+    "Compactor",
     "Composed",
     "ConfKV",
     "ConfidenceWeights",

@@ -41,6 +41,8 @@ class LayerView:
       queries: [B, N, w, H] observed queries (None when the policy observes none).
       query_positions: int32 [B, w] their positions, -1 for empty slots.
       prompt_lengths: int32 [B].
+      budget_tokens: int32 [B] (or [B, n]: `PrefillObservations`) tokens kept per head (None
+        in a view of the cache alone).
       input_mean, input_var: f32 [B, D] attention-input statistics (None unless requested).
       query_mean, query_covariance: f32 [B, N, H], [B, N, H, H] pre-RoPE query statistics
         (None unless requested: `PrefillObservations`).
@@ -58,6 +60,7 @@ class LayerView:
     queries: jax.Array | None
     query_positions: jax.Array | None
     prompt_lengths: jax.Array
+    budget_tokens: jax.Array | None
     input_mean: jax.Array | None
     input_var: jax.Array | None
     query_mean: jax.Array | None
@@ -94,7 +97,7 @@ def map_layers(kv: KVState, obs: PrefillObservations, model, layer_fn, *, values
         kv,
         layers,
         model.config,
-        obs.prompt_lengths,
+        (obs.prompt_lengths, obs.budget_tokens),
         observed,
         query_positions,
         obs.key,
@@ -107,12 +110,13 @@ def map_cache_layers(kv: KVState, prompt_lengths, layer_fn, *, values: bool = Fa
     """`map_layers` over the cache alone (no observations, parameters nor key: a decode step's
     eviction by a cache-only scorer that draws nothing). prompt_lengths: int32 [B]."""
     layers = (None, None, jnp.arange(kv.num_layers))
-    return _map_views(kv, layers, None, prompt_lengths, (None,) * 5, None, None, layer_fn, values)
+    lengths = (prompt_lengths, None)
+    return _map_views(kv, layers, None, lengths, (None,) * 5, None, None, layer_fn, values)
 
 
-def _map_views(
-    kv, layers, config, prompt_lengths, observed, query_positions, key, layer_fn, values
-):
+def _map_views(kv, layers, config, lengths, observed, query_positions, key, layer_fn, values):
+    prompt_lengths, budget_tokens = lengths
+
     def one_layer(xs):
         page_table, lengths, observed, (params, policy_params, layer) = xs
         queries, mean, var, query_mean, query_covariance = observed
@@ -124,6 +128,7 @@ def _map_views(
             queries=queries,
             query_positions=query_positions,
             prompt_lengths=prompt_lengths,
+            budget_tokens=budget_tokens,
             input_mean=mean,
             input_var=var,
             query_mean=query_mean,

@@ -62,6 +62,18 @@ def z_scores(scores: jax.Array, held: jax.Array) -> jax.Array:
     return (scores - mean) / jnp.maximum(std, 1e-6)
 
 
+def gaussian_sketch(view: LayerView, sketch_dimension: int) -> jax.Array:
+    """f32 [B, K_all, H, k]: each row's Gaussian sketch N(0, 1/k) of every KV head (all
+    devices'), drawn from the layer's key and the request's row index: a mesh draws the same."""
+    b, k, _, h = view.keys.shape
+
+    def row_sketch(row):
+        shape = (k * collectives.head_shards(), h, sketch_dimension)
+        return jax.random.normal(jax.random.fold_in(view.key, row), shape)
+
+    return jax.vmap(row_sketch)(collectives.global_rows(b)) / sketch_dimension**0.5
+
+
 @dataclasses.dataclass(frozen=True)
 class LeverageScores(Scorer):
     """LeverageScore's scores (module docstring). Attributes: as `LeverageScore`'s."""
@@ -69,13 +81,7 @@ class LeverageScores(Scorer):
     sketch_dimension: int
 
     def layer_scores(self, view: LayerView) -> jax.Array:
-        b, k, _, h = view.keys.shape
-
-        def row_sketch(row):  # per request row over every KV head: a mesh draws the same
-            shape = (k * collectives.head_shards(), h, self.sketch_dimension)
-            return jax.random.normal(jax.random.fold_in(view.key, row), shape)
-
-        sketch = jax.vmap(row_sketch)(collectives.global_rows(b)) / self.sketch_dimension**0.5
+        sketch = gaussian_sketch(view, self.sketch_dimension)
         keys = unrotated_keys(view.config, view.keys, view.positions)
 
         def every_head(keys, held):  # a Cholesky solve's rounding follows its batch's shape:

@@ -350,13 +350,29 @@ STATS_CASES = {
     "expected_attention_stats-0.25": (0.75, "expected_attention_stats:0.25"),
 }
 
-# name: (kvpress press, jaxkv spec): LeverageScorePress, whose Gaussian sketches (torch.randn)
-# are recorded: `MODEL/CASE.npz` holds `sketch` f32 [L, K, H, k] beside `kept` and `scores`.
+# name: (kvpress press, jaxkv spec): LeverageScorePress and CompactorPress, whose Gaussian
+# sketches (torch.randn) are recorded: `MODEL/CASE.npz` holds `sketch` f32 [L, K, H, k] beside
+# `kept` and `scores`.
 SKETCH_CASES = {
     "leverage-0.5": (lambda: kvpress.LeverageScorePress(compression_ratio=0.5), "leverage:0.5"),
     "leverage-0.25-k8": (
         lambda: kvpress.LeverageScorePress(compression_ratio=0.75, sketch_dimension=8),
         "leverage:0.25:sketch_dimension=8",
+    ),
+    # kvpress blends with its compression ratio; jaxkv's default blends with the kept share.
+    "compactor-0.5": (
+        lambda: kvpress.CompactorPress(compression_ratio=0.5),
+        "compactor:0.5:blending=0.5",
+    ),
+    "compactor-0.3-blocks": (
+        lambda: kvpress.CompactorPress(compression_ratio=0.7, chunk_size=64, blending=0.2),
+        "compactor:0.3:block_size=64:blending=0.2",
+    ),
+    "compactor-0.4-sinks": (
+        lambda: kvpress.CompactorPress(
+            compression_ratio=0.6, sink_size_start=4, sink_size_end=16, sketch_dimension=8
+        ),
+        "compactor:0.4:sinks=4:recent=16:sketch_dimension=8:blending=0.6",
     ),
 }
 
