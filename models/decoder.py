@@ -216,9 +216,21 @@ def attention_output_and_mlp(
       sums the output projection's and the MLP's partial products over the devices; None on one
       device.
     """
+    x = attention_residual(lp, x, attn, reduce_partial_sums)
+    return mlp_residual(lp, cfg, x, reduce_partial_sums)
+
+
+def attention_residual(lp: Params, x: jax.Array, attn: jax.Array, reduce_partial_sums=None):
+    """x [B, T, D] plus the output projection of attn [B, N, T, H] (`attention_output_and_mlp`'s
+    first half: the residual stream the MLP reads)."""
     reduce = reduce_partial_sums or (lambda y: y)
     heads_last = attn.astype(x.dtype).transpose(0, 2, 1, 3)  # [B, T, N, H]: see _project_heads
-    x = x + reduce(jnp.einsum("btnh,nhd->btd", heads_last, lp["wo"]))
+    return x + reduce(jnp.einsum("btnh,nhd->btd", heads_last, lp["wo"]))
+
+
+def mlp_residual(lp: Params, cfg: ModelConfig, x: jax.Array, reduce_partial_sums=None):
+    """x [B, T, D] plus the MLP block of its norm (`attention_output_and_mlp`'s second half)."""
+    reduce = reduce_partial_sums or (lambda y: y)
     h = layers.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     return x + reduce(layers.swiglu_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
 
