@@ -225,6 +225,7 @@ POLICY_OPTIONS = {
     "fastkvzip": ["--budget", "0.5", "--policy-arg", "window=8"],
     "quest": ["--budget", "16"],
     "decoding": ["--policy-arg", "target_size=8", "--policy-arg", "compression_interval=1"],
+    "cam": ["--policy-arg", "target_size=100", "--policy-arg", "compression_interval=1"],
     "dms": ["--policy-arg", "threshold=-1.0", "--policy-arg", "window=4"],
     "simlayerkv": ["--policy-arg", "lazy_threshold=0.1", "--policy-arg", "n_recent=8"],
     "think": ["--policy-arg", "key_channel_ratio=0.5"],

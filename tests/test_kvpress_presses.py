@@ -15,8 +15,8 @@ import pytest
 
 import jaxkv
 from jaxkv import policies
-from jaxkv.models import load_hf_checkpoint
-from jaxkv.policies import compactor, leverage
+from jaxkv.models import init_model, load_hf_checkpoint
+from jaxkv.policies import cam, compactor, leverage
 from jaxkv.policies.noncausal import block_attention_sums
 
 FIXTURES = Path(__file__).parent / "kvpress_presses"
@@ -359,3 +359,51 @@ def test_compression_during_decode_keeps_what_kvpress_keeps(model, case):
             assert ours[layer][head] == set(int(p) for p in theirs[theirs >= 0]), (
                 f"{name} {spec} layer {layer} head {head}"
             )
+
+
+@pytest.mark.parametrize("case", META["cam_cases"])
+def test_cam_keeps_and_merges_as_kvpress_given_its_draws(case):
+    """CaM's compression of one layer (kvpress's CAMPress.compress on random keys, values and
+    cumulative attentions): the same tokens kept in every head, the same merge probabilities,
+    and with kvpress's Bernoulli draws the same values after the merges."""
+    fixture = np.load(FIXTURES / "cam" / f"{case}.npz")
+    target, interval, merge_budget = (int(x) for x in fixture["settings"])
+    keys, values = fixture["keys"], fixture["values"]
+    held = np.ones(keys.shape[1], bool)
+    keep, merging = cam.cam_choice(fixture["scores"].mean(0), held, target, interval)
+    keep = np.asarray(keep)
+    np.testing.assert_array_equal(fixture["kept_keys"], keys[:, keep])
+    slots = np.flatnonzero(np.asarray(merging))  # kvpress's merge indices, ascending
+    mask = fixture["mask"]
+    assert len(slots) == mask.shape[-1] and 0 < mask.mean() < 1
+    uniform = np.ones(fixture["attention"].shape, np.float32)
+    uniform[:, slots] = np.where(mask > 0, 0.0, 1.0)  # merges exactly where kvpress drew 1
+    probability, merged = cam.cam_merge(
+        values, fixture["attention"], keep, merging, target, merge_budget, uniform
+    )
+    np.testing.assert_allclose(np.asarray(probability)[:, slots], fixture["probability"], 1e-6)
+    np.testing.assert_allclose(np.asarray(merged)[:, keep], fixture["kept_values"], atol=1e-5)
+
+
+def test_cam_accumulates_the_attention_of_decode_steps_only(monkeypatch):
+    """CaM's cumulative attention (kvpress's running sum) starts at the first decode step: after
+    t steps every head's tokens hold t in all (each step's probabilities sum to one), the
+    prompt's own queries adding none."""
+    from tests.test_sharding import CONFIG, sharded_test_prompts
+
+    totals = []
+    on_decode = cam.MergingDecodeEviction.on_decode
+
+    def recording(self, kv, ctx):
+        jax.debug.callback(lambda x: totals.append(np.asarray(x)), kv.token_scores().sum(-1))
+        return on_decode(self, kv, ctx)
+
+    monkeypatch.setattr(cam.MergingDecodeEviction, "on_decode", recording)
+    model = init_model(CONFIG, seed=1, scale=0.3)
+    policy = policies.get("cam", target_size=400, compression_interval=1)  # never over it
+    jaxkv.generate(
+        model, sharded_test_prompts()[:2], max_new_tokens=4, policy=policy, stop_tokens=[]
+    )
+    for step, total in enumerate(totals, start=1):  # [L, B, K] after `step` decode steps
+        np.testing.assert_allclose(total, step, rtol=1e-5)
+    assert len(totals) == 3  # the first token comes from the prefill's logits

@@ -46,6 +46,7 @@ EXPECTED = {
     "criticalkv": ("prompt_compression",),
     "critical_adakv": ("prompt_compression",),
     "decoding": ("decode_eviction",),
+    "cam": ("attention_scoring", "decode_eviction"),
     "ratio_decoding": ("decode_eviction",),
     "per_layer": ("prompt_compression",),
     "dms": ("prompt_compression",),

@@ -111,6 +111,7 @@ POLICIES = {
     "criticalkv": dict(budget=0.3, inner=policies.get("snapkv", window=8)),
     "critical_adakv": dict(budget=0.3, inner=policies.get("snapkv", window=8)),
     "decoding": dict(target_size=16, compression_interval=4),
+    "cam": dict(target_size=96, compression_interval=4, merge_budget=8),
     "ratio_decoding": dict(budget=0.3, compression_interval=4),
     "per_layer": dict(budgets=(0.2, 0.5)[: CONFIG.num_layers], inner="keydiff"),
     "dms": dict(threshold=-1.0, window=8),
@@ -169,6 +170,20 @@ def test_policy_tokens_equal_one_device_on_a_2x4_mesh(model, prompts, name):
     sharded = _run(name, model, prompts, _mesh(2, 4))
     np.testing.assert_array_equal(sharded.tokens, one.tokens)
     np.testing.assert_array_equal(sharded.pages_in_use, one.pages_in_use)
+    assert one.pages_in_use[-1] < _run("full", model, prompts).pages_in_use[-1]
+
+
+def test_cam_merges_as_one_device_with_rows_split_and_keeps_its_pages_with_heads_split(
+    model, prompts
+):
+    """CaM draws each row's merges over every head: rows split 2 ways give one device's tokens.
+    With heads split, its Knorm scores differ from one device's in the last bits (as `knorm`'s)
+    and a near tie may keep another token; the pages are one device's."""
+    one = _run("cam", model, prompts)
+    rows = _run("cam", model, prompts, _mesh(2, 1))
+    np.testing.assert_array_equal(rows.tokens, one.tokens)
+    heads = _run("cam", model, prompts, _mesh(2, 4))
+    np.testing.assert_array_equal(heads.pages_in_use, one.pages_in_use)
     assert one.pages_in_use[-1] < _run("full", model, prompts).pages_in_use[-1]
 
 

@@ -64,6 +64,7 @@ KEPT_WHOLE = {
     "criticalkv": (dict(budget=0.3), SHORT),
     "critical_adakv": (dict(budget=0.3), SHORT),
     "decoding": (dict(target_size=32, compression_interval=4), SHORT),
+    "cam": (dict(target_size=32, compression_interval=4), SHORT),
     "ratio_decoding": (dict(budget=0.3, compression_interval=512), SHORT),
     "dms": (dict(threshold=0.0, window=32), SHORT),
     "simlayerkv": (dict(lazy_threshold=0.0, n_recent=16), SHORT),

@@ -11,6 +11,7 @@ from jaxkv.policies.base import (
     register,
     registered,
 )
+from jaxkv.policies.cam import CAM
 from jaxkv.policies.cap import Cap
 from jaxkv.policies.compactor import Compactor
 from jaxkv.policies.compose import Composed, compose
@@ -88,6 +89,7 @@ __all__ = [
     "AdaKV",
     "Block",
     "Budget",
+    "CAM",
     "Cap",
     "Chunk",
     "ChunkKV",

@@ -289,6 +289,61 @@ MERGE_CASES = {
     ),
 }
 
+# CAMPress's compression of one layer, called directly on random keys, values and cumulative
+# attentions: (slots, KV heads, head dim, target_size, compression_interval, merge_budget).
+# `cam/CASE.npz` holds the inputs, Knorm's scores, the merge probabilities and masks kvpress drew
+# (torch.bernoulli recorded) and the keys and values it kept.
+CAM_CASES = {
+    "cam-window4": (48, 2, 16, 32, 8, 4),
+    "cam-window32": (96, 3, 8, 40, 40, 32),
+}
+
+
+def cam_fixture(slots, heads, dim, target, interval, merge_budget) -> dict[str, np.ndarray]:
+    """Inputs and outputs of CAMPress.compress on one layer (CAM_CASES)."""
+    generator = torch.Generator().manual_seed(slots)
+    keys = torch.randn(1, heads, slots, dim, generator=generator)
+    values = torch.randn(1, heads, slots, dim, generator=generator)
+    attention = torch.rand(1, heads, slots, generator=generator) * 3.0
+    attention[..., ::7] = 0.0  # tokens no decode query attended to (0 / 0 windows too)
+    press = kvpress.CAMPress(
+        base_press=kvpress.KnormPress(),
+        compression_interval=interval,
+        target_size=target,
+        merge_budget=merge_budget,
+    )
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    press.layer_step_counts[0] = interval
+    press._running_attn_sum[0] = attention.clone()
+    drawn = []
+    bernoulli = torch.bernoulli
+
+    def recording_bernoulli(probability, *args, **kwargs):
+        mask = bernoulli(probability, *args, **kwargs)
+        drawn.append((probability.clone(), mask.clone()))
+        return mask
+
+    torch.bernoulli = recording_bernoulli
+    try:
+        scores = press.base_press.score(module, None, keys, values, None, {})
+        kept_keys, kept_values = press.compress(module, None, keys, values.clone(), attention, {})
+    finally:
+        torch.bernoulli = bernoulli
+    ((probability, mask),) = drawn
+    return {
+        "keys": keys[0].numpy(),
+        "values": values[0].numpy(),
+        "attention": attention[0].numpy(),
+        "scores": scores[0].numpy(),
+        "probability": probability[0].numpy(),
+        "mask": mask[0].numpy(),
+        "kept_keys": kept_keys[0].numpy(),
+        "kept_values": kept_values[0].numpy(),
+        "settings": np.array([target, interval, merge_budget]),
+    }
+
+
 # Presses that compress during generation: (press, jaxkv spec, greedy decode steps). The fixture
 # holds the generated tokens too (`tokens`), and the positions kept at the end.
 DECODING_CASES = {
@@ -703,6 +758,10 @@ def main() -> None:
     rng = np.random.default_rng(SEED)
     # Distinct tokens: a repeated one has the same key norm, a tie for Knorm.
     ids = torch.tensor(3 + rng.permutation(_COMMON["vocab_size"] - 3)[None, :PROMPT_TOKENS])
+    (HERE / "cam").mkdir(exist_ok=True)
+    for case, settings in CAM_CASES.items():
+        np.savez(HERE / "cam" / f"{case}.npz", **cam_fixture(*settings))
+        print("cam", case)
     for model_name in MODELS:
         directory = HERE / model_name
         directory.mkdir(exist_ok=True)
@@ -838,6 +897,7 @@ def main() -> None:
         "decoding_cases": {
             case: [spec, steps] for case, (_, spec, steps) in DECODING_CASES.items()
         },
+        "cam_cases": sorted(CAM_CASES),
         "argv": sys.argv[1:],
     }
     (HERE / "fixtures.json").write_text(json.dumps(meta, indent=1) + "\n")
