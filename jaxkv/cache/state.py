@@ -361,6 +361,16 @@ class KVState:
             )
         return dataclasses.replace(self, pool=pool)
 
+    def with_values(self, values: jax.Array) -> KVState:
+        """This state with each held slot's value replaced: values [L, B, K, S, H] in slot
+        order (S = `max_tokens_per_head`); the model-dtype tier only (a policy that merges
+        values refuses int8 storage)."""
+        pool = self.pool
+        per_page = values.reshape(*self.page_table.shape, pool.page_size, values.shape[-1])
+        index = jnp.where(self.page_table >= 0, self.page_table, pool.num_pages)
+        v_pages = pool.v_pages.at[index].set(per_page.astype(pool.v_pages.dtype), mode="drop")
+        return dataclasses.replace(self, pool=dataclasses.replace(pool, v_pages=v_pages))
+
     def check(self) -> None:
         """Raises on the host if a write ran out of pages (call after a jitted step)."""
         if np.any(to_host(self.pool.overflow)):

@@ -140,11 +140,8 @@ class MergingDecodeEviction(TargetDecodeEviction):
 
             xs = (kv.page_table, mean, kv.lengths, kv.token_scores(), uniform)
             values, keep = jax.lax.map(layer, xs)  # [L, B, K, S, H], [L, B, S]
-            per_page = values.reshape(*kv.page_table.shape, pool.page_size, values.shape[-1])
-            index = jnp.where(kv.page_table >= 0, kv.page_table, pool.num_pages)
-            v_pages = pool.v_pages.at[index].set(per_page, mode="drop")
-            merged = dataclasses.replace(kv, pool=dataclasses.replace(pool, v_pages=v_pages))
-            return compact(merged, jnp.broadcast_to(keep[:, :, None, :], kv.positions().shape))
+            keep = jnp.broadcast_to(keep[:, :, None, :], kv.positions().shape)
+            return compact(kv.with_values(values), keep)
 
         return run_if(collectives.any_shard(jnp.any(due)), evict, kv)
 

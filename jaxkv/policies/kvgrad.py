@@ -270,10 +270,10 @@ class KVgrad(base.Policy):
         super()._check()
         if self.ratio is not None:
             base.Budget(ratio=self.ratio)  # validates (0, 1]
-        for field in ("chunk", "sinks"):
+        for field, least in (("chunk", 1), ("sinks", 0)):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (field == "chunk"):
-                raise ValueError(f"{field}={value!r} must be an integer >= {int(field == 'chunk')}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{field}={value!r} must be an integer >= {least}")
         if not self.repeat_ids or len(self.repeat_ids) > (
             len(self.continue_ids) + OVERLAP + len(self.suffix_ids)
         ):

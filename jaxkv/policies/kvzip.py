@@ -211,8 +211,7 @@ def replay_attention(
     out, lse = replay_output(q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale)
     grouped_lse = lse.reshape(b, num_kv, n // num_kv, c)[..., None]
     query_valid = (positions >= 0)[:, None, None, :, None]
-    _, prefix_block = _prefix_blocks(q, positions, prefix_k, prefix_v, prefix_held, sm_scale)
-    blocks = -(-s // min(s, REPLAY_PREFIX_BLOCK))
+    blocks, prefix_block = _prefix_blocks(q, positions, prefix_k, prefix_v, prefix_held, sm_scale)
 
     def block_received(index):
         scores, _ = prefix_block(index)

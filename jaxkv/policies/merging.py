@@ -96,12 +96,7 @@ class MergedCompression(InnerScoredCompression):
             )
 
         values = jax.lax.map(layer, (kv.page_table, keep, held))  # [L, B, K, S, H]
-        per_page = values.reshape(*kv.page_table.shape, pool.page_size, values.shape[-1])
-        index = jnp.where(kv.page_table >= 0, kv.page_table, pool.num_pages)
-        v_pages = pool.v_pages.at[index].set(per_page, mode="drop")
-        return compact(
-            dataclasses.replace(kv, pool=dataclasses.replace(pool, v_pages=v_pages)), keep
-        )
+        return compact(kv.with_values(values), keep)
 
 
 @base.register
