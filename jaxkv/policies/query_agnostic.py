@@ -223,21 +223,24 @@ class CUR(EvictionPolicy):
 
 @dataclasses.dataclass(frozen=True)
 class RandomScores(Scorer):
-    """Uniform random scores from the layer's key (the prefill's key: a request's seed) and
-    each row's index in the request."""
+    """Uniform random scores from the layer's key (the prefill's key: a request's seed), each
+    row's index in the request and each token's original position: a token's score does not
+    depend on where the cache holds it (the page table's width differs between `generate` and
+    the engine), so the same request keeps the same tokens in both."""
 
     cache_only: ClassVar[bool] = True
 
     def layer_scores(self, view: LayerView) -> jax.Array:
-        # Drawn per request row over every KV head, so that a mesh draws what one device does.
-        b, k, s = view.positions.shape
-        heads = k * collectives.head_shards()
+        # Drawn per request row over every KV head and every position the model reads, so that
+        # a mesh draws what one device does and any table width reads the same draws.
+        b, k, _ = view.positions.shape
+        heads, span = k * collectives.head_shards(), view.config.max_position_embeddings
 
         def row_scores(row):
-            return jax.random.uniform(jax.random.fold_in(view.key, row), (heads, s))
+            return jax.random.uniform(jax.random.fold_in(view.key, row), (heads, span))
 
-        scores = jax.vmap(row_scores)(collectives.global_rows(b))
-        return collectives.local_heads(scores, axis=1)
+        drawn = collectives.local_heads(jax.vmap(row_scores)(collectives.global_rows(b)), axis=1)
+        return jnp.take_along_axis(drawn, jnp.clip(view.positions, 0, span - 1), axis=-1)
 
 
 @base.register
