@@ -12,6 +12,7 @@ from jaxkv.generation import (
     generate,
     generate_text,
 )
+from jaxkv.generation.budgets import prefill_at_budgets
 from jaxkv.generation.decoding import decode
 from jaxkv.generation.saved import load_session, save_session
 from jaxkv.generation.session import extend, fork, prefill
@@ -38,5 +39,6 @@ __all__ = [
     "load_session",
     "policies",
     "prefill",
+    "prefill_at_budgets",
     "save_session",
 ]
