@@ -18,6 +18,12 @@ threshold, not a budget: its tau for each ratio is read off a calibration (its k
 the full cache's bytes at a grid of taus on the first sample of the first task, interpolated
 in log tau; `wgkv-calibration.json`).
 
+The forward pass over a 4K context is most of a sample's cost, so an agnostic sample's pending
+ratios of a policy whose prefill reads no budget (not WG-KV's thresholds, Fast KVzip's chunk
+eviction) run together: the context read once, then compressed at each ratio
+(`jaxkv.prefill_at_budgets`; each the same kept tokens as its own prefill); its records' seconds
+count an equal share of that prefill (`prefill_shared_by`).
+
 Each answered sample is a line of OUT/records.jsonl as soon as it finishes: a rerun of the
 command skips every (task, sample, policy, ratio, setting) already there. OUT/samples.jsonl is
 the samples' export (text and token ids, for `kvpress_reference --ruler`). Reports (rewritten at
@@ -49,6 +55,7 @@ from jaxkv.benchmarks.ruler_tasks import (
     sample_from_json,
     string_match_all,
 )
+from jaxkv.generation.budgets import check_budget_free_prefill
 from jaxkv.model_sources import load_model, model_file_sha256, shipped_name, stop_tokens
 from jaxkv.policies import spec
 
@@ -81,8 +88,7 @@ def answer(
 ) -> dict:
     """One sample under one policy and setting: the prediction, its score, the bytes held
     (answer tokens: the task's, at most `cap`)."""
-    if cap is not None:
-        sample = dataclasses.replace(sample, max_new_tokens=min(cap, sample.max_new_tokens))
+    sample = capped(sample, cap)
     start = time.perf_counter()
     if setting == "aware":
         out = jaxkv.generate(
@@ -93,16 +99,64 @@ def answer(
             stop_tokens=stop,
             policy_params=params,
         )
-        held = float(out.memory_bytes[0])
-    else:
-        reserve = len(sample.question_ids) + sample.max_new_tokens
-        session = jaxkv.prefill(
-            model, [list(sample.context_ids)], policy, reserve_tokens=reserve, policy_params=params
-        )
-        held = float(session.memory_bytes())
-        out = jaxkv.decode(
-            session.extend([list(sample.question_ids)]), sample.max_new_tokens, stop_tokens=stop
-        )
+        return scored(tokenizer, sample, out, float(out.memory_bytes[0]), stop, start)
+    session = jaxkv.prefill(
+        model,
+        [list(sample.context_ids)],
+        policy,
+        reserve_tokens=reserve(sample),
+        policy_params=params,
+    )
+    return answered_over(tokenizer, session, sample, stop, start)
+
+
+def answers_at_ratios(
+    model, tokenizer, policy, ratios, params, sample: Sample, stop, cap: int | None = None
+) -> list[dict]:
+    """`answer` agnostic at each of `ratios` (budgets 1 - ratio of `policy`), the context read
+    once (`jaxkv.prefill_at_budgets`: the policy's prefill must not read its budget); each
+    result's seconds count an equal share of the shared prefill."""
+    sample = capped(sample, cap)
+    start = time.perf_counter()
+    sessions = jaxkv.prefill_at_budgets(
+        model,
+        [list(sample.context_ids)],
+        policy,
+        [1.0 - ratio for ratio in ratios],
+        reserve_tokens=reserve(sample),
+        policy_params=params,
+    )
+    share = (time.perf_counter() - start) / len(ratios)
+    results = []
+    for session in sessions:
+        result = answered_over(tokenizer, session, sample, stop, time.perf_counter() - share)
+        results.append({**result, "prefill_shared_by": len(ratios)})
+    return results
+
+
+def capped(sample: Sample, cap: int | None) -> Sample:
+    """The sample with at most `cap` answer tokens."""
+    if cap is None:
+        return sample
+    return dataclasses.replace(sample, max_new_tokens=min(cap, sample.max_new_tokens))
+
+
+def reserve(sample: Sample) -> int:
+    """Room after the context: the question and the answer."""
+    return len(sample.question_ids) + sample.max_new_tokens
+
+
+def answered_over(tokenizer, session, sample: Sample, stop, start: float) -> dict:
+    """The question read over the prefilled context `session`, the answer decoded, scored."""
+    held = float(session.memory_bytes())
+    out = jaxkv.decode(
+        session.extend([list(sample.question_ids)]), sample.max_new_tokens, stop_tokens=stop
+    )
+    return scored(tokenizer, sample, out, held, stop, start)
+
+
+def scored(tokenizer, sample: Sample, out, held: float, stop, start: float) -> dict:
+    """The record of an answer: prediction, RULER's score, bytes held, seconds since start."""
     generated = [int(t) for t in out.tokens[0][: int(out.num_tokens[0])] if int(t) not in stop]
     prediction = postprocess(tokenizer.decode(generated))
     return {
@@ -172,6 +226,30 @@ def cells(parsed, ratios, settings, aware_policies):
             for entry, (name, _) in parsed.items():
                 if name != "full" and (setting == "agnostic" or name in aware_policies):
                     yield entry, ratio, setting
+
+
+def reads_once(name: str, options: dict) -> bool:
+    """Whether policy `name` with `options` reads an agnostic context once for all its ratios
+    (`jaxkv.prefill_at_budgets`): its prefill reads no budget (WG-KV's ratios are thresholds)."""
+    if name in ("full", "wgkv"):
+        return False
+    try:
+        check_budget_free_prefill(policies.get(name, **options))
+    except ValueError:
+        return False
+    return True
+
+
+def job_groups(jobs, shared: set[str]) -> list[list[tuple]]:
+    """`jobs` ((entry, ratio, setting, task, index), in run order) in groups that one prefill
+    serves: an agnostic sample's pending ratios of an entry in `shared` together, in the first
+    one's place; every other job alone."""
+    groups: dict[tuple, list[tuple]] = {}
+    for job in jobs:
+        entry, _, setting, task, index = job
+        together = setting == "agnostic" and entry in shared
+        groups.setdefault((entry, setting, task, index) if together else job, []).append(job)
+    return list(groups.values())
 
 
 def render(out: Path, against: Path | None = None) -> str:
@@ -264,7 +342,8 @@ def main(argv: list[str] | None = None) -> dict:
         if (task, index, entry, ratio, setting) not in done
     ]
     built = {}
-    for entry, ratio, setting, task, index in tqdm(jobs, desc="ruler", unit="sample"):
+
+    def policy_at(entry, ratio):
         name, options = parsed[entry]
         if name == "wgkv" and entry not in taus:
             first = samples[(args.tasks[0], 0)]
@@ -278,21 +357,40 @@ def main(argv: list[str] | None = None) -> dict:
                 budget = None if name == "full" else 1.0 - ratio
                 policy = harness.build_policy(name, budget, **options)
             built[(entry, ratio)] = policy.for_tokenizer(tokenizer)
-        result = answer(
-            model,
-            tokenizer,
-            built[(entry, ratio)],
-            params[entry],
-            samples[(task, index)],
-            setting,
-            stop,
-            args.max_new_tokens,
-        )
-        record = {"task": task, "index": index, "policy": entry, "ratio": ratio}
-        record = {**record, "setting": setting, **result}
-        if name == "wgkv":
-            record["tau"] = taus[entry][ratio]
-        ruler_report.append_record(args.out / "records.jsonl", record)
+        return built[(entry, ratio)]
+
+    shared = {entry for entry, (name, options) in parsed.items() if reads_once(name, options)}
+    progress = tqdm(total=len(jobs), desc="ruler", unit="sample")
+    for group in job_groups(jobs, shared):
+        entry, _, setting, task, index = group[0]
+        ratios = [ratio for _, ratio, *_ in group]
+        sample = samples[(task, index)]
+        policy = policy_at(entry, ratios[0])
+        if len(group) > 1:
+            results = answers_at_ratios(
+                model, tokenizer, policy, ratios, params[entry], sample, stop, args.max_new_tokens
+            )
+        else:
+            results = [
+                answer(
+                    model,
+                    tokenizer,
+                    policy,
+                    params[entry],
+                    sample,
+                    setting,
+                    stop,
+                    args.max_new_tokens,
+                )
+            ]
+        for ratio, result in zip(ratios, results, strict=True):
+            record = {"task": task, "index": index, "policy": entry, "ratio": ratio}
+            record = {**record, "setting": setting, **result}
+            if parsed[entry][0] == "wgkv":
+                record["tau"] = taus[entry][ratio]
+            ruler_report.append_record(args.out / "records.jsonl", record)
+        progress.update(len(group))
+    progress.close()
     text = render(args.out)
     print(text)
     return {"report": text}
