@@ -25,7 +25,7 @@ from jaxkv.generation.prefill import (
     start_chunked_prefill,
 )
 from jaxkv.generation.request import PromptIds, checked_key, resolved_policy, set_up
-from jaxkv.generation.session import Session
+from jaxkv.generation.session import Session, prefilled_session
 from jaxkv.models.decoder import Model
 from jaxkv.policies import Policy
 from jaxkv.policies.base import PolicyParams, with_budget
@@ -91,21 +91,5 @@ def prefill_at_budgets(
         own = prefill.replace(kv=jax.tree.map(jnp.copy, prefill.kv))  # the compression donates
         kv, last_hidden = finish_chunked_prefill(model, request, own, key)
         kv.check()
-        lengths = request.prompts.lengths
-        sessions.append(
-            Session(
-                model=request.model,
-                kv=kv,
-                last_hidden=last_hidden,
-                lengths=lengths,
-                budget_tokens=request.budget_tokens,
-                budget_ratio=request.policy.budget_ratio(len(lengths)),
-                thresholds=request.thresholds,
-                policy_params=request.policy_params,
-                policy=request.policy,
-                cache=request.cache,
-                backend=backend,
-                placement=None,
-            )
-        )
+        sessions.append(prefilled_session(request, kv, last_hidden, backend))
     return sessions

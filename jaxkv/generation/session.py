@@ -42,6 +42,7 @@ from jaxkv.generation.prefill import read_tokens, rows_compressed, run_prefill
 from jaxkv.generation.request import (
     DEFAULT_PREFILL_CHUNK,
     PromptIds,
+    Request,
     checked_key,
     pad_prompts,
     set_up,
@@ -154,6 +155,12 @@ def prefill_session(
     kv, last_hidden = run_prefill(
         request.model, request, key, request.policy_params, backend, on_prefill_chunk
     )
+    return prefilled_session(request, kv, last_hidden, backend)
+
+
+def prefilled_session(request: Request, kv, last_hidden, backend: Backend) -> Session:
+    """The session of a set-up request whose prompts `kv` holds (prefilled and compressed),
+    last_hidden [B, D] their last tokens' hidden states."""
     lengths = request.prompts.lengths
     return Session(
         model=request.model,
