@@ -1,8 +1,9 @@
 """Every prompt is served (issue 70.4): a prompt (a row) shorter than what a policy compresses
 around its windows, sinks or smallest budget is kept whole, and the outputs say so
 (`GenerateOutput.compressed`, `Session.compressed`, the engine's first token, the CLI's
-report); values wrong on every prompt are still refused before anything compiles. And KVzip's
-replay of a prompt shorter than its chunk is one chunk of the prompt's padded length (70.7)."""
+report); values wrong on every prompt are still refused before anything compiles. Every
+registered policy is served by the engine (issue 75). And KVzip's replay of a prompt shorter
+than its chunk is one chunk of the prompt's padded length (70.7)."""
 
 import json
 
