@@ -11,6 +11,7 @@ of the prefilled state (`finish_chunked_prefill`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -69,8 +70,9 @@ def prefill_at_budgets(
     backend = resolve_backend(backend)
     reserve_tokens = check_count("reserve_tokens", reserve_tokens, 0)
     key = jax.random.PRNGKey(0) if key is None else checked_key(key)
-    requests = [
-        set_up(
+    requests = []
+    for budget in budgets:
+        request = set_up(
             model,
             prompt_ids,
             with_budget(policy, budget),
@@ -80,15 +82,16 @@ def prefill_at_budgets(
             prefill_chunk=prefill_chunk,
             policy_params=policy_params,
         )
-        for budget in budgets
-    ]
+        # Only the first budget's prefill state is read into: the others' pools go at once.
+        requests.append(request if not requests else dataclasses.replace(request, kv=None))
     first = requests[0]
     prefill = start_chunked_prefill(model, first)
     while not prefill.done:
         prefill = prefill_next_chunk(model, first, prefill, first.policy_params, backend)
     sessions = []
-    for request in requests:
-        own = prefill.replace(kv=jax.tree.map(jnp.copy, prefill.kv))  # the compression donates
+    for index, request in enumerate(requests):
+        last = index == len(requests) - 1  # the compression donates: the others read a copy
+        own = prefill if last else prefill.replace(kv=jax.tree.map(jnp.copy, prefill.kv))
         kv, last_hidden = finish_chunked_prefill(model, request, own, key)
         kv.check()
         sessions.append(prefilled_session(request, kv, last_hidden, backend))

@@ -231,16 +231,18 @@ class RandomScores(Scorer):
     cache_only: ClassVar[bool] = True
 
     def layer_scores(self, view: LayerView) -> jax.Array:
-        # Drawn per request row over every KV head and every position the model reads, so that
-        # a mesh draws what one device does and any table width reads the same draws.
+        # One draw per (request row, global KV head, position): a mesh draws what one device
+        # does and any table width the same scores.
         b, k, _ = view.positions.shape
-        heads, span = k * collectives.head_shards(), view.config.max_position_embeddings
+        heads = collectives.local_heads(jnp.arange(k * collectives.head_shards()), axis=0)
 
-        def row_scores(row):
-            return jax.random.uniform(jax.random.fold_in(view.key, row), (heads, span))
+        def score(row, head, position):
+            key = jax.random.fold_in(jax.random.fold_in(view.key, row), head)
+            return jax.random.uniform(jax.random.fold_in(key, jnp.maximum(position, 0)))
 
-        drawn = collectives.local_heads(jax.vmap(row_scores)(collectives.global_rows(b)), axis=1)
-        return jnp.take_along_axis(drawn, jnp.clip(view.positions, 0, span - 1), axis=-1)
+        per_head = jax.vmap(score, (None, None, 0))
+        per_row = jax.vmap(per_head, (None, 0, 0))
+        return jax.vmap(per_row, (0, None, 0))(collectives.global_rows(b), heads, view.positions)
 
 
 @base.register
