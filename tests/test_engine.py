@@ -73,11 +73,14 @@ def test_staggered_requests_give_generate_s_tokens(model, policy):
         "waiting": 0,
         "pages_in_use": 0,
         "num_pages": 1024,
+        "int8_pages_in_use": 0,
+        "int8_num_pages": 0,
         "ring_bytes": 0,
         "kv_bytes_in_use": 0,
         "preemptions": 0,
         "contexts": 0,
         "context_pages": 0,
+        "context_int8_pages": 0,
         "context_hits": 0,
         "contexts_evicted": 0,
     }
@@ -91,7 +94,7 @@ def test_the_plan_at_submit_bounds_the_pages_a_request_holds(model, policy):
     cache holds exactly that), whether its policy compresses the prompt, evicts during decode
     or splits its budget across heads (KVzip) or keeps whole chunks (ChunkKV)."""
     eng = Engine(model, policy, cache=CacheConfig(num_pages=1024), max_slots=3, max_context=1024)
-    planned = pages_needed_alone(eng.policy, model.config, len(PROMPTS[2]), 40, 16)
+    planned = pages_needed_alone(eng.policy, model.config, len(PROMPTS[2]), 40, 16).model
     eng.submit(PROMPTS[2], max_new_tokens=40, stop_tokens=())
     peak = 0
     while eng.has_work():
@@ -170,7 +173,7 @@ def test_a_prefill_given_up_restarts_and_a_swapped_out_ready_request_comes_back_
         plan = scheduler.plan_step(view)
         admitted = {order for order, _ in plan.admit}
         waiting_ready = [r.row for r in view.ready if r.row is not None and r.order not in admitted]
-        started = [p.row for p in view.prefilling if p.held_pages > 0]
+        started = [p.row for p in view.prefilling if p.held_pages.total > 0]
         if "swap_out" not in forced and waiting_ready:
             forced.append("swap_out")
             return dataclasses.replace(plan, swap_out=(waiting_ready[0],))

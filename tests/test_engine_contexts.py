@@ -15,6 +15,7 @@ from jaxkv.engine import (
     TokenEvent,
     UnknownContextError,
 )
+from jaxkv.engine.pages import Pages
 from jaxkv.models import load_hf_checkpoint
 
 
@@ -96,7 +97,7 @@ def test_requests_on_a_cached_context_answer_as_ask(model, name):
     assert ready.compressed == bool(session.compressed()[0])
     stats = eng.stats()
     assert stats["contexts"] == 1 and stats["context_hits"] == len(QUESTIONS)
-    assert stats["pages_in_use"] * eng.executor.page_bytes == ready.kv_bytes  # only it is left
+    assert eng.executor.kv_bytes(Pages(stats["pages_in_use"])) == ready.kv_bytes  # only it left
     # A request's bytes: the context's pages it named and its own; the full cache's for all
     # its tokens (the last one unwritten).
     by_id = {event.request_id: event for event in last}

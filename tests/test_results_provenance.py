@@ -35,7 +35,6 @@ WITHOUT_PROVENANCE = frozenset(
         "results/real-quality/samples-48/quality.json",
         "results/real-quality/samples-48/rebuilt-gates/fastkvzip-smollm2-135m-instruct-training.json",
         "results/real-quality/samples-48/rebuilt-gates/wgkv-lambda-0.3-run.json",
-        "results/system/cpu-kv/system-1k-8k.json",
         "results/wgkv-quality/length-2048/wgkv_quality.json",
         "results/wgkv-quality/length-4096-lambda-0.02/wgkv_quality.json",
         "results/wgkv-quality/length-4096/wgkv_quality.json",

@@ -61,7 +61,8 @@ def test_serve_runs_the_engine_over_the_mesh_it_names(served):
     [
         (["--mesh", "2"], "--mesh 2: give the mesh's sizes as DATAxMODEL, e.g. 2x4"),
         (["--mesh", "3x1"], "max_slots=8 must be a multiple of the mesh's data axis"),
-        (["--storage", "int8"], "--storage int8: the engine keeps every token in the kv dtype"),
+        (["--int8-pages", "8"], "int8_pages sizes an int8 tier: give it with storage='int8'"),
+        (["--storage", "int8", "--policy", "quest"], "selects pages, which int8 storage does"),
         (["--full-precision-window", "8"], "--full-precision-window: --storage model keeps"),
         (["--top-p", "1.5"], r"top_p=1.5: allowed are numbers in \(0, 1\]"),
         (["--temperature", "-1"], "temperature=-1.0: allowed are finite numbers >= 0"),

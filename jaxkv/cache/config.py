@@ -52,6 +52,8 @@ class CacheConfig:
         names "model" / "int8" are accepted and stored as the enum.
       full_precision_window: F >= 1, the newest tokens per head kept in kv_dtype under int8
         storage (a decode step's token is read from there).
+      int8_pages: with int8 storage, the pages of the int8 tier's pool where one is kept beside
+        the pool (`jaxkv.Engine`'s, per device); None: num_pages. A request sizes its own.
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
@@ -59,6 +61,7 @@ class CacheConfig:
     kv_dtype: jnp.dtype | None = None
     storage: Storage = Storage.MODEL
     full_precision_window: int = DEFAULT_FULL_PRECISION_WINDOW
+    int8_pages: int | None = None
 
     def __post_init__(self):
         page_size = check_count("page_size", self.page_size, 1)
@@ -71,6 +74,10 @@ class CacheConfig:
         except ValueError:
             allowed = ", ".join(repr(s.value) for s in Storage)
             raise ValueError(f"storage={self.storage!r}: allowed are {allowed}") from None
+        if self.int8_pages is not None:
+            check_count("int8_pages", self.int8_pages, 1)
+            if storage is not Storage.INT8:
+                raise ValueError("int8_pages sizes an int8 tier: give it with storage='int8'")
         window = check_count("full_precision_window", self.full_precision_window, 1)
         object.__setattr__(self, "page_size", page_size)
         object.__setattr__(self, "storage", storage)

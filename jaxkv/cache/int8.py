@@ -64,18 +64,26 @@ def channel_scales_of(x: jax.Array, held: jax.Array) -> jax.Array:
     return jnp.where(largest > 0, largest, 1.0)
 
 
-def create_tier(kv: KVState, window: int, num_pages: int, max_pages: int) -> Int8Tier:
-    """An empty int8 tier for `kv`, channel scales from the tokens `kv` holds now."""
-    if window < 0:
-        raise ValueError(f"window={window} must be >= 0")
+def held_channel_scales(kv: KVState) -> tuple[jax.Array, jax.Array]:
+    """f32 [L, B, K, H] each for keys and values: `channel_scales_of` the model-dtype tokens
+    `kv` holds now (all of them, before any moves to int8)."""
     pool, table = kv.pool, kv.page_table
     p, h = pool.k_pages.shape[1:]
-    held = jnp.arange(table.shape[-1] * p) < kv.lengths[..., None]
+    held = jnp.arange(table.shape[-1] * p) < kv.full_precision_lengths()[..., None]
 
     def scales(pages):
         gathered = pages[jnp.maximum(table, 0)]
         return channel_scales_of(gathered.reshape(*table.shape[:-1], -1, h), held)
 
+    return scales(pool.k_pages), scales(pool.v_pages)
+
+
+def create_tier(kv: KVState, window: int, num_pages: int, max_pages: int) -> Int8Tier:
+    """An empty int8 tier for `kv`, channel scales from the tokens `kv` holds now."""
+    if window < 0:
+        raise ValueError(f"window={window} must be >= 0")
+    p, h = kv.pool.k_pages.shape[1:]
+    table = kv.page_table
     int8_pool = PagePool(
         k_pages=jnp.zeros((num_pages, p, h), jnp.int8),
         v_pages=jnp.zeros((num_pages, p, h), jnp.int8),
@@ -86,12 +94,13 @@ def create_tier(kv: KVState, window: int, num_pages: int, max_pages: int) -> Int
         k_scales=jnp.zeros((num_pages, p), jnp.float32),
         v_scales=jnp.zeros((num_pages, p), jnp.float32),
     )
+    k_scales, v_scales = held_channel_scales(kv)
     tier = Int8Tier(
         pool=int8_pool,
         page_table=jnp.full((*table.shape[:-1], max_pages), -1, jnp.int32),
         lengths=jnp.zeros_like(kv.lengths),
-        k_channel_scales=scales(pool.k_pages),
-        v_channel_scales=scales(pool.v_pages),
+        k_channel_scales=k_scales,
+        v_channel_scales=v_scales,
         window=window,
     )
     return varying_like(tier, kv.lengths)  # on a mesh, typed as the state it joins
@@ -104,7 +113,20 @@ def start_int8(kv: KVState, window: int) -> KVState:
         raise ValueError("the state already has int8 storage")
     check_dtype(kv.pool.k_pages.dtype)
     tier = create_tier(kv, window, kv.pool.num_pages, kv.page_table.shape[-1])
-    kv = dataclasses.replace(kv, pool=dataclasses.replace(kv.pool, int8=tier))
+    return _spilled(dataclasses.replace(kv, pool=dataclasses.replace(kv.pool, int8=tier)))
+
+
+def start_held(kv: KVState) -> KVState:
+    """Mixed-precision storage of the tokens `kv` holds in its model-dtype pages, its int8 tier
+    empty (rows that join an engine's tier once their prompt is compressed): channel scales
+    from those tokens, then each head's tokens but the newest `window` moved to the tier."""
+    k_scales, v_scales = held_channel_scales(kv)
+    tier = dataclasses.replace(kv.pool.int8, k_channel_scales=k_scales, v_channel_scales=v_scales)
+    return _spilled(dataclasses.replace(kv, pool=dataclasses.replace(kv.pool, int8=tier)))
+
+
+def _spilled(kv: KVState) -> KVState:
+    """`spill_layer` of every layer of `kv` (int8 storage)."""
 
     def layer(pool, xs):
         page_table, lengths, index = xs
@@ -182,9 +204,11 @@ __all__ = [
     "channel_scales_of",
     "check_dtype",
     "create_tier",
+    "held_channel_scales",
     "merge_slots",
     "quantize",
     "spill_layer",
     "split_slots",
+    "start_held",
     "start_int8",
 ]

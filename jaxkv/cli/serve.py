@@ -22,6 +22,12 @@ def add_parser(commands) -> None:
     )
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--num-pages", type=int, default=4096, help="the engine's page pool")
+    serve.add_argument(
+        "--int8-pages",
+        type=int,
+        default=None,
+        help="with --storage int8, the int8 tier's page pool (default: --num-pages)",
+    )
     serve.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
     serve.add_argument(
         "--max-prefills", type=int, default=4, help="requests whose prompts are read at once"
@@ -87,11 +93,6 @@ def run(args) -> int:
             f"jaxkv serve needs the serve extra ({error.name} is missing): "
             "pip install 'jaxkv[serve]'"
         ) from None
-    if args.storage != "model":
-        raise ValueError(
-            f"--storage {args.storage}: the engine keeps every token in the kv dtype (--storage "
-            "model)"
-        )
     policy = policy_before_loading(args)
     defaults = RequestDefaults(
         max_new_tokens=args.max_new_tokens,
@@ -105,7 +106,7 @@ def run(args) -> int:
     engine = jaxkv.Engine(
         model,
         policy,
-        cache=cache_config(args, num_pages=args.num_pages),
+        cache=cache_config(args, num_pages=args.num_pages, int8_pages=args.int8_pages),
         max_slots=args.max_slots,
         max_prefills=args.max_prefills,
         max_batched_tokens=args.max_batched_tokens,

@@ -19,6 +19,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxkv.engine.pages import Pages
+
 
 class ContextsFullError(ValueError):
     """`Engine.add_context`: every context row holds a context that requests read or wait for."""
@@ -62,7 +64,8 @@ class Context:
       ready: whether it is prefilled and compressed.
       readers: ids of the requests that read it (queued, prefilling, ready or running).
       last_used: when a request last named it (the engine's count of submissions).
-      pages: the pages its row holds (every device's), recorded when it is ready.
+      pages: the pages its row holds (every device's; and its int8 pages), recorded when it is
+        ready.
       hits: the requests that have read it.
       dropping: deleted while requests read it: dropped when the last one ends.
       last_hidden: [1, D] (host) the hidden state after its last token, once it is ready (what
@@ -79,7 +82,7 @@ class Context:
     ready: bool = False
     readers: set[int] = dataclasses.field(default_factory=set)
     last_used: int = 0
-    pages: int = 0
+    pages: Pages = Pages(0)
     hits: int = 0
     dropping: bool = False
     last_hidden: np.ndarray | None = None

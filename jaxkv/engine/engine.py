@@ -18,7 +18,9 @@ knob, decode rows counted). The engine runs the plan with its jitted programs
 prefill row the plan reads, batched into one forward pass (several requests' chunks widen the
 matmuls); a row whose prompt is read is compressed by the policy and samples its first token.
 Finished requests return their pages at once, so a smaller cache per request admits more
-requests.
+requests. With int8 storage (`CacheConfig(storage="int8")`) an int8 tier's pool lies beside the
+pool: each request's tokens but each head's newest window move there once its prompt is
+compressed, and the scheduler plans both pools (`jaxkv.engine.pages.Pages`).
 
 Every slot carries its request's row state (`jaxkv.step.rows.Rows`: prompt length, budget, key,
 step, sampler settings) and runs `generate`'s own decode step (`decode_and_sample`), and every
@@ -45,7 +47,13 @@ from jaxkv.compile_log import compiling_as
 from jaxkv.engine.contexts import Context, ContextEvent, ContextsFullError, UnknownContextError
 from jaxkv.engine.executor import Executor
 from jaxkv.engine.lanes import Lanes
-from jaxkv.engine.pages import heads, pages_needed_alone, prefill_peak_pages
+from jaxkv.engine.pages import (
+    Pages,
+    heads,
+    int8_pages_after_prefill,
+    pages_needed_alone,
+    prefill_peak_pages,
+)
 from jaxkv.engine.requests import QueueFullError, Request, TokenEvent, TooLargeForPoolError
 from jaxkv.engine.scheduler import (
     IdleContext,
@@ -74,6 +82,7 @@ from jaxkv.pallas_kernels.common import next_power_of_two
 from jaxkv.policies import FullCache, Policy, from_spec
 from jaxkv.policies.base import PolicyParams, with_budget
 from jaxkv.sampling import Sampler
+from jaxkv.step.parts import local_window
 from jaxkv.step.rows import Rows, row_keys
 
 
@@ -84,7 +93,10 @@ class Engine:
       model: the model.
       policy: the cache policy every request uses (or its spec, "kvzip:0.3"); default full.
       cache: the pool: `CacheConfig(num_pages=...)` (required: the engine's memory; on a mesh,
-        each device's), its page size and kv dtype; int8 storage is not supported here.
+        each device's), its page size and kv dtype; with `storage="int8"` an int8 tier's pool of
+        `int8_pages` pages beside it (default num_pages): each request's tokens but each head's
+        newest `full_precision_window` move there once its prompt is compressed, as `generate`
+        stores them (not with a policy that selects pages or keeps a local ring).
       max_slots: requests decoded at once.
       max_prefills: requests whose prompts are read at once (prefill rows).
       max_batched_tokens: the most tokens one step runs on a lane, a decode row's token and a
@@ -128,8 +140,7 @@ class Engine:
         self.policy = from_spec(policy) if isinstance(policy, str) else policy
         if not isinstance(cache, CacheConfig) or cache.num_pages is None:
             raise ValueError("cache must be a CacheConfig with num_pages set: the engine's pool")
-        if cache.int8_window is not None:
-            raise ValueError("the engine does not run int8 storage: give storage='model'")
+        _check_storage(self.policy, cache)
         self.policy.check_params(policy_params, model.config)
         self.max_slots = check_count("max_slots", max_slots, 1)
         self.max_prefills = check_count("max_prefills", max_prefills, 1)
@@ -180,6 +191,10 @@ class Engine:
                 f"max_position_embeddings={limit}"
             )
         self.max_waiting = check_count("max_waiting", max_waiting, 1)
+        int8_pages = 0
+        if cache.int8_window is not None:
+            int8_pages = cache.num_pages if cache.int8_pages is None else cache.int8_pages
+        self.pool_pages = Pages(cache.num_pages, int8_pages)  # each device's pools
         self.executor = Executor(
             model,
             self.policy,
@@ -345,7 +360,8 @@ class Engine:
                 "ready": held.ready,
                 "readers": len(held.readers),
                 "hits": held.hits,
-                "pages": held.pages,
+                "pages": held.pages.model,
+                "int8_pages": held.pages.int8,
             }
             for held in self._contexts.values()
             if not held.dropping
@@ -383,17 +399,18 @@ class Engine:
         """A one-row session made with this engine's model and policy (`jaxkv.prefill`,
         `jaxkv.load_session`, `context_session`) as a cached context, ready at once: its held
         pages copied into a context row (idle contexts dropped, least recently used first, for
-        them). Refused, named: no context rows, a mesh, a session of several rows, forked or with
-        int8 storage, another policy or model configuration, another page geometry, more tokens
-        a head than max_context, more pages than the pool can free (`TooLargeForPoolError`)."""
+        them). Refused, named: no context rows, a mesh, a session of several rows or forked,
+        another policy or model configuration, another page geometry or storage (int8 with
+        another window), more tokens a head than max_context, more pages than the pools can free
+        (`TooLargeForPoolError`)."""
         if not self.max_contexts:
             raise ValueError("the engine holds no contexts: give Engine(..., max_contexts >= 1)")
         if self.placement is not None:
             raise ValueError("a session is not added to an engine on a mesh: run it on one device")
-        if session.batch != 1 or session.shared or session.kv.pool.int8 is not None:
+        if session.batch != 1 or session.shared:
             raise ValueError(
-                "session: give a one-row session without shared pages or int8 storage (prefill "
-                f"one context), not one of {session.batch} rows (shared={session.shared})"
+                "session: give a one-row session without shared pages (prefill one context), "
+                f"not one of {session.batch} rows (shared={session.shared})"
             )
         if session.model.config != self.model.config or session.policy != self.policy:
             raise ValueError(
@@ -405,14 +422,19 @@ class Engine:
         if _geometry(theirs) != _geometry(mine):
             raise ValueError(
                 f"session: its KV state's (page size, dtype, head dim, layers, KV heads, key "
-                f"bounds, ring) are {_geometry(theirs)}, the engine's {_geometry(mine)}"
+                f"bounds, ring, int8 window) are {_geometry(theirs)}, the engine's "
+                f"{_geometry(mine)}"
             )
-        if theirs.page_table.shape[-1] > mine.page_table.shape[-1]:
+        if theirs.page_table.shape[-1] > mine.page_table.shape[-1] or (
+            theirs.pool.int8 is not None
+            and theirs.pool.int8.page_table.shape[-1] > mine.pool.int8.page_table.shape[-1]
+        ):
             raise ValueError(
                 f"session: its heads hold up to {theirs.page_table.shape[-1]} pages, more than "
                 f"the engine's max_context={self.max_context} allows"
             )
-        pages = int(theirs.pages_in_use())
+        tier = theirs.pool.int8
+        pages = Pages(int(theirs.pages_in_use()), 0 if tier is None else int(tier.pages_in_use()))
         row = self._free_context_row()
         lane = self.lanes.context_lane(row)
         self._make_room(lane, pages)
@@ -435,10 +457,14 @@ class Engine:
         self._next_context += 1
         return held.id
 
-    def _make_room(self, lane: int, pages: int) -> None:
+    def _free_pages(self, lane: int) -> Pages:
+        """The free pages of `lane`'s pools (its fullest device's)."""
+        return Pages.of(self.executor.row_pages()[3][lane].min(axis=0))
+
+    def _make_room(self, lane: int, pages: Pages) -> None:
         """Drops idle contexts of `lane`, least recently used first, until `pages` are free
         (TooLargeForPoolError if they cannot be)."""
-        while (free := int(self.executor.row_pages()[3][lane].min())) < pages:
+        while not pages <= (free := self._free_pages(lane)):
             idle = [
                 c
                 for c in self._context_rows
@@ -446,10 +472,10 @@ class Engine:
             ]
             if not idle:
                 raise TooLargeForPoolError(
-                    f"session: its {pages} pages exceed the pool's {free} free ones (no idle "
-                    "context left to drop): retry when requests have ended, or a larger pool",
-                    pages_needed=pages,
-                    num_pages=self.cache.num_pages,
+                    f"session: its {pages} exceed the {free} free (no idle context left to "
+                    "drop): retry when requests have ended, or a larger pool",
+                    pages_needed=pages.total,
+                    num_pages=self.pool_pages.total,
                     field="session",
                 )
             self._drop(min(idle, key=lambda c: c.last_used), reason="evicted")
@@ -503,16 +529,28 @@ class Engine:
                 self.cache.page_size,
                 self.prefill_chunk,
                 self.device_config,
+                self.cache.int8_window,
             ),
         )
+        peak = prefill_peak_pages(
+            policy, self.device_config, length, prompts.chunk, self.cache.page_size
+        )
+        int8 = 0
+        if self.cache.int8_window is not None:
+            int8 = int8_pages_after_prefill(
+                policy,
+                self.model.config,
+                length,
+                self.cache.page_size,
+                self.cache.int8_window,
+                self.device_config,
+            )
         return self._request(
             prompts,
             policy.budget_tokens(prompts.lengths),
             policy.budget_ratio(1),
             policy.thresholds(1),
-            prefill_peak_pages(
-                policy, self.device_config, length, prompts.chunk, self.cache.page_size
-            ),
+            Pages(peak, int8),
         )
 
     def _question_request(self, rows, max_new_tokens: int, held: Context) -> Request:
@@ -520,6 +558,8 @@ class Engine:
         check_shared_decode(self.policy, max_new_tokens)
         lengths = prompt_lengths(self.model, rows)
         chunk = DEFAULT_PREFILL_CHUNK if self.prefill_chunk is None else self.prefill_chunk
+        if self.cache.int8_window is not None:  # read in the model dtype, as `extend` reads
+            chunk = min(chunk, self.cache.int8_window)
         prompts = pad_prompts(rows, lengths, chunk)  # as `Session.extend` reads them
         length = int(lengths[0])
         if held.tokens + length + max_new_tokens > self.max_context:
@@ -537,6 +577,7 @@ class Engine:
             self.cache.page_size,
             self.prefill_chunk,
             self.device_config,
+            self.cache.int8_window,
         )
         self._check_fits_alone(
             f"context {held.id} of {held.tokens} tokens + a prompt of {length}",
@@ -548,12 +589,21 @@ class Engine:
         )
         return dataclasses.replace(request, context=held, lane=self.lanes.context_lane(held.row))
 
-    def _own_pages(self, tokens: int) -> int:
+    def _own_pages(self, tokens: int) -> Pages:
         """The most pages of a device a row attached to a context allocates for `tokens` more
-        tokens (and the copies of the context's partial pages), to its first decode step."""
-        return self._chunk_pages(tokens + 1)
+        tokens (and the copies of the context's partial pages), to its first decode step; with
+        int8 storage, also the copies of the context's window (every model-dtype page) and the
+        int8 pages its tokens move to."""
+        pages = self._chunk_pages(tokens + 1)
+        window = self.cache.int8_window
+        if window is None:
+            return Pages(pages)
+        copies = heads(self.device_config) * -(-window // self.cache.page_size)
+        return Pages(pages + copies, pages)
 
-    def _request(self, prompts, budget_tokens, budget_ratio, thresholds, peak_pages) -> Request:
+    def _request(
+        self, prompts, budget_tokens, budget_ratio, thresholds, peak_pages: Pages
+    ) -> Request:
         return Request(
             id=-1,
             prompts=prompts,
@@ -588,25 +638,32 @@ class Engine:
 
     def _check_fits_alone(self, what: str, max_new_tokens: int, needed) -> None:
         """TooLargeForPoolError when the request's plan (`needed(new_tokens)`: its pages with
-        that many new tokens) needs more pages than the pool has (the policy's own budget
+        that many new tokens) needs more pages than the pools have (the policy's own budget
         checks run first, named). what: its prompt, in words."""
-        pool = self.cache.num_pages
+        pool = self.pool_pages
         pages = needed(max_new_tokens)
         if pages <= pool:
             return
         # needed() grows with max_new_tokens: the count of smaller ones that fit is the largest.
-        fitting = bisect.bisect_right(range(1, max_new_tokens), pool, key=needed)
+        fitting = bisect.bisect_left(
+            range(1, max_new_tokens), True, key=lambda new: not needed(new) <= pool
+        )
+        tier = "int8 pages" if pages.model <= pool.model else "pages"
+        needed_count, pool_count = (
+            (pages.int8, pool.int8) if pages.model <= pool.model else (pages.model, pool.model)
+        )
         advice = (
             f"give max_new_tokens <= {fitting}, or a shorter prompt"
             if fitting
             else "give a shorter prompt"
         )
+        pool_name = "int8_pages" if tier == "int8 pages" else "num_pages"
         raise TooLargeForPoolError(
-            f"{what} + max_new_tokens={max_new_tokens} may need {pages} pages with policy "
-            f"{self.policy.name!r}, more than the pool's num_pages={pool} hold: {advice}, or a "
-            "larger pool",
-            pages_needed=pages,
-            num_pages=pool,
+            f"{what} + max_new_tokens={max_new_tokens} may need {needed_count} {tier} with "
+            f"policy {self.policy.name!r}, more than the pool's {pool_name}={pool_count} hold: "
+            f"{advice}, or a larger pool",
+            pages_needed=needed_count,
+            num_pages=pool_count,
             field="max_new_tokens" if fitting else "prompt_ids",
         )
 
@@ -694,11 +751,14 @@ class Engine:
             "waiting": waiting + len(self._ready),
             "pages_in_use": usage["pages_in_use"],
             "num_pages": self.cache.num_pages * pools,
+            "int8_pages_in_use": usage["int8_pages_in_use"],
+            "int8_num_pages": self.pool_pages.int8 * pools,
             "ring_bytes": usage["ring_bytes"],
             "kv_bytes_in_use": usage["kv_bytes_in_use"],
             "preemptions": self.preemptions,
             "contexts": len(held),
-            "context_pages": sum(c.pages for c in held if c.ready),
+            "context_pages": sum(c.pages.model for c in held if c.ready),
+            "context_int8_pages": sum(c.pages.int8 for c in held if c.ready),
             "context_hits": sum(c.hits for c in self._contexts.values()) + self._dropped_hits,
             "contexts_evicted": self.contexts_evicted,
         }
@@ -770,10 +830,10 @@ class Engine:
         queue = list(self._waiting)
         swapped = [r for r in self._ready if r.row is None]
         plans, started, refused = [], [], []
-        for lane in sorted(range(self.lanes.count), key=lambda lane: -free[lane]):
+        for lane in sorted(range(self.lanes.count), key=lambda lane: -free[lane][0]):
             startable = [r for r in queue if self._may_start(r, lane)]
             view, head = self._view(
-                lane, own[lane], growth[lane], int(free[lane]), startable, swapped
+                lane, own[lane], growth[lane], Pages.of(free[lane]), startable, swapped
             )
             plan = plan_step(view)
             gone = [head[i] for i in plan.refuse_waiting]
@@ -802,28 +862,32 @@ class Engine:
 
     def _record_held_pages(self, held: np.ndarray) -> None:
         """Each request in a slot or a prefill row: the pages it holds now, every device's
-        (held: [lanes, devices, rows]), for the bytes its last token reports."""
+        (held: [lanes, devices, pools, rows]), for the bytes its last token reports."""
         lanes = self.lanes
         for slot, request in enumerate(self._slots):
             if request is not None:
                 lane, row = lanes.slot_lane(slot), lanes.slot_kv_row(slot)
-                request.held_pages = int(held[lane, :, row].sum())
+                request.held_pages = Pages.of(held[lane, :, :, row].sum(axis=0))
         for index, request in enumerate(self._prefill_rows):
             if request is not None:
                 lane, row = lanes.prefill_lane(index), lanes.prefill_kv_row(index)
-                request.held_pages = int(held[lane, :, row].sum())
+                request.held_pages = Pages.of(held[lane, :, :, row].sum(axis=0))
 
     def _view(self, lane, held, growth, free, queue, swapped) -> tuple[View, list[Request]]:
         """What the scheduler sees of `lane` (the pages its kv rows alone hold, `held`, and
-        may add, `growth`; its free pages), with the unclaimed swapped-out requests, the queue's
-        head (of those that may start in it) and its idle contexts."""
+        may add, `growth`, [pools, rows] each; its free pages), with the unclaimed swapped-out
+        requests, the queue's head (of those that may start in it) and its idle contexts."""
         lanes = self.lanes
+
+        def of(counts, kv_row: int) -> Pages:
+            return Pages.of(counts[:, kv_row])
+
         running = tuple(
             Running(
                 slot,
                 r.order,
-                int(held[lanes.slot_kv_row(slot)]),
-                int(growth[lanes.slot_kv_row(slot)]),
+                of(held, lanes.slot_kv_row(slot)),
+                of(growth, lanes.slot_kv_row(slot)),
             )
             for slot in lanes.lane_slots(lane)
             if (r := self._slots[slot]) is not None
@@ -832,8 +896,8 @@ class Engine:
             Ready(
                 r.order,
                 r.row,
-                int(held[lanes.prefill_kv_row(r.row)]),
-                int(growth[lanes.prefill_kv_row(r.row)]),
+                of(held, lanes.prefill_kv_row(r.row)),
+                of(growth, lanes.prefill_kv_row(r.row)),
             )
             for r in self._ready
             if r.row is not None and lanes.prefill_lane(r.row) == lane
@@ -844,8 +908,8 @@ class Engine:
             r = self._prefill_rows[row]
             if r is None or r.state is not None:
                 continue
-            row_held = int(held[lanes.prefill_kv_row(row)])
-            reserved = max(r.peak_pages - row_held, 0)
+            row_held = of(held, lanes.prefill_kv_row(row))
+            reserved = (r.peak_pages - row_held).floor()
             prefilling.append(
                 Prefilling(
                     row=row,
@@ -853,7 +917,7 @@ class Engine:
                     held_pages=row_held,
                     reserved_pages=reserved,
                     chunk_tokens=r.next_chunk,
-                    chunk_pages=min(self._chunk_pages(r.next_chunk), reserved),
+                    chunk_pages=self._read_pages(r).cap(reserved),
                 )
             )
         free_rows = tuple(
@@ -861,7 +925,7 @@ class Engine:
         )
         head = queue if free_rows else []  # requests reading a context may pass the first
         idle = tuple(
-            IdleContext(row, c.last_used, int(held[lanes.context_kv_row(row)]))
+            IdleContext(row, c.last_used, of(held, lanes.context_kv_row(row)))
             for row in lanes.lane_contexts(lane)
             if (c := self._context_rows[row]) is not None and c.idle
         )
@@ -873,7 +937,7 @@ class Engine:
             free_slots=tuple(s for s in lanes.lane_slots(lane) if self._slots[s] is None),
             free_rows=free_rows,
             free_pages=free,
-            num_pages=self.cache.num_pages,
+            num_pages=self.pool_pages,
             max_batched_tokens=self.max_batched_tokens,
             idle_contexts=idle,
         )
@@ -883,6 +947,13 @@ class Engine:
         """The most pages of a device reading `tokens` more tokens may allocate: a page per head
         for each `page_size` of them, and one more where a head's last page is part full."""
         return heads(self.device_config) * (-(-tokens // self.cache.page_size) + 1)
+
+    def _read_pages(self, request: Request) -> Pages:
+        """The most pages of a device the request's next chunk may allocate: a prompt's are
+        model-dtype pages; a question's on an int8 context may move as many tokens to int8."""
+        pages = self._chunk_pages(request.next_chunk)
+        question = request.context is not None and self.cache.int8_window is not None
+        return Pages(pages, pages if question else 0)
 
     def _start_prefill(self, request: Request, row: int) -> None:
         """The request into prefill `row` (a request on a context: the row attached to it)."""
@@ -904,22 +975,36 @@ class Engine:
         """One chunk of each prefill row in `rows` (`_read_group`); then the compression and
         first token of each row whose prompt is read. Where the policy evicts chunks, rows
         reading a question over a cached context run apart, without chunk eviction (which
-        would evict the context's shared pages), and never pad the others' program."""
-        if self.policy.chunk_eviction is None:
-            self._read_group(rows, events, evict_chunks=True, may_pad=lambda row: True)
+        would evict the context's shared pages), and never pad the others' program; so do they
+        with int8 storage, where a prompt is read in the kv dtype alone and a question over its
+        context's int8 tier."""
+        if self.policy.chunk_eviction is None and self.cache.int8_window is None:
+            self._read_group(rows, events, questions=False, may_pad=lambda row: True)
             return
         questions = [row for row in rows if self._prefill_rows[row].context is not None]
         prompts = [row for row in rows if row not in questions]
-        if prompts:
-            self._read_group(prompts, events, evict_chunks=True, may_pad=self._holds_no_question)
-        if questions:
-            self._read_group(questions, events, evict_chunks=False, may_pad=lambda row: True)
+        if prompts:  # (with int8 storage, padded by rows whose tokens are all in the kv dtype)
+            may_pad = self._holds_no_question
+            if self.cache.int8_window is not None:
+                may_pad = self._holds_an_unread_prompt_or_none
+            self._read_group(prompts, events, questions=False, may_pad=may_pad)
+        if questions:  # with int8 storage a prompt mid-read must not spill: no padding
+            may_pad = self._holds_no_prompt if self.cache.int8_window else lambda row: True
+            self._read_group(questions, events, questions=True, may_pad=may_pad)
 
     def _holds_no_question(self, row: int) -> bool:
         request = self._prefill_rows[row]
         return request is None or request.context is None
 
-    def _read_group(self, rows: list[int], events: list, *, evict_chunks: bool, may_pad) -> None:
+    def _holds_an_unread_prompt_or_none(self, row: int) -> bool:
+        request = self._prefill_rows[row]
+        return request is None or (request.context is None and request.state is None)
+
+    def _holds_no_prompt(self, row: int) -> bool:
+        request = self._prefill_rows[row]
+        return request is None or request.context is not None
+
+    def _read_group(self, rows: list[int], events: list, *, questions: bool, may_pad) -> None:
         """One chunk of each prefill row in `rows`, in one program: each lane reads R rows (a
         power of two, at most its rows), its own padded with its other rows that `may_pad`,
         which read nothing (fewer, and rows left to the next step, where too few may)."""
@@ -967,7 +1052,7 @@ class Engine:
             offsets,
             budget,
             thresholds,
-            evict_chunks=evict_chunks,
+            questions=questions,
         )
         for row, count in zip(batch, counts, strict=True):
             request = self._prefill_rows[row]
@@ -1033,15 +1118,14 @@ class Engine:
         self._prefill_rows[request.row] = None
         request.row, held.request, held.ready = None, None, True
         pages = self.executor.row_pages()[0]
-        held.pages = int(pages[lane, :, lanes.context_kv_row(held.row)].sum())
-        page_bytes = self.executor.page_bytes
+        held.pages = Pages.of(pages[lane, :, :, lanes.context_kv_row(held.row)].sum(axis=0))
         events.append(
             ContextEvent(
                 held.id,
                 "ready",
                 held.tokens,
-                kv_bytes=held.pages * page_bytes,
-                full_kv_bytes=self._full_pages(held.tokens) * page_bytes,
+                kv_bytes=self.executor.kv_bytes(held.pages),
+                full_kv_bytes=self.full_kv_bytes(held.tokens),
                 compressed=compressed,
             )
         )
@@ -1114,16 +1198,16 @@ class Engine:
     def _bytes_held(self, request: Request) -> dict:
         """The finished request's `kv_bytes` (its pages after its last step) and `full_kv_bytes`
         (the full cache's pages for its prompt and generated tokens, the last unwritten)."""
-        page_bytes = self.executor.page_bytes
         written = request.offset + request.length + len(request.generated) - 1
         return {
-            "kv_bytes": request.held_pages * page_bytes,
-            "full_kv_bytes": self._full_pages(written) * page_bytes,
+            "kv_bytes": self.executor.kv_bytes(request.held_pages),
+            "full_kv_bytes": self.full_kv_bytes(written),
         }
 
     def full_kv_bytes(self, tokens: int) -> int:
-        """Bytes the full cache holds for `tokens` tokens of every head (the pool's pages)."""
-        return self._full_pages(tokens) * self.executor.page_bytes
+        """Bytes the full cache holds for `tokens` tokens of every head (the pool's pages, in
+        the kv dtype)."""
+        return self.executor.kv_bytes(Pages(self._full_pages(tokens)))
 
     def _full_pages(self, tokens: int) -> int:
         """Pages the full cache holds for `tokens` tokens (every head's)."""
@@ -1155,7 +1239,7 @@ class Engine:
 
 def _geometry(kv) -> tuple:
     """What one device's KV states must share for a row to move between them: (page size,
-    dtype, head dim, layers, KV heads, key bounds, ring window)."""
+    dtype, head dim, layers, KV heads, key bounds, ring window, int8 window)."""
     pool, table = kv.pool, kv.page_table
     ring = None if kv.ring is None else kv.ring.window
     return (
@@ -1166,4 +1250,17 @@ def _geometry(kv) -> tuple:
         table.shape[-2],
         pool.key_min is not None,
         ring,
+        None if pool.int8 is None else pool.int8.window,
     )
+
+
+def _check_storage(policy: Policy, cache: CacheConfig) -> None:
+    """ValueError, named, for int8 storage with a policy that cannot run over it."""
+    if cache.int8_window is None:
+        return
+    if policy.selection is not None:
+        raise ValueError(f"policy {policy.name!r} selects pages, which int8 storage does not do")
+    if local_window(policy):
+        raise ValueError(
+            f"policy {policy.name!r} keeps a local ring, which int8 storage does not support"
+        )

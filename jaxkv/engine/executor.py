@@ -9,6 +9,8 @@ for the first token) and checks the state it leaves.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -16,8 +18,10 @@ from jaxkv import sharding
 from jaxkv.attention import Backend
 from jaxkv.cache import CacheConfig, KVState
 from jaxkv.cache.geometry import pool_pages_bucket, table_pages_bucket
+from jaxkv.cache.int8 import create_tier
 from jaxkv.engine import programs
 from jaxkv.engine.lanes import Lanes
+from jaxkv.engine.pages import Pages
 from jaxkv.generation.prefill import empty_carry
 from jaxkv.models.decoder import Model
 from jaxkv.policies import Policy
@@ -33,7 +37,8 @@ class Executor:
     Args:
       model: the model, placed on the mesh when there is one.
       policy: the engine's policy (its static copy runs).
-      cache: the pool of each device.
+      cache: the pool of each device (and with int8 storage its int8 tier's pool of
+        `cache.int8_pages` pages).
       lanes: where the slots and prefill rows lie.
       placement: the mesh, or None on one device.
       max_context: the longest prompt + generation a row holds (sizes the page tables).
@@ -69,24 +74,39 @@ class Executor:
             key_bounds=policy.selection is not None,
             local_window=local_window(policy),
         )
+        geometry["int8"] = None
+        if cache.int8_window is not None:
+            geometry["int8"] = (cache.int8_window, cache.int8_pages or cache.num_pages)
         if placement is None:
-            self.kv = KVState.create(**geometry)
+            self.kv = _engine_state(**geometry)
         else:
-            self.kv = placement.run(KVState.create, (), (), geometry)
+            self.kv = placement.run(_engine_state, (), (), geometry)
         self._carry = empty_carry(placement, model=model, batch=lanes.prefills, policy=self.policy)
         self._rows: Rows | None = None  # every slot's row state, from the first admission on
 
-    @property
-    def page_bytes(self) -> int:
-        """Bytes one page of the pool holds."""
-        return self.kv.pool.page_bytes
+    def kv_bytes(self, pages: Pages) -> int:
+        """Bytes `pages` hold (and with int8 storage a row's channel scales beside its int8
+        pages)."""
+        held = pages.model * self.kv.pool.page_bytes
+        tier = self.kv.pool.int8
+        if tier is None or not pages.int8:
+            return held
+        config = self.model.config  # f32 key and value scales per (layer, KV head, channel)
+        scales = 2 * 4 * config.num_layers * config.num_kv_heads * config.head_dim
+        return held + pages.int8 * tier.pool.page_bytes + scales
 
     def row_pages(self) -> tuple[np.ndarray, ...]:
-        """Per lane [lanes, devices, rows]: the pages each kv row names (shared ones too),
-        those it alone names (what releasing it frees), those its next decode step may add, and
-        [lanes, devices] the pool's free pages."""
+        """Per lane and pool (`programs.row_pages`; T = 1, or 2 with int8 storage)
+        [lanes, devices, T, rows]: the pages each kv row names (shared ones too), those it
+        alone names (what releasing it frees), those its next decode step may add, and
+        [lanes, devices, T] the pools' free pages."""
         counts = programs.row_pages(self.placement, kv=self.kv)
         return tuple(self.lanes.per_lane(x) for x in counts)
+
+    def _pools(self, held: Pages) -> dict:
+        """The pool sizes of a row alone that holds `held` pages (`copy_row`'s statics)."""
+        int8 = None if self.kv.pool.int8 is None else pool_pages_bucket(held.int8, self.page_size)
+        return {"num_pages": pool_pages_bucket(held.model, self.page_size), "int8_pages": int8}
 
     def read_chunks(
         self,
@@ -99,13 +119,13 @@ class Executor:
         budget_tokens,
         thresholds,
         *,
-        evict_chunks: bool,
+        questions: bool,
     ):
         """One chunk of each given kv row (prefill rows, lane after lane, the same count a lane)
         in one forward pass: tokens int32 [R, C], read from `starts` [R], `counts` [R] of them
         (0: a row that reads nothing), of prompts `lengths` [R] long whose first token is at
-        position `offsets` [R] (a question's: after its context); the chunk eviction runs where
-        `evict_chunks`."""
+        position `offsets` [R] (a question's: after its context); `questions`: rows over
+        cached contexts (`programs.prefill_rows`)."""
         self.kv, self._carry = programs.prefill_rows(
             self.placement,
             model=self.model,
@@ -122,7 +142,7 @@ class Executor:
             policy_params=self.policy_params,
             policy=self.policy,
             backend=self.backend,
-            evict_chunks=evict_chunks,
+            questions=questions,
         )
         self.kv.check()
 
@@ -224,13 +244,13 @@ class Executor:
         [devices, ...], its (held, growth) pages, its row state when it is a `slot`'s)."""
         lanes = self.lanes
         held, _, growth, _ = (x[lane].max(axis=0) for x in self.row_pages())
-        held, growth = int(held[kv_row]), int(growth[kv_row])
+        held, growth = Pages.of(held[:, kv_row]), Pages.of(growth[:, kv_row])
         self.kv, alone = programs.swap_out(
             self.placement,
             kv=self.kv,
             row=lanes.one_lane(lane, kv_row, 0),
             active=lanes.active(lane),
-            num_pages=pool_pages_bucket(held, self.page_size),
+            **self._pools(held),
         )
         state = None
         if slot:
@@ -244,12 +264,12 @@ class Executor:
     def copy_row(self, lane: int, kv_row: int) -> KVState:
         """The kv row's state alone, in a pool of its own of the pages it names (one device's
         state: the engine copies out on one device only)."""
-        held = int(self.row_pages()[0][lane].max(axis=0)[kv_row])
+        held = Pages.of(self.row_pages()[0][lane].max(axis=0)[:, kv_row])
         return programs.copy_row(
             self.placement,
             kv=self.kv,
             row=self.lanes.one_lane(lane, kv_row, 0),
-            num_pages=pool_pages_bucket(held, self.page_size),
+            **self._pools(held),
         )
 
     def insert(self, lane: int, kv_row: int, alone: KVState) -> None:
@@ -287,9 +307,24 @@ class Executor:
         return self.lanes.per_lane(new_tokens)[:, 0].reshape(-1)
 
     def usage(self) -> dict:
-        """Pages in use (every device's), the local ring's bytes and the KV bytes held."""
+        """Pages in use (every device's) of the pool and of the int8 tier's (0 without one),
+        the local ring's bytes and the KV bytes held."""
+        tier = self.kv.pool.int8
+        int8 = 0 if tier is None else int(np.sum(sharding.to_host(tier.pages_in_use())))
         return {
             "pages_in_use": int(np.sum(sharding.to_host(self.kv.pages_in_use()))),
+            "int8_pages_in_use": int8,
             "ring_bytes": self.kv.ring_bytes,
             "kv_bytes_in_use": self.kv.memory_bytes(),
         }
+
+
+def _engine_state(*, int8: tuple[int, int] | None, **geometry) -> KVState:
+    """An empty `KVState.create(**geometry)`, with `int8` = (window, pages) an empty int8 tier
+    of that many pages beside its pool (its rows join it once compressed, `start_held`)."""
+    kv = KVState.create(**geometry)
+    if int8 is None:
+        return kv
+    window, pages = int8
+    tier = create_tier(kv, window, pages, kv.page_table.shape[-1])
+    return dataclasses.replace(kv, pool=dataclasses.replace(kv.pool, int8=tier))

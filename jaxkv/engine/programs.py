@@ -14,22 +14,27 @@ per lane: the other lanes run the identity.
 Programs and what each compiles for (`Engine`'s docstring counts them):
 - `decode_slots`: one decode step of every lane's slots (`generate`'s `decode_and_sample`).
 - `prefill_rows`: a chunk of R prefill rows a lane (tokens [R, C]): per (R, C) bucket, for
-  prompts and for questions over a cached context (no chunk eviction).
+  prompts and for questions over a cached context (no chunk eviction; with int8 storage, read
+  over their int8 tier, as `Session.extend` reads).
 - `finish_row`: a prefilled row's compression (per prompt bucket for a compression that reads
-  the prompt's tokens, KVzip's; once more for a question, which is not compressed).
+  the prompt's tokens, KVzip's; once more for a question, which is not compressed), and with
+  int8 storage its tokens but each head's newest window moved to the int8 tier (`start_held`).
 - `row_pages`, `start_rows`, `move`, `attach`, `release`, `insert_rows`, `take_row_state`:
   once.
 - `swap_out`, `swap_in`, `copy_row`: per bucket of the swapped request's (or copied
-  context's) pages.
+  context's) pages (and int8 pages, with int8 storage).
 `first_token` (a one-row sample from the hidden state) is a plain jit.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from jaxkv.cache import KVState
+from jaxkv.cache.int8 import start_held
 from jaxkv.cache.repack import repack
 from jaxkv.cache.rows import (
     attach_row,
@@ -39,6 +44,7 @@ from jaxkv.cache.rows import (
     put_rows,
     release_rows,
     take_rows,
+    without_int8,
 )
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.generation.observations import (
@@ -85,7 +91,7 @@ def decode_slots(model, kv, tokens, active, rows: Rows, policy_params, *, policy
 
 
 @program(
-    static=("policy", "backend", "evict_chunks"),
+    static=("policy", "backend", "questions"),
     donate=("kv", "carry"),
     model=MODEL,
     kv=SHARD,
@@ -116,14 +122,15 @@ def prefill_rows(
     *,
     policy,
     backend,
-    evict_chunks,
+    questions,
 ):
     """One chunk of each of `rows` (int32 [R], kv rows, distinct, prefill rows): row r reads
     tokens[r, :counts[r]], its prompt's tokens starts[r] onwards, at positions offsets[r]
     onwards (`read_chunk`; a row with counts 0 reads nothing); a row with starts 0 and
-    counts > 0 starts a prefill (its carry fresh). `evict_chunks`: whether the policy's chunk
-    eviction runs (not over a question, whose row shares a context's pages). Returns (kv,
-    carry)."""
+    counts > 0 starts a prefill (its carry fresh). `questions`: the rows read questions over
+    cached contexts: the policy's chunk eviction does not run (their rows share a context's
+    pages) and their int8 tiers are on (a prompt is read in the model dtype alone). Returns
+    (kv, carry)."""
     index = _carry_index(kv, carry, rows)
     part = carry_rows(carry, index)
     fresh = initial_carry(model, rows.shape[0], policy)
@@ -137,12 +144,12 @@ def prefill_rows(
         offsets,
         budget_tokens,
         thresholds,
-        take_rows(kv, rows),
+        take_rows(kv, rows) if questions else without_int8(take_rows(kv, rows)),
         part,
         policy_params,
         policy=policy,
         backend=backend,
-        evict_chunks=evict_chunks,
+        evict_chunks=not questions,
     )
     return put_rows(kv, rows, view), put_carry_rows(carry, index, part)
 
@@ -180,25 +187,31 @@ def finish_row(
 ):
     """The policy's compression of a prefilled row (int32 [1], a kv row) of the active lane,
     from what its prefill observed (`compress_observed`; tokens [1, T] its prompt where the
-    compression reads it; none unless `compress`: a question over a cached context). Returns
-    (kv, last_hidden [1, D], whether any head holds fewer than the `length` tokens it read)."""
+    compression reads it; none unless `compress`: a question over a cached context), then
+    with int8 storage its tokens but each head's newest window into the int8 tier (as
+    `generate` starts one after its compression). Returns (kv, last_hidden [1, D], whether any
+    head holds fewer than the `length` tokens it read)."""
     index = _carry_index(kv, carry, row)
     observed = carry_rows(carry, index)
 
     def compressed_row(kv):
+        taken = take_rows(kv, row)
         part, _ = compress_observed(
             model,
             tokens,
             length,
             budget_tokens,
             thresholds,
-            take_rows(kv, row),
+            without_int8(taken),
             observed,
             key,
             policy_params,
             policy=policy,
             int8_window=None,
         )
+        if taken.pool.int8 is not None:
+            pool = dataclasses.replace(part.pool, int8=taken.pool.int8)
+            part = start_held(dataclasses.replace(part, pool=pool))
         return put_rows(kv, row, part)
 
     if compress:
@@ -218,12 +231,22 @@ def first_token(model, last_hidden, row: Rows):
 
 @program(kv=SHARD)
 def row_pages(kv: KVState) -> tuple[jax.Array, ...]:
-    """int32 [B] each row's pages named (shared ones too), those it alone names (what its
-    release frees), the pages its next decode step may allocate (one per (layer, KV head)
-    whose last page is full), and the free pages []."""
-    held = jnp.sum(kv.page_table >= 0, axis=(0, 2, 3))
-    full = kv.full_precision_lengths() % kv.pool.page_size == 0
-    return held, own_pages(kv), jnp.sum(full, axis=(0, 2)), kv.pool.allocator.num_free
+    """Per pool (T = 1, or 2 with int8 storage: model-dtype, then int8), int32 [T, B]: each
+    row's pages named (shared ones too), those it alone names (what its release frees), the
+    pages its next decode step may allocate (a model-dtype page per (layer, KV head) whose
+    last page is full; an int8 page per head whose window is full, its token then moving to
+    an int8 page, and whose last int8 page is full), and [T] the free pages."""
+    p, tier = kv.pool.page_size, kv.pool.int8
+    full_lengths = kv.full_precision_lengths()
+    held = [jnp.sum(kv.page_table >= 0, axis=(0, 2, 3))]
+    growth = [jnp.sum(full_lengths % p == 0, axis=(0, 2))]
+    free = [kv.pool.allocator.num_free]
+    if tier is not None:
+        held.append(jnp.sum(tier.page_table >= 0, axis=(0, 2, 3)))
+        spills = (full_lengths >= tier.window) & (tier.lengths % p == 0)
+        growth.append(jnp.sum(spills, axis=(0, 2)))
+        free.append(tier.pool.allocator.num_free)
+    return jnp.stack(held), own_pages(kv), jnp.stack(growth), jnp.stack(free)
 
 
 @program(static=("batch",), row=SAME)
@@ -251,18 +274,28 @@ def release(kv: KVState, rows) -> KVState:
     return release_rows(kv, rows)
 
 
-@program(static=("num_pages",), kv=SHARD, row=ROWS)
-def copy_row(kv: KVState, row, *, num_pages: int) -> KVState:
-    """Each lane's kv row `row` ([1]) alone, in a pool of its own of `num_pages` pages (`kv`
-    unchanged: a cached context copied out)."""
-    return repack(take_rows(kv, row), num_pages=num_pages, max_pages=kv.page_table.shape[-1])
+@program(static=("num_pages", "int8_pages"), kv=SHARD, row=ROWS)
+def copy_row(kv: KVState, row, *, num_pages: int, int8_pages: int | None) -> KVState:
+    """Each lane's kv row `row` ([1]) alone, in a pool of its own of `num_pages` pages (and an
+    int8 tier's of `int8_pages`, with int8 storage; `kv` unchanged: a cached context copied
+    out)."""
+    tier = kv.pool.int8
+    int8_geometry = None if tier is None else (int8_pages, tier.page_table.shape[-1])
+    return repack(
+        take_rows(kv, row),
+        num_pages=num_pages,
+        max_pages=kv.page_table.shape[-1],
+        int8_geometry=int8_geometry,
+    )
 
 
-@program(static=("num_pages",), donate=("kv",), kv=SHARD, row=ROWS, active=ROWS)
-def swap_out(kv: KVState, row, active, *, num_pages: int) -> tuple[KVState, KVState]:
+@program(static=("num_pages", "int8_pages"), donate=("kv",), kv=SHARD, row=ROWS, active=ROWS)
+def swap_out(
+    kv: KVState, row, active, *, num_pages: int, int8_pages: int | None
+) -> tuple[KVState, KVState]:
     """(kv with the active lane's `row` ([1]) released, the row alone in a pool of its own of
-    `num_pages` pages: what the host keeps of a preempted request)."""
-    alone = copy_row.fn(kv, row, num_pages=num_pages)
+    `num_pages` pages (`copy_row`): what the host keeps of a preempted request)."""
+    alone = copy_row.fn(kv, row, num_pages=num_pages, int8_pages=int8_pages)
     released = jnp.zeros((kv.page_table.shape[1],), bool).at[row[0]].set(active[0])
     return release_rows(kv, released), alone
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxkv.cache import KVState
 from jaxkv.engine.contexts import Context
+from jaxkv.engine.pages import Pages
 from jaxkv.generation.request import Prompts
 from jaxkv.sampling import Sampler
 from jaxkv.step.rows import Rows
@@ -78,7 +79,7 @@ class Request:
     budget_tokens: np.ndarray
     budget_ratio: np.ndarray
     thresholds: np.ndarray
-    peak_pages: int  # the most pages it holds from its first chunk to its first decode step
+    peak_pages: Pages  # the most pages it holds from its first chunk to its first decode step
     max_new_tokens: int
     sampler: Sampler
     key: jax.Array  # the decode key (`generate` splits the request key into prefill, decode)
@@ -87,12 +88,12 @@ class Request:
     generated: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
     order: int = -1  # when it first started its prefill, for whom to admit or preempt first
-    held_pages: int = 0  # pages it held (every device's) when last recorded
+    held_pages: Pages = Pages(0)  # pages it held (every device's) when last recorded
     row: int | None = None
     read: int = 0
     state: Rows | None = None
     swapped: KVState | None = None
-    swapped_pages: tuple[int, int] = (0, 0)  # (held, growth) of its swapped-out state
+    swapped_pages: tuple[Pages, Pages] = (Pages(0), Pages(0))  # (held, growth) swapped out
     context: Context | None = None  # the cached context it reads
     makes_context: Context | None = None  # the cached context it prefills
     lane: int | None = None  # the lane it must run in (its context's), None: any

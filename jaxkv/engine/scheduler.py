@@ -29,6 +29,10 @@ token sampled; in its prefill row, or swapped out to the host after a preemption
 Cached contexts (`Engine.add_context`) hold pages too: one that no request reads or waits for
 is idle, and idle contexts are dropped, least recently used first, whenever steps 1, 2 or 4
 need their pages, before any request is preempted (`drop_contexts`).
+
+Page counts are read through +, - and <= alone: ints for an engine of one pool, or
+`jaxkv.engine.pages.Pages` for one with int8 storage (its model-dtype pool and its int8 tier's:
+an amount fits when it fits in each).
 """
 
 from __future__ import annotations
@@ -173,13 +177,13 @@ def plan_step(view: View) -> Plan:
     def room_for(pages: int) -> bool:
         """Whether `pages` are free, once idle contexts are dropped (oldest first) for them."""
         nonlocal free
-        while free < pages and idle:
+        while not pages <= free and idle:
             context = idle.pop(0)
             dropped.append(context.row)
             free += context.pages
-        return free >= pages
+        return pages <= free
 
-    refuse = [r.order for r in ready if r.held_pages + r.growth_pages > view.num_pages]
+    refuse = [r.order for r in ready if not r.held_pages + r.growth_pages <= view.num_pages]
     for r in ready:
         if r.order in refuse and r.row is not None:
             free += r.held_pages
@@ -198,7 +202,7 @@ def plan_step(view: View) -> Plan:
 
     preempt, swap_out, abort, too_large = [], [], [], []
     room_for(_growth(running))
-    while running and _growth(running) > free:
+    while running and not _growth(running) <= free:
         holders = [r for r in ready if r.row is not None] + prefilling
         if len(running) > 1:
             holders += running
@@ -228,7 +232,7 @@ def plan_step(view: View) -> Plan:
     reserved = sum(p.reserved_pages for p in prefilling)
     reserved += sum(r.growth_pages for r in ready if r.row is not None)
     rows = sorted(view.free_rows)  # an aborted row is free from the next step on
-    refuse_waiting = [i for i, w in enumerate(view.waiting) if w.peak_pages > view.num_pages]
+    refuse_waiting = [i for i, w in enumerate(view.waiting) if not w.peak_pages <= view.num_pages]
     start, started, passed, blocked = [], [], [], False
     for i, w in enumerate(view.waiting):
         if i in refuse_waiting:

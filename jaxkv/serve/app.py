@@ -53,6 +53,13 @@ METRICS = (
     ("jaxkv_pages_in_use", "gauge", "Pages of the KV pool that requests hold.", "pages_in_use"),
     ("jaxkv_pool_pages", "gauge", "Pages of the KV pool.", "num_pages"),
     (
+        "jaxkv_int8_pages_in_use",
+        "gauge",
+        "Pages of the int8 tier's pool that requests hold (--storage int8; else 0).",
+        "int8_pages_in_use",
+    ),
+    ("jaxkv_int8_pool_pages", "gauge", "Pages of the int8 tier's pool.", "int8_num_pages"),
+    (
         "jaxkv_ring_bytes",
         "gauge",
         "Bytes of the local ring beside the pool (WG-KV's, every slot's; 0 without one).",
@@ -67,6 +74,12 @@ METRICS = (
     ("jaxkv_preemptions_total", "counter", "Requests preempted for pages.", "preemptions"),
     ("jaxkv_contexts", "gauge", "Cached contexts held (being made or ready).", "contexts"),
     ("jaxkv_context_pages", "gauge", "Pages of the pool the ready contexts hold.", "context_pages"),
+    (
+        "jaxkv_context_int8_pages",
+        "gauge",
+        "Pages of the int8 tier's pool the ready contexts hold.",
+        "context_int8_pages",
+    ),
     (
         "jaxkv_context_hits_total",
         "counter",
