@@ -56,6 +56,13 @@ def test_serve_runs_the_engine_over_the_mesh_it_names(served):
     assert (mesh.data, mesh.model) == (2, 1) and served["ran"] == "the app"
 
 
+def test_serve_runs_int8_storage_with_a_pool_of_its_own(served):
+    argv = ["serve", "--num-pages", "64", "--storage", "int8", "--int8-pages", "32"]
+    assert cli.main([*argv, "--full-precision-window", "32", "--no-warm-up"]) == 0
+    engine = served["engine"]
+    assert engine.stats()["int8_num_pages"] == 32 and engine.cache.full_precision_window == 32
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [

@@ -26,11 +26,11 @@ def model():
     return load_hf_checkpoint(bundled.REFERENCE_MODEL, dtype="float32")  # exact across batches
 
 
-def served(model, tokenizer, num_pages=2048, **app_options):
+def served(model, tokenizer, num_pages=2048, storage="model", **app_options):
     engine = jaxkv.Engine(
         model,
         "snapkv:0.3",
-        cache=CacheConfig(num_pages=num_pages),
+        cache=storage_config(storage, num_pages=num_pages),
         max_slots=4,
         max_contexts=2,
         max_context=2048,
@@ -38,11 +38,17 @@ def served(model, tokenizer, num_pages=2048, **app_options):
     return serving(engine, tokenizer, **app_options)
 
 
+def storage_config(storage: str, **more) -> CacheConfig:
+    """The cache of a storage: "int8" keeps each head's newest 32 tokens in the kv dtype."""
+    window = {"full_precision_window": 32} if storage == "int8" else {}
+    return CacheConfig(storage=storage, **window, **more)
+
+
 def openai_client(base_url) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
 
 
-def asked(model, tokenizer, context_ids, question_ids) -> str:
+def asked(model, tokenizer, context_ids, question_ids, storage="model") -> str:
     """`jaxkv.ask`'s greedy answer as the server's text (its stop tokens left out)."""
     stop = {t for t in [tokenizer.eos_id, *model.config.eos_token_ids] if t is not None}
     out = jaxkv.ask(
@@ -52,6 +58,7 @@ def asked(model, tokenizer, context_ids, question_ids) -> str:
         "snapkv:0.3",
         max_new_tokens=ANSWER_TOKENS,
         stop_tokens=sorted(stop),
+        cache=storage_config(storage),
     ).answers
     tokens = out.tokens[0, : int(out.num_tokens[0])].tolist()
     return tokenizer.decode([t for t in tokens if t not in stop])
@@ -196,16 +203,28 @@ def test_bad_contexts_and_requests_are_refused_naming_the_field(model, tokenizer
         assert metrics(url)["jaxkv_contexts"] == 2
 
 
-def test_contexts_outlive_the_server_in_its_folder(model, tokenizer, tmp_path):
+@pytest.mark.parametrize("storage", ["model", "int8"])
+def test_contexts_outlive_the_server_in_its_folder(model, tokenizer, tmp_path, storage):
+    """Saved when the server stops, loaded when the next starts, in its storage: an int8
+    context (each head's tokens past its 32 newest in int8) answers as `ask` with int8 storage
+    and holds fewer bytes than the model-dtype one."""
     folder = tmp_path / "contexts"
     question = dict(model="reference", prompt=QUESTIONS[0], max_tokens=ANSWER_TOKENS, temperature=0)
-    with served(model, tokenizer, contexts_dir=folder) as url:
+    with served(model, tokenizer, contexts_dir=folder, storage=storage) as url:
         card = post(url, "/v1/contexts", {"prompt": DOCUMENT}).json()
         first = openai_client(url).completions.create(
             **question, extra_body={"context": card["id"]}
         )
+    context_ids = tokenizer.encode(DOCUMENT)
+    question_ids = tokenizer.encode(QUESTIONS[0], add_bos=False)
+    assert first.choices[0].text == asked(model, tokenizer, context_ids, question_ids, storage)
+    session = jaxkv.prefill(model, context_ids, "snapkv:0.3")  # the model-dtype context
+    if storage == "int8":
+        assert card["kv_bytes"] < 0.7 * session.memory_bytes()
+    else:
+        assert card["kv_bytes"] == session.memory_bytes()
     assert (folder / card["id"] / "context.json").is_file()
-    with served(model, tokenizer, contexts_dir=folder) as url:
+    with served(model, tokenizer, contexts_dir=folder, storage=storage) as url:
         client = openai_client(url)
         (loaded,) = client.get("/contexts", cast_to=object)["data"]
         assert loaded == card | {"hits": 1}
