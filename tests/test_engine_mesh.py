@@ -103,3 +103,29 @@ def test_a_mesh_that_does_not_divide_the_slots_is_refused_before_anything_runs(m
         Engine(model, cache=CacheConfig(num_pages=64), max_slots=3, mesh=mesh)
     with pytest.raises(ValueError, match="max_prefills=1 must be a multiple"):
         Engine(model, cache=CacheConfig(num_pages=64), max_slots=2, max_prefills=1, mesh=mesh)
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv"])
+def test_int8_storage_on_a_2x4_mesh_gives_one_device_s_tokens(model, name):
+    """Each device's int8 tier beside its pool: the rows' tiers split with their heads."""
+    policy, _ = POLICIES[name]()
+    int8 = dict(storage="int8", full_precision_window=32)
+    mesh = sharding.make_inference_mesh(data=2, model=4)
+    eng = Engine(
+        model,
+        policy,
+        cache=CacheConfig(num_pages=128, int8_pages=96, **int8),
+        max_slots=4,
+        max_prefills=2,
+        max_context=512,
+        mesh=mesh,
+        prefill_chunk=64,
+    )
+    ids = {eng.submit(prompt, max_new_tokens=8): i for i, prompt in enumerate(PROMPTS)}
+    tokens = eng.run()
+    assert eng.stats()["pages_in_use"] == eng.stats()["int8_pages_in_use"] == 0
+    for request, index in ids.items():
+        expected = reference(
+            model, policy, PROMPTS[index], 8, prefill_chunk=64, cache=CacheConfig(**int8)
+        )
+        assert tokens[request] == expected, index
