@@ -12,7 +12,8 @@ content, each question follows it, as `jaxkv ask --chat` splits them; plain text
 each (stop tokens off, so every request runs its length), arriving as a Poisson process of
 `--rate` requests per second of wall time in a random order that interleaves the documents;
 the same trace for every run. Each policy runs twice over one pool of `--pool-requests`
-full-cache requests of the longest document, question and answer:
+full-cache requests of the longest document, question and answer (with `--storage int8`, an
+int8 tier's pool of as many pages beside it):
   cached    the first question of a document adds its context (`Engine.add_context`: prefilled
             and compressed once), every question reads it (`submit(..., context=)`; a context
             dropped for its pages is added again);
@@ -93,7 +94,7 @@ def run(model, policy, documents, trace, args, num_pages: int, params, cached: b
     engine = jaxkv.Engine(
         model,
         policy,
-        cache=jaxkv.CacheConfig(num_pages=num_pages),
+        cache=cache_config(args, num_pages=num_pages),
         max_slots=args.max_slots,
         max_contexts=args.documents if cached else 0,
         max_context=args.max_document + 64 + args.max_new,
@@ -152,6 +153,14 @@ def run(model, policy, documents, trace, args, num_pages: int, params, cached: b
     }
 
 
+def cache_config(args, **more) -> jaxkv.CacheConfig:
+    """The engine's and `ask`'s storage: --storage (int8: each head's newest
+    --full-precision-window tokens in the kv dtype; its int8 pool as large as the pool)."""
+    if args.storage == "int8":
+        more["full_precision_window"] = args.full_precision_window
+    return jaxkv.CacheConfig(storage=args.storage, **more)
+
+
 def warm_up(engine, document, request, cached: bool) -> None:
     """Compiles the programs of a pass (a document, a question, its decode) before the clock
     starts; the engine is left empty."""
@@ -195,6 +204,7 @@ def ask_tokens(model, policy, documents, trace, args, params) -> dict[int, list[
             max_new_tokens=args.max_new,
             stop_tokens=(),
             policy_params=params,
+            cache=cache_config(args),
         ).answers
         for row, index in enumerate(indices):
             answers[index] = out.tokens[row, : trace[index]["max_new_tokens"]].tolist()
@@ -259,6 +269,18 @@ def main(argv: list[str] | None = None) -> dict:
         help="the pool, in full-cache requests of the longest document + question + answer",
     )
     parser.add_argument("--max-slots", type=int, default=16, help="requests decoded at once")
+    parser.add_argument(
+        "--storage",
+        choices=("model", "int8"),
+        default="model",
+        help="the cache's storage: every token in the kv dtype, or each head's older ones int8",
+    )
+    parser.add_argument(
+        "--full-precision-window",
+        type=int,
+        default=jaxkv.CacheConfig().full_precision_window,
+        help="with --storage int8, the newest tokens a head keeps in the kv dtype",
+    )
     harness.add_params_option(parser)
     parser.add_argument("--seed", type=int, default=0, help="the trace's documents and arrivals")
     parser.add_argument(

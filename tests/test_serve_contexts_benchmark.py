@@ -42,3 +42,17 @@ def test_a_cached_and_an_uncached_run_per_policy_with_ask_s_answers(tmp_path):
     saved = json.loads((tmp_path / "tiny-random" / "serve_contexts.json").read_text())
     assert saved["provenance"]["command"].startswith("jaxkv bench serve_contexts --model")
     assert "cached / uncached" in (tmp_path / "tiny-random" / "serve_contexts.md").read_text()
+
+
+def test_int8_storage_answers_as_ask_with_it_and_holds_fewer_bytes(tmp_path):
+    runs = {}
+    for storage in ("model", "int8"):
+        options = ["--storage", storage, "--policies", "full", "--out", str(tmp_path / storage)]
+        if storage == "int8":
+            options += ["--full-precision-window", "16"]
+        runs[storage] = serve_contexts.main([*TOY, *options])["rows"]
+    cached = {storage: rows[0] for storage, rows in runs.items()}
+    assert cached["int8"]["cached"] and cached["int8"]["equal_to_ask"] == 6
+    assert cached["int8"]["kv_bytes_mean"] < 0.8 * cached["model"]["kv_bytes_mean"]
+    saved = json.loads((tmp_path / "int8" / "tiny-random" / "serve_contexts.json").read_text())
+    assert saved["trace"]["storage"] == "int8"
