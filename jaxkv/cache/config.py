@@ -88,6 +88,14 @@ class CacheConfig:
                 check_dtype(self.kv_dtype)
 
     @property
+    def int8_pool_pages(self) -> int:
+        """Pages of the int8 tier's pool kept beside the pool (`int8_pages`, by default
+        `num_pages`); 0 without int8 storage."""
+        if self.storage is not Storage.INT8:
+            return 0
+        return self.num_pages if self.int8_pages is None else self.int8_pages
+
+    @property
     def int8_window(self) -> int | None:
         """F when older tokens are stored in int8, else None."""
         return self.full_precision_window if self.storage is Storage.INT8 else None

@@ -64,7 +64,7 @@ def channel_scales_of(x: jax.Array, held: jax.Array) -> jax.Array:
     return jnp.where(largest > 0, largest, 1.0)
 
 
-def held_channel_scales(kv: KVState) -> tuple[jax.Array, jax.Array]:
+def _held_channel_scales(kv: KVState) -> tuple[jax.Array, jax.Array]:
     """f32 [L, B, K, H] each for keys and values: `channel_scales_of` the model-dtype tokens
     `kv` holds now (all of them, before any moves to int8)."""
     pool, table = kv.pool, kv.page_table
@@ -94,7 +94,7 @@ def create_tier(kv: KVState, window: int, num_pages: int, max_pages: int) -> Int
         k_scales=jnp.zeros((num_pages, p), jnp.float32),
         v_scales=jnp.zeros((num_pages, p), jnp.float32),
     )
-    k_scales, v_scales = held_channel_scales(kv)
+    k_scales, v_scales = _held_channel_scales(kv)
     tier = Int8Tier(
         pool=int8_pool,
         page_table=jnp.full((*table.shape[:-1], max_pages), -1, jnp.int32),
@@ -120,7 +120,7 @@ def start_held(kv: KVState) -> KVState:
     """Mixed-precision storage of the tokens `kv` holds in its model-dtype pages, its int8 tier
     empty (rows that join an engine's tier once their prompt is compressed): channel scales
     from those tokens, then each head's tokens but the newest `window` moved to the tier."""
-    k_scales, v_scales = held_channel_scales(kv)
+    k_scales, v_scales = _held_channel_scales(kv)
     tier = dataclasses.replace(kv.pool.int8, k_channel_scales=k_scales, v_channel_scales=v_scales)
     return _spilled(dataclasses.replace(kv, pool=dataclasses.replace(kv.pool, int8=tier)))
 
@@ -204,7 +204,6 @@ __all__ = [
     "channel_scales_of",
     "check_dtype",
     "create_tier",
-    "held_channel_scales",
     "merge_slots",
     "quantize",
     "spill_layer",

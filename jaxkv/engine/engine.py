@@ -191,10 +191,7 @@ class Engine:
                 f"max_position_embeddings={limit}"
             )
         self.max_waiting = check_count("max_waiting", max_waiting, 1)
-        int8_pages = 0
-        if cache.int8_window is not None:
-            int8_pages = cache.num_pages if cache.int8_pages is None else cache.int8_pages
-        self.pool_pages = Pages(cache.num_pages, int8_pages)  # each device's pools
+        self.pool_pages = Pages(cache.num_pages, cache.int8_pool_pages)  # each device's pools
         self.executor = Executor(
             model,
             self.policy,
@@ -535,16 +532,14 @@ class Engine:
         peak = prefill_peak_pages(
             policy, self.device_config, length, prompts.chunk, self.cache.page_size
         )
-        int8 = 0
-        if self.cache.int8_window is not None:
-            int8 = int8_pages_after_prefill(
-                policy,
-                self.model.config,
-                length,
-                self.cache.page_size,
-                self.cache.int8_window,
-                self.device_config,
-            )
+        int8 = int8_pages_after_prefill(
+            policy,
+            self.model.config,
+            length,
+            self.cache.page_size,
+            self.cache.int8_window,
+            self.device_config,
+        )
         return self._request(
             prompts,
             policy.budget_tokens(prompts.lengths),
@@ -648,16 +643,25 @@ class Engine:
         fitting = bisect.bisect_left(
             range(1, max_new_tokens), True, key=lambda new: not needed(new) <= pool
         )
-        tier = "int8 pages" if pages.model <= pool.model else "pages"
-        needed_count, pool_count = (
-            (pages.int8, pool.int8) if pages.model <= pool.model else (pages.model, pool.model)
-        )
+        if pages.model <= pool.model:  # the int8 tier's pool is what is short
+            tier, pool_name, needed_count, pool_count = (
+                "int8 pages",
+                "int8_pages",
+                pages.int8,
+                pool.int8,
+            )
+        else:
+            tier, pool_name, needed_count, pool_count = (
+                "pages",
+                "num_pages",
+                pages.model,
+                pool.model,
+            )
         advice = (
             f"give max_new_tokens <= {fitting}, or a shorter prompt"
             if fitting
             else "give a shorter prompt"
         )
-        pool_name = "int8_pages" if tier == "int8 pages" else "num_pages"
         raise TooLargeForPoolError(
             f"{what} + max_new_tokens={max_new_tokens} may need {needed_count} {tier} with "
             f"policy {self.policy.name!r}, more than the pool's {pool_name}={pool_count} hold: "

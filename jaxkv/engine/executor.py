@@ -38,7 +38,7 @@ class Executor:
       model: the model, placed on the mesh when there is one.
       policy: the engine's policy (its static copy runs).
       cache: the pool of each device (and with int8 storage its int8 tier's pool of
-        `cache.int8_pages` pages).
+        `cache.int8_pool_pages` pages).
       lanes: where the slots and prefill rows lie.
       placement: the mesh, or None on one device.
       max_context: the longest prompt + generation a row holds (sizes the page tables).
@@ -76,7 +76,7 @@ class Executor:
         )
         geometry["int8"] = None
         if cache.int8_window is not None:
-            geometry["int8"] = (cache.int8_window, cache.int8_pages or cache.num_pages)
+            geometry["int8"] = (cache.int8_window, cache.int8_pool_pages)
         if placement is None:
             self.kv = _engine_state(**geometry)
         else:

@@ -160,11 +160,14 @@ def int8_pages_after_prefill(
     config: ModelConfig,
     prompt_length: int,
     page_size: int,
-    int8_window: int,
+    int8_window: int | None,
     device_config: ModelConfig | None = None,
 ) -> int:
     """The most int8 pages of one device a request holds once its prompt is compressed and its
-    tokens but each head's newest `int8_window` moved to int8 (to its first decode step)."""
+    tokens but each head's newest `int8_window` moved to int8 (to its first decode step); 0
+    without int8 storage (`int8_window` None)."""
+    if int8_window is None:
+        return 0
     device_config = config if device_config is None else device_config
     held, _, uniform = _decode_tokens(policy, prompt_length, 1)
     count = heads(config if policy.decides_across_heads else device_config)
