@@ -21,13 +21,10 @@ PROVENANCE_KEYS = ("command", "commit", "machine")
 
 WITHOUT_PROVENANCE = frozenset(
     {
-        "results/confkv/confkv-ablation.json",
-        "results/confkv/confkv.json",
         "results/fastkvzip/optimizers/adamw/quality/quality.json",
         "results/fastkvzip/optimizers/adamw/training.json",
         "results/fastkvzip/optimizers/sgd/quality/quality.json",
         "results/fastkvzip/optimizers/sgd/training.json",
-        "results/quality/quality.json",
         "results/real-quality/kvpress/quality.json",
         "results/real-quality/quality.json",
         "results/real-quality/rebuilt-gates/fastkvzip-smollm2-135m-instruct-training.json",
