@@ -1,15 +1,16 @@
-"""What every benchmark shares: the provenance block its results open with, how they are saved,
-how a row runs in a process of its own, and the probes and statistics several of them use.
+"""What every benchmark shares: the provenance block its results open with, how they are saved, how
+a row runs in a process of its own, and the probes and statistics several of them use.
 
-A benchmark measures; this module records how (`provenance`: the command, date, jax version,
-source commit and machine), writes the JSON and markdown next to each other (`save`), so every
-number in the README and `docs/` traces back to a command and a file, and runs rows that need a
-fresh process (their own memory peak, device count or XLA flags) through `run_child` and
-`print_row`. Shared by several benchmarks: their options' help (`HelpFormatter`,
-`MODEL_HELP`), the timing and bandwidth probe (`seconds_per_call`, `copy_bandwidth`), a sweep
-cell's policy (`build_policy`), a learned policy's parameters (`learned_params`), the Wilson
-interval of a share of correct answers (`wilson_interval`) and the interval of one policy's
-correct answers over another's on the same episodes (`paired_ratio_interval`).
+A benchmark measures; this module records how (`provenance`, `jaxkv.provenance`'s, which the
+trainers share: the command, date, jax version, source commit and machine), writes the JSON and
+markdown next to each other (`save`), so every number in the README and `docs/` traces back to a
+command and a file, and runs rows that need a fresh process (their own memory peak, device count
+or XLA flags) through `run_child` and `print_row`. Shared by several benchmarks: their options'
+help (`HelpFormatter`, `MODEL_HELP`), the timing and bandwidth probe (`seconds_per_call`,
+`copy_bandwidth`), a sweep cell's policy (`build_policy`), a learned policy's parameters
+(`learned_params`), the Wilson interval of a share of correct answers (`wilson_interval`) and
+the interval of one policy's correct answers over another's on the same episodes
+(`paired_ratio_interval`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import numpy as np
 import jaxkv
 from jaxkv import policies
 from jaxkv.model_sources import shipped_name
+from jaxkv.provenance import provenance as provenance
 
 # The line a child process prints its result on: this marker, then the result as JSON.
 ROW_MARKER = "JAXKV_ROW_JSON "
@@ -50,47 +50,6 @@ MODEL_HELP = (
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """A benchmark's `-h`: its module docstring as written, each option's default after its
     help."""
-
-
-def source_commit() -> str | None:
-    """`JAXKV_SOURCE_COMMIT` where the sender of a copied tree set it (a GPU machine's copy can
-    hold a stale .git), else the git commit of the checkout this runs from, else None."""
-    if os.environ.get("JAXKV_SOURCE_COMMIT"):
-        return os.environ["JAXKV_SOURCE_COMMIT"]
-    try:
-        found = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return found.stdout.strip()
-
-
-def machine() -> dict:
-    """The first device, the host and its load when the run starts."""
-    device = jax.devices()[0]
-    return {
-        "device": f"{device.platform}: {device.device_kind}",
-        "num_devices": jax.device_count(),
-        "host": f"{platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs",
-        "load_average_at_start": os.getloadavg(),
-    }
-
-
-def provenance(command: str, argv: Sequence[str]) -> dict:
-    """The block a results file opens with: `command` (e.g. "jaxkv bench plan") with its
-    arguments, the date, jax's version, the source commit and the machine."""
-    return {
-        "command": " ".join([command, *argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "jax": jax.__version__,
-        "commit": source_commit(),
-        "machine": machine(),
-    }
 
 
 def provenance_line(provenance: dict) -> str:

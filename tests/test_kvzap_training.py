@@ -95,6 +95,7 @@ def test_a_short_run_writes_surrogates_the_policy_loads(tmp_path, monkeypatch):
     assert data["validation_h"].shape == (40, 2, 64)
     assert np.all(np.isfinite(data["train_targets"]))
     assert summary["command"] == "jaxkv train kvzap " + " ".join(argv)
+    assert summary["commit"] and summary["date"] and summary["machine"]["host"]  # provenance
     assert summary["targets"]["length"] == 96 and summary["targets"]["text"] == "source"
     assert json.loads((out / "run.json").read_text()) == summary
     validation = summary["validation"]

@@ -21,9 +21,7 @@ PROVENANCE_KEYS = ("command", "commit", "machine")
 
 WITHOUT_PROVENANCE = frozenset(
     {
-        "results/fastkvzip/optimizers/adamw/quality/quality.json",
         "results/fastkvzip/optimizers/adamw/training.json",
-        "results/fastkvzip/optimizers/sgd/quality/quality.json",
         "results/fastkvzip/optimizers/sgd/training.json",
         "results/real-quality/kvpress/quality.json",
         "results/real-quality/quality.json",
@@ -32,7 +30,6 @@ WITHOUT_PROVENANCE = frozenset(
         "results/real-quality/samples-48/quality.json",
         "results/real-quality/samples-48/rebuilt-gates/fastkvzip-smollm2-135m-instruct-training.json",
         "results/real-quality/samples-48/rebuilt-gates/wgkv-lambda-0.3-run.json",
-        "results/wgkv-quality/length-2048/wgkv_quality.json",
         "results/wgkv-quality/length-4096-lambda-0.02/wgkv_quality.json",
         "results/wgkv-quality/length-4096/wgkv_quality.json",
     }

@@ -6,7 +6,6 @@ command that made it."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from jaxkv import bundled
@@ -44,8 +43,3 @@ def check_counts(args: argparse.Namespace, *options: str) -> None:
 def calibration_rows(args: argparse.Namespace, tokenizer) -> list[list[int]]:
     """The stage's contexts (`fastkvzip.contexts` of the train split, its seed)."""
     return contexts("train", args.contexts, args.length, TRAIN_SEED, tokenizer, text=args.text)
-
-
-def command(stage: str, argv) -> str:
-    """The command line that ran the stage, for its record."""
-    return f"jaxkv train {stage} " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -36,7 +36,8 @@ from tqdm.auto import tqdm
 from jaxkv import policies
 from jaxkv.model_sources import load_model, model_file_sha256
 from jaxkv.policies.kvzip import context_prefix_ids
-from jaxkv.train.calibration import calibration_parser, calibration_rows, check_counts, command
+from jaxkv.provenance import provenance as run_provenance
+from jaxkv.train.calibration import calibration_parser, calibration_rows, check_counts
 from jaxkv.train.fastkvzip import TRAIN_SEED
 
 SCORES = ("copy", "mass")
@@ -132,7 +133,7 @@ def main(argv=None) -> dict:
     )
     heads = policies.retrieval_heads(scores, args.share)
     summary = {
-        "command": command("duo_attention", argv),
+        **run_provenance("jaxkv train duo_attention", argv),
         "model": args.model,
         "model_file_sha256": model_file_sha256(args.model),
         "score": args.score,

@@ -29,7 +29,8 @@ from jaxkv import policies
 from jaxkv.model_sources import load_model, model_file_sha256
 from jaxkv.policies.calibration import layer_queries
 from jaxkv.policies.expected_attention import STATISTICS_FILE
-from jaxkv.train.calibration import calibration_parser, calibration_rows, check_counts, command
+from jaxkv.provenance import provenance as run_provenance
+from jaxkv.train.calibration import calibration_parser, calibration_rows, check_counts
 from jaxkv.train.fastkvzip import TRAIN_SEED
 
 
@@ -72,7 +73,7 @@ def main(argv=None) -> dict:
     began = time.perf_counter()
     mean, covariance, count = query_statistics(model, rows, args.sinks, args.context_batch)
     summary = {
-        "command": command("expected_attention_stats", argv),
+        **run_provenance("jaxkv train expected_attention_stats", argv),
         "model": args.model,
         "model_file_sha256": model_file_sha256(args.model),
         "contexts": args.contexts,

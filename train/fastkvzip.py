@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -58,6 +57,7 @@ from jaxkv.policies.kvzip import (
     reconstruction_scores,
     repeat_prompt_ids,
 )
+from jaxkv.provenance import provenance as run_provenance
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import mesh as mesh_lib
 from jaxkv.train import trainer
@@ -412,7 +412,7 @@ def main(argv=None) -> dict:
     layers = model.config.num_layers
     params = trainer.gather_to_host(state.params)
     summary = {
-        "command": "jaxkv train fastkvzip " + " ".join(sys.argv[1:] if argv is None else argv),
+        **run_provenance("jaxkv train fastkvzip", argv),
         "model": args.model,
         "model_file_sha256": model_file_sha256(args.model),
         "targets": provenance,

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -56,6 +55,7 @@ from jaxkv.models.decoder import (
 from jaxkv.models.layers import rope_cos_sin
 from jaxkv.policies.kvzap import SurrogateParams, params_file, surrogate_scores
 from jaxkv.policies.kvzip import context_prefix_ids, repeat_prompt_ids
+from jaxkv.provenance import provenance as run_provenance
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import fastkvzip, trainer
 from jaxkv.train import mesh as mesh_lib
@@ -331,7 +331,7 @@ def main(argv=None) -> dict:
 
     constant = np.broadcast_to(train_t.mean(axis=0), val_t.shape)
     summary = {
-        "command": "jaxkv train kvzap " + " ".join(sys.argv[1:] if argv is None else argv),
+        **run_provenance("jaxkv train kvzap", argv),
         "model": args.model,
         "model_file_sha256": model_file_sha256(args.model),
         "targets": provenance,

@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 from jaxkv.model_sources import load_model, model_file_sha256
 from jaxkv.policies.calibration import layer_queries
 from jaxkv.policies.qfilter import FILTERS_FILE, query_filters
-from jaxkv.train.calibration import calibration_parser, calibration_rows, check_counts, command
+from jaxkv.provenance import provenance as run_provenance
+from jaxkv.train.calibration import calibration_parser, calibration_rows, check_counts
 from jaxkv.train.fastkvzip import TRAIN_SEED
 
 
@@ -81,7 +82,7 @@ def main(argv=None) -> dict:
     filters = np.stack([query_filters(layer, k) for layer in queries])
     share = direction_share(queries, filters)
     summary = {
-        "command": command("qfilter", argv),
+        **run_provenance("jaxkv train qfilter", argv),
         "model": args.model,
         "model_file_sha256": model_file_sha256(args.model),
         "contexts": args.contexts,

@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -52,6 +51,7 @@ from jaxkv.models.decoder import (
     scan_layers,
 )
 from jaxkv.models.tokenizer import is_byte_tokenizer
+from jaxkv.provenance import provenance as run_provenance
 from jaxkv.train import corpus as corpus_lib
 from jaxkv.train import mesh as mesh_lib
 from jaxkv.train import pretrain, trainer
@@ -422,7 +422,7 @@ def main(argv=None) -> dict:
     )
     train_seconds = time.perf_counter() - started
     summary = {
-        "command": "jaxkv train wgkv " + " ".join(sys.argv[1:] if argv is None else argv),
+        **run_provenance("jaxkv train wgkv", argv),
         "model": str(args.model),
         "model_file_sha256": model_file_sha256(args.model),
         "seed": args.seed,
