@@ -21,8 +21,6 @@ PROVENANCE_KEYS = ("command", "commit", "machine")
 
 WITHOUT_PROVENANCE = frozenset(
     {
-        "results/fastkvzip/optimizers/adamw/training.json",
-        "results/fastkvzip/optimizers/sgd/training.json",
         "results/real-quality/kvpress/quality.json",
         "results/real-quality/quality.json",
         "results/real-quality/rebuilt-gates/fastkvzip-smollm2-135m-instruct-training.json",
