@@ -1,5 +1,5 @@
 """Every committed results file says how it was made: the command with its arguments, the source
-commit it ran at and the machine (`benchmarks.harness.provenance`, issue 72).
+commit it ran at and the machine (`jaxkv.provenance`, issue 72).
 
 A few files were written before the benchmarks recorded their commit and cost hours of CPU to run
 again. They are listed here and in docs/results.md ("Results without provenance"), which the
@@ -70,7 +70,7 @@ def test_a_results_file_records_its_command_commit_and_machine(name):
         assert missing, f"{name} now has its provenance: take it off WITHOUT_PROVENANCE"
     else:
         assert not missing, (
-            f"{name} lacks {missing}: write it with `benchmarks.harness.provenance` (rerun the "
+            f"{name} lacks {missing}: write it with `jaxkv.provenance.provenance` (rerun the "
             "command that made it) or retire it"
         )
 
