@@ -28,7 +28,6 @@ WITHOUT_PROVENANCE = frozenset(
         "results/real-quality/samples-48/quality.json",
         "results/real-quality/samples-48/rebuilt-gates/fastkvzip-smollm2-135m-instruct-training.json",
         "results/real-quality/samples-48/rebuilt-gates/wgkv-lambda-0.3-run.json",
-        "results/wgkv-quality/length-4096-lambda-0.02/wgkv_quality.json",
     }
 )
 
