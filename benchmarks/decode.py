@@ -10,7 +10,6 @@ writes JSON. Absolute times from a CPU machine are noise; the ratios are the res
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -93,7 +92,7 @@ def main(argv=None) -> dict:
         row["memory_ratio"] = row["kv_bytes_final"] / full["kv_bytes_final"]
         row["pool_ratio"] = row["pool_bytes_allocated"] / full["pool_bytes_allocated"]
     report = {
-        **harness.provenance("jaxkv bench decode", sys.argv[1:] if argv is None else argv),
+        **harness.provenance("jaxkv bench decode", argv),
         "config": vars(args),
         "rows": rows,
     }

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +92,7 @@ def main(argv=None) -> dict:
     texts = [heldout.text(rng, s.prefix + s.continuation + 1) for _ in range(args.texts)]
     summary = run(model, texts, s)
     report = {
-        **harness.provenance("jaxkv bench decode_blocks", sys.argv[1:] if argv is None else argv),
+        **harness.provenance("jaxkv bench decode_blocks", argv),
         "settings": dataclasses.asdict(s),
         "texts": args.texts,
         "results": summary,

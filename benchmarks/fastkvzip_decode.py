@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -94,9 +93,7 @@ def main(argv=None) -> dict:
     generator = np.random.default_rng([SEED, 1])
     length = args.prefix + args.continuation + 1
     texts = [heldout.text(generator, length) for _ in range(args.texts)]
-    command = harness.provenance(
-        "python -m jaxkv.benchmarks.fastkvzip_decode", sys.argv[1:] if argv is None else argv
-    )
+    command = harness.provenance("python -m jaxkv.benchmarks.fastkvzip_decode", argv)
     report = {**command, **run(model, gates, texts, settings, args.ratio)}
     report["settings"] = vars(args) | {"model": str(args.model), "gates": str(args.gates)}
     text = table(report)

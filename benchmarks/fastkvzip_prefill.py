@@ -16,7 +16,6 @@ allocated up front) and the bytes held after compression.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -97,9 +96,7 @@ def main(argv=None) -> dict:
         row["first_vs_full"] = row["first_seconds"] / full["first_seconds"]
         row["pool_vs_full"] = row["pool_bytes"] / full["pool_bytes"]
     report = {
-        **harness.provenance(
-            "jaxkv bench fastkvzip_prefill", sys.argv[1:] if argv is None else argv
-        ),
+        **harness.provenance("jaxkv bench fastkvzip_prefill", argv),
         "model": args.model,
         "ratio": args.ratio,
         "length": args.length,

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -117,7 +116,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="tuning.json")
     args = parser.parse_args(argv)
     command = "python -m jaxkv.benchmarks.kernel_tuning"
-    report = harness.provenance(command, sys.argv[1:] if argv is None else argv)
+    report = harness.provenance(command, argv)
     if not args.skip_decode:
         report["decode"] = tune_decode(((1, 32768), (8, 32768), (32, 32768)), args.repeats)
     if not args.skip_prefill:

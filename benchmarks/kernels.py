@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -289,7 +288,7 @@ def main(argv=None) -> dict:
     interpret = jax.default_backend() != "gpu"
     copy_bps = copy_bandwidth(sweep.copy_bytes, args.repeats)
     report = {
-        **harness.provenance("jaxkv bench kernels", sys.argv[1:] if argv is None else argv),
+        **harness.provenance("jaxkv bench kernels", argv),
         "interpret": interpret,
         "sweep": dataclasses.asdict(sweep),
         "copy_bandwidth_gbs": copy_bps / 1e9,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -178,7 +177,7 @@ def main(argv=None) -> dict:
     heldout = corpus_lib.load_corpus("heldout")
     rows = run_sweep(model, sweep, heldout, policy_params=params)
     report = {
-        **harness.provenance("jaxkv bench quality", sys.argv[1:] if argv is None else argv),
+        **harness.provenance("jaxkv bench quality", argv),
         "model": str(args.model),
         "params": {
             name: str(paths.get(name, policies.get(name).params.shipped_path(bundled.REFERENCE)))

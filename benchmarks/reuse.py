@@ -22,7 +22,6 @@ the int8 tier's pages and copy the window (`jaxkv.cache.sharing`). Reported, all
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -220,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
             harness.print_row(row)
             rows.append(row)
     report = {
-        "provenance": harness.provenance("jaxkv bench reuse", argv or sys.argv[1:]),
+        "provenance": harness.provenance("jaxkv bench reuse", argv),
         "model": args.model,
         "answer_tokens": ANSWER_TOKENS,
         "rows": rows,

@@ -28,7 +28,6 @@ process: ratios between runs are the measurement.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -262,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
                 harness.print_row(row)
                 rows.append(row)
     report = {
-        "provenance": harness.provenance("jaxkv bench serve", argv or sys.argv[1:]),
+        "provenance": harness.provenance("jaxkv bench serve", argv),
         "model": args.model,
         "trace": {key: value for key, value in vars(args).items() if key != "out"},
         "rows": rows,

@@ -30,7 +30,6 @@ the measurement.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -300,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     longest = max(map(len, documents)) + max(len(r["question"]) for r in trace) + args.max_new
     num_pages = args.pool_requests * cfg.num_layers * cfg.num_kv_heads * -(-longest // page_size)
     report = {
-        "provenance": harness.provenance("jaxkv bench serve_contexts", argv or sys.argv[1:]),
+        "provenance": harness.provenance("jaxkv bench serve_contexts", argv),
         "model": args.model,
         "trace": {key: value for key, value in vars(args).items() if key != "out"},
         "questions": list(QUESTIONS),

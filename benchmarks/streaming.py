@@ -10,7 +10,6 @@ Each setting runs `--repeats` times after a compiling call; reported: decode tok
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs[name].append(run(on_token))
     medians = {name: float(np.median(values)) for name, values in runs.items()}
     report = {
-        "provenance": harness.provenance("jaxkv bench streaming", argv or sys.argv[1:]),
+        "provenance": harness.provenance("jaxkv bench streaming", argv),
         "model": args.model,
         "prompt_tokens": len(prompt),
         "new_tokens": args.new_tokens,

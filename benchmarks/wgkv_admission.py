@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     policy = policies.WGKV()
     command = "python -m jaxkv.benchmarks.wgkv_admission"
     report = {
-        **harness.provenance(command, sys.argv[1:] if argv is None else argv),
+        **harness.provenance(command, argv),
         "texts": args.texts,
         "length": args.length,
         "tau": policy.tau,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from jaxkv.benchmarks import harness
@@ -85,8 +84,7 @@ def main(argv=None) -> list[dict]:
             f"{p['sparsity_weight']:>8g} {100 * p['admitted_fraction']:>10.1f} "
             f"{p['distillation']:>13.3e} {p['mean_gate']:>7.3f} {p['steps']:>6}"
         )
-    command_argv = sys.argv[1:] if argv is None else argv
-    report = {**harness.provenance("jaxkv bench wgkv_pareto", command_argv), "points": points}
+    report = {**harness.provenance("jaxkv bench wgkv_pareto", argv), "points": points}
     harness.save(args.out, "pareto", report)
     plot(points, args.out / "pareto.png")
     return points

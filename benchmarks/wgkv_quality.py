@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -167,7 +166,7 @@ def main(argv=None) -> dict:
         read_budget=read_budget,
     )
     report = {
-        **harness.provenance("jaxkv bench wgkv_quality", sys.argv[1:] if argv is None else argv),
+        **harness.provenance("jaxkv bench wgkv_quality", argv),
         "args": json.loads(json.dumps(vars(args), default=str)),
         "rows": rows,
     }
