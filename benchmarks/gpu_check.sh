@@ -2,7 +2,7 @@
 # The GPU checks of a short device session (issue 27 item 5), run from the repository root on a
 # machine with an NVIDIA GPU and jax[cuda]; steps are named on the command line:
 #   OUT=/tmp/gpu JAXKV_SOURCE_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_check.sh \
-#       tests system-32k system-128k kernels plan tuning
+#       tests system-32k system-128k kernels plan tuning serve
 # Each step has its own time box (seconds) so that a cut-short step leaves the others' results;
 # `bench system` and `bench kernels` save their rows as they finish. Logs and results land in
 # $OUT, all but env.log and pytest-gpu.log packed as results.tar.gz.
@@ -12,7 +12,8 @@
 # 220 s held 3 of 4 rows: the boxes below hold 4 and a compile), the plan step ~25 s, the kernel
 # sweep 52 s; a machine started in ~35 s. A 15-minute device budget fits two back-to-back calls
 # (the machine stays warm for 30 s): `plan system-32k` (~320 s), then `system-128k tests`
-# (~470 s); `kernels` and `tuning` in a session of their own.
+# (~470 s); `kernels` and `tuning` in a session of their own. `serve` times the engine's batched
+# prefill (issue 71) at SmolLM2-135M's shape with random weights (the model file stays behind).
 # The system table runs 4 of the 8B shape's 32 layers (per-layer work is the 8B model's) and
 # 256 decode steps for the slope (16 steps were within a 2-s generate call's jitter).
 #
@@ -27,7 +28,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   DRY_RUN=1
   shift
 fi
-STEPS="tests system-32k system-128k kernels plan tuning"
+STEPS="tests system-32k system-128k kernels plan tuning serve"
 if [ "$DRY_RUN" = 1 ] && [ $# -eq 0 ]; then
   set -- $STEPS
 fi
@@ -86,6 +87,16 @@ plan() {  # XLA's buffer assignment of the kernels' programs on this GPU, 8 x 32
 tuning() {  # launch-parameter sweep; its rows print as JSON lines (the log keeps a cut run's)
   run 240 tuning.log python3 -m jaxkv.benchmarks.kernel_tuning --repeats 3 \
     --out "$OUT/tuning/tuning.json"
+}
+
+serve() {  # prefill batching (issue 71): 1, 4 and 8 requests' chunks a step, SmolLM2's shape
+  local length
+  for length in 1024 128; do
+    run 200 "serve-$length.log" python3 -m jaxkv.benchmarks.serve --model smollm2-135m-instruct \
+      --random-weights --policies full snapkv:0.3 --requests 64 --rate 1000 \
+      --min-prompt "$length" --max-prompt "$length" --min-new 1 --max-new 1 --pool-requests 8 \
+      --max-slots 8 --max-prefills 1 4 8 --out "$OUT/serve-prefill-batching-$length"
+  done
 }
 
 kernels() {
@@ -184,6 +195,7 @@ for step in "$@"; do
     kernels) kernels ;;
     plan) plan ;;
     tuning) tuning ;;
+    serve) serve ;;
   esac
   status=$?
   [ "$DRY_RUN" = 1 ] || echo "$step exit $status" >>"$OUT/env.log"

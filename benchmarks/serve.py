@@ -23,6 +23,11 @@ goes: seconds of the steps taken while a request waited (queued, reading its pro
 for a slot: they run the prefill chunks besides the decode step) and of the steps with none
 waiting (decode only, whose tokens per second are the steady state's). Run on one machine in one
 process: ratios between runs are the measurement.
+
+`--random-weights` times the engine at the shape of `--model` (a name in
+`jaxkv.models.configs.MODEL_SHAPES`) with random weights and the byte-level tokenizer, for a
+machine that lacks the model file (a GPU lent for minutes): the same programs, the same work a
+token, other prompts and tokens (stop tokens are off, so every request still runs its length).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import argparse
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
@@ -38,6 +44,8 @@ from jaxkv import policies
 from jaxkv.benchmarks import harness
 from jaxkv.engine import TooLargeForPoolError
 from jaxkv.model_sources import load_model
+from jaxkv.models import byte_tokenizer, init_model
+from jaxkv.models.configs import MODEL_SHAPES, model_shape
 from jaxkv.policies import spec as spec_lib
 from jaxkv.prose import prose
 from jaxkv.sharding import mesh_from_text
@@ -60,6 +68,17 @@ def build_trace(tokenizer, args) -> list[dict]:
             }
         )
     return trace
+
+
+def served_model(args):
+    """(model, tokenizer) of --model, or its shape with random weights (--random-weights)."""
+    if not args.random_weights:
+        return load_model(args.model)
+    if args.model not in MODEL_SHAPES:
+        raise ValueError(
+            f"--model {args.model!r} with --random-weights: give a shape of {sorted(MODEL_SHAPES)}"
+        )
+    return init_model(model_shape(args.model), seed=args.seed, dtype=jnp.float32), byte_tokenizer()
 
 
 def pool_pages(model, args, requests: int, page_size: int) -> int:
@@ -178,7 +197,8 @@ def markdown(report: dict) -> str:
             f"| {row['requests_per_second']:.3f} "
             f"| {row['seconds_in_prefill_steps']:.0f} / {row['seconds_in_decode_steps']:.0f} |"
         )
-    title = f"# Serving a Poisson trace ({report['model']})"
+    weights = ", random weights" if report["trace"].get("random_weights") else ""
+    title = f"# Serving a Poisson trace ({report['model']}{weights})"
     if len(report["trace"]["pool_requests"]) > 1:
         title += "\n\n![decode throughput and requests running against pool size](serve.png)"
     return (
@@ -234,6 +254,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--seed", type=int, default=0, help="the trace's prompts and arrivals")
     parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="--model's shape (a name in MODEL_SHAPES) with random weights and byte-level tokens",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path("results/serve"),
@@ -243,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     if min(args.pool_requests) < 1:
         raise ValueError(f"--pool-requests {args.pool_requests}: each must be >= 1")
     given = spec_lib.parse_params(args.params)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = served_model(args)
     trace = build_trace(tokenizer, args)
     specs = {spec: policies.from_spec(spec).for_tokenizer(tokenizer) for spec in args.policies}
     params = {

@@ -3,6 +3,7 @@ its parameters, the plot over pool sizes, provenance."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from jaxkv import policies
 from jaxkv.benchmarks import serve
 from jaxkv.gates.wgkv import save_write_gates
-from jaxkv.models.configs import preset
+from jaxkv.models.configs import MODEL_SHAPES, preset
 
 TOY = [
     "--model",
@@ -63,3 +64,13 @@ def test_a_learned_policy_without_shipped_parameters_names_params(tmp_path):
         serve.main([*TOY, "--policies", "wgkv", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--pool-requests"):
         serve.main([*TOY, "--pool-requests", "0", "--out", str(tmp_path)])
+
+
+def test_random_weights_take_a_public_models_shape_with_byte_level_tokens():
+    args = argparse.Namespace(model="smollm2-135m-instruct", random_weights=True, seed=0)
+    model, tokenizer = serve.served_model(args)
+    assert model.config == MODEL_SHAPES["smollm2-135m-instruct"]
+    ids = tokenizer.encode("a prompt of prose")
+    assert ids and max(ids) < model.config.vocab_size
+    with pytest.raises(ValueError, match="--model 'tiny-random' with --random-weights"):
+        serve.served_model(argparse.Namespace(model="tiny-random", random_weights=True, seed=0))
