@@ -89,13 +89,13 @@ tuning() {  # launch-parameter sweep; its rows print as JSON lines (the log keep
     --out "$OUT/tuning/tuning.json"
 }
 
-serve() {  # prefill batching (issue 71): 1, 4 and 8 requests' chunks a step, SmolLM2's shape
+serve() {  # prefill batching (issue 71): 1 and 4 requests' chunks a step, SmolLM2's shape
   local length
   for length in 1024 128; do
     run 200 "serve-$length.log" python3 -m jaxkv.benchmarks.serve --model smollm2-135m-instruct \
       --random-weights --policies full snapkv:0.3 --requests 64 --rate 1000 \
       --min-prompt "$length" --max-prompt "$length" --min-new 1 --max-new 1 --pool-requests 8 \
-      --max-slots 8 --max-prefills 1 4 8 --out "$OUT/serve-prefill-batching-$length"
+      --max-slots 8 --max-prefills 1 4 --out "$OUT/serve-prefill-batching-$length"
   done
 }
 
