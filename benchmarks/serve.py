@@ -22,8 +22,9 @@ requests refused as too large for the pool, end-to-end requests per second, and 
 goes: seconds of the steps taken while a request waited (queued, reading its prompt or waiting
 for a slot: they run the prefill chunks besides the decode step) and of the steps with none
 waiting (decode only, whose tokens per second are the steady state's). The step programs are
-compiled before the trace (every width of the prefill program: 1, 2, 4, ... requests' chunks);
-a program the trace meets first (another chunk width) compiles inside it, and its seconds are
+compiled before the trace (`Engine.warm_up`: every width of the prefill program, 1, 2, 4, ...
+requests' chunks, at every chunk bucket); a program the trace meets first (a compression that
+reads the prompt, at another prompt bucket) compiles inside it, and its seconds are
 reported and left out of the step seconds (and so of the tokens per second), not of TTFT or
 the run's wall time. Run on one machine in one process: ratios between runs are the
 measurement.
@@ -93,21 +94,6 @@ def pool_pages(model, args, requests: int, page_size: int) -> int:
     return requests * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
-def warm_up(engine, trace: list[dict], max_prefills: int) -> None:
-    """Compiles the step programs before the trace is timed: for each width a step's prefill
-    program takes (1, 2, 4, ... up to `max_prefills` rows read side by side), that many of the
-    trace's first requests at once, each reading its prompt and decoding one token."""
-    width = 1
-    while True:
-        for request in trace[:width]:
-            new_tokens = min(2, request["max_new_tokens"])  # within max_context
-            engine.submit(request["prompt"], max_new_tokens=new_tokens, stop_tokens=())
-        engine.run()
-        if width >= max_prefills:
-            return
-        width = min(2 * width, max_prefills)
-
-
 def run_policy(
     model, policy, trace: list[dict], args, num_pages: int, params, max_prefills: int
 ) -> dict:
@@ -122,7 +108,7 @@ def run_policy(
         max_context=args.max_prompt + args.max_new,
         policy_params=params,
     )
-    warm_up(engine, trace, max_prefills)
+    engine.warm_up()  # every prefill width and chunk bucket: the trace times steady work
     start = time.perf_counter()
     pending = list(enumerate(trace))
     submitted, indices, first, last, counts, too_large = {}, {}, {}, {}, {}, set()

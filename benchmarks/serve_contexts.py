@@ -161,8 +161,10 @@ def cache_config(args, **more) -> jaxkv.CacheConfig:
 
 
 def warm_up(engine, document, request, cached: bool) -> None:
-    """Compiles the programs of a pass (a document, a question, its decode) before the clock
-    starts; the engine is left empty."""
+    """Compiles the programs of a pass before the clock starts (`Engine.warm_up`'s prompt
+    programs, then a document, a question and its decode as the pass runs them); the engine
+    is left empty."""
+    engine.warm_up()
     request = {**request, "document": 0, "max_new_tokens": 2}
     contexts: dict = {}
     submit(engine, request, [document], contexts, set(), cached)

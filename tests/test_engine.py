@@ -11,6 +11,7 @@ import pytest
 
 import jaxkv
 from jaxkv import CacheConfig, Sampler, bundled, prose
+from jaxkv.compile_log import counting_compiles
 from jaxkv.engine import (
     Engine,
     QueueFullError,
@@ -20,6 +21,7 @@ from jaxkv.engine import (
     programs,
     scheduler,
 )
+from jaxkv.generation.mesh import Program
 from jaxkv.models import load_hf_checkpoint
 
 TEXT = " ".join(prose.paragraphs()[:8]).encode()
@@ -271,6 +273,34 @@ def test_a_stream_of_requests_compiles_a_bounded_number_of_times(model):
     # A prefill chunk per bucket of rows read at once (1, 2, 4) and of chunk tokens (prompts of
     # 250 to 480 tokens are read whole, in chunks of 256 or 512): the first one's was compiled.
     assert compiled[-1] <= 3 * 2 - 1
+
+
+def test_a_warmed_up_engine_compiles_nothing_while_requests_arrive(model):
+    eng = Engine(
+        model, "snapkv:0.3", cache=CacheConfig(num_pages=1024), max_slots=3, max_context=1024
+    )
+    with pytest.raises(ValueError, match="prompt_lengths holds 1024"):
+        eng.warm_up(prompt_lengths=[1024])
+    assert eng.warm_up(prompt_lengths=[250, 480]) > 0  # chunk buckets 256 and 512
+    assert not eng.has_work() and eng.stats()["pages_in_use"] == 0
+    jitted = [p.jitted for p in vars(programs).values() if isinstance(p, Program)]
+    before = [p._cache_size() for p in (*jitted, programs.first_token)]
+    arrivals = {0: [(3, 6, {})], 1: [(0, 5, {})], 3: [(2, 4, {}), (4, 7, {})], 4: [(1, 3, {})]}
+    with counting_compiles() as compiled:  # one, two and three prompts read at once
+        tokens, ids, _ = run_staggered(eng, arrivals)
+    assert compiled.seconds == 0.0
+    assert [p._cache_size() for p in (*jitted, programs.first_token)] == before
+    counts = {index: count for step in arrivals.values() for index, count, _ in step}
+    for rid, index in ids.items():
+        assert tokens[rid] == reference(model, "snapkv:0.3", PROMPTS[index], counts[index])
+    eng.submit(PROMPTS[0], max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="warm_up needs an idle engine"):
+        eng.warm_up()
+    # A prompt the pool can never hold ends the warm-up with submit's error, the engine idle.
+    small = Engine(model, "snapkv:0.3", cache=CacheConfig(num_pages=200), max_slots=2)
+    with pytest.raises(TooLargeForPoolError, match="num_pages=200 hold"):
+        small.warm_up(prompt_lengths=[16, 480])
+    assert not small.has_work() and small.stats()["pages_in_use"] == 0
 
 
 def test_bad_requests_are_refused_at_submit_and_the_engine_keeps_serving(model):

@@ -373,11 +373,12 @@ def test_health_and_requests_say_so_when_the_engine_thread_has_died(model, token
         assert refused.status_code == 503 and "engine has stopped" in refused.text
 
 
-def test_the_warm_up_runs_a_request_through_the_engine_before_the_server_is_ready(model, tokenizer):
-    eng = snapkv_engine(model)
+def test_the_warm_up_compiles_the_engine_before_the_server_is_ready(model, tokenizer):
+    eng = snapkv_engine(model, prefill_chunk=32)  # chunk buckets 16 and 32
     submitted = []
     submit = eng.submit
     eng.submit = lambda *args, **kwargs: submitted.append(submit(*args, **kwargs))
     with serving(eng, tokenizer, warm_up_first=True) as url:
-        assert len(submitted) == 1 and not eng.has_work()  # it ran to its end, before `started`
+        # 1, 2 and 4 prompts read at once at each bucket, run to their end before `started`
+        assert len(submitted) == 2 * (1 + 2 + 4) and not eng.has_work()
         assert metrics(url)["jaxkv_generation_tokens_total"] == 0  # not a client's tokens

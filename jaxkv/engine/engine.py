@@ -43,7 +43,7 @@ from jaxkv import sharding
 from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import CacheConfig
 from jaxkv.cache.config import check_count
-from jaxkv.compile_log import compiling_as
+from jaxkv.compile_log import compiling_as, counting_compiles
 from jaxkv.engine.contexts import Context, ContextEvent, ContextsFullError, UnknownContextError
 from jaxkv.engine.executor import Executor
 from jaxkv.engine.lanes import Lanes
@@ -117,6 +117,7 @@ class Engine:
     a prefill chunk (once per bucket of rows read at once, a power of two up to max_prefills,
     and of chunk tokens, a power of two from 16 up to the chunk), a compression that reads the
     prompt's tokens (per prompt bucket) and swaps (per bucket of a swapped request's pages).
+    `warm_up` compiles every prefill bucket before requests arrive.
     """
 
     def __init__(
@@ -780,6 +781,46 @@ class Engine:
             if isinstance(event, TokenEvent) and event.token >= 0:
                 tokens[event.request_id].append(event.token)
         return dict(tokens)
+
+    def warm_up(self, prompt_lengths: Sequence[int] | None = None) -> float:
+        """Compiles the programs a step runs before any request arrives, so that none compiles
+        while requests wait (a first call of a shape can take seconds; on a GPU many steps).
+        For each width of the prefill program (1, 2, 4, ... rows read at once, up to each
+        lane's prefill rows) and each length in `prompt_lengths` (default: a chunk of each
+        bucket, 16, 32, ... up to the prefill chunk and below max_context), that many prompts
+        of that length are read side by side, compressed and decoded a token. The engine must
+        be idle; it is idle afterwards, with its pool as before (its request ids and counters
+        go on from the warm-up's), also when `submit` refuses a prompt (that error is raised).
+        What compiles later: a compression that reads the prompt's tokens (KVzip's) at other
+        prompt buckets, questions over cached contexts and swaps. Returns the seconds spent
+        compiling."""
+        if self.has_work():
+            raise RuntimeError("warm_up needs an idle engine: requests are queued or running")
+        chunk = DEFAULT_PREFILL_CHUNK if self.prefill_chunk is None else self.prefill_chunk
+        if prompt_lengths is None:  # (a chunk bucket longer than max_context is never read)
+            buckets = [16 << i for i in range(max(next_power_of_two(chunk) // 16, 1).bit_length())]
+            prompt_lengths = sorted({min(b, chunk, self.max_context - 1) for b in buckets})
+        for length in prompt_lengths:
+            check_count("prompt_lengths", length, 1)
+            if length >= self.max_context:
+                raise ValueError(
+                    f"prompt_lengths holds {length}: a prompt and its token must fit "
+                    f"max_context={self.max_context}"
+                )
+        widths = [1 << i for i in range(self.lanes.prefills.bit_length())]
+        widths = sorted({*widths, self.lanes.prefills})
+        vocab = self.model.config.vocab_size
+        with counting_compiles() as compiled:
+            for length in prompt_lengths:
+                prompt = [1 + i % (vocab - 1) for i in range(length)]
+                new_tokens = min(2, self.max_context - length)
+                for width in widths:
+                    try:
+                        for _ in range(width):  # the scheduler fills a lane's rows first
+                            self.submit(prompt, max_new_tokens=new_tokens, stop_tokens=())
+                    finally:
+                        self.run()  # (a refused prompt: those submitted run out; then it raises)
+        return compiled.seconds
 
     # --- the step: plan, execute ------------------------------------------------------------
 

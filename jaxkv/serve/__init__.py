@@ -6,8 +6,8 @@ Endpoints: `/v1/completions` and `/v1/chat/completions` (the model's chat templa
 true` as server-sent events; `max_tokens` or `max_completion_tokens`, `temperature`, `top_p`,
 `top_k` (an extension), `stop`, `seed`; a field left out gets the server's default,
 `RequestDefaults`), `/v1/models`, `/health`, `/metrics` (Prometheus text: requests running and
-waiting, pages in use, KV bytes, tokens generated and per second). Before it serves, one short
-request runs through the engine (`warm_up`: its programs compile then, not in the first request).
+waiting, pages in use, KV bytes, tokens generated and per second). Before it serves, the engine
+compiles its step programs (`warm_up`, `Engine.warm_up`), so that no request waits for them.
 One thread owns the engine and steps it while there is work; request handlers talk to it through
 a queue, and each request's tokens come back to its handler as they are produced. Errors have
 OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400 for a bad request (the
@@ -17,13 +17,12 @@ has stopped. A client that disconnects mid-stream cancels its request, and its p
 the pool.
 """
 
-from jaxkv.serve.app import METRICS, WARM_UP_LENGTHS, Server, create_app, warm_up
+from jaxkv.serve.app import METRICS, Server, create_app, warm_up
 from jaxkv.serve.protocol import APIError, RequestDefaults
 from jaxkv.serve.worker import EngineStoppedError, EngineWorker
 
 __all__ = [
     "METRICS",
-    "WARM_UP_LENGTHS",
     "APIError",
     "EngineStoppedError",
     "EngineWorker",

@@ -20,7 +20,6 @@ from jaxkv.engine import Engine, QueueFullError, TooLargeForPoolError, UnknownCo
 from jaxkv.generation.decoding import check_shared_decode
 from jaxkv.models import Tokenizer, encode_chat
 from jaxkv.policies import Budget
-from jaxkv.prose import prose
 from jaxkv.serve.contexts import Contexts, ServedContext
 from jaxkv.serve.protocol import (
     APIError,
@@ -101,9 +100,6 @@ METRICS = (
     ),
 )
 
-# Prompt lengths the warm-up tries, shortest first: the first the engine takes runs.
-WARM_UP_LENGTHS = (128, 256, 512, 1024)
-
 
 def metrics_text(stats: dict) -> str:
     """Prometheus' text format: a HELP and a TYPE line before each sample."""
@@ -115,22 +111,18 @@ def metrics_text(stats: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def warm_up(engine: Engine, tokenizer: Tokenizer) -> None:
-    """Runs one short request through an idle engine (prose, two new tokens), so that its
-    decode step, admission and a prefill compile before the server takes requests: the first
-    prompt length of `WARM_UP_LENGTHS` the engine takes; skipped, said in the log, if none."""
-    ids = tokenizer.encode(prose(8 * WARM_UP_LENGTHS[-1]))
-    refusals = []
-    for length in WARM_UP_LENGTHS:
-        try:
-            engine.submit(ids[:length], max_new_tokens=2, stop_tokens=())
-        except ValueError as error:
-            refusals.append(f"{length} tokens: {error}")
-            continue
-        log.info("warming up: a request of %d prompt tokens compiles the engine", length)
-        engine.run()
+def warm_up(engine: Engine) -> None:
+    """Compiles an idle engine's step programs before the server takes requests
+    (`Engine.warm_up`: every width of the prefill program at every chunk bucket, a decode step);
+    a prompt length the engine refuses (a pool too small for it) ends the warm-up, said in the
+    log: what was not compiled compiles when a request first needs it."""
+    log.info("warming up: compiling the engine's programs")
+    try:
+        seconds = engine.warm_up()
+    except ValueError as error:
+        log.warning("warm-up ended early: %s", error)
         return
-    log.warning("no warm-up: the engine took none of its prompts (%s)", "; ".join(refusals))
+    log.info("warm: %.1f s of compiling", seconds)
 
 
 @dataclasses.dataclass
@@ -441,7 +433,7 @@ def create_app(
 
     async def lifespan(app):
         if warm_up_first:
-            await asyncio.to_thread(warm_up, engine, tokenizer)
+            await asyncio.to_thread(warm_up, engine)
         if contexts_dir is not None:
             server.contexts.load_all(engine, Path(contexts_dir))
         server.worker = server.contexts.worker = EngineWorker(engine)
