@@ -72,8 +72,8 @@ def add_parser(commands) -> None:
     serve.add_argument(
         "--no-warm-up",
         action="store_true",
-        help="serve at once: no short request through the engine first (the first request "
-        "then waits for its programs to compile)",
+        help="serve at once, without compiling the engine's step programs first "
+        "(Engine.warm_up): a request then waits for the programs its step needs to compile",
     )
     add_model_options(serve, max_new_tokens=16)
     serve.set_defaults(run=run)
