@@ -24,7 +24,6 @@ WITHOUT_PROVENANCE = frozenset(
         "results/real-quality/kvpress/quality.json",
         "results/real-quality/quality.json",
         "results/real-quality/samples-48/quality.json",
-        "results/real-quality/samples-48/rebuilt-gates/fastkvzip-smollm2-135m-instruct-training.json",
     }
 )
 
