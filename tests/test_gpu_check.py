@@ -10,14 +10,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("tests", "system-32k", "system-128k", "kernels", "plan", "tuning")
+STEPS = ("tests", "system-32k", "system-128k", "kernels", "plan", "tuning", "serve")
 MODULES = (
     "pytest",
     "jaxkv.benchmarks.system",
     "jaxkv.benchmarks.kernels",
     "jaxkv.benchmarks.plan",
     "jaxkv.benchmarks.kernel_tuning",
+    "jaxkv.benchmarks.serve",
 )
+COMMANDS = len(STEPS) + 1  # `serve` runs two: prompts of 1024 and of 128 tokens
 
 
 def _dry_run(*steps: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
@@ -38,11 +40,12 @@ def test_dry_run_prints_every_step_and_passes_its_checks(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     would_run = [line for line in out.splitlines() if line.startswith("would run")]
-    assert len(would_run) == len(STEPS)
+    assert len(would_run) == COMMANDS
     for module in MODULES:
         assert any(f"python3 -m {module} " in line for line in would_run), module
     assert "--backend pallas" in out and f"--out {tmp_path}/plan" in out
-    assert out.count("arguments accepted: jaxkv.benchmarks.") == len(STEPS) - 1
+    assert out.count("arguments accepted: jaxkv.benchmarks.") == COMMANDS - 1
+    assert "--random-weights" in out
     assert "tests collected" in out
     assert "lowering every Pallas path for CUDA" in out and " passed" in out
     assert f"dry run passed: {' '.join(STEPS)}" in out
