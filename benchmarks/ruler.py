@@ -18,11 +18,13 @@ threshold, not a budget: its tau for each ratio is read off a calibration (its k
 the full cache's bytes at a grid of taus on the first sample of the first task, interpolated
 in log tau; `wgkv-calibration.json`).
 
-The forward pass over a 4K context is most of a sample's cost, so an agnostic sample's pending
-ratios of a policy whose prefill reads no budget (not WG-KV's thresholds, Fast KVzip's chunk
-eviction) run together: the context read once, then compressed at each ratio
-(`jaxkv.prefill_at_budgets`; each the same kept tokens as its own prefill); its records' seconds
-count an equal share of that prefill (`prefill_shared_by`).
+The forward pass over a 4K prompt is most of a sample's cost, so a sample's pending ratios of
+a policy whose prefill reads no budget (not WG-KV's thresholds, Fast KVzip's chunk eviction)
+run together, in either setting: what the setting compresses (the context, or the whole prompt)
+read once, then compressed at each ratio (`jaxkv.prefill_at_budgets`; each the same kept tokens
+as its own prefill), and each answer decoded from its own copy (aware: `jaxkv.decode` of the
+prefilled prompt, `generate`'s tokens); its records' seconds count an equal share of that
+prefill (`prefill_shared_by`).
 
 Each answered sample is a line of OUT/records.jsonl as soon as it finishes: a rerun of the
 command skips every (task, sample, policy, ratio, setting) already there. OUT/samples.jsonl is
@@ -111,25 +113,32 @@ def answer(
 
 
 def answers_at_ratios(
-    model, tokenizer, policy, ratios, params, sample: Sample, stop, cap: int | None = None
+    model, tokenizer, policy, ratios, params, sample: Sample, setting: str, stop, cap=None
 ) -> list[dict]:
-    """`answer` agnostic at each of `ratios` (budgets 1 - ratio of `policy`), the context read
-    once (`jaxkv.prefill_at_budgets`: the policy's prefill must not read its budget); each
-    result's seconds count an equal share of the shared prefill."""
+    """`answer` in `setting` at each of `ratios` (budgets 1 - ratio of `policy`), what the
+    setting compresses read once (`jaxkv.prefill_at_budgets`: the policy's prefill must not read
+    its budget); each result's seconds count an equal share of the shared prefill."""
     sample = capped(sample, cap)
+    aware = setting == "aware"
     start = time.perf_counter()
     sessions = jaxkv.prefill_at_budgets(
         model,
-        [list(sample.context_ids)],
+        [list(sample.context_ids + sample.question_ids) if aware else list(sample.context_ids)],
         policy,
         [1.0 - ratio for ratio in ratios],
-        reserve_tokens=reserve(sample),
+        reserve_tokens=sample.max_new_tokens if aware else reserve(sample),
         policy_params=params,
     )
     share = (time.perf_counter() - start) / len(ratios)
     results = []
     for session in sessions:
-        result = answered_over(tokenizer, session, sample, stop, time.perf_counter() - share)
+        started = time.perf_counter() - share
+        if aware:
+            held = float(session.memory_bytes())
+            out = jaxkv.decode(session, sample.max_new_tokens, stop_tokens=stop)
+            result = scored(tokenizer, sample, out, held, stop, started)
+        else:
+            result = answered_over(tokenizer, session, sample, stop, started)
         results.append({**result, "prefill_shared_by": len(ratios)})
     return results
 
@@ -229,7 +238,7 @@ def cells(parsed, ratios, settings, aware_policies):
 
 
 def reads_once(name: str, options: dict) -> bool:
-    """Whether policy `name` with `options` reads an agnostic context once for all its ratios
+    """Whether policy `name` with `options` reads a prompt once for all its ratios
     (`jaxkv.prefill_at_budgets`): its prefill reads no budget (WG-KV's ratios are thresholds)."""
     if name in ("full", "wgkv"):
         return False
@@ -242,13 +251,13 @@ def reads_once(name: str, options: dict) -> bool:
 
 def job_groups(jobs, shared: set[str]) -> list[list[tuple]]:
     """`jobs` ((entry, ratio, setting, task, index), in run order) in groups that one prefill
-    serves: an agnostic sample's pending ratios of an entry in `shared` together, in the first
-    one's place; every other job alone."""
+    serves: a sample's pending ratios of an entry in `shared` in one setting together, in the
+    first one's place; every other job alone."""
     groups: dict[tuple, list[tuple]] = {}
     for job in jobs:
         entry, _, setting, task, index = job
-        together = setting == "agnostic" and entry in shared
-        groups.setdefault((entry, setting, task, index) if together else job, []).append(job)
+        key = (entry, setting, task, index) if entry in shared else job
+        groups.setdefault(key, []).append(job)
     return list(groups.values())
 
 
@@ -368,7 +377,15 @@ def main(argv: list[str] | None = None) -> dict:
         policy = policy_at(entry, ratios[0])
         if len(group) > 1:
             results = answers_at_ratios(
-                model, tokenizer, policy, ratios, params[entry], sample, stop, args.max_new_tokens
+                model,
+                tokenizer,
+                policy,
+                ratios,
+                params[entry],
+                sample,
+                setting,
+                stop,
+                args.max_new_tokens,
             )
         else:
             results = [

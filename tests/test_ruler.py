@@ -115,29 +115,33 @@ def test_runner_writes_the_leaderboard_and_resumes(tmp_path, monkeypatch):
     ruler.main(argv)  # every key is in records.jsonl: nothing runs
     assert len((out / "records.jsonl").read_text().splitlines()) == 12
 
-    # Both ratios of an agnostic sample from one read of its context: 0.5's answers and bytes
-    # are the run above's.
+    # Both ratios of a sample from one read of its context (agnostic) or prompt (aware): 0.5's
+    # answers and bytes are the run above's, one sample at a time.
     shared_out = tmp_path / "shared"
     shared_argv = [*argv[: argv.index("--policies")], "--policies", "snapkv"]
-    shared_argv += ["--ratios", "0.5", "0.75", "--settings", "agnostic", "--max-new-tokens", "6"]
+    shared_argv += ["--ratios", "0.5", "0.75", "--max-new-tokens", "6"]
     ruler.main([*shared_argv, "--out", str(shared_out)])
     shared = [json.loads(line) for line in (shared_out / "records.jsonl").read_text().splitlines()]
-    assert len(shared) == 2 * 2 * 2 and all(r["prefill_shared_by"] == 2 for r in shared)
-    alone = {
-        (r["task"], r["index"]): (r["prediction"], r["kv_bytes"])
-        for r in records
-        if (r["policy"], r["setting"]) == ("snapkv", "agnostic")
-    }
-    assert {
-        (r["task"], r["index"]): (r["prediction"], r["kv_bytes"])
-        for r in shared
-        if r["ratio"] == 0.5
-    } == alone
-    held = {r["ratio"]: r["kv_bytes"] for r in shared if r["task"] == "niah_single_1"}
-    assert held[0.75] < held[0.5]
+    assert len(shared) == 2 * 2 * 2 * 2 and all(r["prefill_shared_by"] == 2 for r in shared)
+
+    def answers(rows, ratio):
+        return {
+            (r["setting"], r["task"], r["index"]): (r["prediction"], r["kv_bytes"])
+            for r in rows
+            if (r["policy"], r["ratio"]) == ("snapkv", ratio)
+        }
+
+    assert answers(shared, 0.5) == answers(records, 0.5)
+    for setting in ("agnostic", "aware"):
+        held = {
+            r["ratio"]: r["kv_bytes"]
+            for r in shared
+            if (r["task"], r["index"], r["setting"]) == ("niah_single_1", 0, setting)
+        }
+        assert held[0.75] < held[0.5]
 
 
-def test_an_agnostic_sample_s_ratios_of_a_policy_that_reads_once_run_together():
+def test_a_sample_s_ratios_of_a_policy_that_reads_once_run_together_in_each_setting():
     jobs = [
         ("snapkv", 0.5, "agnostic", "vt", 0),
         ("wgkv", 0.5, "agnostic", "vt", 0),
@@ -151,10 +155,9 @@ def test_an_agnostic_sample_s_ratios_of_a_policy_that_reads_once_run_together():
     assert groups == [
         [jobs[0], jobs[3]],
         [jobs[1]],
-        [jobs[2]],
+        [jobs[2], jobs[6]],
         [jobs[4]],
         [jobs[5]],
-        [jobs[6]],
     ]
     assert ruler.reads_once("snapkv", {}) and ruler.reads_once("kvzip", {})
     assert not any(ruler.reads_once(name, {}) for name in ("full", "wgkv", "fastkvzip"))
