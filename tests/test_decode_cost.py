@@ -192,6 +192,41 @@ def test_decode_keeps_the_prefill_pool_when_a_repack_would_save_less_than_half(m
     np.testing.assert_array_equal(np.asarray(kept.memory_bytes), np.asarray(repacked.memory_bytes))
 
 
+def test_generate_frees_the_prefill_pool_before_its_decode_loop(model, monkeypatch):
+    """Once repacked into the decode geometry nothing reads the prefill pool: `generate` frees
+    it before its decode loop (its own session would keep it alive beside the decode pool),
+    while `decode` leaves a caller's session whole."""
+    from jaxkv.generation import decoding
+
+    seen = []
+    to_decode_geometry, decode_loop = decoding.to_decode_geometry, decoding.decode_loop
+
+    def repacking(kv, *args, **kwargs):
+        seen.append(kv)
+        return to_decode_geometry(kv, *args, **kwargs)
+
+    def looking(*args, **kwargs):
+        prefill_pool = jax.tree.leaves(seen[-1].pool)
+        seen.append([leaf.is_deleted() for leaf in prefill_pool])
+        return decode_loop(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "to_decode_geometry", repacking)
+    monkeypatch.setattr(decoding, "decode_loop", looking)
+    prompts = [_prompt(2500, seed=1), _prompt(1900, seed=2)]
+    policy = policies.SnapKV(budget=0.25, window=8)
+    kwargs = dict(max_new_tokens=6, stop_tokens=())
+    out = jaxkv.generate(model, prompts, policy=policy, **kwargs)
+    assert out.state.pool.num_pages < seen[0].pool.num_pages  # repacked
+    assert seen[1] and all(seen[1])  # every prefill pool array freed before the loop
+
+    session = jaxkv.prefill(model, prompts, policy, reserve_tokens=5)
+    first = jaxkv.decode(session, 6, stop_tokens=())
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(session.kv))
+    again = jaxkv.decode(session, 6, stop_tokens=())
+    np.testing.assert_array_equal(first.tokens, again.tokens)
+    np.testing.assert_array_equal(first.tokens, out.tokens)
+
+
 def test_keeps_prefill_pool_only_when_the_decode_pool_is_over_half_of_it():
     from jaxkv.cache import keeps_prefill_pool
 

@@ -221,12 +221,19 @@ def _key_norms(kv):
 def _assert_same_choice_up_to_ties(sharded, one, mesh, key_norms: bool):
     """Knorm ranks by key norm, LeverageScore by the keys' leverage; a device holding fewer
     heads computes the keys in another summation order, so two tokens whose scores agree to
-    the last bits may swap. At most one token per head differs, and (Knorm) the kept keys'
-    norms agree to float precision."""
+    the last bits may swap (leverage solves a small system per head, which magnifies the
+    rounding: on an AVX-512 CPU 4 of 696 kept tokens swapped, at most 2 in a head). Every head
+    keeps as many tokens, at most two per head and 1% of the request's differ, and (Knorm) the
+    kept keys' norms agree to float precision."""
     kept, expected = _kept_positions(sharded, mesh), _kept_positions(one)
     slots = kept.shape[-1]
+    swapped = 0
     for got, want in zip(kept.reshape(-1, slots), expected.reshape(-1, slots), strict=True):
-        assert len(np.setdiff1d(want[want >= 0], got)) <= 1
+        assert (got >= 0).sum() == (want >= 0).sum()
+        differ = len(np.setdiff1d(want[want >= 0], got))
+        assert differ <= 2
+        swapped += differ
+    assert swapped <= 0.01 * (expected >= 0).sum()
     if key_norms:
         np.testing.assert_allclose(
             _kept(sharded, _key_norms, mesh), _kept(one, _key_norms), rtol=1e-5, atol=1e-6

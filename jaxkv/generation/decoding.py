@@ -151,7 +151,8 @@ def run_decode(
     consume: bool,
     on_token=None,
 ) -> GenerateOutput:
-    """`decode`; `consume`: the session's state may be donated to the loop (`generate`)."""
+    """`decode`; `consume`: the session's state is used up (`generate`): donated to the loop,
+    or freed once repacked into the decode geometry."""
     if not isinstance(session, Session):
         raise ValueError(f"session={session!r}: give a jaxkv Session (jaxkv.prefill)")
     if on_token is not None and session.placement is not None:
@@ -174,14 +175,17 @@ def run_decode(
         max_new_tokens=max_new_tokens,
         shared=session.shared,
     )
+    rows = session.rows(sampler, key)
     loop = decode_loop if consume else decode_loop_keeping_kv
+    if consume:
+        free_buffers_left_behind(session.kv, kv)
     with token_listener(on_token) as listener, counting_compiles() as compiled:
         state = loop(
             placement,
             model=session.model,
             kv=kv,
             last_hidden=session.last_hidden,
-            rows=session.rows(sampler, key),
+            rows=rows,
             max_new_tokens=np.int32(max_new_tokens),
             stop_tokens=jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
             policy_params=session.policy_params,
@@ -195,6 +199,16 @@ def run_decode(
     return dataclasses.replace(
         out, decode_seconds=time.perf_counter() - start, decode_compile_seconds=compiled.seconds
     )
+
+
+def free_buffers_left_behind(prefill_kv: KVState, decode_kv: KVState) -> None:
+    """Frees the arrays of `prefill_kv` that `decode_kv` does not hold: after a repack into the
+    decode geometry nothing reads the prefill pool again, and the caller's session would keep it
+    alive beside the decode pool through the whole decode loop."""
+    held = {id(leaf) for leaf in jax.tree.leaves(decode_kv)}
+    for leaf in jax.tree.leaves(prefill_kv):
+        if isinstance(leaf, jax.Array) and id(leaf) not in held:
+            leaf.delete()
 
 
 def _output(

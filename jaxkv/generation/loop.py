@@ -132,7 +132,7 @@ def _step_record(policy: Policy, logits: jax.Array) -> jax.Array | None:
 
 repack_program = program(static=("num_pages", "max_pages", "int8_geometry"), kv=SHARD)(
     repack
-)  # the caller drops the prefill state after it: its pool is freed before decoding
+)  # generate then frees the prefill pool before its decode loop (`free_buffers_left_behind`)
 
 
 def to_decode_geometry(
