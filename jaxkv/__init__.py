@@ -12,7 +12,7 @@ from jaxkv.generation import (
     generate,
     generate_text,
 )
-from jaxkv.generation.budgets import prefill_at_budgets
+from jaxkv.generation.budgets import prefill_at_budgets, prefill_each
 from jaxkv.generation.decoding import decode
 from jaxkv.generation.saved import load_session, save_session
 from jaxkv.generation.session import extend, fork, prefill
@@ -40,5 +40,6 @@ __all__ = [
     "policies",
     "prefill",
     "prefill_at_budgets",
+    "prefill_each",
     "save_session",
 ]

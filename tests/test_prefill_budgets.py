@@ -1,6 +1,7 @@
-"""One prefill, several budgets (`jaxkv.prefill_at_budgets`): each session keeps the tokens
-of a prefill at its budget alone (and decodes its tokens, where decode reads the budget); a
-policy whose prefill reads its budget is refused by name."""
+"""One prefill, several budgets (`jaxkv.prefill_at_budgets`) or policies (`jaxkv.prefill_each`):
+each session keeps the tokens of its own prefill alone (and decodes its tokens, where decode
+reads the budget); a policy whose prefill reads its budget, or policies whose forward passes
+differ, are refused by name."""
 
 import jax
 import numpy as np
@@ -83,3 +84,49 @@ def test_a_policy_whose_prefill_reads_its_budget_is_refused(model, name, options
 def test_no_budget_is_refused(model):
     with pytest.raises(ValueError, match="budgets is empty"):
         jaxkv.prefill_at_budgets(model, [_prompt()], "snapkv", [])
+
+
+# Windows of 16, 8 and 1 queries, the attention input's moments (GVote), the pre-RoPE queries'
+# moments from a position on (ExpectedAttention: not first, so it drives the prefill), KVzip's
+# replay, no compression at all.
+EACH = (
+    policies.get("snapkv", budget=0.5, window=16),
+    policies.get("expected_attention", budget=0.25),
+    policies.get("tova", budget=0.5),
+    policies.get("pyramidkv", budget=0.5, window=8),
+    policies.get("gvote"),
+    policies.get("kvzip", ratio=0.3, repeat_ids=(1, 2, 3), continue_ids=(4, 5, 6)),
+    policies.get("knorm", budget=0.125),
+    policies.get("full"),
+)
+
+
+def test_each_policy_keeps_and_decodes_as_its_own_prefill(model):
+    prompt = [_prompt()]
+    shared = jaxkv.prefill_each(model, prompt, EACH, reserve_tokens=8, prefill_chunk=CHUNK)
+    for policy, session in zip(EACH, shared, strict=True):
+        alone = jaxkv.prefill(model, prompt, policy, reserve_tokens=8, prefill_chunk=CHUNK)
+        np.testing.assert_array_equal(_held(session), _held(alone), err_msg=policy.name)
+        np.testing.assert_array_equal(
+            jaxkv.decode(session, 6, stop_tokens=[]).tokens,
+            jaxkv.decode(alone, 6, stop_tokens=[]).tokens,
+            err_msg=policy.name,
+        )
+
+
+@pytest.mark.parametrize(
+    ("each", "match"),
+    [
+        ([policies.get("snapkv", budget=0.5), policies.get("h2o", budget=0.5)], "attention_scor"),
+        ([policies.get("snapkv", budget=0.5), policies.get("wgkv", window=8)], "has admission"),
+        ([], "policies is empty"),
+    ],
+)
+def test_policies_whose_prefills_differ_are_refused(model, each, match):
+    with pytest.raises(ValueError, match=match):
+        jaxkv.prefill_each(model, [_prompt()], each)
+
+
+def test_one_params_entry_per_policy(model):
+    with pytest.raises(ValueError, match="policy_params has 1 entries for 2 policies"):
+        jaxkv.prefill_each(model, [_prompt()], ["snapkv:0.5", "tova:0.5"], policy_params=[None])

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from jaxkv import bundled
+from jaxkv import bundled, policies
 from jaxkv.benchmarks import ruler, ruler_tasks, shared_context_tasks
 from jaxkv.models import load_tokenizer
 
@@ -115,14 +115,19 @@ def test_runner_writes_the_leaderboard_and_resumes(tmp_path, monkeypatch):
     ruler.main(argv)  # every key is in records.jsonl: nothing runs
     assert len((out / "records.jsonl").read_text().splitlines()) == 12
 
-    # Both ratios of a sample from one read of its context (agnostic) or prompt (aware): 0.5's
+    # Both ratios of both policies of a sample from one read of its context (agnostic), both
+    # ratios of SnapKV (the aware policy here) from one read of the prompt (aware): SnapKV 0.5's
     # answers and bytes are the run above's, one sample at a time.
     shared_out = tmp_path / "shared"
-    shared_argv = [*argv[: argv.index("--policies")], "--policies", "snapkv"]
+    shared_argv = [*argv[: argv.index("--policies")], "--policies", "snapkv", "knorm"]
     shared_argv += ["--ratios", "0.5", "0.75", "--max-new-tokens", "6"]
     ruler.main([*shared_argv, "--out", str(shared_out)])
     shared = [json.loads(line) for line in (shared_out / "records.jsonl").read_text().splitlines()]
-    assert len(shared) == 2 * 2 * 2 * 2 and all(r["prefill_shared_by"] == 2 for r in shared)
+    assert len(shared) == 4 * 4 + 4 * 2
+    assert {(r["setting"], r["prefill_shared_by"]) for r in shared} == {
+        ("agnostic", 4),
+        ("aware", 2),
+    }
 
     def answers(rows, ratio):
         return {
@@ -141,7 +146,7 @@ def test_runner_writes_the_leaderboard_and_resumes(tmp_path, monkeypatch):
         assert held[0.75] < held[0.5]
 
 
-def test_a_sample_s_ratios_of_a_policy_that_reads_once_run_together_in_each_setting():
+def test_a_sample_s_jobs_of_policies_that_read_alike_run_together_in_each_setting():
     jobs = [
         ("snapkv", 0.5, "agnostic", "vt", 0),
         ("wgkv", 0.5, "agnostic", "vt", 0),
@@ -150,14 +155,29 @@ def test_a_sample_s_ratios_of_a_policy_that_reads_once_run_together_in_each_sett
         ("snapkv", 0.75, "agnostic", "vt", 1),
         ("wgkv", 0.75, "agnostic", "vt", 0),
         ("snapkv", 0.75, "aware", "vt", 0),
+        ("knorm", 0.5, "agnostic", "vt", 0),
+        ("knorm", 0.75, "agnostic", "vt", 0),
+        ("h2o", 0.5, "agnostic", "vt", 0),
     ]
-    groups = ruler.job_groups(jobs, {"snapkv"})
+    groups = ruler.job_groups(jobs, {"snapkv": 0, "knorm": 0, "h2o": 1})
     assert groups == [
-        [jobs[0], jobs[3]],
+        [jobs[0], jobs[3], jobs[7], jobs[8]],
         [jobs[1]],
         [jobs[2], jobs[6]],
         [jobs[4]],
         [jobs[5]],
+        [jobs[9]],
     ]
     assert ruler.reads_once("snapkv", {}) and ruler.reads_once("kvzip", {})
     assert not any(ruler.reads_once(name, {}) for name in ("full", "wgkv", "fastkvzip"))
+    chosen = {
+        name: (policies.get(name, budget=0.5), None)
+        for name in ("snapkv", "h2o", "knorm", "observed_attention", "expected_attention")
+    }
+    assert ruler.prefill_classes(chosen) == {
+        "snapkv": 0,
+        "h2o": 1,  # accumulates attention during prefill
+        "knorm": 0,
+        "observed_attention": 1,
+        "expected_attention": 0,
+    }

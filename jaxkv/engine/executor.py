@@ -22,6 +22,7 @@ from jaxkv.cache.int8 import create_tier
 from jaxkv.engine import programs
 from jaxkv.engine.lanes import Lanes
 from jaxkv.engine.pages import Pages
+from jaxkv.generation.observations import observed_by
 from jaxkv.generation.prefill import empty_carry
 from jaxkv.models.decoder import Model
 from jaxkv.policies import Policy
@@ -81,7 +82,9 @@ class Executor:
             self.kv = _engine_state(**geometry)
         else:
             self.kv = placement.run(_engine_state, (), (), geometry)
-        self._carry = empty_carry(placement, model=model, batch=lanes.prefills, policy=self.policy)
+        self._carry = empty_carry(
+            placement, model=model, batch=lanes.prefills, observed=observed_by(self.policy)
+        )
         self._rows: Rows | None = None  # every slot's row state, from the first admission on
 
     def kv_bytes(self, pages: Pages) -> int:

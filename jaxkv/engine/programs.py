@@ -51,6 +51,7 @@ from jaxkv.generation.observations import (
     PrefillCarry,
     carry_rows,
     initial_carry,
+    observed_by,
     put_carry_rows,
     with_rows_reset,
 )
@@ -133,7 +134,7 @@ def prefill_rows(
     (kv, carry)."""
     index = _carry_index(kv, carry, rows)
     part = carry_rows(carry, index)
-    fresh = initial_carry(model, rows.shape[0], policy)
+    fresh = initial_carry(model, rows.shape[0], observed_by(policy))
     part = with_rows_reset(part, fresh, (starts == 0) & (counts > 0))
     view, part = read_chunk(
         model,

@@ -1,18 +1,21 @@
-"""One prefill, several budgets: a prompt read once, then compressed at each budget.
+"""One prefill, several compressions: a prompt read once, then compressed by each of several
+policies, or by one policy at each of several budgets.
 
-A sweep over compression ratios (`jaxkv bench ruler`: kvpress's 0.25, 0.5, 0.75 and 0.875)
-would otherwise read the same prompt once per ratio, and on a long prompt the forward pass is
-most of the cost. For a policy whose prefill does not read its budget (no chunk eviction, no
-admission: the budget enters only its prompt compression), the chunks' forward pass and what
-it observes are the same at every budget, so `prefill_at_budgets` runs them once
-(`start_chunked_prefill`, `prefill_next_chunk`) and the compression once per budget from a copy
-of the prefilled state (`finish_chunked_prefill`).
+A sweep over compression ratios (`jaxkv bench ruler`: kvpress's 0.25, 0.5, 0.75 and 0.875) and
+over policies would otherwise read the same prompt once per ratio and policy, and on a long
+prompt the forward pass is most of the cost. For policies whose prefills read the prompt alike
+(none reads its budget during prefill: no chunk eviction, no admission; the parts the forward
+pass reads, a gate, attention scoring, page selection, equal), the chunks' forward pass is the
+same for each and what each compression reads is part of what the union records
+(`observations.observed_by`), so `prefill_each` runs them once (`start_chunked_prefill`,
+`prefill_next_chunk`) and each compression from a copy of the prefilled state
+(`finish_chunked_prefill`) with what its policy would have observed alone (`carry_seen_by`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 from jaxkv.attention import resolve_backend
 from jaxkv.cache import CacheConfig
 from jaxkv.cache.config import check_count
+from jaxkv.generation.observations import carry_seen_by, observed_by
 from jaxkv.generation.prefill import (
     finish_chunked_prefill,
     prefill_next_chunk,
@@ -31,17 +35,141 @@ from jaxkv.models.decoder import Model
 from jaxkv.policies import Policy
 from jaxkv.policies.base import PolicyParams, with_budget
 
+# The parts of a policy that its prefill's forward pass reads (besides admission and chunk
+# eviction, which read the budget): policies that share a prefill must have them equal.
+FORWARD_PARTS = ("gate", "attention_scoring", "selection")
 
-def check_budget_free_prefill(policy: Policy) -> None:
-    """Raises ValueError unless `policy`'s prefill reads no budget (its budget enters only the
-    prompt compression)."""
+
+def budget_read_in_prefill(policy: Policy) -> str | None:
+    """What of `policy`'s prefill reads its budget (chunk eviction, admission), None if nothing
+    does (its budget enters only the prompt compression)."""
     parts = (("chunk eviction", policy.chunk_eviction), ("admission", policy.admission))
     reads = [name for name, part in parts if part is not None]
-    if reads:
+    if not reads:
+        return None
+    parts_read = " and ".join(reads)
+    return f"policy {policy.name!r} has {parts_read} during prefill, which depends on its budget"
+
+
+def check_budget_free_prefill(policy: Policy) -> None:
+    """Raises ValueError unless `policy`'s prefill reads no budget (`budget_read_in_prefill`)."""
+    reason = budget_read_in_prefill(policy)
+    if reason is not None:
+        raise ValueError(f"{reason}: prefill it at each budget (jaxkv.prefill)")
+
+
+def one_prefill_refusal(policies: Sequence[Policy], policy_params: Sequence) -> str | None:
+    """Why one prefill cannot serve each of `policies` as its own does (None when it can): one
+    reads its budget during prefill, their `FORWARD_PARTS` differ, a gate would read different
+    learned parameters, or they record query moments from different positions."""
+    for policy in policies:
+        reason = budget_read_in_prefill(policy)
+        if reason is not None:
+            return reason
+    first = policies[0].static()
+    for policy, params in zip(policies[1:], policy_params[1:], strict=True):
+        for part in FORWARD_PARTS:
+            if getattr(policy.static(), part) != getattr(first, part):
+                return (
+                    f"policies {first.name!r} and {policy.name!r} differ in their {part}, which "
+                    "prefill's forward pass reads"
+                )
+        if first.gate is not None and params is not policy_params[0]:
+            return (
+                f"policies {first.name!r} and {policy.name!r} gate with different learned "
+                "parameters, which prefill's forward pass reads"
+            )
+    starts = {observed_by(policy).query_moments_from for policy in policies} - {None}
+    if len(starts) > 1:
+        return f"policies record query moments from different positions {sorted(starts)}"
+    return None
+
+
+def _reading(request) -> tuple:
+    """What a set-up request's prefill reads into: its chunks and its empty state's arrays."""
+    arrays = jax.tree.map(lambda a: (a.shape, a.dtype), request.kv)
+    return request.prompts.chunk, request.prompts.num_chunks, jax.tree.structure(request.kv), arrays
+
+
+def prefill_each(
+    model: Model,
+    prompt_ids: PromptIds,
+    policies: Sequence[Policy | str],
+    *,
+    reserve_tokens: int = 0,
+    cache: CacheConfig | None = None,
+    prefill_chunk: int | None = None,
+    key: jax.Array | None = None,
+    backend: str = "auto",
+    policy_params: Sequence[PolicyParams | None] | None = None,
+) -> Iterator[Session]:
+    """Each of `policies`' session over `prompt_ids`, each what `prefill(model, prompt_ids,
+    policy, ...)` makes (the same kept tokens), the prompts read once (module docstring).
+
+    The prompts are read at the call; each session is compressed from a copy of that prefill
+    state when the iterator reaches it (the last from the state itself), so a caller that
+    decodes each session and lets it go holds one prefill state and one session at a time.
+    `policy_params`: one per policy (None where it has none). One device.
+
+    Raises ValueError, before compiling, for policies that do not read the prompts alike
+    (`one_prefill_refusal`, or different prefill states) and for bad values."""
+    resolved = [resolved_policy(policy) for policy in policies]
+    if not resolved:
+        raise ValueError("policies is empty: give at least one policy")
+    params = [None] * len(resolved) if policy_params is None else list(policy_params)
+    if len(params) != len(resolved):
         raise ValueError(
-            f"policy {policy.name!r} has {' and '.join(reads)} during prefill, which depends on "
-            "its budget: prefill it at each budget (jaxkv.prefill)"
+            f"policy_params has {len(params)} entries for {len(resolved)} policies: give one "
+            "per policy (None where it has none)"
         )
+    refusal = one_prefill_refusal(resolved, params)
+    if refusal is not None:
+        raise ValueError(f"{refusal}: prefill them separately (jaxkv.prefill)")
+    observed = observed_by(*resolved)
+    backend = resolve_backend(backend)
+    reserve_tokens = check_count("reserve_tokens", reserve_tokens, 0)
+    key = jax.random.PRNGKey(0) if key is None else checked_key(key)
+    # The prefill is driven by a policy whose query moments it records, if any (the forward
+    # pass is every policy's; the moments' first position is that policy's).
+    records_moments = [observed_by(policy).query_moments_from is not None for policy in resolved]
+    driver = records_moments.index(True) if any(records_moments) else 0
+    requests, reading = [], None
+    for index, (policy, own_params) in enumerate(zip(resolved, params, strict=True)):
+        request = set_up(
+            model,
+            prompt_ids,
+            policy,
+            reserve_tokens=reserve_tokens,
+            positions_after_prompt=reserve_tokens,
+            cache=cache,
+            prefill_chunk=prefill_chunk,
+            policy_params=own_params,
+        )
+        if reading is None:
+            reading = _reading(request)
+        elif _reading(request) != reading:
+            raise ValueError(
+                f"policies {resolved[0].name!r} and {policy.name!r} set up different prefill "
+                "states (chunks, pool or cache): prefill them separately"
+            )
+        # Only the driver's prefill state is read into: the others' pools go at once.
+        requests.append(request if index == driver else dataclasses.replace(request, kv=None))
+    driving = requests[driver]
+    prefill = start_chunked_prefill(model, driving, observed)
+    while not prefill.done:
+        prefill = prefill_next_chunk(model, driving, prefill, driving.policy_params, backend)
+    return _compressed_each(model, requests, prefill, key, backend)
+
+
+def _compressed_each(model, requests, prefill, key, backend) -> Iterator[Session]:
+    """`prefill_each`'s sessions: each request's compression of the prefilled state."""
+    for index, request in enumerate(requests):
+        last = index == len(requests) - 1  # the compression donates: the others read a copy
+        kv = prefill.kv if last else jax.tree.map(jnp.copy, prefill.kv)
+        own = prefill.replace(kv=kv, carry=carry_seen_by(prefill.carry, request.policy))
+        kv, last_hidden = finish_chunked_prefill(model, request, own, key)
+        kv.check()
+        yield prefilled_session(request, kv, last_hidden, backend)
 
 
 def prefill_at_budgets(
@@ -67,32 +195,17 @@ def prefill_at_budgets(
     check_budget_free_prefill(policy)
     if not budgets:
         raise ValueError("budgets is empty: give at least one budget")
-    backend = resolve_backend(backend)
-    reserve_tokens = check_count("reserve_tokens", reserve_tokens, 0)
-    key = jax.random.PRNGKey(0) if key is None else checked_key(key)
-    requests = []
-    for budget in budgets:
-        request = set_up(
+    each = [with_budget(policy, budget) for budget in budgets]
+    return list(
+        prefill_each(
             model,
             prompt_ids,
-            with_budget(policy, budget),
+            each,
             reserve_tokens=reserve_tokens,
-            positions_after_prompt=reserve_tokens,
             cache=cache,
             prefill_chunk=prefill_chunk,
-            policy_params=policy_params,
+            key=key,
+            backend=backend,
+            policy_params=[policy_params] * len(each),
         )
-        # Only the first budget's prefill state is read into: the others' pools go at once.
-        requests.append(request if not requests else dataclasses.replace(request, kv=None))
-    first = requests[0]
-    prefill = start_chunked_prefill(model, first)
-    while not prefill.done:
-        prefill = prefill_next_chunk(model, first, prefill, first.policy_params, backend)
-    sessions = []
-    for index, request in enumerate(requests):
-        last = index == len(requests) - 1  # the compression donates: the others read a copy
-        own = prefill if last else prefill.replace(kv=jax.tree.map(jnp.copy, prefill.kv))
-        kv, last_hidden = finish_chunked_prefill(model, request, own, key)
-        kv.check()
-        sessions.append(prefilled_session(request, kv, last_hidden, backend))
-    return sessions
+    )

@@ -5,6 +5,8 @@ and of the pre-RoPE queries; taken and put by rows (the engine's prefill rows), 
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -51,15 +53,63 @@ class PrefillCarry:
     hidden: jax.Array | None = None
 
 
-def initial_carry(model: Model, batch: int, policy: Policy) -> PrefillCarry:
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What a prefill records for prompt compressions (static).
+
+    Attributes:
+      window: each prompt's last queries recorded per layer (0: none).
+      input_stats: whether the attention input's moments are recorded.
+      query_moments_from: the first position whose pre-RoPE query enters each head's moments
+        (None: none recorded).
+    """
+
+    window: int = 0
+    input_stats: bool = False
+    query_moments_from: int | None = None
+
+
+def observed_by(*policies: Policy) -> Observed:
+    """What one prefill must record for each of `policies`' compressions (read once for all:
+    the longest window, the moments any of them reads). Raises ValueError for two that count
+    query moments from different positions."""
+    compressions = [p.prompt_compression for p in policies if p.prompt_compression is not None]
+    starts = {c.query_moments_from for c in compressions} - {None}
+    if len(starts) > 1:
+        names = [p.name for p in policies]
+        raise ValueError(
+            f"policies {names} record query moments from different positions {sorted(starts)}: "
+            "one prefill records one, prefill them separately"
+        )
+    return Observed(
+        window=max((observation_window(p) for p in policies), default=0),
+        input_stats=any(c.needs_input_stats for c in compressions),
+        query_moments_from=next(iter(starts), None),
+    )
+
+
+def carry_seen_by(carry: PrefillCarry, policy: Policy) -> PrefillCarry:
+    """`carry`, recorded for several policies (`observed_by`), as a prefill for `policy` alone
+    would have recorded it: its own last queries (the window's last slots) and moments."""
+    observed = observed_by(policy)
+    window = None
+    if observed.window:
+        window = carry.window[:, :, :, carry.window.shape[3] - observed.window :]
+    return carry.replace(
+        window=window,
+        moments=carry.moments if observed.input_stats else None,
+        query_moments=carry.query_moments if observed.query_moments_from is not None else None,
+    )
+
+
+def initial_carry(model: Model, batch: int, observed: Observed) -> PrefillCarry:
+    """The carry of `batch` prompts before their first chunk, recording `observed`."""
     cfg = model.config
-    w = observation_window(policy)
+    w = observed.window
     shape = (cfg.num_layers, batch, cfg.num_heads, w, cfg.head_dim)
     zeros = jnp.zeros((cfg.num_layers, batch, cfg.hidden_size), jnp.float32)
-    compression = policy.prompt_compression
-    input_stats = compression is not None and compression.needs_input_stats
     query_moments = None
-    if query_moments_from(policy) is not None:
+    if observed.query_moments_from is not None:
         heads = (cfg.num_layers, batch, cfg.num_heads, cfg.head_dim)
         query_moments = (
             jnp.zeros((batch, 1, 1)),
@@ -69,7 +119,7 @@ def initial_carry(model: Model, batch: int, policy: Policy) -> PrefillCarry:
     return PrefillCarry(
         last_hidden=jnp.zeros((batch, cfg.hidden_size), model.dtype),
         window=jnp.zeros(shape, model.dtype) if w else None,
-        moments=(jnp.zeros((batch, 1)), zeros, zeros) if input_stats else None,
+        moments=(jnp.zeros((batch, 1)), zeros, zeros) if observed.input_stats else None,
         query_moments=query_moments,
     )
 

@@ -20,9 +20,11 @@ from jaxkv.cache.int8 import start_int8
 from jaxkv.cache.repack import grow
 from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
 from jaxkv.generation.observations import (
+    Observed,
     PrefillCarry,
     initial_carry,
     observations,
+    observed_by,
     query_moments_from,
     record_window_queries,
 )
@@ -250,7 +252,7 @@ def prefill_and_compress(
     backend,
 ):
     """Chunked prefill of every chunk, then `compress_observed`; donates `kv`."""
-    carry = initial_carry(model, tokens.shape[0], policy)
+    carry = initial_carry(model, tokens.shape[0], observed_by(policy))
     kv, carry = _prefill_span(
         model,
         tokens,
@@ -305,7 +307,7 @@ compress = program(
     policy_params=POLICY_PARAMS,
 )(compress_observed)
 grow_pool = program(static=("num_pages", "int8_pages"), kv=SHARD)(grow)
-empty_carry = program(static=("batch", "policy"), model=MODEL)(initial_carry)
+empty_carry = program(static=("batch", "observed"), model=MODEL)(initial_carry)
 
 
 @flax.struct.dataclass
@@ -331,12 +333,14 @@ class ChunkedPrefill:
         return self.chunks_done == self.num_chunks
 
 
-def start_chunked_prefill(model, request: Request) -> ChunkedPrefill:
-    """A chunked prefill of the set-up request, no chunk read yet."""
+def start_chunked_prefill(
+    model, request: Request, observed: Observed | None = None
+) -> ChunkedPrefill:
+    """A chunked prefill of the set-up request, no chunk read yet, recording what its policy's
+    compression reads (or `observed`: what several policies' read, `observed_by`)."""
     _, rows = device_shares(model, request.prompts.lengths, request.placement)[0]
-    carry = empty_carry(
-        request.placement, model=model, batch=len(rows), policy=request.policy.static()
-    )
+    observed = observed_by(request.policy) if observed is None else observed
+    carry = empty_carry(request.placement, model=model, batch=len(rows), observed=observed)
     return ChunkedPrefill(
         kv=request.kv, carry=carry, chunks_done=0, num_chunks=request.prompts.num_chunks
     )
