@@ -15,6 +15,8 @@ same for each and what each compression reads is part of what the union records
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -25,6 +27,7 @@ from jaxkv.cache import CacheConfig
 from jaxkv.cache.config import check_count
 from jaxkv.generation.observations import carry_seen_by, observed_by
 from jaxkv.generation.prefill import (
+    compress_at_budgets,
     finish_chunked_prefill,
     prefill_next_chunk,
     start_chunked_prefill,
@@ -162,14 +165,50 @@ def prefill_each(
 
 
 def _compressed_each(model, requests, prefill, key, backend) -> Iterator[Session]:
-    """`prefill_each`'s sessions: each request's compression of the prefilled state."""
-    for index, request in enumerate(requests):
-        last = index == len(requests) - 1  # the compression donates: the others read a copy
-        kv = prefill.kv if last else jax.tree.map(jnp.copy, prefill.kv)
-        own = prefill.replace(kv=kv, carry=carry_seen_by(prefill.carry, request.policy))
-        kv, last_hidden = finish_chunked_prefill(model, request, own, key)
-        kv.check()
-        yield prefilled_session(request, kv, last_hidden, backend)
+    """`prefill_each`'s sessions: each request's compression of the prefilled state, a run of
+    requests of one policy at several budgets compressed together (`compress_at_budgets`: its
+    scores computed once)."""
+    runs = [list(run) for _, run in itertools.groupby(requests, key=_same_compression)]
+    for number, run in enumerate(runs):
+        first = run[0]
+        own = prefill.replace(carry=carry_seen_by(prefill.carry, first.policy))
+        if len(run) == 1:  # the compression donates: the last run reads the state itself
+            last = number == len(runs) - 1
+            kv = prefill.kv if last else jax.tree.map(jnp.copy, prefill.kv)
+            compressed = [finish_chunked_prefill(model, first, own.replace(kv=kv), key)]
+        else:
+            compressed = _at_budgets(model, run, own, key)
+        for request, (kv, last_hidden) in zip(run, compressed, strict=True):
+            kv.check()
+            yield prefilled_session(request, kv, last_hidden, backend)
+
+
+def _same_compression(request) -> tuple:
+    """What requests compressed together share: the policy but its budget, the int8 window,
+    the learned parameters (by identity)."""
+    return request.policy.static(), request.cache.int8_window, id(request.policy_params)
+
+
+def _at_budgets(model, run, prefill, key) -> Iterator[tuple]:
+    """(kv, last_hidden) of each of `run` (requests of one policy at several budgets), from
+    one compression program over the prefilled state."""
+    first = run[0]
+    stacked_kv, stacked_hidden = compress_at_budgets(
+        first.placement,
+        model=model,
+        tokens=first.prompts.tokens,
+        lengths=first.prompts.lengths,
+        budget_tokens=jnp.stack([jnp.asarray(r.budget_tokens) for r in run]),
+        thresholds=first.thresholds,
+        kv=prefill.kv,
+        carry=prefill.carry,
+        key=key,
+        policy_params=first.policy_params,
+        policy=first.policy.static(),
+        int8_window=first.cache.int8_window,
+    )
+    for index in range(len(run)):
+        yield jax.tree.map(operator.itemgetter(index), stacked_kv), stacked_hidden[index]
 
 
 def prefill_at_budgets(
