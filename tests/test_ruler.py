@@ -147,26 +147,26 @@ def test_runner_writes_the_leaderboard_and_resumes(tmp_path, monkeypatch):
 
 
 def test_a_sample_s_jobs_of_policies_that_read_alike_run_together_in_each_setting():
-    jobs = [
+    jobs = [  # run order: setting, ratio, policy
         ("snapkv", 0.5, "agnostic", "vt", 0),
+        ("knorm", 0.5, "agnostic", "vt", 0),
         ("wgkv", 0.5, "agnostic", "vt", 0),
-        ("snapkv", 0.5, "aware", "vt", 0),
+        ("h2o", 0.5, "agnostic", "vt", 0),
         ("snapkv", 0.75, "agnostic", "vt", 0),
+        ("knorm", 0.75, "agnostic", "vt", 0),
         ("snapkv", 0.75, "agnostic", "vt", 1),
         ("wgkv", 0.75, "agnostic", "vt", 0),
+        ("snapkv", 0.5, "aware", "vt", 0),
         ("snapkv", 0.75, "aware", "vt", 0),
-        ("knorm", 0.5, "agnostic", "vt", 0),
-        ("knorm", 0.75, "agnostic", "vt", 0),
-        ("h2o", 0.5, "agnostic", "vt", 0),
     ]
     groups = ruler.job_groups(jobs, {"snapkv": 0, "knorm": 0, "h2o": 1})
     assert groups == [
-        [jobs[0], jobs[3], jobs[7], jobs[8]],
-        [jobs[1]],
-        [jobs[2], jobs[6]],
-        [jobs[4]],
-        [jobs[5]],
-        [jobs[9]],
+        [jobs[0], jobs[4], jobs[1], jobs[5]],  # an entry's ratios side by side
+        [jobs[2]],
+        [jobs[3]],
+        [jobs[6]],
+        [jobs[7]],
+        [jobs[8], jobs[9]],
     ]
     assert ruler.reads_once("snapkv", {}) and ruler.reads_once("kvzip", {})
     assert not any(ruler.reads_once(name, {}) for name in ("full", "wgkv", "fastkvzip"))

@@ -111,8 +111,10 @@ def prefill_each(
 
     The prompts are read at the call; each session is compressed from a copy of that prefill
     state when the iterator reaches it (the last from the state itself), so a caller that
-    decodes each session and lets it go holds one prefill state and one session at a time.
-    `policy_params`: one per policy (None where it has none). One device.
+    decodes each session and lets it go holds one prefill state and one session at a time; a
+    policy at several budgets side by side in `policies` is compressed at all of them in one
+    program (its scores computed once). `policy_params`: one per policy (None where it has
+    none). One device.
 
     Raises ValueError, before compiling, for policies that do not read the prompts alike
     (`one_prefill_refusal`, or different prefill states) and for bad values."""
