@@ -25,9 +25,10 @@ import jax.numpy as jnp
 from jaxkv.attention import resolve_backend
 from jaxkv.cache import CacheConfig
 from jaxkv.cache.config import check_count
-from jaxkv.generation.observations import carry_seen_by, observed_by
+from jaxkv.generation.mesh import MODEL, POLICY_PARAMS, ROWS, SAME, SHARD, program
+from jaxkv.generation.observations import PrefillCarry, carry_seen_by, observed_by
 from jaxkv.generation.prefill import (
-    compress_at_budgets,
+    compress_observed,
     finish_chunked_prefill,
     prefill_next_chunk,
     start_chunked_prefill,
@@ -164,6 +165,58 @@ def prefill_each(
     while not prefill.done:
         prefill = prefill_next_chunk(model, driving, prefill, driving.policy_params, backend)
     return _compressed_each(model, requests, prefill, key, backend)
+
+
+def compress_observed_at_budgets(
+    model,
+    tokens,
+    lengths,
+    budget_tokens,
+    thresholds,
+    kv,
+    carry: PrefillCarry,
+    key,
+    policy_params,
+    *,
+    policy,
+    int8_window,
+):
+    """`compress_observed` at each of budget_tokens int32 [n, B] (or [n, B, c]), from one
+    prefilled state: what does not read the budget (KVzip's replay, a scorer's scores) runs
+    once, the choice of the kept tokens once per budget. Returns (kv, last_hidden), every leaf
+    stacked [n, ...]; does not donate `kv`."""
+
+    def at(budget):
+        return compress_observed(
+            model,
+            tokens,
+            lengths,
+            budget,
+            thresholds,
+            kv,
+            carry,
+            key,
+            policy_params,
+            policy=policy,
+            int8_window=int8_window,
+        )
+
+    return jax.vmap(at)(budget_tokens)
+
+
+# One device (`jaxkv.prefill_each`): the budgets' axis is not the rows'.
+compress_at_budgets = program(
+    static=("policy", "int8_window"),
+    model=MODEL,
+    tokens=ROWS,
+    lengths=ROWS,
+    budget_tokens=SAME,
+    thresholds=ROWS,
+    kv=SHARD,
+    carry=SHARD,
+    key=SAME,
+    policy_params=POLICY_PARAMS,
+)(compress_observed_at_budgets)
 
 
 def _compressed_each(model, requests, prefill, key, backend) -> Iterator[Session]:

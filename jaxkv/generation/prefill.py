@@ -217,43 +217,6 @@ def compress_observed(
     return kv, carry.last_hidden
 
 
-def compress_observed_at_budgets(
-    model,
-    tokens,
-    lengths,
-    budget_tokens,
-    thresholds,
-    kv,
-    carry: PrefillCarry,
-    key,
-    policy_params,
-    *,
-    policy,
-    int8_window,
-):
-    """`compress_observed` at each of budget_tokens int32 [n, B] (or [n, B, c]), from one
-    prefilled state: what does not read the budget (KVzip's replay, a scorer's scores) runs
-    once, the choice of the kept tokens once per budget. Returns (kv, last_hidden), every leaf
-    stacked [n, ...]; does not donate `kv`."""
-
-    def at(budget):
-        return compress_observed(
-            model,
-            tokens,
-            lengths,
-            budget,
-            thresholds,
-            kv,
-            carry,
-            key,
-            policy_params,
-            policy=policy,
-            int8_window=int8_window,
-        )
-
-    return jax.vmap(at)(budget_tokens)
-
-
 _SPAN_PLACEMENTS = dict(
     model=MODEL,
     tokens=ROWS,
@@ -343,19 +306,6 @@ compress = program(
     key=SAME,
     policy_params=POLICY_PARAMS,
 )(compress_observed)
-# One device (`jaxkv.prefill_each`): the budgets' axis is not the rows'.
-compress_at_budgets = program(
-    static=("policy", "int8_window"),
-    model=MODEL,
-    tokens=ROWS,
-    lengths=ROWS,
-    budget_tokens=SAME,
-    thresholds=ROWS,
-    kv=SHARD,
-    carry=SHARD,
-    key=SAME,
-    policy_params=POLICY_PARAMS,
-)(compress_observed_at_budgets)
 grow_pool = program(static=("num_pages", "int8_pages"), kv=SHARD)(grow)
 empty_carry = program(static=("batch", "observed"), model=MODEL)(initial_carry)
 
