@@ -15,6 +15,7 @@ same for each and what each compression reads is part of what the union records
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 from collections.abc import Iterator, Sequence
@@ -186,22 +187,11 @@ def compress_observed_at_budgets(
     once, the choice of the kept tokens once per budget. Returns (kv, last_hidden), every leaf
     stacked [n, ...]; does not donate `kv`."""
 
-    def at(budget):
-        return compress_observed(
-            model,
-            tokens,
-            lengths,
-            budget,
-            thresholds,
-            kv,
-            carry,
-            key,
-            policy_params,
-            policy=policy,
-            int8_window=int8_window,
-        )
-
-    return jax.vmap(at)(budget_tokens)
+    each = functools.partial(compress_observed, policy=policy, int8_window=int8_window)
+    budgets_only = (None, None, None, 0, None, None, None, None, None)  # budget_tokens' axis
+    return jax.vmap(each, in_axes=budgets_only)(
+        model, tokens, lengths, budget_tokens, thresholds, kv, carry, key, policy_params
+    )
 
 
 # One device (`jaxkv.prefill_each`): the budgets' axis is not the rows'.
