@@ -18,13 +18,14 @@ threshold, not a budget: its tau for each ratio is read off a calibration (its k
 the full cache's bytes at a grid of taus on the first sample of the first task, interpolated
 in log tau; `wgkv-calibration.json`).
 
-The forward pass over a 4K prompt is most of a sample's cost, so a sample's pending ratios of
-a policy whose prefill reads no budget (not WG-KV's thresholds, Fast KVzip's chunk eviction)
-run together, in either setting: what the setting compresses (the context, or the whole prompt)
-read once, then compressed at each ratio (`jaxkv.prefill_at_budgets`; each the same kept tokens
-as its own prefill), and each answer decoded from its own copy (aware: `jaxkv.decode` of the
-prefilled prompt, `generate`'s tokens); its records' seconds count an equal share of that
-prefill (`prefill_shared_by`).
+The forward pass over a 4K prompt is most of a sample's cost, so a sample's pending jobs
+(ratios and policies) whose prefills read alike (`prefill_classes`: no budget read during
+prefill, so not WG-KV's thresholds nor Fast KVzip's chunk eviction; the same forward pass) run
+together, in either setting: what the setting compresses (the context, or the whole prompt)
+read once, then compressed by each policy at each ratio (`jaxkv.prefill_each`; each the same
+kept tokens as its own prefill), and each answer decoded from its own copy (aware:
+`jaxkv.decode` of the prefilled prompt, `generate`'s tokens); its records' seconds are their
+own compression and answer plus an equal share of the read (`prefill_shared_by`).
 
 Each answered sample is a line of OUT/records.jsonl as soon as it finishes: a rerun of the
 command skips every (task, sample, policy, ratio, setting) already there. OUT/samples.jsonl is
@@ -57,7 +58,7 @@ from jaxkv.benchmarks.ruler_tasks import (
     sample_from_json,
     string_match_all,
 )
-from jaxkv.generation.budgets import check_budget_free_prefill
+from jaxkv.generation.budgets import budget_read_in_prefill, one_prefill_refusal
 from jaxkv.model_sources import load_model, model_file_sha256, shipped_name, stop_tokens
 from jaxkv.policies import spec
 
@@ -112,34 +113,35 @@ def answer(
     return answered_over(tokenizer, session, sample, stop, start)
 
 
-def answers_at_ratios(
-    model, tokenizer, policy, ratios, params, sample: Sample, setting: str, stop, cap=None
+def answers_each(
+    model, tokenizer, chosen, sample: Sample, setting: str, stop, cap=None
 ) -> list[dict]:
-    """`answer` in `setting` at each of `ratios` (budgets 1 - ratio of `policy`), what the
-    setting compresses read once (`jaxkv.prefill_at_budgets`: the policy's prefill must not read
-    its budget); each result's seconds count an equal share of the shared prefill."""
+    """`answer` in `setting` under each of `chosen` ((policy, params) pairs whose prefills read
+    alike: `jaxkv.prefill_each`), what the setting compresses read once; each result's seconds
+    are its own compression and answer plus an equal share of the read."""
     sample = capped(sample, cap)
     aware = setting == "aware"
     start = time.perf_counter()
-    sessions = jaxkv.prefill_at_budgets(
+    sessions = jaxkv.prefill_each(
         model,
         [list(sample.context_ids + sample.question_ids) if aware else list(sample.context_ids)],
-        policy,
-        [1.0 - ratio for ratio in ratios],
+        [policy for policy, _ in chosen],
         reserve_tokens=sample.max_new_tokens if aware else reserve(sample),
-        policy_params=params,
+        policy_params=[params for _, params in chosen],
     )
-    share = (time.perf_counter() - start) / len(ratios)
+    share = (time.perf_counter() - start) / len(chosen)
     results = []
-    for session in sessions:
+    for _ in chosen:
         started = time.perf_counter() - share
+        session = next(sessions)
         if aware:
             held = float(session.memory_bytes())
             out = jaxkv.decode(session, sample.max_new_tokens, stop_tokens=stop)
             result = scored(tokenizer, sample, out, held, stop, started)
         else:
             result = answered_over(tokenizer, session, sample, stop, started)
-        results.append({**result, "prefill_shared_by": len(ratios)})
+        del session  # one compressed copy at a time
+        results.append({**result, "prefill_shared_by": len(chosen)})
     return results
 
 
@@ -238,27 +240,43 @@ def cells(parsed, ratios, settings, aware_policies):
 
 
 def reads_once(name: str, options: dict) -> bool:
-    """Whether policy `name` with `options` reads a prompt once for all its ratios
-    (`jaxkv.prefill_at_budgets`): its prefill reads no budget (WG-KV's ratios are thresholds)."""
+    """Whether policy `name` with `options` can share a read of a prompt with other ratios and
+    policies (`jaxkv.prefill_each`): its prefill reads no budget (WG-KV's ratios are
+    thresholds); the full cache runs once anyway."""
     if name in ("full", "wgkv"):
         return False
-    try:
-        check_budget_free_prefill(policies.get(name, **options))
-    except ValueError:
-        return False
-    return True
+    return budget_read_in_prefill(policies.get(name, **options)) is None
 
 
-def job_groups(jobs, shared: set[str]) -> list[list[tuple]]:
+def prefill_classes(chosen: dict) -> dict:
+    """{entry: class}: entries of `chosen` ({entry: (policy, params)}) in classes whose
+    members' prefills read alike (`one_prefill_refusal`), each joining the first class that
+    takes it."""
+    classes: list[list] = []
+    for entry in chosen:
+        for members in classes:
+            trial = [chosen[e] for e in (*members, entry)]
+            if one_prefill_refusal([p for p, _ in trial], [q for _, q in trial]) is None:
+                members.append(entry)
+                break
+        else:
+            classes.append([entry])
+    return {entry: index for index, members in enumerate(classes) for entry in members}
+
+
+def job_groups(jobs, classes: dict) -> list[list[tuple]]:
     """`jobs` ((entry, ratio, setting, task, index), in run order) in groups that one prefill
-    serves: a sample's pending ratios of an entry in `shared` in one setting together, in the
-    first one's place; every other job alone."""
+    serves: a sample's pending jobs in one setting of the entries of one class of `classes`
+    ({entry: class}, `prefill_classes`) together, in the first one's place, an entry's jobs
+    side by side; every other job alone."""
     groups: dict[tuple, list[tuple]] = {}
     for job in jobs:
         entry, _, setting, task, index = job
-        key = (entry, setting, task, index) if entry in shared else job
+        key = (classes[entry], setting, task, index) if entry in classes else job
         groups.setdefault(key, []).append(job)
-    return list(groups.values())
+    first_place = {entry: place for place, entry in reversed(list(enumerate(j[0] for j in jobs)))}
+    # An entry's ratios side by side: `prefill_each` compresses them in one program.
+    return [sorted(group, key=lambda job: first_place[job[0]]) for group in groups.values()]
 
 
 def render(out: Path, against: Path | None = None) -> str:
@@ -368,31 +386,25 @@ def main(argv: list[str] | None = None) -> dict:
             built[(entry, ratio)] = policy.for_tokenizer(tokenizer)
         return built[(entry, ratio)]
 
-    shared = {entry for entry, (name, options) in parsed.items() if reads_once(name, options)}
+    shared = [entry for entry, (name, options) in parsed.items() if reads_once(name, options)]
+    first_ratio = args.ratios[0]
+    classes = prefill_classes({e: (policy_at(e, first_ratio), params[e]) for e in shared})
     progress = tqdm(total=len(jobs), desc="ruler", unit="sample")
-    for group in job_groups(jobs, shared):
-        entry, _, setting, task, index = group[0]
-        ratios = [ratio for _, ratio, *_ in group]
+    for group in job_groups(jobs, classes):
+        _, _, setting, task, index = group[0]
         sample = samples[(task, index)]
-        policy = policy_at(entry, ratios[0])
         if len(group) > 1:
-            results = answers_at_ratios(
-                model,
-                tokenizer,
-                policy,
-                ratios,
-                params[entry],
-                sample,
-                setting,
-                stop,
-                args.max_new_tokens,
+            chosen = [(policy_at(entry, ratio), params[entry]) for entry, ratio, *_ in group]
+            results = answers_each(
+                model, tokenizer, chosen, sample, setting, stop, args.max_new_tokens
             )
         else:
+            entry, ratio, *_ = group[0]
             results = [
                 answer(
                     model,
                     tokenizer,
-                    policy,
+                    policy_at(entry, ratio),
                     params[entry],
                     sample,
                     setting,
@@ -400,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
                     args.max_new_tokens,
                 )
             ]
-        for ratio, result in zip(ratios, results, strict=True):
+        for (entry, ratio, *_), result in zip(group, results, strict=True):
             record = {"task": task, "index": index, "policy": entry, "ratio": ratio}
             record = {**record, "setting": setting, **result}
             if parsed[entry][0] == "wgkv":
