@@ -309,3 +309,16 @@ def test_the_readme_session_snippet_runs_as_written_on_a_chat_model(tmp_path, mo
     np.testing.assert_array_equal(
         jaxkv.decode(names["session"].extend(q1), 32).tokens, names["out"].tokens
     )
+
+
+def test_a_session_extended_past_its_budget_decodes_through_its_first_eviction(model):
+    """StreamingLLM keeps 1/8 of a 2.8K-token context and evicts every 64 steps: a 128-token
+    question read over it leaves every head over its budget as decoding starts, which the decode
+    pool must hold until the first eviction (sized from the budget alone, the pool ran out)."""
+    context = (CONTEXT * 4)[:2800]
+    policy = policies.get("streaming_llm", budget=0.125, evict_every=64)
+    session = jaxkv.prefill(model, [context], policy).extend([context[:128]])
+    out = jaxkv.decode(session, 64, stop_tokens=[])
+    assert int(out.num_tokens[0]) == 64
+    whole = jaxkv.decode(jaxkv.prefill(model, [context + context[:128]]), 64, stop_tokens=[])
+    assert out.pages_in_use.max() < whole.pages_in_use.min() / 2

@@ -151,9 +151,13 @@ def to_decode_geometry(
     the same state when that is its size, and in its own pool when a repack would save at most
     half of it (`keeps_prefill_pool`). lengths: int [B] tokens read per row; shared: whether
     rows share pages (`jaxkv.cache.sharing`: a shared page is held once)."""
-    bound = None
-    if policy.decode_eviction is not None:
-        bound = policy.decode_eviction.decode_tokens_bound(budget_tokens, lengths, max_new_tokens)
+    bound, eviction = None, policy.decode_eviction
+    if eviction is not None:
+        bound = eviction.decode_tokens_bound(budget_tokens, lengths, max_new_tokens)
+        # A head holding more than its budget as decoding starts (a session extended past it:
+        # a question read over a compressed context) keeps all of it until its first eviction.
+        first = _held_per_head(kv, placement) + min(eviction.decode_interval, max_new_tokens)
+        bound = np.maximum(bound, np.ceil(first).astype(np.int64))
     if bound is not None and placement is not None:
         # The bound is an average over heads; a budget shared across heads may all go to
         # this device's heads.
@@ -181,6 +185,16 @@ def to_decode_geometry(
         max_pages=max_pages,
         int8_geometry=int8_geometry,
     )
+
+
+def _held_per_head(kv: KVState, placement: InferenceMesh | None) -> np.ndarray:
+    """f64 [B]: the tokens a head of each row holds in its pages now, on average over the
+    layers and (every device's) KV heads."""
+    if placement is None:
+        held = np.asarray(jax.device_get(kv.lengths))
+    else:
+        held = placement.unshard(kv.lengths, row_axis=1, head_axis=2)
+    return held.astype(np.float64).mean(axis=(0, 2))
 
 
 def _decode_loop(
