@@ -24,8 +24,12 @@ prefill, so not WG-KV's thresholds nor Fast KVzip's chunk eviction; the same for
 together, in either setting: what the setting compresses (the context, or the whole prompt)
 read once, then compressed by each policy at each ratio (`jaxkv.prefill_each`; each the same
 kept tokens as its own prefill), and each answer decoded from its own copy (aware:
-`jaxkv.decode` of the prefilled prompt, `generate`'s tokens); its records' seconds are their
-own compression and answer plus an equal share of the read (`prefill_shared_by`).
+`jaxkv.decode` of the prefilled prompt, `generate`'s tokens). Decoding is then most of the
+cost, and on a CPU a decode step reads every weight whatever the batch: the answers of the
+policies that do nothing while decoding (all here but StreamingLLM, which evicts every 32
+steps) are decoded as the rows of one session (`jaxkv.generation.joined`), each row's tokens
+its own. A record's seconds are its own compression and answer plus an equal share of the read
+and of the joined decode (`prefill_shared_by`).
 
 Each answered sample is a line of OUT/records.jsonl as soon as it finishes: a rerun of the
 command skips every (task, sample, policy, ratio, setting) already there. OUT/samples.jsonl is
@@ -59,6 +63,7 @@ from jaxkv.benchmarks.ruler_tasks import (
     string_match_all,
 )
 from jaxkv.generation.budgets import budget_read_in_prefill, one_prefill_refusal
+from jaxkv.generation.joined import decode_ready, join_refusal, join_sessions
 from jaxkv.model_sources import load_model, model_file_sha256, shipped_name, stop_tokens
 from jaxkv.policies import spec
 
@@ -117,8 +122,10 @@ def answers_each(
     model, tokenizer, chosen, sample: Sample, setting: str, stop, cap=None
 ) -> list[dict]:
     """`answer` in `setting` under each of `chosen` ((policy, params) pairs whose prefills read
-    alike: `jaxkv.prefill_each`), what the setting compresses read once; each result's seconds
-    are its own compression and answer plus an equal share of the read."""
+    alike: `jaxkv.prefill_each`), what the setting compresses read once; the answers of the
+    policies that do nothing while decoding decoded as the rows of one session
+    (`join_sessions`: each row's tokens its own). Each result's seconds are its own
+    compression and answer plus an equal share of the read and of the joined decode."""
     sample = capped(sample, cap)
     aware = setting == "aware"
     start = time.perf_counter()
@@ -130,19 +137,28 @@ def answers_each(
         policy_params=[params for _, params in chosen],
     )
     share = (time.perf_counter() - start) / len(chosen)
-    results = []
-    for _ in chosen:
+    results, waiting = [None] * len(chosen), []
+    for index in range(len(chosen)):
         started = time.perf_counter() - share
         session = next(sessions)
-        if aware:
-            held = float(session.memory_bytes())
-            out = jaxkv.decode(session, sample.max_new_tokens, stop_tokens=stop)
-            result = scored(tokenizer, sample, out, held, stop, started)
-        else:
-            result = answered_over(tokenizer, session, sample, stop, started)
-        del session  # one compressed copy at a time
-        results.append({**result, "prefill_shared_by": len(chosen)})
-    return results
+        held = float(session.memory_bytes())  # the compressed context (agnostic) or prompt
+        if not aware:
+            session = session.extend([list(sample.question_ids)])
+        if join_refusal([session]) is None:
+            ready = decode_ready(session, sample.max_new_tokens)
+            waiting.append((index, held, ready, time.perf_counter() - started))
+            continue
+        out = jaxkv.decode(session, sample.max_new_tokens, stop_tokens=stop)
+        results[index] = scored(tokenizer, sample, out, held, stop, started)
+    if waiting:
+        started = time.perf_counter()
+        joined = join_sessions([ready for _, _, ready, _ in waiting], sample.max_new_tokens)
+        out = jaxkv.decode(joined, sample.max_new_tokens, stop_tokens=stop)
+        decode_share = (time.perf_counter() - started) / len(waiting)
+        for row, (index, held, _, own) in enumerate(waiting):
+            began = time.perf_counter() - own - decode_share
+            results[index] = scored(tokenizer, sample, out, held, stop, began, row=row)
+    return [{**result, "prefill_shared_by": len(chosen)} for result in results]
 
 
 def capped(sample: Sample, cap: int | None) -> Sample:
@@ -166,9 +182,11 @@ def answered_over(tokenizer, session, sample: Sample, stop, start: float) -> dic
     return scored(tokenizer, sample, out, held, stop, start)
 
 
-def scored(tokenizer, sample: Sample, out, held: float, stop, start: float) -> dict:
-    """The record of an answer: prediction, RULER's score, bytes held, seconds since start."""
-    generated = [int(t) for t in out.tokens[0][: int(out.num_tokens[0])] if int(t) not in stop]
+def scored(tokenizer, sample: Sample, out, held: float, stop, start: float, row: int = 0) -> dict:
+    """The record of the answer in row `row` of `out`: prediction, RULER's score, bytes held,
+    seconds since start."""
+    tokens = out.tokens[row][: int(out.num_tokens[row])]
+    generated = [int(t) for t in tokens if int(t) not in stop]
     prediction = postprocess(tokenizer.decode(generated))
     return {
         "prediction": prediction,
