@@ -54,7 +54,7 @@ from jaxkv.benchmarks import harness
 from jaxkv.cache import KVState
 from jaxkv.cache.config import CacheConfig
 from jaxkv.cache.repack import device_decode_geometry, keeps_prefill_pool
-from jaxkv.generation.loop import decode_loop, repack_program
+from jaxkv.generation.loop import decode_loop, decode_tokens_bound, repack_program
 from jaxkv.generation.prefill import prefill_and_compress
 from jaxkv.generation.request import Prompts, default_prefill_chunk, prefill_geometry
 from jaxkv.models import configs
@@ -324,11 +324,8 @@ def plan_request(
     )
     prefill = _prefill_cost(r)
     held, held_rule = planned_lengths(policy, cfg, context, batch, r.budget_tokens)
-    bound = None
-    if policy.decode_eviction is not None:
-        bound = policy.decode_eviction.decode_tokens_bound(
-            r.budget_tokens, r.lengths, max_new_tokens
-        )
+    held_per_head = np.asarray(held, np.float64).mean(axis=(0, 2))
+    bound = decode_tokens_bound(policy, r.budget_tokens, r.lengths, max_new_tokens, held_per_head)
     num_pages, max_pages = device_decode_geometry(held, bound, max_new_tokens, page_size)
     keeps_pool = keeps_prefill_pool(r.geometry["num_pages"], num_pages)
     if keeps_pool:  # as generate decides (to_decode_geometry)

@@ -151,13 +151,9 @@ def to_decode_geometry(
     the same state when that is its size, and in its own pool when a repack would save at most
     half of it (`keeps_prefill_pool`). lengths: int [B] tokens read per row; shared: whether
     rows share pages (`jaxkv.cache.sharing`: a shared page is held once)."""
-    bound, eviction = None, policy.decode_eviction
-    if eviction is not None:
-        bound = eviction.decode_tokens_bound(budget_tokens, lengths, max_new_tokens)
-        # A head holding more than its budget as decoding starts (a session extended past it:
-        # a question read over a compressed context) keeps all of it until its first eviction.
-        first = _held_per_head(kv, placement) + min(eviction.decode_interval, max_new_tokens)
-        bound = np.maximum(bound, np.ceil(first).astype(np.int64))
+    bound = decode_tokens_bound(
+        policy, budget_tokens, lengths, max_new_tokens, _held_per_head(kv, placement)
+    )
     if bound is not None and placement is not None:
         # The bound is an average over heads; a budget shared across heads may all go to
         # this device's heads.
@@ -185,6 +181,22 @@ def to_decode_geometry(
         max_pages=max_pages,
         int8_geometry=int8_geometry,
     )
+
+
+def decode_tokens_bound(
+    policy: Policy, budget_tokens, lengths, max_new_tokens: int, held: np.ndarray
+) -> np.ndarray | None:
+    """int [B]: the tokens a head of each row holds on average during `max_new_tokens` decode
+    steps, by the policy's decode eviction (`decode_tokens_bound`), or what it holds now (held
+    f64 [B], on average) and what arrives before its first eviction where that is more (a
+    session extended past its budget: a question read over a compressed context); None for a
+    policy that does not evict while decoding."""
+    eviction = policy.decode_eviction
+    if eviction is None:
+        return None
+    bound = eviction.decode_tokens_bound(budget_tokens, lengths, max_new_tokens)
+    first = held + min(eviction.decode_interval, max_new_tokens)
+    return np.maximum(bound, np.ceil(first).astype(np.int64))
 
 
 def _held_per_head(kv: KVState, placement: InferenceMesh | None) -> np.ndarray:
