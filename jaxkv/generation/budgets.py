@@ -9,7 +9,9 @@ pass reads, a gate, attention scoring, page selection, equal), the chunks' forwa
 same for each and what each compression reads is part of what the union records
 (`observations.observed_by`), so `prefill_each` runs them once (`start_chunked_prefill`,
 `prefill_next_chunk`) and each compression from a copy of the prefilled state
-(`finish_chunked_prefill`) with what its policy would have observed alone (`carry_seen_by`).
+(`finish_chunked_prefill`) with what its policy would have observed alone (`carry_seen_by`); a
+policy's budgets side by side compress in one program vmapped over the budgets
+(`compress_at_budgets`), so what does not read the budget (KVzip's replay) runs once.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def prefill_each(
     policy, ...)` makes (the same kept tokens), the prompts read once (module docstring).
 
     The prompts are read at the call; each session is compressed from a copy of that prefill
-    state when the iterator reaches it (the last from the state itself), so a caller that
+    state when the iterator reaches it (the last alone from the state itself), so a caller that
     decodes each session and lets it go holds one prefill state and one session at a time; a
     policy at several budgets side by side in `policies` is compressed at all of them in one
     program (its scores computed once). `policy_params`: one per policy (None where it has
