@@ -151,9 +151,10 @@ def to_decode_geometry(
     the same state when that is its size, and in its own pool when a repack would save at most
     half of it (`keeps_prefill_pool`). lengths: int [B] tokens read per row; shared: whether
     rows share pages (`jaxkv.cache.sharing`: a shared page is held once)."""
-    bound = decode_tokens_bound(
-        policy, budget_tokens, lengths, max_new_tokens, _held_per_head(kv, placement)
-    )
+    bound = None
+    if policy.decode_eviction is not None:  # the held counts come to the host only then
+        held = _held_per_head(kv, placement)
+        bound = decode_tokens_bound(policy, budget_tokens, lengths, max_new_tokens, held)
     if bound is not None and placement is not None:
         # The bound is an average over heads; a budget shared across heads may all go to
         # this device's heads.
