@@ -14,9 +14,10 @@ of the prompt evicted, a jaxkv budget of 1 - r. Settings (kvpress's):
   aware     the whole prompt is compressed with the question in it (`jaxkv.generate`), for the
             policies of `--aware-policies` (those kvpress runs query-aware).
 The full cache answers the same in both: it runs once, as ratio 0 agnostic. WG-KV has a
-threshold, not a budget: its tau for each ratio is read off a calibration (its kept share of
-the full cache's bytes at a grid of taus on the first sample of the first task, interpolated
-in log tau; `wgkv-calibration.json`).
+threshold, not a budget: its tau for each ratio is calibrated on the first sample of the first
+task (its kept share of the full cache's bytes measured at a grid of taus, then bisected in log
+tau until within 0.02 of 1 - ratio; `wgkv-calibration.json`). Records carry each sample's own
+bytes: the leaderboard's `kept` column is the share WG-KV held across the samples.
 
 The forward pass over a 4K prompt is most of a sample's cost, so a sample's pending jobs
 (ratios and policies) whose prefills read alike (`prefill_classes`: no budget read during
@@ -71,6 +72,8 @@ RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard
 SETTINGS = ("agnostic", "aware")
 AWARE_POLICIES = ("snapkv", "pyramidkv", "adakv")
 WGKV_TAUS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 0.6, 0.9)
+WGKV_KEPT_TOLERANCE = 0.02  # of the full cache's bytes, for a calibrated tau
+WGKV_BISECTION_STEPS = 12
 
 
 def load_samples(tokenizer, tasks, length: int, count: int, seed: int, out: Path) -> dict:
@@ -224,26 +227,62 @@ def shipped_params(name: str, options: dict, model_arg: str, config):
     return part.load(path, config)
 
 
-def calibrate_wgkv(model, params, sample: Sample, ratios, out: Path, options: dict) -> dict:
-    """{ratio: tau} for WG-KV: its kept share of the full cache's bytes at each of WGKV_TAUS on
-    `sample`'s context, interpolated in log tau at each ratio's kept share (1 - ratio); saved
-    to and read from OUT/wgkv-calibration.json."""
+def tau_for_kept_share(measure, measured: dict, target: float) -> float:
+    """The tau whose kept share `measure(tau)` is within WGKV_KEPT_TOLERANCE of `target`:
+    bisection in log tau between the two measured taus that bracket `target` (the kept share
+    falls as tau rises; a learned gate's taus crowd into a decade, so a grid alone misses).
+    `measured` ({tau: kept share}) gains every new measurement. Raises ValueError naming the
+    nearest share when none comes within the tolerance."""
+    for _ in range(WGKV_BISECTION_STEPS + 1):
+        nearest = min(measured, key=lambda tau: abs(measured[tau] - target))
+        if abs(measured[nearest] - target) <= WGKV_KEPT_TOLERANCE:
+            return nearest
+        keeps_more = [tau for tau, kept in measured.items() if kept > target]
+        keeps_less = [tau for tau, kept in measured.items() if kept < target]
+        if not keeps_more or not keeps_less:
+            break
+        low, high = max(keeps_more), min(keeps_less)
+        tau = float(np.exp((np.log(low) + np.log(high)) / 2))
+        measured[tau] = measure(tau)
+    raise ValueError(
+        f"WG-KV calibration: no tau keeps {target:.3f} of the full cache within "
+        f"{WGKV_KEPT_TOLERANCE} (nearest: tau {nearest:.3g} keeps {measured[nearest]:.3f})"
+    )
+
+
+def calibrate_wgkv(
+    model, params, sample: Sample, ratios, out: Path, options: dict, provenance: dict
+) -> dict:
+    """{ratio: tau} for WG-KV on `sample`'s context (`tau_for_kept_share` at each ratio's kept
+    share, 1 - ratio, from WGKV_TAUS); the measurements saved to and reused from
+    OUT/wgkv-calibration.json, opening with the run's `provenance`."""
     path = out / "wgkv-calibration.json"
     record = json.loads(path.read_text()) if path.exists() else {}
-    if record.get("sample") != [sample.task, sample.index]:
-        context = [list(sample.context_ids)]
-        full = jaxkv.prefill(model, context, "full").memory_bytes()
-        kept = []
-        for tau in tqdm(WGKV_TAUS, desc="wgkv calibration", unit="tau"):
-            policy = policies.get("wgkv", tau=tau, **options)
-            session = jaxkv.prefill(model, context, policy, policy_params=params)
-            kept.append(float(session.memory_bytes()) / float(full))
-        record = {"sample": [sample.task, sample.index], "taus": list(WGKV_TAUS), "kept": kept}
-    log_taus, kept = np.log(record["taus"]), np.asarray(record["kept"])
-    order = np.argsort(kept)  # kept falls as tau rises
-    taus = {str(r): float(np.exp(np.interp(1 - r, kept[order], log_taus[order]))) for r in ratios}
-    harness.save(out, "wgkv-calibration", {**record, "tau_per_ratio": taus})
-    return {float(r): t for r, t in taus.items()}
+    context = [list(sample.context_ids)]
+    full_bytes = []
+
+    def measure(tau: float) -> float:
+        if not full_bytes:
+            full_bytes.append(float(jaxkv.prefill(model, context, "full").memory_bytes()))
+        policy = policies.get("wgkv", tau=tau, **options)
+        session = jaxkv.prefill(model, context, policy, policy_params=params)
+        return float(session.memory_bytes()) / full_bytes[0]
+
+    same_sample = record.get("sample") == [sample.task, sample.index]
+    measured = dict(zip(record["taus"], record["kept"], strict=True)) if same_sample else {}
+    for tau in tqdm([t for t in WGKV_TAUS if t not in measured], desc="wgkv grid", unit="tau"):
+        measured[tau] = measure(tau)
+    taus = {str(r): tau_for_kept_share(measure, measured, 1.0 - r) for r in ratios}
+    order = sorted(measured)
+    record = {
+        "provenance": provenance,
+        "sample": [sample.task, sample.index],
+        "taus": order,
+        "kept": [measured[tau] for tau in order],
+        "tau_per_ratio": {**record.get("tau_per_ratio", {}), **taus} if same_sample else taus,
+    }
+    harness.save(out, "wgkv-calibration", record)
+    return {float(r): t for r, t in record["tau_per_ratio"].items()}
 
 
 def cells(parsed, ratios, settings, aware_policies):
@@ -393,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
         if name == "wgkv" and entry not in taus:
             first = samples[(args.tasks[0], 0)]
             taus[entry] = calibrate_wgkv(
-                model, params[entry], first, args.ratios, args.out, options
+                model, params[entry], first, args.ratios, args.out, options, run["provenance"]
             )
         if (entry, ratio) not in built:
             if name == "wgkv":

@@ -181,3 +181,34 @@ def test_a_sample_s_jobs_of_policies_that_read_alike_run_together_in_each_settin
         "observed_attention": 1,
         "expected_attention": 0,
     }
+
+
+def cliff_kept_share(tau: float) -> float:
+    """A learned gate's kept share: everything below tau 3e-4, a third of the tokens past 1e-3
+    (the drop the real model's gates show), then a slow fall."""
+    import math
+
+    t = (math.log(tau) - math.log(3e-4)) / (math.log(1e-3) - math.log(3e-4))
+    if t <= 1.0:
+        return 1.0 - 0.64 * min(max(t, 0.0), 1.0) ** 3
+    return 0.36 / (1.0 + math.log(tau / 1e-3))
+
+
+@pytest.mark.parametrize("target", [0.75, 0.5, 0.25, 0.125])
+def test_wgkv_taus_are_bisected_to_the_kept_share(target):
+    calls = []
+
+    def measure(tau):
+        calls.append(tau)
+        return cliff_kept_share(tau)
+
+    measured = {tau: cliff_kept_share(tau) for tau in ruler.WGKV_TAUS}
+    tau = ruler.tau_for_kept_share(measure, measured, target)
+    assert abs(cliff_kept_share(tau) - target) <= ruler.WGKV_KEPT_TOLERANCE
+    assert set(calls) <= set(measured) and len(calls) <= ruler.WGKV_BISECTION_STEPS
+
+
+def test_wgkv_calibration_names_a_share_no_tau_reaches():
+    measured = {tau: cliff_kept_share(tau) for tau in ruler.WGKV_TAUS}
+    with pytest.raises(ValueError, match=r"no tau keeps 0.010 .*nearest: tau 0.9"):
+        ruler.tau_for_kept_share(cliff_kept_share, measured, 0.01)
