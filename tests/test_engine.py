@@ -17,6 +17,7 @@ from jaxkv.engine import (
     QueueFullError,
     TooLargeForPoolError,
     engine,
+    intake,
     pages_needed_alone,
     programs,
     scheduler,
@@ -207,7 +208,7 @@ def test_the_only_running_request_is_never_preempted(model, monkeypatch):
     """A request alone that needs a page the pool does not have ends with reason too_large (as
     one whose plan at submit came out too small would): preempting it would free nothing for
     its return."""
-    monkeypatch.setattr(engine, "pages_needed_alone", lambda *args: 0)  # its plan: fits
+    monkeypatch.setattr(intake, "pages_needed_alone", lambda *args: 0)  # its plan: fits
     # 12 heads x 25 pages: 400 tokens a head, the prompt's 200 and 200 more.
     eng = Engine(model, "full", cache=CacheConfig(num_pages=300), max_slots=3, max_context=1024)
     request = eng.submit(PROMPTS[0][:200], max_new_tokens=500, stop_tokens=())

@@ -18,7 +18,7 @@ import uvicorn
 
 import jaxkv
 from jaxkv import CacheConfig, bundled, prose
-from jaxkv.engine import engine
+from jaxkv.engine import intake
 from jaxkv.models import byte_tokenizer, load_hf_checkpoint
 from jaxkv.serve import RequestDefaults, create_app
 
@@ -339,7 +339,7 @@ def test_a_request_larger_than_its_plan_ends_in_an_error_not_length(small_pool_u
     """The engine's too_large (a request that needed more pages than the pool has while
     running alone) is an OpenAI error, never finish_reason "length": a 400 response, or an
     error event in the stream, which the client raises."""
-    monkeypatch.setattr(engine, "pages_needed_alone", lambda *args: 0)  # a plan that fits
+    monkeypatch.setattr(intake, "pages_needed_alone", lambda *args: 0)  # a plan that fits
     client = openai.OpenAI(
         base_url=f"{small_pool_url}/v1", api_key="none", timeout=TIMEOUT, max_retries=0
     )

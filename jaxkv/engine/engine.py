@@ -30,7 +30,6 @@ prefill row reads its prompt in `generate`'s chunks, so greedy and sampled token
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 from collections.abc import Iterator, Sequence
@@ -46,14 +45,9 @@ from jaxkv.cache.config import check_count
 from jaxkv.compile_log import compiling_as, counting_compiles
 from jaxkv.engine.contexts import Context, ContextEvent, ContextsFullError, UnknownContextError
 from jaxkv.engine.executor import Executor
+from jaxkv.engine.intake import Intake, check_storage
 from jaxkv.engine.lanes import Lanes
-from jaxkv.engine.pages import (
-    Pages,
-    heads,
-    int8_pages_after_prefill,
-    pages_needed_alone,
-    prefill_peak_pages,
-)
+from jaxkv.engine.pages import Pages
 from jaxkv.engine.requests import QueueFullError, Request, TokenEvent, TooLargeForPoolError
 from jaxkv.engine.scheduler import (
     IdleContext,
@@ -65,24 +59,18 @@ from jaxkv.engine.scheduler import (
     Waiting,
     plan_step,
 )
-from jaxkv.generation.decoding import check_shared_decode
 from jaxkv.generation.request import (
     DEFAULT_PREFILL_CHUNK,
-    Prompts,
     checked_key,
-    checked_prompts,
     checked_stop_tokens,
-    pad_prompts,
-    prompt_lengths,
     prompt_lists,
 )
 from jaxkv.generation.session import Session
 from jaxkv.models.decoder import Model
 from jaxkv.pallas_kernels.common import next_power_of_two
 from jaxkv.policies import FullCache, Policy, from_spec
-from jaxkv.policies.base import PolicyParams, with_budget
+from jaxkv.policies.base import PolicyParams
 from jaxkv.sampling import Sampler
-from jaxkv.step.parts import local_window
 from jaxkv.step.rows import Rows, row_keys
 
 
@@ -141,7 +129,7 @@ class Engine:
         self.policy = from_spec(policy) if isinstance(policy, str) else policy
         if not isinstance(cache, CacheConfig) or cache.num_pages is None:
             raise ValueError("cache must be a CacheConfig with num_pages set: the engine's pool")
-        _check_storage(self.policy, cache)
+        check_storage(self.policy, cache)
         self.policy.check_params(policy_params, model.config)
         self.max_slots = check_count("max_slots", max_slots, 1)
         self.max_prefills = check_count("max_prefills", max_prefills, 1)
@@ -193,6 +181,17 @@ class Engine:
             )
         self.max_waiting = check_count("max_waiting", max_waiting, 1)
         self.pool_pages = Pages(cache.num_pages, cache.int8_pool_pages)  # each device's pools
+        self.intake = Intake(
+            model=model,
+            policy=self.policy,
+            cache=cache,
+            device_config=self.device_config,
+            prefill_chunk=self.prefill_chunk,
+            max_context=self.max_context,
+            max_batched_tokens=self.max_batched_tokens,
+            lane_slots=self.lanes.slots,
+            pool_pages=self.pool_pages,
+        )
         self.executor = Executor(
             model,
             self.policy,
@@ -256,17 +255,20 @@ class Engine:
         stop = frozenset(checked_stop_tokens(self.model, stop_tokens))
         prefill_key, decode_key = jax.random.split(checked_key(key))
         if context is None:
-            request = self._prompt_request(rows, max_new_tokens, budget)
+            request, lane = self.intake.prompt_request(rows, max_new_tokens, budget), None
         else:
             if budget is not None:
                 raise ValueError(
                     f"budget={budget!r} with context={context}: a request on a cached context "
                     "reads it as it was compressed; give the budget to add_context"
                 )
-            request = self._question_request(rows, max_new_tokens, self._named_context(context))
+            held = self._named_context(context)
+            request = self.intake.question_request(rows, max_new_tokens, held)
+            lane = self.lanes.context_lane(held.row)
         request = dataclasses.replace(
             request,
             id=self._next_id,
+            lane=lane,
             max_new_tokens=max_new_tokens,
             sampler=sampler,
             key=decode_key,
@@ -308,7 +310,7 @@ class Engine:
             raise ValueError(f"context_ids holds {len(rows)} prompts: add one at a time")
         key = jax.random.PRNGKey(0) if key is None else checked_key(key)
         policy_key, _ = jax.random.split(key)  # `ask`'s prefill key
-        request = self._prompt_request(rows, 1, budget)
+        request = self.intake.prompt_request(rows, 1, budget)
         row = self._free_context_row()
         held = Context(
             id=self._next_context,
@@ -495,125 +497,6 @@ class Engine:
         self._next_id += 1
         self._waiting.append(request)
 
-    def _checked_chunk(self, prompts: Prompts) -> None:
-        if prompts.chunk + self.lanes.slots > self.max_batched_tokens:
-            raise ValueError(
-                f"the prompt is read in chunks of {prompts.chunk} tokens with policy "
-                f"{self.policy.name!r}: give max_batched_tokens >= "
-                f"{prompts.chunk + self.lanes.slots} (the chunk and a token of each of a "
-                f"lane's {self.lanes.slots} slots), not {self.max_batched_tokens}"
-            )
-
-    def _prompt_request(self, rows, max_new_tokens: int, budget) -> Request:
-        """A request (its id, sampling and keys still to set) that prefills and compresses its
-        prompt, checked (`submit`)."""
-        policy = self.policy if budget is None else with_budget(self.policy, budget)
-        prompts = checked_prompts(self.model, policy, rows, self.prefill_chunk)
-        length = int(prompts.lengths[0])
-        if length + max_new_tokens > self.max_context:
-            raise ValueError(
-                f"prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                f"engine's max_context={self.max_context}"
-            )
-        self._checked_chunk(prompts)
-        self._check_fits_alone(
-            f"prompt of {length} tokens",
-            max_new_tokens,
-            lambda new_tokens: pages_needed_alone(
-                policy,
-                self.model.config,
-                length,
-                new_tokens,
-                self.cache.page_size,
-                self.prefill_chunk,
-                self.device_config,
-                self.cache.int8_window,
-            ),
-        )
-        peak = prefill_peak_pages(
-            policy, self.device_config, length, prompts.chunk, self.cache.page_size
-        )
-        int8 = int8_pages_after_prefill(
-            policy,
-            self.model.config,
-            length,
-            self.cache.page_size,
-            self.cache.int8_window,
-            self.device_config,
-        )
-        return self._request(
-            prompts,
-            policy.budget_tokens(prompts.lengths),
-            policy.budget_ratio(1),
-            policy.thresholds(1),
-            Pages(peak, int8),
-        )
-
-    def _question_request(self, rows, max_new_tokens: int, held: Context) -> Request:
-        """A request that reads its prompt after the cached context `held` (`submit`)."""
-        check_shared_decode(self.policy, max_new_tokens)
-        lengths = prompt_lengths(self.model, rows)
-        chunk = DEFAULT_PREFILL_CHUNK if self.prefill_chunk is None else self.prefill_chunk
-        if self.cache.int8_window is not None:  # read in the model dtype, as `extend` reads
-            chunk = min(chunk, self.cache.int8_window)
-        prompts = pad_prompts(rows, lengths, chunk)  # as `Session.extend` reads them
-        length = int(lengths[0])
-        if held.tokens + length + max_new_tokens > self.max_context:
-            raise ValueError(
-                f"context {held.id} of {held.tokens} tokens + a prompt of {length} + "
-                f"max_new_tokens={max_new_tokens} exceeds the engine's "
-                f"max_context={self.max_context}"
-            )
-        self._checked_chunk(prompts)
-        context_pages = pages_needed_alone(
-            self.policy,
-            self.model.config,
-            held.tokens,
-            1,
-            self.cache.page_size,
-            self.prefill_chunk,
-            self.device_config,
-            self.cache.int8_window,
-        )
-        self._check_fits_alone(
-            f"context {held.id} of {held.tokens} tokens + a prompt of {length}",
-            max_new_tokens,
-            lambda new_tokens: context_pages + self._own_pages(length + new_tokens),
-        )
-        request = self._request(
-            prompts, held.budget_tokens, held.budget_ratio, held.thresholds, self._own_pages(length)
-        )
-        return dataclasses.replace(request, context=held, lane=self.lanes.context_lane(held.row))
-
-    def _own_pages(self, tokens: int) -> Pages:
-        """The most pages of a device a row attached to a context allocates for `tokens` more
-        tokens (and the copies of the context's partial pages), to its first decode step; with
-        int8 storage, also the copies of the context's window (every model-dtype page) and the
-        int8 pages its tokens move to."""
-        pages = self._chunk_pages(tokens + 1)
-        window = self.cache.int8_window
-        if window is None:
-            return Pages(pages)
-        copies = heads(self.device_config) * -(-window // self.cache.page_size)
-        return Pages(pages + copies, pages)
-
-    def _request(
-        self, prompts, budget_tokens, budget_ratio, thresholds, peak_pages: Pages
-    ) -> Request:
-        return Request(
-            id=-1,
-            prompts=prompts,
-            budget_tokens=budget_tokens,
-            budget_ratio=budget_ratio,
-            thresholds=thresholds,
-            peak_pages=peak_pages,
-            max_new_tokens=1,
-            sampler=Sampler(),
-            key=None,
-            prefill_key=None,
-            stop=frozenset(),
-        )
-
     def _free_context_row(self) -> int:
         """A context row for a new context: a free one (in the lane holding the fewest
         contexts), else the row of the least recently used idle context, dropped now."""
@@ -631,46 +514,6 @@ class Engine:
         oldest = min(idle, key=lambda held: held.last_used)
         self._drop(oldest, reason="evicted")
         return oldest.row
-
-    def _check_fits_alone(self, what: str, max_new_tokens: int, needed) -> None:
-        """TooLargeForPoolError when the request's plan (`needed(new_tokens)`: its pages with
-        that many new tokens) needs more pages than the pools have (the policy's own budget
-        checks run first, named). what: its prompt, in words."""
-        pool = self.pool_pages
-        pages = needed(max_new_tokens)
-        if pages <= pool:
-            return
-        # needed() grows with max_new_tokens: the count of smaller ones that fit is the largest.
-        fitting = bisect.bisect_left(
-            range(1, max_new_tokens), True, key=lambda new: not needed(new) <= pool
-        )
-        if pages.model <= pool.model:  # the int8 tier's pool is what is short
-            tier, pool_name, needed_count, pool_count = (
-                "int8 pages",
-                "int8_pages",
-                pages.int8,
-                pool.int8,
-            )
-        else:
-            tier, pool_name, needed_count, pool_count = (
-                "pages",
-                "num_pages",
-                pages.model,
-                pool.model,
-            )
-        advice = (
-            f"give max_new_tokens <= {fitting}, or a shorter prompt"
-            if fitting
-            else "give a shorter prompt"
-        )
-        raise TooLargeForPoolError(
-            f"{what} + max_new_tokens={max_new_tokens} may need {needed_count} {tier} with "
-            f"policy {self.policy.name!r}, more than the pool's {pool_name}={pool_count} hold: "
-            f"{advice}, or a larger pool",
-            pages_needed=needed_count,
-            num_pages=pool_count,
-            field="max_new_tokens" if fitting else "prompt_ids",
-        )
 
     def cancel(self, request_id: int) -> bool:
         """Ends a request wherever it is now (queued, prefilling, ready, swapped out or
@@ -962,7 +805,7 @@ class Engine:
                     held_pages=row_held,
                     reserved_pages=reserved,
                     chunk_tokens=r.next_chunk,
-                    chunk_pages=self._read_pages(r).cap(reserved),
+                    chunk_pages=self.intake.read_pages(r).cap(reserved),
                 )
             )
         free_rows = tuple(
@@ -987,18 +830,6 @@ class Engine:
             idle_contexts=idle,
         )
         return view, head
-
-    def _chunk_pages(self, tokens: int) -> int:
-        """The most pages of a device reading `tokens` more tokens may allocate: a page per head
-        for each `page_size` of them, and one more where a head's last page is part full."""
-        return heads(self.device_config) * (-(-tokens // self.cache.page_size) + 1)
-
-    def _read_pages(self, request: Request) -> Pages:
-        """The most pages of a device the request's next chunk may allocate: a prompt's are
-        model-dtype pages; a question's on an int8 context may move as many tokens to int8."""
-        pages = self._chunk_pages(request.next_chunk)
-        question = request.context is not None and self.cache.int8_window is not None
-        return Pages(pages, pages if question else 0)
 
     def _start_prefill(self, request: Request, row: int) -> None:
         """The request into prefill `row` (a request on a context: the row attached to it)."""
@@ -1252,12 +1083,7 @@ class Engine:
     def full_kv_bytes(self, tokens: int) -> int:
         """Bytes the full cache holds for `tokens` tokens of every head (the pool's pages, in
         the kv dtype)."""
-        return self.executor.kv_bytes(Pages(self._full_pages(tokens)))
-
-    def _full_pages(self, tokens: int) -> int:
-        """Pages the full cache holds for `tokens` tokens (every head's)."""
-        cfg = self.model.config
-        return cfg.num_layers * cfg.num_kv_heads * -(-tokens // self.cache.page_size)
+        return self.executor.kv_bytes(Pages(self.intake.full_pages(tokens)))
 
     def _release(self, slots: Sequence[int] = (), prefills: Sequence[int] = ()) -> None:
         """These slots' and prefill rows' pages back to the pool, the rows empty."""
@@ -1297,15 +1123,3 @@ def _geometry(kv) -> tuple:
         ring,
         None if pool.int8 is None else pool.int8.window,
     )
-
-
-def _check_storage(policy: Policy, cache: CacheConfig) -> None:
-    """ValueError, named, for int8 storage with a policy that cannot run over it."""
-    if cache.int8_window is None:
-        return
-    if policy.selection is not None:
-        raise ValueError(f"policy {policy.name!r} selects pages, which int8 storage does not do")
-    if local_window(policy):
-        raise ValueError(
-            f"policy {policy.name!r} keeps a local ring, which int8 storage does not support"
-        )
