@@ -16,8 +16,11 @@ of the prompt evicted, a jaxkv budget of 1 - r. Settings (kvpress's):
 The full cache answers the same in both: it runs once, as ratio 0 agnostic. WG-KV has a
 threshold, not a budget: its tau for each ratio is calibrated on the first sample of the first
 task (its kept share of the full cache's bytes measured at a grid of taus, then bisected in log
-tau until within 0.02 of 1 - ratio; `wgkv-calibration.json`). Records carry each sample's own
-bytes: the leaderboard's `kept` column is the share WG-KV held across the samples.
+tau until within 0.02 of 1 - ratio; `wgkv-calibration.json`). Where its share jumps past 1 -
+ratio (heads whose gates are one value switch at once), the tau past the jump: never more
+bytes than the ratio allows; a ratio that gets a larger ratio's tau is run at the larger one
+only. Records carry each sample's own bytes: the leaderboard's `kept` column is the share WG-KV
+held across the samples.
 
 The forward pass over a 4K prompt is most of a sample's cost, so a sample's pending jobs
 (ratios and policies) whose prefills read alike (`prefill_classes`: no budget read during
@@ -74,6 +77,7 @@ AWARE_POLICIES = ("snapkv", "pyramidkv", "adakv")
 WGKV_TAUS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 0.6, 0.9)
 WGKV_KEPT_TOLERANCE = 0.02  # of the full cache's bytes, for a calibrated tau
 WGKV_BISECTION_STEPS = 12
+WGKV_TAU_RESOLUTION = 1e-3  # in log tau: a bracket this narrow is a jump in the kept share
 
 
 def load_samples(tokenizer, tasks, length: int, count: int, seed: int, out: Path) -> dict:
@@ -231,9 +235,11 @@ def tau_for_kept_share(measure, measured: dict, target: float) -> float:
     """The tau whose kept share `measure(tau)` is within WGKV_KEPT_TOLERANCE of `target`:
     bisection in log tau between the two measured taus that bracket `target` (the kept share
     falls as tau rises; a learned gate's taus crowd into a decade, so a grid alone misses).
-    `measured` ({tau: kept share}) gains every new measurement. Raises ValueError naming the
-    nearest share when none comes within the tolerance."""
-    for _ in range(WGKV_BISECTION_STEPS + 1):
+    Where the share jumps past `target` (whole heads whose gates are one value switch at
+    once), the tau past the jump: the largest share below `target`, never more bytes than
+    the ratio allows. `measured` ({tau: kept share}) gains every new measurement. ValueError
+    when every share measured is above `target`."""
+    for _ in range(WGKV_BISECTION_STEPS):
         nearest = min(measured, key=lambda tau: abs(measured[tau] - target))
         if abs(measured[nearest] - target) <= WGKV_KEPT_TOLERANCE:
             return nearest
@@ -242,47 +248,81 @@ def tau_for_kept_share(measure, measured: dict, target: float) -> float:
         if not keeps_more or not keeps_less:
             break
         low, high = max(keeps_more), min(keeps_less)
+        if np.log(high / low) < WGKV_TAU_RESOLUTION:
+            break
         tau = float(np.exp((np.log(low) + np.log(high)) / 2))
         measured[tau] = measure(tau)
-    raise ValueError(
-        f"WG-KV calibration: no tau keeps {target:.3f} of the full cache within "
-        f"{WGKV_KEPT_TOLERANCE} (nearest: tau {nearest:.3g} keeps {measured[nearest]:.3f})"
-    )
+    below = [tau for tau, kept in measured.items() if kept <= target]
+    if not below:
+        raise ValueError(
+            f"WG-KV calibration: every tau measured keeps more than {target:.3f} of the full "
+            f"cache (the least: {min(measured.values()):.3f}): give a larger tau grid"
+        )
+    return max(below, key=lambda tau: (measured[tau], -tau))
 
 
 def calibrate_wgkv(
     model, params, sample: Sample, ratios, out: Path, options: dict, provenance: dict
 ) -> dict:
     """{ratio: tau} for WG-KV on `sample`'s context (`tau_for_kept_share` at each ratio's kept
-    share, 1 - ratio, from WGKV_TAUS); the measurements saved to and reused from
-    OUT/wgkv-calibration.json, opening with the run's `provenance`."""
+    share, 1 - ratio, from WGKV_TAUS); every measurement saved to OUT/wgkv-calibration.json
+    as it comes (opening with the run's `provenance`) and reused from it."""
     path = out / "wgkv-calibration.json"
     record = json.loads(path.read_text()) if path.exists() else {}
+    same_sample = record.get("sample") == [sample.task, sample.index]
+    measured = dict(zip(record["taus"], record["kept"], strict=True)) if same_sample else {}
     context = [list(sample.context_ids)]
     full_bytes = []
+
+    def save(taus: dict) -> None:
+        order = sorted(measured)
+        harness.save(
+            out,
+            "wgkv-calibration",
+            {
+                "provenance": provenance,
+                "sample": [sample.task, sample.index],
+                "taus": order,
+                "kept": [measured[tau] for tau in order],
+                "tau_per_ratio": {str(r): tau for r, tau in taus.items()},
+                "kept_per_ratio": {str(r): measured[tau] for r, tau in taus.items()},
+            },
+        )
 
     def measure(tau: float) -> float:
         if not full_bytes:
             full_bytes.append(float(jaxkv.prefill(model, context, "full").memory_bytes()))
         policy = policies.get("wgkv", tau=tau, **options)
         session = jaxkv.prefill(model, context, policy, policy_params=params)
-        return float(session.memory_bytes()) / full_bytes[0]
+        measured[tau] = float(session.memory_bytes()) / full_bytes[0]
+        save({})
+        return measured[tau]
 
-    same_sample = record.get("sample") == [sample.task, sample.index]
-    measured = dict(zip(record["taus"], record["kept"], strict=True)) if same_sample else {}
     for tau in tqdm([t for t in WGKV_TAUS if t not in measured], desc="wgkv grid", unit="tau"):
-        measured[tau] = measure(tau)
-    taus = {str(r): tau_for_kept_share(measure, measured, 1.0 - r) for r in ratios}
-    order = sorted(measured)
-    record = {
-        "provenance": provenance,
-        "sample": [sample.task, sample.index],
-        "taus": order,
-        "kept": [measured[tau] for tau in order],
-        "tau_per_ratio": {**record.get("tau_per_ratio", {}), **taus} if same_sample else taus,
+        measure(tau)
+    taus = taus_for_ratios(measure, measured, ratios)
+    save(taus)
+    return taus
+
+
+def taus_for_ratios(measure, measured: dict, ratios) -> dict:
+    """{ratio: tau} by `tau_for_kept_share` at each ratio's kept share (1 - ratio), chosen
+    from every measurement (a second pass measures nothing: a later ratio's bisection may
+    land nearer an earlier one's jump)."""
+    for ratio in ratios:
+        tau_for_kept_share(measure, measured, 1.0 - ratio)
+    return {float(r): tau_for_kept_share(measure, measured, 1.0 - r) for r in ratios}
+
+
+def superseded_ratios(taus: dict) -> dict:
+    """{ratio: the larger ratio with the same tau} for WG-KV's calibrated `taus` ({ratio:
+    tau}): a ratio whose share its gates cannot hold keeps what the larger one keeps, so its
+    records would be the larger one's (run once, at the larger ratio)."""
+    return {
+        ratio: max(r for r, t in taus.items() if t == tau)
+        for ratio, tau in taus.items()
+        if any(r > ratio and t == tau for r, t in taus.items())
     }
-    harness.save(out, "wgkv-calibration", record)
-    return {float(r): t for r, t in record["tau_per_ratio"].items()}
 
 
 def cells(parsed, ratios, settings, aware_policies):
@@ -413,7 +453,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.export_only:
         return {"samples": len(samples)}
     params = {e: shipped_params(n, o, args.model, model.config) for e, (n, o) in parsed.items()}
-    taus = {}  # WG-KV's, calibrated when its first sample comes
     stop = stop_tokens(tokenizer, model.config)
     done = {
         ruler_report.record_key(r) for r in ruler_report.load_records(args.out / "records.jsonl")
@@ -425,15 +464,31 @@ def main(argv: list[str] | None = None) -> dict:
         for task in args.tasks
         if (task, index, entry, ratio, setting) not in done
     ]
+    taus = {  # WG-KV's, calibrated on the first sample of the first task
+        entry: calibrate_wgkv(
+            model,
+            params[entry],
+            samples[(args.tasks[0], 0)],
+            args.ratios,
+            args.out,
+            parsed[entry][1],
+            run["provenance"],
+        )
+        for entry in {job[0] for job in jobs if parsed[job[0]][0] == "wgkv"}
+    }
+    for entry, entry_taus in taus.items():
+        for ratio, larger in superseded_ratios(entry_taus).items():
+            print(
+                f"{entry}: ratio {ratio} (keep {1 - ratio:.0%}) gets ratio {larger}'s tau "
+                f"({entry_taus[ratio]:.3g}), no tau keeping a share between "
+                f"(wgkv-calibration.json): run at {larger} only",
+                file=sys.stderr,
+            )
+            jobs = [job for job in jobs if job[:2] != (entry, ratio)]
     built = {}
 
     def policy_at(entry, ratio):
         name, options = parsed[entry]
-        if name == "wgkv" and entry not in taus:
-            first = samples[(args.tasks[0], 0)]
-            taus[entry] = calibrate_wgkv(
-                model, params[entry], first, args.ratios, args.out, options, run["provenance"]
-            )
         if (entry, ratio) not in built:
             if name == "wgkv":
                 policy = policies.get("wgkv", tau=taus[entry][ratio], **options)

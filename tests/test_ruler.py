@@ -208,7 +208,17 @@ def test_wgkv_taus_are_bisected_to_the_kept_share(target):
     assert set(calls) <= set(measured) and len(calls) <= ruler.WGKV_BISECTION_STEPS
 
 
-def test_wgkv_calibration_names_a_share_no_tau_reaches():
-    measured = {tau: cliff_kept_share(tau) for tau in ruler.WGKV_TAUS}
-    with pytest.raises(ValueError, match=r"no tau keeps 0.010 .*nearest: tau 0.9"):
-        ruler.tau_for_kept_share(cliff_kept_share, measured, 0.01)
+def test_wgkv_takes_the_tau_past_a_jump_and_runs_a_ratio_it_cannot_hold_at_the_larger():
+    def jump(tau):  # 64% of the tokens (whole heads with one gate value) switch at 5e-4
+        return 1.0 if tau < 5e-4 else cliff_kept_share(max(tau, 1e-3))
+
+    measured = {tau: jump(tau) for tau in ruler.WGKV_TAUS}
+    taus = ruler.taus_for_ratios(jump, measured, ruler.RATIOS)
+    assert 5e-4 <= taus[0.5] < 5.01e-4 and jump(taus[0.5]) == cliff_kept_share(1e-3)
+    assert taus[0.25] == taus[0.5]  # 75% is out of reach too: never more than the ratio
+    assert abs(jump(taus[0.75]) - 0.25) <= ruler.WGKV_KEPT_TOLERANCE
+    assert ruler.superseded_ratios(taus) == {0.25: 0.5}
+    calls = []
+    assert ruler.taus_for_ratios(calls.append, measured, ruler.RATIOS) == taus and not calls
+    with pytest.raises(ValueError, match=r"every tau measured keeps more than 0.010"):
+        ruler.tau_for_kept_share(jump, measured, 0.01)
