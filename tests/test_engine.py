@@ -18,6 +18,7 @@ from jaxkv.engine import (
     TooLargeForPoolError,
     engine,
     intake,
+    ledger,
     pages_needed_alone,
     programs,
     scheduler,
@@ -186,7 +187,7 @@ def test_a_prefill_given_up_restarts_and_a_swapped_out_ready_request_comes_back_
             return dataclasses.replace(plan, abort=(started[0],), prefill=reading)
         return plan
 
-    monkeypatch.setattr(engine, "plan_step", plan_with_forced)
+    monkeypatch.setattr(ledger, "plan_step", plan_with_forced)
     eng = Engine(
         model,
         "snapkv:0.3",

@@ -4,6 +4,7 @@
   engine.py     Engine: submit, cancel, add_context, drop_context, step (plan, execute),
                 stream, stats
   contexts.py   cached contexts: ContextEvent, the errors, a context's bookkeeping
+  ledger.py     where requests and contexts are, what the scheduler sees of each lane
   intake.py     what submit and add_context check a request by, and its planned pages
   scheduler.py  the pure plan of a step from page counts
   executor.py   the device state and the programs that run a plan

@@ -47,18 +47,9 @@ from jaxkv.engine.contexts import Context, ContextEvent, ContextsFullError, Unkn
 from jaxkv.engine.executor import Executor
 from jaxkv.engine.intake import Intake, check_storage
 from jaxkv.engine.lanes import Lanes
+from jaxkv.engine.ledger import Ledger
 from jaxkv.engine.pages import Pages
 from jaxkv.engine.requests import QueueFullError, Request, TokenEvent, TooLargeForPoolError
-from jaxkv.engine.scheduler import (
-    IdleContext,
-    Plan,
-    Prefilling,
-    Ready,
-    Running,
-    View,
-    Waiting,
-    plan_step,
-)
 from jaxkv.generation.request import (
     DEFAULT_PREFILL_CHUNK,
     checked_key,
@@ -202,12 +193,7 @@ class Engine:
             policy_params=policy_params,
             backend=resolve_backend(backend),
         )
-        self._slots: list[Request | None] = [None] * self.max_slots
-        self._prefill_rows: list[Request | None] = [None] * self.max_prefills
-        self._ready: list[Request] = []  # prefilled, waiting for a slot, oldest first
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._contexts: dict[int, Context] = {}
-        self._context_rows: list[Context | None] = [None] * self.max_contexts
+        self.ledger = Ledger.empty(self.max_slots, self.max_prefills, self.max_contexts)
         self._pending: list[TokenEvent | ContextEvent] = []  # events the next step returns
         self._next_id = 0
         self._next_context = 0
@@ -335,7 +321,7 @@ class Engine:
         )
         self._queue(request)
         held.request = request
-        self._contexts[held.id] = self._context_rows[row] = held
+        self.ledger.contexts[held.id] = self.ledger.context_rows[row] = held
         self._next_context += 1
         return held.id
 
@@ -343,7 +329,7 @@ class Engine:
         """Drops a cached context, its pages returned to the pool (its prefill cancelled, if
         it is still read); while requests read it, it takes no new ones and is dropped when
         the last ends. False if the engine does not hold it."""
-        held = self._contexts.get(context_id)
+        held = self.ledger.contexts.get(context_id)
         if held is None or held.dropping:
             return False
         held.dropping = True
@@ -363,7 +349,7 @@ class Engine:
                 "pages": held.pages.model,
                 "int8_pages": held.pages.int8,
             }
-            for held in self._contexts.values()
+            for held in self.ledger.contexts.values()
             if not held.dropping
         }
 
@@ -453,7 +439,7 @@ class Engine:
         )
         with compiling_as("the engine's preemption"):
             self.executor.insert(lane, self.lanes.context_kv_row(row), theirs)
-        self._contexts[held.id] = self._context_rows[row] = held
+        self.ledger.contexts[held.id] = self.ledger.context_rows[row] = held
         self._next_context += 1
         return held.id
 
@@ -467,7 +453,7 @@ class Engine:
         while not pages <= (free := self._free_pages(lane)):
             idle = [
                 c
-                for c in self._context_rows
+                for c in self.ledger.context_rows
                 if c is not None and c.idle and self.lanes.context_lane(c.row) == lane
             ]
             if not idle:
@@ -481,7 +467,7 @@ class Engine:
             self._drop(min(idle, key=lambda c: c.last_used), reason="evicted")
 
     def _named_context(self, context_id) -> Context:
-        held = self._contexts.get(context_id) if isinstance(context_id, int) else None
+        held = self.ledger.contexts.get(context_id) if isinstance(context_id, int) else None
         if held is None or held.dropping:
             raise UnknownContextError(
                 f"context={context_id!r}: the engine holds no such context (never added, "
@@ -490,22 +476,24 @@ class Engine:
         return held
 
     def _queue(self, request: Request) -> None:
-        if len(self._waiting) >= self.max_waiting:
+        if len(self.ledger.waiting) >= self.max_waiting:
             raise QueueFullError(
                 f"the engine's queue holds max_waiting={self.max_waiting} requests: retry later"
             )
         self._next_id += 1
-        self._waiting.append(request)
+        self.ledger.waiting.append(request)
 
     def _free_context_row(self) -> int:
         """A context row for a new context: a free one (in the lane holding the fewest
         contexts), else the row of the least recently used idle context, dropped now."""
-        free = [row for row, held in enumerate(self._context_rows) if held is None]
+        free = [row for row, held in enumerate(self.ledger.context_rows) if held is None]
         if free:
             lane_of = self.lanes.context_lane
-            held = collections.Counter(lane_of(h.row) for h in self._context_rows if h is not None)
+            held = collections.Counter(
+                lane_of(h.row) for h in self.ledger.context_rows if h is not None
+            )
             return min(free, key=lambda row: (held[lane_of(row)], row))
-        idle = [held for held in self._context_rows if held.idle]
+        idle = [held for held in self.ledger.context_rows if held.idle]
         if not idle:
             raise ContextsFullError(
                 f"every one of the engine's max_contexts={self.max_contexts} context rows holds "
@@ -518,7 +506,12 @@ class Engine:
     def cancel(self, request_id: int) -> bool:
         """Ends a request wherever it is now (queued, prefilling, ready, swapped out or
         running), its pages returned; False if unknown."""
-        everywhere = [*self._waiting, *self._ready, *self._prefill_rows, *self._slots]
+        everywhere = [
+            *self.ledger.waiting,
+            *self.ledger.ready,
+            *self.ledger.prefill_rows,
+            *self.ledger.slots,
+        ]
         request = next((r for r in everywhere if r is not None and r.id == request_id), None)
         if request is None or request.makes_context is not None:
             return False
@@ -528,22 +521,22 @@ class Engine:
 
     def _remove(self, request: Request) -> None:
         """Takes the request out of wherever it is, its pages returned."""
-        if request in self._waiting:
-            self._waiting.remove(request)
-        elif request in self._ready:
-            self._ready.remove(request)
+        if request in self.ledger.waiting:
+            self.ledger.waiting.remove(request)
+        elif request in self.ledger.ready:
+            self.ledger.ready.remove(request)
             if request.row is not None:
                 self._release(prefills=[request.row])
-        elif request in self._prefill_rows:
+        elif request in self.ledger.prefill_rows:
             self._release(prefills=[request.row])
-        elif request in self._slots:
-            self._release(slots=[self._slots.index(request)])
+        elif request in self.ledger.slots:
+            self._release(slots=[self.ledger.slots.index(request)])
 
     def _forget(self, request: Request) -> None:
         """A request has ended: its context no longer counts it as a reader (and is dropped if
         it was deleted and this was its last)."""
         held = request.context
-        if held is not None and held.id in self._contexts:
+        if held is not None and held.id in self.ledger.contexts:
             held.readers.discard(request.id)
             if held.dropping and not held.readers:
                 self._drop(held)
@@ -557,15 +550,15 @@ class Engine:
             held.request = None
         elif held.ready:
             self.executor.release(self.lanes.kv_rows_mask(contexts=[held.row]))
-        self._context_rows[held.row] = None
-        del self._contexts[held.id]
+        self.ledger.context_rows[held.row] = None
+        del self.ledger.contexts[held.id]
         self._dropped_hits += held.hits
         if reason == "evicted":
             self.contexts_evicted += 1
         if reason is not None:
             self._pending.append(ContextEvent(held.id, reason, held.tokens))
-        for request in [r for r in self._waiting if r.context is held]:
-            self._waiting.remove(request)
+        for request in [r for r in self.ledger.waiting if r.context is held]:
+            self.ledger.waiting.remove(request)
             self._pending.append(TokenEvent(request.id, -1, True, "too_large"))
 
     def _refused(self, request: Request) -> None:
@@ -579,8 +572,8 @@ class Engine:
         self._forget(request)
 
     def has_work(self) -> bool:
-        held = any(r is not None for r in self._slots + self._prefill_rows)
-        return held or bool(self._waiting) or bool(self._ready) or bool(self._pending)
+        held = any(r is not None for r in self.ledger.slots + self.ledger.prefill_rows)
+        return held or bool(self.ledger.waiting) or bool(self.ledger.ready) or bool(self._pending)
 
     def stats(self) -> dict:
         """Requests running and waiting (queued, prefilling or prefilled), pages in use and the
@@ -589,14 +582,14 @@ class Engine:
         ring; host values) and the preemptions so far; the cached contexts held (being made
         or ready), the pages of those ready, the requests that named one and the contexts
         dropped for their pages so far."""
-        queued = [*self._waiting, *(r for r in self._prefill_rows if r is not None)]
+        queued = [*self.ledger.waiting, *(r for r in self.ledger.prefill_rows if r is not None)]
         waiting = sum(r.makes_context is None and r.state is None for r in queued)
         pools = self.lanes.count * self.lanes.devices
         usage = self.executor.usage()
-        held = [c for c in self._contexts.values() if not c.dropping]
+        held = [c for c in self.ledger.contexts.values() if not c.dropping]
         return {
-            "running": sum(r is not None for r in self._slots),
-            "waiting": waiting + len(self._ready),
+            "running": sum(r is not None for r in self.ledger.slots),
+            "waiting": waiting + len(self.ledger.ready),
             "pages_in_use": usage["pages_in_use"],
             "num_pages": self.cache.num_pages * pools,
             "int8_pages_in_use": usage["int8_pages_in_use"],
@@ -607,7 +600,7 @@ class Engine:
             "contexts": len(held),
             "context_pages": sum(c.pages.model for c in held if c.ready),
             "context_int8_pages": sum(c.pages.int8 for c in held if c.ready),
-            "context_hits": sum(c.hits for c in self._contexts.values()) + self._dropped_hits,
+            "context_hits": sum(c.hits for c in self.ledger.contexts.values()) + self._dropped_hits,
             "contexts_evicted": self.contexts_evicted,
         }
 
@@ -673,33 +666,35 @@ class Engine:
         refusals, preemptions, admissions, a decode step of every running request, a chunk of
         every prefill row it reads); the tokens produced, and what became of cached contexts
         (`ContextEvent`)."""
-        plan, started, refused = self._plan()
+        plan, started, refused = self.ledger.plan(
+            self.lanes, self.executor.row_pages(), self.intake
+        )
         for row in plan.drop_contexts:
-            self._drop(self._context_rows[row], reason="evicted")
+            self._drop(self.ledger.context_rows[row], reason="evicted")
         for request in refused:
             self._refused(request)
         for order in plan.refuse:
-            self._refused(next(r for r in self._ready if r.order == order))
+            self._refused(next(r for r in self.ledger.ready if r.order == order))
         for slot in plan.preempt:
-            self._swap_out(self._slots[slot], slot=slot)
+            self._swap_out(self.ledger.slots[slot], slot=slot)
         for row in plan.swap_out:
-            self._swap_out(self._prefill_rows[row], row=row)
-        aborted = [self._prefill_rows[row] for row in plan.abort]
+            self._swap_out(self.ledger.prefill_rows[row], row=row)
+        aborted = [self.ledger.prefill_rows[row] for row in plan.abort]
         self._release(prefills=plan.abort)
         for request in reversed(aborted):
             request.read = 0
-            self._waiting.appendleft(request)
-        for request in [self._slots[slot] for slot in plan.too_large]:
+            self.ledger.waiting.appendleft(request)
+        for request in [self.ledger.slots[slot] for slot in plan.too_large]:
             self._refused(request)
         events, self._pending = self._pending, []
         for order, slot in plan.admit:
-            self._admit(next(r for r in self._ready if r.order == order), slot)
+            self._admit(next(r for r in self.ledger.ready if r.order == order), slot)
         if plan.decode:
             with compiling_as("the engine's decode step"):
                 self._decode(plan.decode, events)
         if plan.prefill or started:
             for row, request in started:
-                self._waiting.remove(request)
+                self.ledger.waiting.remove(request)
                 self._start_prefill(request, row)
             with compiling_as("the engine's prefill chunk"):
                 self._read_chunks(sorted(plan.prefill + tuple(row for row, _ in started)), events)
@@ -707,137 +702,13 @@ class Engine:
         self._pending = []
         return events
 
-    def _plan(self) -> tuple[Plan, list[tuple[int, Request]], list[Request]]:
-        """Each lane's plan, the lanes with the most free pages first (so a new request goes to
-        the emptiest), drawing on the queue and the swapped-out requests in turn; merged into
-        one plan of global slots and rows, with the queued requests that start (row, request)
-        and those refused."""
-        held, own, growth, free = self.executor.row_pages()
-        self._record_held_pages(held)
-        own, growth, free = own.max(axis=1), growth.max(axis=1), free.min(axis=1)
-        queue = list(self._waiting)
-        swapped = [r for r in self._ready if r.row is None]
-        plans, started, refused = [], [], []
-        for lane in sorted(range(self.lanes.count), key=lambda lane: -free[lane][0]):
-            startable = [r for r in queue if self._may_start(r, lane)]
-            view, head = self._view(
-                lane, own[lane], growth[lane], Pages.of(free[lane]), startable, swapped
-            )
-            plan = plan_step(view)
-            gone = [head[i] for i in plan.refuse_waiting]
-            skipped = {*plan.refuse_waiting, *plan.passed}
-            starting = [r for i, r in enumerate(head) if i not in skipped][: len(plan.start)]
-            refused += gone
-            started += list(zip(plan.start, starting, strict=True))
-            queue = [r for r in queue if r not in gone and r not in starting]
-            claimed = {order for order, _ in plan.admit} | set(plan.refuse)
-            swapped = [r for r in swapped if r.order not in claimed]
-            plans.append(plan)
-        merged = Plan(
-            **{
-                field.name: tuple(x for plan in plans for x in getattr(plan, field.name))
-                for field in dataclasses.fields(Plan)
-                if field.name not in ("refuse_waiting", "passed")
-            }
-        )
-        return merged, started, refused
-
-    def _may_start(self, request: Request, lane: int) -> bool:
-        """Whether a queued request may start in `lane` now (its context's lane, once the
-        context is ready)."""
-        in_lane = request.lane is None or request.lane == lane
-        return in_lane and (request.context is None or request.context.ready)
-
-    def _record_held_pages(self, held: np.ndarray) -> None:
-        """Each request in a slot or a prefill row: the pages it holds now, every device's
-        (held: [lanes, devices, pools, rows]), for the bytes its last token reports."""
-        lanes = self.lanes
-        for slot, request in enumerate(self._slots):
-            if request is not None:
-                lane, row = lanes.slot_lane(slot), lanes.slot_kv_row(slot)
-                request.held_pages = Pages.of(held[lane, :, :, row].sum(axis=0))
-        for index, request in enumerate(self._prefill_rows):
-            if request is not None:
-                lane, row = lanes.prefill_lane(index), lanes.prefill_kv_row(index)
-                request.held_pages = Pages.of(held[lane, :, :, row].sum(axis=0))
-
-    def _view(self, lane, held, growth, free, queue, swapped) -> tuple[View, list[Request]]:
-        """What the scheduler sees of `lane` (the pages its kv rows alone hold, `held`, and
-        may add, `growth`, [pools, rows] each; its free pages), with the unclaimed swapped-out
-        requests, the queue's head (of those that may start in it) and its idle contexts."""
-        lanes = self.lanes
-
-        def of(counts, kv_row: int) -> Pages:
-            return Pages.of(counts[:, kv_row])
-
-        running = tuple(
-            Running(
-                slot,
-                r.order,
-                of(held, lanes.slot_kv_row(slot)),
-                of(growth, lanes.slot_kv_row(slot)),
-            )
-            for slot in lanes.lane_slots(lane)
-            if (r := self._slots[slot]) is not None
-        )
-        ready = [
-            Ready(
-                r.order,
-                r.row,
-                of(held, lanes.prefill_kv_row(r.row)),
-                of(growth, lanes.prefill_kv_row(r.row)),
-            )
-            for r in self._ready
-            if r.row is not None and lanes.prefill_lane(r.row) == lane
-        ]
-        ready += [Ready(r.order, None, *r.swapped_pages) for r in swapped]
-        prefilling = []
-        for row in lanes.lane_prefills(lane):
-            r = self._prefill_rows[row]
-            if r is None or r.state is not None:
-                continue
-            row_held = of(held, lanes.prefill_kv_row(row))
-            reserved = (r.peak_pages - row_held).floor()
-            prefilling.append(
-                Prefilling(
-                    row=row,
-                    order=r.order,
-                    held_pages=row_held,
-                    reserved_pages=reserved,
-                    chunk_tokens=r.next_chunk,
-                    chunk_pages=self.intake.read_pages(r).cap(reserved),
-                )
-            )
-        free_rows = tuple(
-            row for row in lanes.lane_prefills(lane) if self._prefill_rows[row] is None
-        )
-        head = queue if free_rows else []  # requests reading a context may pass the first
-        idle = tuple(
-            IdleContext(row, c.last_used, of(held, lanes.context_kv_row(row)))
-            for row in lanes.lane_contexts(lane)
-            if (c := self._context_rows[row]) is not None and c.idle
-        )
-        view = View(
-            running=running,
-            ready=tuple(sorted(ready, key=lambda r: r.order)),
-            prefilling=tuple(prefilling),
-            waiting=tuple(Waiting(r.peak_pages, r.next_chunk, r.context is not None) for r in head),
-            free_slots=tuple(s for s in lanes.lane_slots(lane) if self._slots[s] is None),
-            free_rows=free_rows,
-            free_pages=free,
-            num_pages=self.pool_pages,
-            max_batched_tokens=self.max_batched_tokens,
-            idle_contexts=idle,
-        )
-        return view, head
-
     def _start_prefill(self, request: Request, row: int) -> None:
         """The request into prefill `row` (a request on a context: the row attached to it)."""
         if request.order < 0:
             request.order = self._started
             self._started += 1
         request.row, request.read = row, 0
-        self._prefill_rows[row] = request
+        self.ledger.prefill_rows[row] = request
         if request.context is not None:
             lanes = self.lanes
             with compiling_as("the engine's context attachment"):
@@ -857,28 +728,16 @@ class Engine:
         if self.policy.chunk_eviction is None and self.cache.int8_window is None:
             self._read_group(rows, events, questions=False, may_pad=lambda row: True)
             return
-        questions = [row for row in rows if self._prefill_rows[row].context is not None]
+        questions = [row for row in rows if self.ledger.prefill_rows[row].context is not None]
         prompts = [row for row in rows if row not in questions]
         if prompts:  # (with int8 storage, padded by rows whose tokens are all in the kv dtype)
-            may_pad = self._holds_no_question
+            may_pad = self.ledger.holds_no_question
             if self.cache.int8_window is not None:
-                may_pad = self._holds_an_unread_prompt_or_none
+                may_pad = self.ledger.holds_an_unread_prompt_or_none
             self._read_group(prompts, events, questions=False, may_pad=may_pad)
         if questions:  # with int8 storage a prompt mid-read must not spill: no padding
-            may_pad = self._holds_no_prompt if self.cache.int8_window else lambda row: True
+            may_pad = self.ledger.holds_no_prompt if self.cache.int8_window else lambda row: True
             self._read_group(questions, events, questions=True, may_pad=may_pad)
-
-    def _holds_no_question(self, row: int) -> bool:
-        request = self._prefill_rows[row]
-        return request is None or request.context is None
-
-    def _holds_an_unread_prompt_or_none(self, row: int) -> bool:
-        request = self._prefill_rows[row]
-        return request is None or (request.context is None and request.state is None)
-
-    def _holds_no_prompt(self, row: int) -> bool:
-        request = self._prefill_rows[row]
-        return request is None or request.context is not None
 
     def _read_group(self, rows: list[int], events: list, *, questions: bool, may_pad) -> None:
         """One chunk of each prefill row in `rows`, in one program: each lane reads R rows (a
@@ -891,7 +750,7 @@ class Engine:
         pads = [
             sorted(
                 (r for r in lanes.lane_prefills(lane) if r not in reading and may_pad(r)),
-                key=lambda r: self._prefill_rows[r] is not None,  # empty rows first
+                key=lambda r: self.ledger.prefill_rows[r] is not None,  # empty rows first
             )
             for lane, reading in enumerate(per_lane)
         ]
@@ -903,16 +762,18 @@ class Engine:
             reading.update(lane_rows[:width])
         if not reading:
             return
-        counts = [self._prefill_rows[row].next_chunk if row in reading else 0 for row in batch]
+        counts = [
+            self.ledger.prefill_rows[row].next_chunk if row in reading else 0 for row in batch
+        ]
         chunk = max(16, next_power_of_two(max(counts)))
         tokens = np.zeros((len(batch), chunk), np.int32)
         starts, lengths = np.zeros(len(batch), np.int32), np.zeros(len(batch), np.int32)
         offsets = np.zeros(len(batch), np.int32)
-        template = self._prefill_rows[rows[0]]
+        template = self.ledger.prefill_rows[rows[0]]
         budget = np.zeros((len(batch),) + template.budget_tokens.shape[1:], np.int32)
         thresholds = np.zeros((len(batch),) + template.thresholds.shape[1:], np.float32)
         for i, (row, count) in enumerate(zip(batch, counts, strict=True)):
-            request = self._prefill_rows[row]
+            request = self.ledger.prefill_rows[row]
             if request is None:
                 continue
             read = min(request.read, request.length)
@@ -931,7 +792,7 @@ class Engine:
             questions=questions,
         )
         for row, count in zip(batch, counts, strict=True):
-            request = self._prefill_rows[row]
+            request = self.ledger.prefill_rows[row]
             if count:
                 request.read += count
                 if request.read == request.length:
@@ -967,12 +828,14 @@ class Engine:
         )
         token, request.state = self.executor.first_token(last_hidden, row)
         if request.ends_with(token):
-            self._record_held_pages(self.executor.row_pages()[0])  # what it ends with
+            self.ledger.record_held_pages(
+                self.lanes, self.executor.row_pages()[0]
+            )  # what it ends with
         if self._emit(request, token, events, compressed=compressed):
             self._release(prefills=[request.row])
         else:
-            self._ready.append(request)
-            self._ready.sort(key=lambda r: r.order)
+            self.ledger.ready.append(request)
+            self.ledger.ready.sort(key=lambda r: r.order)
 
     def _finish_context(self, request: Request, events: list) -> None:
         """A context's prefilled row compressed and moved into its context row: it is ready."""
@@ -991,7 +854,7 @@ class Engine:
         )
         with compiling_as("the engine's admission"):
             self.executor.move(lane, kv_row, lanes.context_kv_row(held.row))
-        self._prefill_rows[request.row] = None
+        self.ledger.prefill_rows[request.row] = None
         request.row, held.request, held.ready = None, None, True
         pages = self.executor.row_pages()[0]
         held.pages = Pages.of(pages[lane, :, :, lanes.context_kv_row(held.row)].sum(axis=0))
@@ -1012,7 +875,7 @@ class Engine:
         """Moves a ready request into `slot`: its row's pages (no copy) or its swapped-out
         state back into the pool, its row state into the slots'."""
         lanes = self.lanes
-        self._ready.remove(request)
+        self.ledger.ready.remove(request)
         source = None if request.row is None else lanes.prefill_kv_row(request.row)
         with compiling_as("the engine's admission"):
             self.executor.admit(
@@ -1023,9 +886,9 @@ class Engine:
                 swapped=request.swapped,
             )
         if request.row is not None:
-            self._prefill_rows[request.row] = None
+            self.ledger.prefill_rows[request.row] = None
         request.row, request.swapped = None, None
-        self._slots[slot] = request
+        self.ledger.slots[slot] = request
 
     def _swap_out(self, request: Request, *, slot: int | None = None, row: int | None = None):
         """The request in `slot` (running) or prefill `row` (ready) swapped out to the host, its
@@ -1039,11 +902,11 @@ class Engine:
             )
         if slot is not None:
             request.state = state
-            self._slots[slot] = None
-            self._ready.append(request)
-            self._ready.sort(key=lambda r: r.order)
+            self.ledger.slots[slot] = None
+            self.ledger.ready.append(request)
+            self.ledger.ready.sort(key=lambda r: r.order)
         else:
-            self._prefill_rows[row] = None
+            self.ledger.prefill_rows[row] = None
         request.row = None
         request.preemptions += 1
         self.preemptions += 1
@@ -1091,21 +954,23 @@ class Engine:
             return
         self.executor.release(self.lanes.kv_rows_mask(slots, prefills))
         for slot in slots:
-            self._slots[slot] = None
+            self.ledger.slots[slot] = None
         for row in prefills:
-            self._prefill_rows[row].row = None
-            self._prefill_rows[row] = None
+            self.ledger.prefill_rows[row].row = None
+            self.ledger.prefill_rows[row] = None
 
     def _decode(self, slots: Sequence[int], events: list[TokenEvent]) -> None:
         tokens = np.zeros((self.max_slots,), np.int32)
         active = np.zeros((self.max_slots,), bool)
         for slot in slots:
-            tokens[slot], active[slot] = self._slots[slot].generated[-1], True
+            tokens[slot], active[slot] = self.ledger.slots[slot].generated[-1], True
         new_tokens = self.executor.decode(tokens, active)
-        if any(self._slots[slot].ends_with(int(new_tokens[slot])) for slot in slots):
-            self._record_held_pages(self.executor.row_pages()[0])  # what they end with
+        if any(self.ledger.slots[slot].ends_with(int(new_tokens[slot])) for slot in slots):
+            self.ledger.record_held_pages(
+                self.lanes, self.executor.row_pages()[0]
+            )  # what they end with
         for slot in slots:
-            self._emit(self._slots[slot], int(new_tokens[slot]), events, slot=slot)
+            self._emit(self.ledger.slots[slot], int(new_tokens[slot]), events, slot=slot)
 
 
 def _geometry(kv) -> tuple:
