@@ -91,3 +91,53 @@ class Context:
     def idle(self) -> bool:
         """Ready, and no request reads or waits for it: it may be dropped for its pages."""
         return self.ready and not self.readers
+
+
+def check_session(session, kv, config, policy, max_context: int) -> None:
+    """ValueError, named, for a session (`jaxkv.Session`) that `Engine.add_session` cannot
+    take into an engine whose device KV state is `kv` (its model `config`, `policy` and
+    `max_context`): several rows or forked, another policy or model configuration, another
+    page geometry or storage, more pages a head than max_context allows."""
+    if session.batch != 1 or session.shared:
+        raise ValueError(
+            "session: give a one-row session without shared pages (prefill one context), "
+            f"not one of {session.batch} rows (shared={session.shared})"
+        )
+    if session.model.config != config or session.policy != policy:
+        raise ValueError(
+            f"session: made with policy {session.policy.name!r} and model "
+            f"{session.model.config.family.value}; this engine runs {policy.name!r} on "
+            "its own model: prefill it with the engine's"
+        )
+    theirs = session.kv
+    if kv_geometry(theirs) != kv_geometry(kv):
+        raise ValueError(
+            f"session: its KV state's (page size, dtype, head dim, layers, KV heads, key "
+            f"bounds, ring, int8 window) are {kv_geometry(theirs)}, the engine's "
+            f"{kv_geometry(kv)}"
+        )
+    if theirs.page_table.shape[-1] > kv.page_table.shape[-1] or (
+        theirs.pool.int8 is not None
+        and theirs.pool.int8.page_table.shape[-1] > kv.pool.int8.page_table.shape[-1]
+    ):
+        raise ValueError(
+            f"session: its heads hold up to {theirs.page_table.shape[-1]} pages, more than "
+            f"the engine's max_context={max_context} allows"
+        )
+
+
+def kv_geometry(kv) -> tuple:
+    """What one device's KV states must share for a row to move between them: (page size,
+    dtype, head dim, layers, KV heads, key bounds, ring window, int8 window)."""
+    pool, table = kv.pool, kv.page_table
+    ring = None if kv.ring is None else kv.ring.window
+    return (
+        pool.page_size,
+        str(pool.k_pages.dtype),
+        pool.k_pages.shape[-1],
+        table.shape[0],
+        table.shape[-2],
+        pool.key_min is not None,
+        ring,
+        None if pool.int8 is None else pool.int8.window,
+    )

@@ -43,7 +43,7 @@ from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import CacheConfig
 from jaxkv.cache.config import check_count
 from jaxkv.compile_log import compiling_as, counting_compiles
-from jaxkv.engine.contexts import Context, ContextEvent, ContextsFullError, UnknownContextError
+from jaxkv.engine.contexts import Context, ContextEvent, UnknownContextError, check_session
 from jaxkv.engine.executor import Executor
 from jaxkv.engine.intake import Intake, check_storage
 from jaxkv.engine.lanes import Lanes
@@ -393,32 +393,8 @@ class Engine:
             raise ValueError("the engine holds no contexts: give Engine(..., max_contexts >= 1)")
         if self.placement is not None:
             raise ValueError("a session is not added to an engine on a mesh: run it on one device")
-        if session.batch != 1 or session.shared:
-            raise ValueError(
-                "session: give a one-row session without shared pages (prefill one context), "
-                f"not one of {session.batch} rows (shared={session.shared})"
-            )
-        if session.model.config != self.model.config or session.policy != self.policy:
-            raise ValueError(
-                f"session: made with policy {session.policy.name!r} and model "
-                f"{session.model.config.family.value}; this engine runs {self.policy.name!r} on "
-                "its own model: prefill it with the engine's"
-            )
-        theirs, mine = session.kv, self.executor.kv
-        if _geometry(theirs) != _geometry(mine):
-            raise ValueError(
-                f"session: its KV state's (page size, dtype, head dim, layers, KV heads, key "
-                f"bounds, ring, int8 window) are {_geometry(theirs)}, the engine's "
-                f"{_geometry(mine)}"
-            )
-        if theirs.page_table.shape[-1] > mine.page_table.shape[-1] or (
-            theirs.pool.int8 is not None
-            and theirs.pool.int8.page_table.shape[-1] > mine.pool.int8.page_table.shape[-1]
-        ):
-            raise ValueError(
-                f"session: its heads hold up to {theirs.page_table.shape[-1]} pages, more than "
-                f"the engine's max_context={self.max_context} allows"
-            )
+        check_session(session, self.executor.kv, self.model.config, self.policy, self.max_context)
+        theirs = session.kv
         tier = theirs.pool.int8
         pages = Pages(int(theirs.pages_in_use()), 0 if tier is None else int(tier.pages_in_use()))
         row = self._free_context_row()
@@ -451,11 +427,7 @@ class Engine:
         """Drops idle contexts of `lane`, least recently used first, until `pages` are free
         (TooLargeForPoolError if they cannot be)."""
         while not pages <= (free := self._free_pages(lane)):
-            idle = [
-                c
-                for c in self.ledger.context_rows
-                if c is not None and c.idle and self.lanes.context_lane(c.row) == lane
-            ]
+            idle = self.ledger.idle_contexts(self.lanes, lane)
             if not idle:
                 raise TooLargeForPoolError(
                     f"session: its {pages} exceed the {free} free (no idle context left to "
@@ -484,24 +456,12 @@ class Engine:
         self.ledger.waiting.append(request)
 
     def _free_context_row(self) -> int:
-        """A context row for a new context: a free one (in the lane holding the fewest
-        contexts), else the row of the least recently used idle context, dropped now."""
-        free = [row for row, held in enumerate(self.ledger.context_rows) if held is None]
-        if free:
-            lane_of = self.lanes.context_lane
-            held = collections.Counter(
-                lane_of(h.row) for h in self.ledger.context_rows if h is not None
-            )
-            return min(free, key=lambda row: (held[lane_of(row)], row))
-        idle = [held for held in self.ledger.context_rows if held.idle]
-        if not idle:
-            raise ContextsFullError(
-                f"every one of the engine's max_contexts={self.max_contexts} context rows holds "
-                "a context that requests read or wait for: retry later, or drop one"
-            )
-        oldest = min(idle, key=lambda held: held.last_used)
-        self._drop(oldest, reason="evicted")
-        return oldest.row
+        """A context row for a new context (`Ledger.row_for_new_context`), the idle context
+        that held it dropped now."""
+        row, evicted = self.ledger.row_for_new_context(self.lanes)
+        if evicted is not None:
+            self._drop(evicted, reason="evicted")
+        return row
 
     def cancel(self, request_id: int) -> bool:
         """Ends a request wherever it is now (queued, prefilling, ready, swapped out or
@@ -971,20 +931,3 @@ class Engine:
             )  # what they end with
         for slot in slots:
             self._emit(self.ledger.slots[slot], int(new_tokens[slot]), events, slot=slot)
-
-
-def _geometry(kv) -> tuple:
-    """What one device's KV states must share for a row to move between them: (page size,
-    dtype, head dim, layers, KV heads, key bounds, ring window, int8 window)."""
-    pool, table = kv.pool, kv.page_table
-    ring = None if kv.ring is None else kv.ring.window
-    return (
-        pool.page_size,
-        str(pool.k_pages.dtype),
-        pool.k_pages.shape[-1],
-        table.shape[0],
-        table.shape[-2],
-        pool.key_min is not None,
-        ring,
-        None if pool.int8 is None else pool.int8.window,
-    )

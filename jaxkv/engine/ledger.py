@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxkv.engine.contexts import Context
+from jaxkv.engine.contexts import Context, ContextsFullError
 from jaxkv.engine.intake import Intake
 from jaxkv.engine.lanes import Lanes
 from jaxkv.engine.pages import Pages
@@ -176,6 +176,32 @@ class Ledger:
             idle_contexts=idle,
         )
         return view, head
+
+    def idle_contexts(self, lanes: Lanes, lane: int) -> list[Context]:
+        """The contexts of `lane` no request reads or waits for (droppable for pages)."""
+        return [
+            c
+            for c in self.context_rows
+            if c is not None and c.idle and lanes.context_lane(c.row) == lane
+        ]
+
+    def row_for_new_context(self, lanes: Lanes) -> tuple[int, Context | None]:
+        """A context row for a new context: a free one (in the lane holding the fewest
+        contexts; None to drop), else that of the least recently used idle context (to drop);
+        ContextsFullError when every row holds a context that requests read or wait for."""
+        free = [row for row, held in enumerate(self.context_rows) if held is None]
+        if free:
+            lane_of = lanes.context_lane
+            held = collections.Counter(lane_of(h.row) for h in self.context_rows if h is not None)
+            return min(free, key=lambda row: (held[lane_of(row)], row)), None
+        idle = [held for held in self.context_rows if held.idle]
+        if not idle:
+            raise ContextsFullError(
+                f"every one of the engine's max_contexts={len(self.context_rows)} context rows "
+                "holds a context that requests read or wait for: retry later, or drop one"
+            )
+        oldest = min(idle, key=lambda held: held.last_used)
+        return oldest.row, oldest
 
     def holds_no_question(self, row: int) -> bool:
         request = self.prefill_rows[row]
