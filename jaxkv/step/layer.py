@@ -14,6 +14,9 @@ admitted tokens into the pages (through the ring's lazy promotion with a ring).
 The step without a ring writes first and then reads the cached pages up to the lengths held
 before the write, which is the same attention: the written tokens lie past those lengths (a
 page-selecting policy picks its pages from the page bounds as they were before the write).
+So does the step with a ring (but for an attention-mass policy's): the push and the promotion
+of the tokens it pushes out come first, and the reads take the pages up to the lengths held
+before and the ring as it was before the push.
 With int8 storage the spill out of the model-dtype window comes between the write and the
 reads: a token pushed out by the chunk is read from the int8 tier already, and the chunk,
 which stays in the window (C <= F), at its last slots is left out of the cached read.
@@ -303,6 +306,9 @@ def attend_and_write(
     if ring is None:
         out, cache = _write_then_attend(chunk, cache, write_scores, read=read, mass=mass)
         return out.astype(q.dtype), cache.pool, cache.page_table, cache.held, ring
+    if mass is None:
+        out, cache = _push_then_attend(chunk, cache, write_scores, read=read)
+        return out.astype(q.dtype), cache.pool, cache.page_table, cache.held, cache.ring
     out, lse, cached = _attend(chunk, cache, **read)
     new_scores = write_scores
     if mass is not None:
@@ -345,6 +351,35 @@ def _write_then_attend(chunk: Chunk, cache: LayerCache, write_scores, *, read, m
     if pool.int8 is not None:
         new_held = new_held + pool.int8.lengths[layer]
     return out, dataclasses.replace(cache, pool=pool, page_table=page_table, held=new_held)
+
+
+def _push_then_attend(chunk: Chunk, cache: LayerCache, write_scores, *, read):
+    """The step with a ring and no attention scoring: the chunk pushed into the ring and the
+    tokens it pushes out promoted first, then the pool read up to the old `held` and the ring
+    as it was, which is the same attention (the promoted tokens lie past `held`; the ring
+    before the push still holds them), and XLA needs no copy of the pool (module docstring).
+    Returns (out f32, the layer's view after the step)."""
+    pool = cache.pool
+    bounds = dict(key_min=pool.key_min, key_max=pool.key_max)  # before the write
+    scores = jnp.zeros(chunk.k.shape[:3], jnp.float32) if write_scores is None else write_scores
+    pool, page_table, held, ring = promote_and_push(
+        pool,
+        cache.page_table,
+        cache.held,
+        cache.ring,
+        chunk.k,
+        chunk.v,
+        chunk.positions,
+        scores,
+        chunk.admitted,
+    )
+    before = dataclasses.replace(
+        cache, pool=dataclasses.replace(pool, **bounds), page_table=page_table
+    )
+    out, _, _ = _attend(chunk, before, **read)
+    return out, dataclasses.replace(
+        cache, pool=pool, page_table=page_table, held=held, lengths=held, ring=ring
+    )
 
 
 def _spill(pool: PagePool, page_table, held, layer, chunk: int):
