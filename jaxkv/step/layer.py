@@ -309,11 +309,9 @@ def attend_and_write(
     if mass is None:
         out, cache = _push_then_attend(chunk, cache, write_scores, read=read)
         return out.astype(q.dtype), cache.pool, cache.page_table, cache.held, cache.ring
+    # A ring and attention mass: the mass of the cached slots is read before the push.
     out, lse, cached = _attend(chunk, cache, **read)
-    new_scores = write_scores
-    if mass is not None:
-        pool, new_scores = _mass_scores(chunk, cache, cached, lse, **mass)
-    scores = jnp.zeros(k.shape[:3], jnp.float32) if new_scores is None else new_scores
+    pool, scores = _mass_scores(chunk, cache, cached, lse, **mass)
     pool, page_table, held, ring = promote_and_push(
         pool, page_table, held, ring, k, v, positions, scores, admitted
     )
