@@ -43,15 +43,16 @@ from jaxkv.attention import Backend, resolve_backend
 from jaxkv.cache import CacheConfig
 from jaxkv.cache.config import check_count
 from jaxkv.compile_log import compiling_as, counting_compiles
+from jaxkv.engine.batching import chunk_batch
 from jaxkv.engine.contexts import Context, ContextEvent, UnknownContextError, check_session
 from jaxkv.engine.executor import Executor
 from jaxkv.engine.intake import Intake, check_storage
 from jaxkv.engine.lanes import Lanes
 from jaxkv.engine.ledger import Ledger
+from jaxkv.engine.limits import check_limits
 from jaxkv.engine.pages import Pages
 from jaxkv.engine.requests import QueueFullError, Request, TokenEvent, TooLargeForPoolError
 from jaxkv.generation.request import (
-    DEFAULT_PREFILL_CHUNK,
     checked_key,
     checked_stop_tokens,
     prompt_lists,
@@ -122,64 +123,40 @@ class Engine:
             raise ValueError("cache must be a CacheConfig with num_pages set: the engine's pool")
         check_storage(self.policy, cache)
         self.policy.check_params(policy_params, model.config)
-        self.max_slots = check_count("max_slots", max_slots, 1)
-        self.max_prefills = check_count("max_prefills", max_prefills, 1)
-        self.max_contexts = check_count("max_contexts", max_contexts, 0)
         placement = sharding.as_inference_mesh(mesh)
+        self.limits = check_limits(
+            model.config,
+            placement,
+            max_slots=max_slots,
+            max_prefills=max_prefills,
+            max_contexts=max_contexts,
+            max_batched_tokens=max_batched_tokens,
+            max_context=max_context,
+            max_waiting=max_waiting,
+            prefill_chunk=prefill_chunk,
+        )
         if placement is not None:
-            for name, count in (
-                ("max_slots", max_slots),
-                ("max_prefills", max_prefills),
-                ("max_contexts", max_contexts),
-            ):
-                if count % placement.data:
-                    raise ValueError(
-                        f"{name}={count} must be a multiple of the mesh's data axis "
-                        f"({placement.data}): each data shard holds an equal share"
-                    )
-            placement.check(model.config, self.max_slots)
             model = placement.place(model, placement.model_specs(model))
             policy_params = placement.place_policy_params(self.policy, policy_params)
         self.placement = placement
         shards = 1 if placement is None else placement.data
         self.lanes = Lanes(
             placement,
-            slots=self.max_slots // shards,
-            prefills=self.max_prefills // shards,
-            contexts=self.max_contexts // shards,
+            slots=max_slots // shards,
+            prefills=max_prefills // shards,
+            contexts=max_contexts // shards,
         )
         self.model, self.cache = model, cache
         self.device_config = (
             model.config if placement is None else placement.local_config(model.config)
         )
-        self.prefill_chunk = (
-            None if prefill_chunk is None else check_count("prefill_chunk", prefill_chunk, 1)
-        )
-        chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else self.prefill_chunk
-        if max_batched_tokens is None:
-            max_batched_tokens = self.lanes.slots + self.lanes.prefills * chunk
-        self.max_batched_tokens = check_count(
-            "max_batched_tokens", max_batched_tokens, self.lanes.slots + 16
-        )
-        limit = model.config.max_position_embeddings
-        self.max_context = check_count(
-            "max_context", min(limit, 8192) if max_context is None else max_context, 1
-        )
-        if self.max_context > limit:
-            raise ValueError(
-                f"max_context={self.max_context} exceeds the model's "
-                f"max_position_embeddings={limit}"
-            )
-        self.max_waiting = check_count("max_waiting", max_waiting, 1)
         self.pool_pages = Pages(cache.num_pages, cache.int8_pool_pages)  # each device's pools
         self.intake = Intake(
             model=model,
             policy=self.policy,
             cache=cache,
             device_config=self.device_config,
-            prefill_chunk=self.prefill_chunk,
-            max_context=self.max_context,
-            max_batched_tokens=self.max_batched_tokens,
+            limits=self.limits,
             lane_slots=self.lanes.slots,
             pool_pages=self.pool_pages,
         )
@@ -189,11 +166,13 @@ class Engine:
             cache=cache,
             lanes=self.lanes,
             placement=placement,
-            max_context=self.max_context,
+            max_context=self.limits.max_context,
             policy_params=policy_params,
             backend=resolve_backend(backend),
         )
-        self.ledger = Ledger.empty(self.max_slots, self.max_prefills, self.max_contexts)
+        self.ledger = Ledger.empty(
+            self.limits.max_slots, self.limits.max_prefills, self.limits.max_contexts
+        )
         self._pending: list[TokenEvent | ContextEvent] = []  # events the next step returns
         self._next_id = 0
         self._next_context = 0
@@ -289,7 +268,7 @@ class Engine:
         context that requests read or wait for (an idle one is dropped for the new one, least
         recently used first). key: seeds a stochastic policy's compression, as `ask`'s key
         does (default PRNGKey(0))."""
-        if not self.max_contexts:
+        if not self.limits.max_contexts:
             raise ValueError("the engine holds no contexts: give Engine(..., max_contexts >= 1)")
         rows = prompt_lists(context_ids)
         if len(rows) != 1:
@@ -389,11 +368,13 @@ class Engine:
         another policy or model configuration, another page geometry or storage (int8 with
         another window), more tokens a head than max_context, more pages than the pools can free
         (`TooLargeForPoolError`)."""
-        if not self.max_contexts:
+        if not self.limits.max_contexts:
             raise ValueError("the engine holds no contexts: give Engine(..., max_contexts >= 1)")
         if self.placement is not None:
             raise ValueError("a session is not added to an engine on a mesh: run it on one device")
-        check_session(session, self.executor.kv, self.model.config, self.policy, self.max_context)
+        check_session(
+            session, self.executor.kv, self.model.config, self.policy, self.limits.max_context
+        )
         theirs = session.kv
         tier = theirs.pool.int8
         pages = Pages(int(theirs.pages_in_use()), 0 if tier is None else int(tier.pages_in_use()))
@@ -448,9 +429,10 @@ class Engine:
         return held
 
     def _queue(self, request: Request) -> None:
-        if len(self.ledger.waiting) >= self.max_waiting:
+        if len(self.ledger.waiting) >= self.limits.max_waiting:
             raise QueueFullError(
-                f"the engine's queue holds max_waiting={self.max_waiting} requests: retry later"
+                f"the engine's queue holds max_waiting={self.limits.max_waiting} requests: "
+                "retry later"
             )
         self._next_id += 1
         self.ledger.waiting.append(request)
@@ -592,16 +574,16 @@ class Engine:
         compiling."""
         if self.has_work():
             raise RuntimeError("warm_up needs an idle engine: requests are queued or running")
-        chunk = DEFAULT_PREFILL_CHUNK if self.prefill_chunk is None else self.prefill_chunk
+        chunk = self.limits.chunk
         if prompt_lengths is None:  # (a chunk bucket longer than max_context is never read)
             buckets = [16 << i for i in range(max(next_power_of_two(chunk) // 16, 1).bit_length())]
-            prompt_lengths = sorted({min(b, chunk, self.max_context - 1) for b in buckets})
+            prompt_lengths = sorted({min(b, chunk, self.limits.max_context - 1) for b in buckets})
         for length in prompt_lengths:
             check_count("prompt_lengths", length, 1)
-            if length >= self.max_context:
+            if length >= self.limits.max_context:
                 raise ValueError(
                     f"prompt_lengths holds {length}: a prompt and its token must fit "
-                    f"max_context={self.max_context}"
+                    f"max_context={self.limits.max_context}"
                 )
         widths = [1 << i for i in range(self.lanes.prefills.bit_length())]
         widths = sorted({*widths, self.lanes.prefills})
@@ -609,7 +591,7 @@ class Engine:
         with counting_compiles() as compiled:
             for length in prompt_lengths:
                 prompt = [1 + i % (vocab - 1) for i in range(length)]
-                new_tokens = min(2, self.max_context - length)
+                new_tokens = min(2, self.limits.max_context - length)
                 for width in widths:
                     try:
                         for _ in range(width):  # the scheduler fills a lane's rows first
@@ -700,61 +682,26 @@ class Engine:
             self._read_group(questions, events, questions=True, may_pad=may_pad)
 
     def _read_group(self, rows: list[int], events: list, *, questions: bool, may_pad) -> None:
-        """One chunk of each prefill row in `rows`, in one program: each lane reads R rows (a
-        power of two, at most its rows), its own padded with its other rows that `may_pad`,
-        which read nothing (fewer, and rows left to the next step, where too few may)."""
-        lanes = self.lanes
-        per_lane = [
-            [row for row in rows if lanes.prefill_lane(row) == lane] for lane in range(lanes.count)
-        ]
-        pads = [
-            sorted(
-                (r for r in lanes.lane_prefills(lane) if r not in reading and may_pad(r)),
-                key=lambda r: self.ledger.prefill_rows[r] is not None,  # empty rows first
-            )
-            for lane, reading in enumerate(per_lane)
-        ]
-        width = min(next_power_of_two(max(map(len, per_lane))), lanes.prefills)
-        width = min(width, *(len(r) + len(p) for r, p in zip(per_lane, pads, strict=True)))
-        batch, reading = [], set()
-        for lane_rows, pad in zip(per_lane, pads, strict=True):
-            batch += lane_rows[:width] + pad[: width - len(lane_rows[:width])]
-            reading.update(lane_rows[:width])
-        if not reading:
+        """One chunk of each prefill row in `rows` that `chunk_batch` reads, in one program,
+        padded with other rows that `may_pad`."""
+        batch = chunk_batch(self.ledger.prefill_rows, self.lanes, rows, may_pad)
+        if batch is None:
             return
-        counts = [
-            self.ledger.prefill_rows[row].next_chunk if row in reading else 0 for row in batch
-        ]
-        chunk = max(16, next_power_of_two(max(counts)))
-        tokens = np.zeros((len(batch), chunk), np.int32)
-        starts, lengths = np.zeros(len(batch), np.int32), np.zeros(len(batch), np.int32)
-        offsets = np.zeros(len(batch), np.int32)
-        template = self.ledger.prefill_rows[rows[0]]
-        budget = np.zeros((len(batch),) + template.budget_tokens.shape[1:], np.int32)
-        thresholds = np.zeros((len(batch),) + template.thresholds.shape[1:], np.float32)
-        for i, (row, count) in enumerate(zip(batch, counts, strict=True)):
-            request = self.ledger.prefill_rows[row]
-            if request is None:
-                continue
-            read = min(request.read, request.length)
-            starts[i], lengths[i], offsets[i] = read, request.length, request.offset
-            tokens[i, :count] = request.prompts.tokens[0, read : read + count]
-            budget[i], thresholds[i] = request.budget_tokens[0], request.thresholds[0]
         self.executor.read_chunks(
-            [lanes.prefill_kv_row(row) for row in batch],
-            tokens,
-            starts,
-            np.asarray(counts, np.int32),
-            lengths,
-            offsets,
-            budget,
-            thresholds,
+            [self.lanes.prefill_kv_row(row) for row in batch.rows],
+            batch.tokens,
+            batch.starts,
+            batch.counts,
+            batch.lengths,
+            batch.offsets,
+            batch.budget_tokens,
+            batch.thresholds,
             questions=questions,
         )
-        for row, count in zip(batch, counts, strict=True):
+        for row, count in zip(batch.rows, batch.counts, strict=True):
             request = self.ledger.prefill_rows[row]
             if count:
-                request.read += count
+                request.read += int(count)
                 if request.read == request.length:
                     self._finish_prefill(request, events)
 
@@ -920,8 +867,8 @@ class Engine:
             self.ledger.prefill_rows[row] = None
 
     def _decode(self, slots: Sequence[int], events: list[TokenEvent]) -> None:
-        tokens = np.zeros((self.max_slots,), np.int32)
-        active = np.zeros((self.max_slots,), bool)
+        tokens = np.zeros((self.limits.max_slots,), np.int32)
+        active = np.zeros((self.limits.max_slots,), bool)
         for slot in slots:
             tokens[slot], active[slot] = self.ledger.slots[slot].generated[-1], True
         new_tokens = self.executor.decode(tokens, active)

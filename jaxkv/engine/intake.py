@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxkv.cache import CacheConfig
 from jaxkv.engine.contexts import Context
+from jaxkv.engine.limits import Limits
 from jaxkv.engine.pages import (
     Pages,
     heads,
@@ -22,7 +23,6 @@ from jaxkv.engine.pages import (
 from jaxkv.engine.requests import Request, TooLargeForPoolError
 from jaxkv.generation.decoding import check_shared_decode
 from jaxkv.generation.request import (
-    DEFAULT_PREFILL_CHUNK,
     Prompts,
     checked_prompts,
     pad_prompts,
@@ -42,6 +42,7 @@ class Intake:
     set: `Engine.submit` sets them).
 
     device_config: the model's configuration on one device (its heads' share on a mesh).
+    limits: the engine's (`check_limits`).
     lane_slots: the decode slots of a lane, each a token of every step's batch.
     pool_pages: each device's pools.
     """
@@ -50,9 +51,7 @@ class Intake:
     policy: Policy
     cache: CacheConfig
     device_config: ModelConfig
-    prefill_chunk: int | None
-    max_context: int
-    max_batched_tokens: int
+    limits: Limits
     lane_slots: int
     pool_pages: Pages
 
@@ -61,12 +60,12 @@ class Intake:
         policy's budget or `budget` (as `policies.get`'s), checked: its length with
         max_new_tokens against max_context, its chunk, the pages it may hold alone."""
         policy = self.policy if budget is None else with_budget(self.policy, budget)
-        prompts = checked_prompts(self.model, policy, rows, self.prefill_chunk)
+        prompts = checked_prompts(self.model, policy, rows, self.limits.prefill_chunk)
         length = int(prompts.lengths[0])
-        if length + max_new_tokens > self.max_context:
+        if length + max_new_tokens > self.limits.max_context:
             raise ValueError(
                 f"prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                f"engine's max_context={self.max_context}"
+                f"engine's max_context={self.limits.max_context}"
             )
         self.check_chunk(prompts)
         self.check_fits_alone(
@@ -78,7 +77,7 @@ class Intake:
                 length,
                 new_tokens,
                 self.cache.page_size,
-                self.prefill_chunk,
+                self.limits.prefill_chunk,
                 self.device_config,
                 self.cache.int8_window,
             ),
@@ -108,16 +107,16 @@ class Intake:
         the context, prompt and max_new_tokens within max_context, the chunk, the pages."""
         check_shared_decode(self.policy, max_new_tokens)
         lengths = prompt_lengths(self.model, rows)
-        chunk = DEFAULT_PREFILL_CHUNK if self.prefill_chunk is None else self.prefill_chunk
+        chunk = self.limits.chunk
         if self.cache.int8_window is not None:  # read in the model dtype, as `extend` reads
             chunk = min(chunk, self.cache.int8_window)
         prompts = pad_prompts(rows, lengths, chunk)
         length = int(lengths[0])
-        if held.tokens + length + max_new_tokens > self.max_context:
+        if held.tokens + length + max_new_tokens > self.limits.max_context:
             raise ValueError(
                 f"context {held.id} of {held.tokens} tokens + a prompt of {length} + "
                 f"max_new_tokens={max_new_tokens} exceeds the engine's "
-                f"max_context={self.max_context}"
+                f"max_context={self.limits.max_context}"
             )
         self.check_chunk(prompts)
         context_pages = pages_needed_alone(
@@ -126,7 +125,7 @@ class Intake:
             held.tokens,
             1,
             self.cache.page_size,
-            self.prefill_chunk,
+            self.limits.prefill_chunk,
             self.device_config,
             self.cache.int8_window,
         )
@@ -147,12 +146,12 @@ class Intake:
     def check_chunk(self, prompts: Prompts) -> None:
         """ValueError, named, when a chunk of `prompts` and a token of each of a lane's slots
         exceed max_batched_tokens."""
-        if prompts.chunk + self.lane_slots > self.max_batched_tokens:
+        if prompts.chunk + self.lane_slots > self.limits.max_batched_tokens:
             raise ValueError(
                 f"the prompt is read in chunks of {prompts.chunk} tokens with policy "
                 f"{self.policy.name!r}: give max_batched_tokens >= "
                 f"{prompts.chunk + self.lane_slots} (the chunk and a token of each of a "
-                f"lane's {self.lane_slots} slots), not {self.max_batched_tokens}"
+                f"lane's {self.lane_slots} slots), not {self.limits.max_batched_tokens}"
             )
 
     def check_fits_alone(

@@ -172,7 +172,7 @@ class Ledger:
             free_rows=free_rows,
             free_pages=free,
             num_pages=intake.pool_pages,
-            max_batched_tokens=intake.max_batched_tokens,
+            max_batched_tokens=intake.limits.max_batched_tokens,
             idle_contexts=idle,
         )
         return view, head

@@ -46,6 +46,7 @@ from jaxkv.policies.leverage import LeverageScore
 from jaxkv.policies.lukv import LUKV, BudgetCurve
 from jaxkv.policies.merging import Merging
 from jaxkv.policies.noncausal import NonCausalAttention
+from jaxkv.policies.per_layer import PerLayer
 from jaxkv.policies.qfilter import QFilter, QueryFilters
 from jaxkv.policies.query_agnostic import CUR, KeyDiff, LagKV, Random
 from jaxkv.policies.quest import Quest
@@ -65,7 +66,7 @@ from jaxkv.policies.scorers import (
 )
 from jaxkv.policies.simlayerkv import SimLayerKV
 from jaxkv.policies.spec import from_spec
-from jaxkv.policies.structure import Block, Chunk, ChunkKV, PerLayer
+from jaxkv.policies.structure import Block, Chunk, ChunkKV
 from jaxkv.policies.think import ThinK
 from jaxkv.policies.wgkv import (
     WGKV,

@@ -428,7 +428,7 @@ def create_app(
         policy_spec,
         RequestDefaults() if defaults is None else defaults,
         stop_ids,
-        Contexts(tokenizer, engine.max_contexts, auto_context_tokens),
+        Contexts(tokenizer, engine.limits.max_contexts, auto_context_tokens),
     )
 
     async def lifespan(app):
