@@ -142,9 +142,9 @@ class Engine:
         shards = 1 if placement is None else placement.data
         self.lanes = Lanes(
             placement,
-            slots=max_slots // shards,
-            prefills=max_prefills // shards,
-            contexts=max_contexts // shards,
+            slots=self.limits.max_slots // shards,
+            prefills=self.limits.max_prefills // shards,
+            contexts=self.limits.max_contexts // shards,
         )
         self.model, self.cache = model, cache
         self.device_config = (
