@@ -15,7 +15,7 @@ Needs the kvpress extra in an environment of its own (kvpress pins transformers 
     python -m venv .venv-kvpress && . .venv-kvpress/bin/activate
     pip install -e '.[kvpress]'
     python -m jaxkv.benchmarks.kvpress_reference --presses snapkv streaming_llm tova \\
-        --budgets 0.3 --samples 16 --out results/real-quality/kvpress
+        --budgets 0.3 --samples 16 --out results/real-quality/needles-2k/kvpress
 
 --reuse is the reference of `jaxkv bench reuse` (compress once, ask many): its document
 (`needles.build_document`, one needle per question) through kvpress's own
@@ -526,7 +526,7 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
             "tasks": list(TASKS),
             "settings": list(SETTINGS),
             "samples": 16,
-            "out": Path("results/real-quality/kvpress"),
+            "out": Path("results/real-quality/needles-2k/kvpress"),
         }
     for option, value in defaults.items():
         if getattr(args, option) is None:
@@ -561,6 +561,7 @@ def main(argv: list[str] | None = None) -> dict:
     import kvpress
     import transformers
 
+    provenance = reference_provenance(argv)
     for name, budget, length, task, setting in tqdm(cells, desc="kvpress", unit="cell"):
         episodes = [build_episode(tokenizer, task, length, i) for i in range(args.samples)]
         model.set_attn_implementation(ATTENTION.get(name, "eager"))
@@ -570,6 +571,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [r for r in rows if cell_key(r) != cell_key(row)] + [row]
         print(json.dumps(rows[-1]), flush=True)
         report = {
+            "provenance": provenance,
             "commands": [*previous.get("commands", []), "kvpress_reference " + " ".join(argv)],
             "model": args.model,
             "file_sha256": downloads.KNOWN_MODELS[args.model].sha256,

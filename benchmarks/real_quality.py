@@ -18,7 +18,7 @@ keeps part of a number); 95% Wilson intervals on exact match; each episode's exa
 (`quality-paired.md`). KV bytes are what the cache holds after compression, per sequence.
 
     jaxkv bench real_quality --policies full snapkv --budgets 0.3 --lengths 2048 \
-        --samples 16 --out results/real-quality
+        --samples 16 --out results/real-quality/needles-2k
 
 A policy entry may set fields other than the budget, `wgkv:tau=0.3` (its row `wgkv[DIR]:tau=0.3`
 with `--params wgkv=DIR`): a learned gate's threshold moves it along its accuracy-vs-bytes curve.
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         "wgkv=assets/wgkv-gates/smollm2-135m-instruct/lambda-0.08 (default: the ones jaxkv "
         "ships for --model, jaxkv.bundled.SHIPPED_PARAMS)",
     )
-    parser.add_argument("--out", type=Path, default=Path("results/real-quality"))
+    parser.add_argument("--out", type=Path, default=Path("results/real-quality/needles-2k"))
     parser.add_argument(
         "--recompute",
         action="store_true",
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--against",
         type=Path,
         help="with --render: also write agreement.md beside it, the cells it shares with this "
-        "report (jaxkv's results/real-quality/quality.json) side by side, in episodes",
+        "report (jaxkv's results/real-quality/needles-2k/quality.json) side by side, in episodes",
     )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
