@@ -1,10 +1,7 @@
 """Every committed results file says how it was made: the command with its arguments, the source
-commit it ran at and the machine (`jaxkv.provenance`, issue 72).
-
-A few files were written before the benchmarks recorded their commit and cost hours of CPU to run
-again. They are listed here and in docs/results.md ("Results without provenance"), which the
-quoting pages cite as such; the list only shrinks: a listed file that gains its provenance, or
-is retired, fails the test until it leaves the list.
+commit it ran at and the machine (`jaxkv.provenance`, issue 72). The files written before the
+benchmarks recorded their commit were rerun or retired (docs/results.md, "Rerun and retired
+results"): none is let off.
 """
 
 from __future__ import annotations
@@ -16,16 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
-RESULTS_PAGE = ROOT / "docs" / "results.md"
 PROVENANCE_KEYS = ("command", "commit", "machine")
-
-WITHOUT_PROVENANCE = frozenset(
-    {
-        "results/real-quality/kvpress/quality.json",
-        "results/real-quality/quality.json",
-        "results/real-quality/samples-48/quality.json",
-    }
-)
 
 
 def provenance_of(report) -> dict:
@@ -60,19 +48,7 @@ def test_missing_provenance_names_the_keys_a_file_lacks(tmp_path):
 @pytest.mark.parametrize("name", _results_files())
 def test_a_results_file_records_its_command_commit_and_machine(name):
     missing = missing_provenance(ROOT / name)
-    if name in WITHOUT_PROVENANCE:
-        assert missing, f"{name} now has its provenance: take it off WITHOUT_PROVENANCE"
-    else:
-        assert not missing, (
-            f"{name} lacks {missing}: write it with `jaxkv.provenance.provenance` (rerun the "
-            "command that made it) or retire it"
-        )
-
-
-def test_the_files_without_provenance_exist_and_the_results_page_names_them():
-    page = RESULTS_PAGE.read_text()
-    section = page.split("## Results without provenance", 1)
-    assert len(section) == 2 or not WITHOUT_PROVENANCE, "docs/results.md lacks the section"
-    for name in sorted(WITHOUT_PROVENANCE):
-        assert (ROOT / name).exists(), f"{name} is gone: take it off WITHOUT_PROVENANCE"
-        assert f"`{name}`" in section[1], f"docs/results.md's section does not name {name}"
+    assert not missing, (
+        f"{name} lacks {missing}: write it with `jaxkv.provenance.provenance` (rerun the "
+        "command that made it) or retire it"
+    )
