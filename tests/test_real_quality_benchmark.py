@@ -303,7 +303,8 @@ def test_kvpress_reference_reuse_arguments():
     assert args.out.as_posix() == "results/reuse/kvpress" and args.budgets == [0.3]
     quality = parse_arguments([])
     assert quality.presses == ["full", "snapkv", "streaming_llm"] and quality.samples == 16
-    assert quality.out.as_posix() == "results/real-quality/needles-2k/kvpress" and quality.questions is None
+    assert quality.out.as_posix() == "results/real-quality/needles-2k/kvpress"
+    assert quality.questions is None
     for argv, message in [
         (["--reuse", "--tasks", "needle"], "--tasks: an option real_quality's"),
         (["--reuse", "--replace"], "--replace: an option real_quality's"),
