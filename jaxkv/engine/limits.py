@@ -72,9 +72,9 @@ def check_limits(
         shards = placement.data
     if prefill_chunk is not None:
         prefill_chunk = check_count("prefill_chunk", prefill_chunk, 1)
-    chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
     lane_slots = counts["max_slots"] // shards
     if max_batched_tokens is None:
+        chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         max_batched_tokens = lane_slots + counts["max_prefills"] // shards * chunk
     max_batched_tokens = check_count("max_batched_tokens", max_batched_tokens, lane_slots + 16)
     limit = config.max_position_embeddings
