@@ -129,10 +129,16 @@ def test_two_processes_feeding_halves_match_one_process_on_the_whole_batch(tmp_p
     from jaxkv.train import mesh as mesh_lib
 
     port = _free_port()
+    suite_flags = [  # the suite's compile flags (conftest.py), with this test's device count
+        flag
+        for flag in os.environ.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    ]
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS} "
-        "--xla_backend_optimization_level=0",  # as the suite's (conftest.py)
+        "XLA_FLAGS": " ".join(
+            [f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}", *suite_flags]
+        ),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }
