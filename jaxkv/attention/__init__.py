@@ -1,10 +1,12 @@
 """Attention dispatch: every attention the cached forward and the policies run goes through here.
 
 Backends are chosen explicitly; there is no silent fallback:
-  "xla"        plain jnp (CPU, TPU, and the oracle the kernels are tested against);
-  "pallas"     Pallas kernels lowered through Triton (NVIDIA GPUs);
-  "interpret"  the same Pallas kernels in the Pallas interpreter (CPU tests);
-  "auto"       "pallas" on a GPU, "xla" elsewhere (`resolve_backend`).
+  "xla"            plain jnp (CPU, TPU, and the oracle the kernels are tested against);
+  "pallas"         Pallas kernels: Triton on NVIDIA GPUs; on TPUs the Mosaic paged-decode kernel
+                   and splash attention for causal prefill;
+  "interpret"      the Triton kernels in the Pallas interpreter (CPU tests);
+  "interpret-tpu"  the TPU path in the interpreters (CPU tests);
+  "auto"           "pallas" on a GPU, "xla" elsewhere (`resolve_backend`; `dispatch` says why).
 "pallas" is checked where the platform is known: when a program is lowered (`dispatch`).
 
 Shapes: B batch, N query heads, K KV heads, G = N // K, T/C query tokens, S key tokens, H head dim.

@@ -10,6 +10,8 @@
   executor.py   the device state and the programs that run a plan
   programs.py   the jitted programs (one device or a mesh)
   lanes.py      where slots, context rows and prefill rows lie on a mesh
+  limits.py     the engine's bounds (slots, prefills, contexts, tokens a step), checked once
+  batching.py   several prefill rows' chunks as one forward pass's batch
   pages.py      what a request may hold, in pages
   requests.py   TokenEvent, the errors, a request's bookkeeping
 """
