@@ -31,11 +31,12 @@ magic number for NAME is"). Writes OUT/MODEL/reuse-kvpress.json (and .md):
 
 --ruler SAMPLES.jsonl is the kvpress side of `jaxkv bench ruler`: the samples it exported (their
 token ids) through each press at kvpress's compression ratios (`--ratios`, the share evicted),
-agnostic (the context prefilled under the press, then the question) and, for `--aware-presses`,
-aware (the whole prompt under the press); each answer decoded greedily for the task's answer
-tokens and scored by RULER's rule. Records as `jaxkv bench ruler` writes them
-(OUT/records.jsonl, resumable), so `jaxkv bench ruler --render --against OUT/records.jsonl`
-tables jaxkv minus kvpress:
+agnostic (the context prefilled under the press, then the question) and, for the presses of
+`RULER_AWARE`, aware (the context and the question under the press, then the end of the user
+turn, the assistant header and the answer prefix, as kvpress's pipeline splits them); each
+answer decoded greedily for the task's answer tokens and scored by RULER's rule. Records as
+`jaxkv bench ruler` writes them (OUT/records.jsonl, resumable), so `jaxkv bench ruler --render
+--against OUT/records.jsonl` tables jaxkv minus kvpress:
 
     python -m jaxkv.benchmarks.kvpress_reference \\
         --ruler results/ruler/smollm2-135m-instruct-4k/samples.jsonl \\
@@ -94,6 +95,7 @@ PRESSES = {
 # jaxkv's wrapping policies -> (kvpress's wrapper, the press it wraps: jaxkv's default `inner`).
 WRAPPERS = {
     "chunkkv": ("ChunkKVPress", "SnapKVPress"),
+    "adakv": ("AdaKVPress", "SnapKVPress"),
     "chunk": ("ChunkPress", "KeyDiffPress"),
     "block": ("BlockPress", "KeyDiffPress"),
     "criticalkv": ("CriticalKVPress", "SnapKVPress"),
@@ -119,7 +121,9 @@ _QUALITY_ONLY = ("tasks", "settings", "samples", "replace")
 _REUSE_ONLY = ("questions",)
 # --ruler: kvpress's leaderboard ratios, and the presses it runs query-aware.
 RULER_RATIOS = (0.25, 0.5, 0.75, 0.875)
-RULER_AWARE = ("snapkv", "pyramidkv")
+# kvpress's leaderboard.sh also runs FINCH aware: its FinchPress finds the question by a
+# delimiter token added to the tokenizer, which this reference does not reproduce.
+RULER_AWARE = ("snapkv", "adakv", "chunkkv")
 
 
 def load_model(path: Path):
@@ -423,9 +427,10 @@ def run_ruler(args: argparse.Namespace, argv: list[str]) -> dict:
     for name, ratio, setting, sample in tqdm(jobs, desc="kvpress ruler", unit="sample"):
         model.set_attn_implementation(ATTENTION.get(name, "eager"))
         press = make_press(name, None if name == "full" else 1.0 - ratio)
-        context, question = list(sample.context_ids), list(sample.question_ids)
+        prompt, cut = sample.context_ids + sample.question_ids, len(sample.context_ids)
         if setting == "aware":
-            context, question = context + question, []
+            cut += sample.question_turn_tokens
+        context, question = list(prompt[:cut]), list(prompt[cut:])
         start = time.perf_counter()
         tokens, held = answer(model, press, context, question, sample.max_new_tokens, stop)
         generated = []

@@ -11,8 +11,12 @@ of the prompt evicted, a jaxkv budget of 1 - r. Settings (kvpress's):
   agnostic  the context alone (instructions and haystack) is prefilled and compressed
             (`jaxkv.prefill`), then the question read over the compressed cache and the answer
             decoded greedily (`jaxkv.decode(session.extend(question))`);
-  aware     the whole prompt is compressed with the question in it (`jaxkv.generate`), for the
-            policies of `--aware-policies` (those kvpress runs query-aware).
+  aware     the context and the question (the user's turn) are compressed together, then the
+            rest (the end of the turn, the assistant header, the answer prefix) read over it
+            as kvpress's pipeline reads it, for the policies of `--aware-policies` (those
+            kvpress's leaderboard runs query-aware: SnapKV, AdaKV over SnapKV, FINCH and
+            ChunkKV). FINCH's question window is the sample's question (`window`: kvpress's
+            delimiter), so it runs aware only unless its entry gives one.
 The full cache answers the same in both: it runs once, as ratio 0 agnostic. WG-KV has a
 threshold, not a budget: its tau for each ratio is calibrated on the first sample of the first
 task (its kept share of the full cache's bytes measured at a grid of taus, then bisected in log
@@ -25,10 +29,10 @@ held across the samples.
 The forward pass over a 4K prompt is most of a sample's cost, so a sample's pending jobs
 (ratios and policies) whose prefills read alike (`prefill_classes`: no budget read during
 prefill, so not WG-KV's thresholds nor Fast KVzip's chunk eviction; the same forward pass) run
-together, in either setting: what the setting compresses (the context, or the whole prompt)
-read once, then compressed by each policy at each ratio (`jaxkv.prefill_each`; each the same
-kept tokens as its own prefill), and each answer decoded from its own copy (aware:
-`jaxkv.decode` of the prefilled prompt, `generate`'s tokens). Decoding is then most of the
+together, in either setting: what the setting compresses (the context, or the context and
+the question) read once, then compressed by each policy at each ratio (`jaxkv.prefill_each`;
+each the same kept tokens as its own prefill), and each answer decoded from its own copy.
+Decoding is then most of the
 cost, and on a CPU a decode step reads every weight whatever the batch: the answers of the
 policies that do nothing while decoding (all here but StreamingLLM, which evicts every 32
 steps) are decoded as the rows of one session (`jaxkv.generation.joined`), each row's tokens
@@ -73,7 +77,7 @@ from jaxkv.policies import spec
 
 RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard
 SETTINGS = ("agnostic", "aware")
-AWARE_POLICIES = ("snapkv", "pyramidkv", "adakv")
+AWARE_POLICIES = ("snapkv", "adakv", "finch", "chunkkv")  # kvpress's leaderboard.sh
 WGKV_TAUS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 0.6, 0.9)
 WGKV_KEPT_TOLERANCE = 0.02  # of the full cache's bytes, for a calibrated tau
 WGKV_BISECTION_STEPS = 12
@@ -105,24 +109,26 @@ def answer(
     (answer tokens: the task's, at most `cap`)."""
     sample = capped(sample, cap)
     start = time.perf_counter()
-    if setting == "aware":
-        out = jaxkv.generate(
-            model,
-            [list(sample.context_ids + sample.question_ids)],
-            max_new_tokens=sample.max_new_tokens,
-            policy=policy,
-            stop_tokens=stop,
-            policy_params=params,
-        )
-        return scored(tokenizer, sample, out, float(out.memory_bytes[0]), stop, start)
+    compressed, after = split(sample, setting)
     session = jaxkv.prefill(
         model,
-        [list(sample.context_ids)],
+        [compressed],
         policy,
-        reserve_tokens=reserve(sample),
+        reserve_tokens=len(after) + sample.max_new_tokens,
         policy_params=params,
     )
-    return answered_over(tokenizer, session, sample, stop, start)
+    held = float(session.memory_bytes())  # what the setting compressed
+    out = jaxkv.decode(session.extend([after]), sample.max_new_tokens, stop_tokens=stop)
+    return scored(tokenizer, sample, out, held, stop, start)
+
+
+def split(sample: Sample, setting: str) -> tuple[list[int], list[int]]:
+    """(what `setting` compresses, what is read after it): agnostic the context, then the
+    question; aware the context and the question itself, then the end of the user turn, the
+    assistant header and the answer prefix (`Sample.question_turn_tokens`)."""
+    prompt = sample.context_ids + sample.question_ids
+    cut = len(sample.context_ids) + (sample.question_turn_tokens if setting == "aware" else 0)
+    return list(prompt[:cut]), list(prompt[cut:])
 
 
 def answers_each(
@@ -131,38 +137,43 @@ def answers_each(
     """`answer` in `setting` under each of `chosen` ((policy, params) pairs whose prefills read
     alike: `jaxkv.prefill_each`), what the setting compresses read once; the answers of the
     policies that do nothing while decoding decoded as the rows of one session
-    (`join_sessions`: each row's tokens its own). Each result's seconds are its own
-    compression and answer plus an equal share of the read and of the joined decode."""
+    (`join_sessions`: each row's tokens its own; one per set of sessions that can join).
+    Each result's seconds are its own compression and answer plus an equal share of the read
+    and of the joined decode."""
     sample = capped(sample, cap)
-    aware = setting == "aware"
     start = time.perf_counter()
+    compressed, after = split(sample, setting)
     sessions = jaxkv.prefill_each(
         model,
-        [list(sample.context_ids + sample.question_ids) if aware else list(sample.context_ids)],
+        [compressed],
         [policy for policy, _ in chosen],
-        reserve_tokens=sample.max_new_tokens if aware else reserve(sample),
+        reserve_tokens=len(after) + sample.max_new_tokens,
         policy_params=[params for _, params in chosen],
     )
     share = (time.perf_counter() - start) / len(chosen)
-    results, waiting = [None] * len(chosen), []
+    results, joins = [None] * len(chosen), []
     for index in range(len(chosen)):
         started = time.perf_counter() - share
         session = next(sessions)
-        held = float(session.memory_bytes())  # the compressed context (agnostic) or prompt
-        if not aware:
-            session = session.extend([list(sample.question_ids)])
+        held = float(session.memory_bytes())  # what the setting compressed
+        session = session.extend([after])
         if join_refusal([session]) is None:
             ready = decode_ready(session, sample.max_new_tokens)
-            waiting.append((index, held, ready, time.perf_counter() - started))
+            waiting = (index, held, ready, time.perf_counter() - started)
+            join = next((j for j in joins if join_refusal([j[0][2], ready]) is None), None)
+            if join is None:
+                joins.append([waiting])
+            else:
+                join.append(waiting)
             continue
         out = jaxkv.decode(session, sample.max_new_tokens, stop_tokens=stop)
         results[index] = scored(tokenizer, sample, out, held, stop, started)
-    if waiting:
+    for join in joins:  # the sessions one decode can join (their budgets' and thresholds' columns)
         started = time.perf_counter()
-        joined = join_sessions([ready for _, _, ready, _ in waiting], sample.max_new_tokens)
+        joined = join_sessions([ready for _, _, ready, _ in join], sample.max_new_tokens)
         out = jaxkv.decode(joined, sample.max_new_tokens, stop_tokens=stop)
-        decode_share = (time.perf_counter() - started) / len(waiting)
-        for row, (index, held, _, own) in enumerate(waiting):
+        decode_share = (time.perf_counter() - started) / len(join)
+        for row, (index, held, _, own) in enumerate(join):
             began = time.perf_counter() - own - decode_share
             results[index] = scored(tokenizer, sample, out, held, stop, began, row=row)
     return [{**result, "prefill_shared_by": len(chosen)} for result in results]
@@ -173,20 +184,6 @@ def capped(sample: Sample, cap: int | None) -> Sample:
     if cap is None:
         return sample
     return dataclasses.replace(sample, max_new_tokens=min(cap, sample.max_new_tokens))
-
-
-def reserve(sample: Sample) -> int:
-    """Room after the context: the question and the answer."""
-    return len(sample.question_ids) + sample.max_new_tokens
-
-
-def answered_over(tokenizer, session, sample: Sample, stop, start: float) -> dict:
-    """The question read over the prefilled context `session`, the answer decoded, scored."""
-    held = float(session.memory_bytes())
-    out = jaxkv.decode(
-        session.extend([list(sample.question_ids)]), sample.max_new_tokens, stop_tokens=stop
-    )
-    return scored(tokenizer, sample, out, held, stop, start)
 
 
 def scored(tokenizer, sample: Sample, out, held: float, stop, start: float, row: int = 0) -> dict:
@@ -217,6 +214,25 @@ def parse_policies(entries: list[str]) -> dict[str, tuple[str, dict]]:
             raise SystemExit(f"--policies {entry}: takes no budget, so no compression ratio")
         parsed[entry] = (name, spec.policy_kwargs(name, pairs, None, pair_option=entry))
     return parsed
+
+
+def sample_options(name: str, options: dict, sample: Sample) -> dict:
+    """`options` with what policy `name` takes from the sample: FINCH's question window (the
+    question's tokens, where kvpress puts its delimiter) unless the entry gives one."""
+    if name == "finch" and "window" not in options:
+        return {**options, "window": sample.question_turn_tokens}
+    return options
+
+
+def check_settings(parsed: dict, settings) -> None:
+    """SystemExit for FINCH in the agnostic setting without a window: its window is the
+    question, which that setting reads after the compression."""
+    for entry, (name, options) in parsed.items():
+        if name == "finch" and "window" not in options and "agnostic" in settings:
+            raise SystemExit(
+                f"--policies {entry}: FINCH scores with the question, which the agnostic setting "
+                "reads after compressing: give --settings aware, or finch:window=N"
+            )
 
 
 def shipped_params(name: str, options: dict, model_arg: str, config):
@@ -433,6 +449,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(text)
         return {"report": text}
     parsed = parse_policies(args.policies)
+    check_settings(parsed, args.settings)
     model, tokenizer = load_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     samples = load_samples(tokenizer, args.tasks, args.length, args.samples, args.seed, args.out)
@@ -487,26 +504,30 @@ def main(argv: list[str] | None = None) -> dict:
             jobs = [job for job in jobs if job[:2] != (entry, ratio)]
     built = {}
 
-    def policy_at(entry, ratio):
+    def policy_at(entry, ratio, sample):
         name, options = parsed[entry]
-        if (entry, ratio) not in built:
+        options = sample_options(name, options, sample)
+        key = (entry, ratio, options.get("window"))
+        if key not in built:
             if name == "wgkv":
                 policy = policies.get("wgkv", tau=taus[entry][ratio], **options)
             else:
                 budget = None if name == "full" else 1.0 - ratio
                 policy = harness.build_policy(name, budget, **options)
-            built[(entry, ratio)] = policy.for_tokenizer(tokenizer)
-        return built[(entry, ratio)]
+            built[key] = policy.for_tokenizer(tokenizer)
+        return built[key]
 
     shared = [entry for entry, (name, options) in parsed.items() if reads_once(name, options)]
-    first_ratio = args.ratios[0]
-    classes = prefill_classes({e: (policy_at(e, first_ratio), params[e]) for e in shared})
+    first = (args.ratios[0], samples[(args.tasks[0], 0)])
+    classes = prefill_classes({e: (policy_at(e, *first), params[e]) for e in shared})
     progress = tqdm(total=len(jobs), desc="ruler", unit="sample")
     for group in job_groups(jobs, classes):
         _, _, setting, task, index = group[0]
         sample = samples[(task, index)]
         if len(group) > 1:
-            chosen = [(policy_at(entry, ratio), params[entry]) for entry, ratio, *_ in group]
+            chosen = [
+                (policy_at(entry, ratio, sample), params[entry]) for entry, ratio, *_ in group
+            ]
             results = answers_each(
                 model, tokenizer, chosen, sample, setting, stop, args.max_new_tokens
             )
@@ -516,7 +537,7 @@ def main(argv: list[str] | None = None) -> dict:
                 answer(
                     model,
                     tokenizer,
-                    policy_at(entry, ratio),
+                    policy_at(entry, ratio, sample),
                     params[entry],
                     sample,
                     setting,

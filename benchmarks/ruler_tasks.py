@@ -137,8 +137,11 @@ class Parts:
 class Sample:
     """One sample in a model's tokens. context_ids: the chat prefix and the context (what the
     query-agnostic setting compresses); question_ids: the question, the end of the user turn,
-    the assistant header and the answer prefix; max_new_tokens: RULER's answer tokens; size:
-    the haystack units the fit chose (noise blocks, words, distractor needles or list words)."""
+    the assistant header and the answer prefix, its first `question_turn_tokens` the question
+    itself (what the query-aware setting compresses with the context: kvpress's pipeline reads
+    the rest after the compression in both settings); max_new_tokens: RULER's answer tokens;
+    size: the haystack units the fit chose (noise blocks, words, distractor needles or list
+    words)."""
 
     task: str
     index: int
@@ -148,6 +151,7 @@ class Sample:
     outputs: tuple[str, ...]
     context_ids: tuple[int, ...]
     question_ids: tuple[int, ...]
+    question_turn_tokens: int
     max_new_tokens: int
     size: int
 
@@ -430,11 +434,20 @@ def prompt_halves(tokenizer: Tokenizer) -> tuple[str, str]:
     return chat_halves(tokenizer)
 
 
-def _tokens(tokenizer: Tokenizer, parts: Parts) -> tuple[list[int], list[int]]:
+def _tokens(tokenizer: Tokenizer, parts: Parts) -> tuple[list[int], list[int], int]:
+    """(context_ids, question_ids, question_turn_tokens) of `Sample`; ValueError if the
+    tokenizer merges the question's last characters with the text after it (the query-aware
+    setting could not read that text apart)."""
     before, after = prompt_halves(tokenizer)
     context_ids = tokenizer.encode(before) + tokenizer.encode(parts.context, add_bos=False)
     question_ids = tokenizer.encode(parts.question + after + parts.answer_prefix, add_bos=False)
-    return context_ids, question_ids
+    question_turn = tokenizer.encode(parts.question, add_bos=False)
+    if question_ids[: len(question_turn)] != question_turn:
+        raise ValueError(
+            f"the tokenizer merges the question's end {parts.question[-20:]!r} with what follows "
+            f"it ({after + parts.answer_prefix!r}): no token boundary for the query-aware split"
+        )
+    return context_ids, question_ids, len(question_turn)
 
 
 def build_sample(
@@ -449,9 +462,9 @@ def build_sample(
     def attempt(size: int):
         rng = np.random.default_rng([seed, TASKS.index(task), length, index])
         parts = make(rng, size)
-        context_ids, question_ids = _tokens(tokenizer, parts)
+        context_ids, question_ids, question_turn = _tokens(tokenizer, parts)
         fits = len(context_ids) + len(question_ids) + answer_tokens <= length
-        return fits, parts, context_ids, question_ids
+        return fits, parts, context_ids, question_ids, question_turn
 
     low = 1 if family(task) != "fwe" else 64
     if not attempt(low)[0]:
@@ -462,7 +475,7 @@ def build_sample(
     while high - low > 1:  # attempt(low) fits, attempt(high) does not
         middle = (low + high) // 2
         low, high = (middle, high) if attempt(middle)[0] else (low, middle)
-    _, parts, context_ids, question_ids = attempt(low)
+    _, parts, context_ids, question_ids, question_turn = attempt(low)
     return Sample(
         task=task,
         index=index,
@@ -472,6 +485,7 @@ def build_sample(
         outputs=parts.outputs,
         context_ids=tuple(context_ids),
         question_ids=tuple(question_ids),
+        question_turn_tokens=question_turn,
         max_new_tokens=answer_tokens,
         size=low,
     )
@@ -480,6 +494,12 @@ def build_sample(
 def sample_from_json(record: dict) -> Sample:
     """A `Sample` from `Sample.to_json`'s dict (the exported samples file's lines)."""
     fields = {f.name for f in dataclasses.fields(Sample)}
+    missing = sorted(fields - set(record))
+    if missing:
+        raise ValueError(
+            f"sample {record.get('task')} #{record.get('index')} lacks {missing}: an older "
+            "export; delete the samples file (it is written again from the seed)"
+        )
     values = {k: v for k, v in record.items() if k in fields}
     for name in ("outputs", "context_ids", "question_ids"):
         values[name] = tuple(values[name])

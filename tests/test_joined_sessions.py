@@ -1,6 +1,7 @@
 """Sessions joined into one decode (`jaxkv.generation.joined`): one-row sessions compressed by
 different policies at different budgets, a question read over each, decode as the rows of one
-session to each one's own tokens; sessions whose policies act while decoding are refused."""
+session to each one's own tokens; sessions whose policies act while decoding, or whose
+budgets or thresholds differ in columns, are refused."""
 
 import numpy as np
 import pytest
@@ -45,6 +46,7 @@ def test_joined_rows_decode_as_each_session_alone(model):
     [
         (policies.get("streaming_llm", budget=0.5, evict_every=8), "acts while decoding"),
         (policies.get("h2o", budget=0.5), "acts while decoding"),
+        (policies.get("chunkkv", budget=0.5), "thresholds have different columns"),
     ],
 )
 def test_sessions_whose_policies_act_while_decoding_are_refused(model, second, match):

@@ -39,6 +39,7 @@ def _held(session) -> np.ndarray:
         policies.get("adakv", inner=policies.get("snapkv", window=16)),
         policies.get("kvzip", repeat_ids=(1, 2, 3), continue_ids=(4, 5, 6)),
         policies.get("streaming_llm", recent=16, evict_every=4),
+        policies.get("chunkkv", inner=policies.get("snapkv", window=16)),  # a share threshold
     ],
     ids=lambda policy: policy.name,
 )

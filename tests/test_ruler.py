@@ -45,6 +45,14 @@ def test_samples_fit_hold_their_answers_and_repeat_from_the_seed(tokenizer, task
     question = tokenizer.decode(sample.question_ids)
     assert question.endswith(sample.answer_prefix)
     assert not any(o in question for o in sample.outputs)
+    # The aware setting compresses the context and the question, then reads the rest.
+    compressed, after = ruler.split(sample, "aware")
+    assert tokenizer.decode(compressed) == sample.context + sample.question
+    assert tokenizer.decode(after).endswith(sample.answer_prefix) and sample.answer_prefix
+    assert ruler.split(sample, "agnostic") == (
+        list(sample.context_ids),
+        list(sample.question_ids),
+    )
     family = ruler_tasks.family(task)
     assert sample.max_new_tokens == ruler_tasks.ANSWER_TOKENS[family]
     assert ruler_tasks.sample_from_json(json.loads(json.dumps(sample.to_json()))) == sample
@@ -181,6 +189,23 @@ def test_a_sample_s_jobs_of_policies_that_read_alike_run_together_in_each_settin
         "observed_attention": 1,
         "expected_attention": 0,
     }
+
+
+def test_finch_reads_the_question_as_its_window_and_runs_agnostic_only_when_given_one(tokenizer):
+    sample = ruler_tasks.build_sample(tokenizer, "niah_single_1", 1024, 0)
+    options = ruler.sample_options("finch", {}, sample)
+    assert options == {"window": sample.question_turn_tokens} and sample.question_turn_tokens > 8
+    assert ruler.sample_options("finch", {"window": 32}, sample) == {"window": 32}
+    assert ruler.sample_options("snapkv", {}, sample) == {}
+    parsed = ruler.parse_policies(["finch", "snapkv"])
+    ruler.check_settings(parsed, ["aware"])
+    with pytest.raises(SystemExit, match="finch:window=N"):
+        ruler.check_settings(parsed, ["agnostic", "aware"])
+    ruler.check_settings(ruler.parse_policies(["finch:window=32"]), ["agnostic"])
+    with pytest.raises(ValueError, match="older export"):
+        record = sample.to_json()
+        del record["question_turn_tokens"]
+        ruler_tasks.sample_from_json(record)
 
 
 def cliff_kept_share(tau: float) -> float:

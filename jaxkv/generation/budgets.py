@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.attention import resolve_backend
 from jaxkv.cache import CacheConfig
@@ -232,8 +233,16 @@ def _compressed_each(model, requests, prefill, key, backend) -> Iterator[Session
 
 def _same_compression(request) -> tuple:
     """What requests compressed together share: the policy but its budget, the int8 window,
-    the learned parameters (by identity)."""
-    return request.policy.static(), request.cache.int8_window, id(request.policy_params)
+    the learned parameters (by identity) and the thresholds (one program reads one set:
+    ChunkKV's kept share is one of them)."""
+    thresholds = np.asarray(request.thresholds)
+    return (
+        request.policy.static(),
+        request.cache.int8_window,
+        id(request.policy_params),
+        thresholds.shape,
+        thresholds.tobytes(),
+    )
 
 
 def _at_budgets(model, run, prefill, key) -> Iterator[tuple]:

@@ -47,6 +47,8 @@ def join_refusal(sessions: Sequence[Session]) -> str | None:
             return "a session with int8 storage or a local ring cannot be joined"
         if np.shape(session.budget_tokens) != np.shape(first.budget_tokens):
             return "the sessions' budgets have different columns"
+        if np.shape(session.thresholds) != np.shape(first.thresholds):
+            return "the sessions' thresholds have different columns"
     return None
 
 
