@@ -121,9 +121,9 @@ _QUALITY_ONLY = ("tasks", "settings", "samples", "replace")
 _REUSE_ONLY = ("questions",)
 # --ruler: kvpress's leaderboard ratios, and the presses it runs query-aware.
 RULER_RATIOS = (0.25, 0.5, 0.75, 0.875)
-# kvpress's leaderboard.sh also runs FINCH aware: its FinchPress finds the question by a
-# delimiter token added to the tokenizer, which this reference does not reproduce.
-RULER_AWARE = ("snapkv", "adakv", "chunkkv")
+RULER_AWARE = ("snapkv", "adakv", "finch", "chunkkv")  # kvpress's leaderboard.sh
+# Presses that score with the question (FinchPress): --ruler's aware setting only.
+QUESTION_PRESSES = ("finch",)
 
 
 def load_model(path: Path):
@@ -171,11 +171,21 @@ def saved_tokenizer_directory(tokenizer) -> str:
     return directory
 
 
-def make_press(name: str, budget: float | None):
-    """kvpress's press for jaxkv policy `name` keeping `budget` of the prompt; None: none."""
+def make_press(name: str, budget: float | None, question_tokens: int | None = None):
+    """kvpress's press for jaxkv policy `name` keeping `budget` of the prompt; None: none.
+    FINCH's takes `question_tokens`, the prompt's last tokens it scores with: its
+    `window_size`, which its embedding hook would set from a delimiter token kvpress adds to
+    the tokenizer; the token ids here carry none, so the hook is given an id no token has."""
     if name == "full":
         return None
     import kvpress
+
+    if name == "finch":
+        if question_tokens is None:
+            raise ValueError("finch: give question_tokens (its window: the question's tokens)")
+        press = kvpress.FinchPress(compression_ratio=1.0 - budget)
+        press.delimiter_token_id, press.window_size = -1, question_tokens
+        return press
 
     if name == "kvzip_scored_prefix":
         return _kvzip_scoring_prefix(kvpress.KVzipPress)(compression_ratio=1.0 - budget)
@@ -399,7 +409,9 @@ def ruler_cells(args: argparse.Namespace):
     for setting in args.settings:
         for ratio in args.ratios:
             for name in args.presses:
-                if name != "full" and (setting == "agnostic" or name in RULER_AWARE):
+                if name == "full" or (setting == "agnostic" and name in QUESTION_PRESSES):
+                    continue
+                if setting == "agnostic" or name in RULER_AWARE:
                     yield name, ratio, setting
 
 
@@ -426,7 +438,9 @@ def run_ruler(args: argparse.Namespace, argv: list[str]) -> dict:
     ]
     for name, ratio, setting, sample in tqdm(jobs, desc="kvpress ruler", unit="sample"):
         model.set_attn_implementation(ATTENTION.get(name, "eager"))
-        press = make_press(name, None if name == "full" else 1.0 - ratio)
+        press = make_press(
+            name, None if name == "full" else 1.0 - ratio, sample.question_turn_tokens
+        )
         prompt, cut = sample.context_ids + sample.question_ids, len(sample.context_ids)
         if setting == "aware":
             cut += sample.question_turn_tokens
@@ -494,9 +508,11 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
             mode = "with --reuse only" if option in _REUSE_ONLY else "real_quality's, not --reuse's"
             raise SystemExit(f"--{option}: an option {mode}")
     for name in args.presses or []:
-        if name != "full" and name not in {*PRESSES, *WRAPPERS, *VARIANTS}:
-            known = sorted([*PRESSES, *WRAPPERS, *VARIANTS])
+        if name != "full" and name not in {*PRESSES, *WRAPPERS, *VARIANTS, *QUESTION_PRESSES}:
+            known = sorted([*PRESSES, *WRAPPERS, *VARIANTS, *QUESTION_PRESSES])
             raise SystemExit(f"--presses {name}: kvpress presses here are full, {known}")
+        if name in QUESTION_PRESSES and args.ruler is None:
+            raise SystemExit(f"--presses {name}: --ruler only (its window is a sample's question)")
     for budget in args.budgets:
         if not 0 < budget < 1:
             raise SystemExit(f"--budgets {budget}: a share of the prompt kept, in (0, 1)")

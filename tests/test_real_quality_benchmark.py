@@ -313,6 +313,21 @@ def test_kvpress_reference_reuse_arguments():
         (["--reuse", "--questions", "0"], "--questions 0: at least one"),
         (["--reuse", "--presses", "h2o"], "--presses h2o: kvpress presses here are"),
         (["--reuse", "--budgets", "1.5"], r"--budgets 1.5: a share"),
+        (["--presses", "finch"], "--presses finch: --ruler only"),
     ]:
         with pytest.raises(SystemExit, match=message):
             parse_arguments(argv)
+
+
+def test_kvpress_reference_runs_finch_aware_only_on_ruler_samples(tmp_path):
+    """FINCH scores with the question: the kvpress side runs it in the aware setting only."""
+    from jaxkv.benchmarks.kvpress_reference import parse_arguments, ruler_cells
+
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("")
+    argv = ["--ruler", str(samples), "--presses", "full", "finch", "knorm", "--ratios", "0.5"]
+    assert list(ruler_cells(parse_arguments(argv))) == [
+        ("full", 0.0, "agnostic"),
+        ("knorm", 0.5, "agnostic"),
+        ("finch", 0.5, "aware"),
+    ]
