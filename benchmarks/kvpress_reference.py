@@ -462,6 +462,7 @@ def run_ruler(args: argparse.Namespace, argv: list[str]) -> dict:
             "kv_bytes": float(held),
             "context_tokens": len(sample.context_ids),
             "prompt_tokens": len(sample.context_ids) + len(sample.question_ids),
+            "compressed_tokens": cut,
             "seconds": round(time.perf_counter() - start, 2),
         }
         append_record(records, record)

@@ -548,6 +548,7 @@ def main(argv: list[str] | None = None) -> dict:
         for (entry, ratio, *_), result in zip(group, results, strict=True):
             record = {"task": task, "index": index, "policy": entry, "ratio": ratio}
             record = {**record, "setting": setting, **result}
+            record["compressed_tokens"] = len(split(sample, setting)[0])
             if parsed[entry][0] == "wgkv":
                 record["tau"] = taus[entry][ratio]
             ruler_report.append_record(args.out / "records.jsonl", record)

@@ -100,10 +100,11 @@ def leaderboard(records: list[dict], tasks: list[str]) -> list[dict]:
 
 def _prompt_share(record: dict) -> float:
     """The tokens a record's cache was compressed from over the context's: an aware cell
-    compresses the question too, so its kept share is of a full cache of the whole prompt."""
+    compresses the question too (`compressed_tokens`), so its kept share is of a full cache of
+    the context and the question."""
     if record["setting"] != "aware" or not record.get("context_tokens"):
         return 1.0
-    return record["prompt_tokens"] / record["context_tokens"]
+    return record["compressed_tokens"] / record["context_tokens"]
 
 
 def _order(cell: tuple) -> tuple:

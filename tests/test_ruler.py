@@ -102,12 +102,18 @@ def test_runner_writes_the_leaderboard_and_resumes(tmp_path, monkeypatch):
     }
     assert len(records) == 3 * 2 * 1
     assert all(0.0 <= r["score"] <= 1.0 and r["prompt_tokens"] <= 768 for r in records)
+    for r in records:  # aware: the context and the question compressed, the rest read after
+        turn = r["compressed_tokens"] - r["context_tokens"]
+        after = r["prompt_tokens"] - r["context_tokens"]
+        assert turn == 0 if r["setting"] == "agnostic" else 0 < turn < after
     board = list(csv.DictReader((out / "leaderboard.csv").open()))
     assert [(b["policy"], b["setting"]) for b in board][0] == ("full", "agnostic")
     report = json.loads((out / "leaderboard.json").read_text())
     assert report["provenance"]["command"].startswith("jaxkv bench ruler --model")
     snap = next(r for r in report["rows"] if r["policy"] == "snapkv" and r["setting"] == "agnostic")
     assert 0.4 < snap["kept_share"] < 0.6
+    aware = next(r for r in report["rows"] if r["policy"] == "snapkv" and r["setting"] == "aware")
+    assert 0.4 < aware["kept_share"] < 0.6  # of the full cache of what it compressed
     cell = out / "cells" / "ruler__768__reference-model__snapkv__0.50__query_aware"
     metrics = json.loads((cell / "metrics.json").read_text())
     assert metrics.pop("provenance")["command"].startswith("jaxkv bench ruler --model")
