@@ -203,15 +203,18 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
 
 def versus_kvpress(ours: list[dict], theirs: list[dict], tasks: list[str]) -> str:
     """jaxkv minus kvpress per task and on average, for every (press, ratio, setting) both ran,
-    over the samples both answered; and how many of the full cache's predictions are equal."""
+    over the samples both answered, with how many of its predictions are equal; and the full
+    cache's count again below the table."""
     mine = {record_key(r): r for r in ours}
     shared = [(mine[record_key(r)], r) for r in theirs if record_key(r) in mine]
     cells = defaultdict(list)
     for a, b in shared:
         cells[(a["policy"], a["ratio"], a["setting"])].append((a, b))
     lines = [
-        "| policy | ratio | setting | " + " | ".join(tasks) + " | average | samples |",
-        "|" + " --- |" * (len(tasks) + 5),
+        "| policy | ratio | setting | "
+        + " | ".join(tasks)
+        + " | average | samples | same predictions |",
+        "|" + " --- |" * (len(tasks) + 6),
     ]
     for (policy, ratio, setting), pairs in sorted(cells.items(), key=lambda c: _order(c[0])):
         diffs = {}
@@ -226,8 +229,13 @@ def versus_kvpress(ours: list[dict], theirs: list[dict], tasks: list[str]) -> st
         lines.append(
             f"| {policy} | {ratio:.3g} | {setting} | "
             + " | ".join(cells_text)
-            + f" | {average:+.1f} | {len(pairs)} |"
+            + f" | {average:+.1f} | {len(pairs)} | {_same_predictions(pairs)} |"
         )
     full = [(a, b) for a, b in shared if a["policy"] == "full"]
-    same = sum(a["prediction"].strip() == b["prediction"].strip() for a, b in full)
+    same = _same_predictions(full)
     return "\n".join(lines) + f"\n\nFull cache: {same}/{len(full)} predictions identical.\n"
+
+
+def _same_predictions(pairs) -> int:
+    """How many (jaxkv, kvpress) record pairs predict the same text."""
+    return sum(a["prediction"].strip() == b["prediction"].strip() for a, b in pairs)

@@ -11,13 +11,42 @@ import re
 import pytest
 
 from jaxkv import bundled, policies
-from jaxkv.benchmarks import ruler, ruler_tasks, shared_context_tasks
+from jaxkv.benchmarks import ruler, ruler_report, ruler_tasks, shared_context_tasks
 from jaxkv.models import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(bundled.REFERENCE_MODEL)
+
+
+def test_versus_kvpress_is_jaxkv_minus_kvpress_over_the_samples_both_ran():
+    def record(policy, task, index, score, prediction, ratio=0.5):
+        return {"task": task, "index": index, "policy": policy, "ratio": ratio} | {
+            "setting": "agnostic",
+            "score": score,
+            "prediction": prediction,
+        }
+
+    ours = [
+        record("knorm", "vt", 0, 1.0, "a"),
+        record("knorm", "vt", 1, 0.0, "b"),
+        record("knorm", "cwe", 0, 0.5, "c"),
+        record("knorm", "cwe", 1, 1.0, "only jaxkv ran it"),
+        record("full", "vt", 0, 1.0, "x", ratio=0.0),
+    ]
+    theirs = [
+        record("knorm", "vt", 0, 0.0, "z"),
+        record("knorm", "vt", 1, 0.0, "b"),
+        record("knorm", "cwe", 0, 0.5, "c "),
+        record("full", "vt", 0, 1.0, "x", ratio=0.0),
+    ]
+    table = ruler_report.versus_kvpress(ours, theirs, ["vt", "cwe"])
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()}
+    # vt: (1 + 0) / 2 - 0 = +50; cwe: +0 on the one sample both ran; 2 of 3 predictions equal
+    assert rows["knorm"].endswith("| +50.0 | +0.0 | +25.0 | 3 | 2 |")
+    assert rows["full"].endswith("| +0.0 |  | +0.0 | 1 | 1 |")
+    assert "Full cache: 1/1 predictions identical." in table
 
 
 def test_string_match_all_is_rulers_share_of_references_found():
