@@ -208,10 +208,21 @@ def _kvzip_scoring_prefix(press_class):
     return KVzipScoringPrefix
 
 
+def rerotates(press) -> bool:
+    """Whether kvpress's pipeline reads on after `press` from the kept count (its condition)."""
+    import kvpress
+
+    return isinstance(press, kvpress.KeyRerotationPress) or (
+        isinstance(press, kvpress.FinchPress) and press.rerotate_keys
+    )
+
+
 def answer(model, press, prefill_ids: list[int], question_ids: list[int], steps: int, stop):
     """kvpress's pipeline for one episode: prefill under the press, then greedy decoding of
-    `steps` tokens (the question read first when it was not prefilled). Returns (token ids
-    [steps], the bytes of keys and values the cache held after the prefill)."""
+    `steps` tokens (the question read first when it was not prefilled), from the prefill's
+    length or, after a press that rerotates its kept keys to 0..n-1, from n, as the pipeline
+    reads on from `cache.get_seq_length()`. Returns (token ids [steps], the bytes of keys and
+    values the cache held after the prefill)."""
     import torch
     from transformers import DynamicCache
 
@@ -224,7 +235,7 @@ def answer(model, press, prefill_ids: list[int], question_ids: list[int], steps:
             (layer.keys.numel() + layer.values.numel()) * layer.keys.element_size()
             for layer in cache.layers
         )
-        position = len(prefill_ids)
+        position = cache.get_seq_length() if rerotates(press) else len(prefill_ids)
         if question_ids:
             positions = torch.arange(position, position + len(question_ids))[None]
             out = model(

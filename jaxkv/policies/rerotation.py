@@ -1,13 +1,16 @@
-"""KeyRerotation as NVIDIA kvpress 0.5.5's KeyRerotationPress implements it: an inner scoring
-policy compresses the prompt, then each head's kept keys are rotated (RoPE) to the positions
-they would have had with nothing evicted between them: its i-th kept token (in position order)
-is moved to position i. Values and the tokens' recorded positions are unchanged, and decode
-tokens are written at their own positions, so a query after the prompt sees the kept context
-as one run at its start (the SinkCache and FINCH use of rerotation).
+"""KeyRerotation as NVIDIA kvpress 0.5.5 runs KeyRerotationPress: an inner scoring policy
+compresses the prompt, then each head's kept keys are rotated (RoPE) to consecutive positions,
+and what follows the prompt sees them as the run of tokens just before it. kvpress rotates the
+n kept keys to positions 0..n-1 and its pipeline reads on from position n (`cache.
+get_seq_length()`); jaxkv reads on from the prompt's length T, so it rotates the i-th kept key
+(in position order) to T - n + i. Attention depends on positions only through their
+differences, so every later query sees the kept keys at kvpress's distances. Values and the
+tokens' recorded positions are unchanged (the SinkCache and FINCH use of rerotation).
 
-Keys are stored post-RoPE, so the rotation by (i - position) is exact up to float rounding.
-Int8 storage is refused (its keys are quantized after rotation). Paper (docs/references.md):
-FINCH, "Prompt-guided Key-Value Cache Compression for Large Language Models" (TACL 2024).
+Keys are stored post-RoPE, so the rotation by (target - position) is exact up to float
+rounding. Int8 storage is refused (its keys are quantized after rotation). Paper
+(docs/references.md): FINCH, "Prompt-guided Key-Value Cache Compression for Large Language
+Models" (TACL 2024).
 """
 
 from __future__ import annotations
@@ -27,34 +30,41 @@ from jaxkv.policies.structure import scoring_compression
 from jaxkv.step.parts import PrefillObservations
 
 
-def page_first_slots(page_table: jax.Array, num_pages: int, page_size: int) -> jax.Array:
-    """int32 [P]: the head slot of the first token of each page `page_table` (int32 [..., M])
-    names, -1 for the pool's other pages (other rows' in a shared pool, or free)."""
-    first = jnp.arange(page_table.shape[-1], dtype=jnp.int32) * page_size
-    first = jnp.broadcast_to(first, page_table.shape)
+def per_page(page_table: jax.Array, values: jax.Array, num_pages: int) -> jax.Array:
+    """int32 [P]: for each page `page_table` (int32 [..., M]) names, its entry of `values`
+    (int32, broadcast to the table's shape); -1 for the pool's other pages (other rows' in a
+    shared pool, or free)."""
+    values = jnp.broadcast_to(values, page_table.shape)
     index = jnp.where(page_table >= 0, page_table, num_pages)
     return (
         jnp.full((num_pages,), -1, jnp.int32)
         .at[index.reshape(-1)]
-        .set(first.reshape(-1), mode="drop")
+        .set(values.reshape(-1), mode="drop")
     )
 
 
-def rerotate_pool(pool: PagePool, page_table: jax.Array, config) -> PagePool:
-    """`pool` with each held key rotated from its position to its head slot (which, after
-    `compact`, is its rank in position order among the head's kept tokens)."""
+def rerotate_pool(
+    pool: PagePool, page_table: jax.Array, lengths: jax.Array, prompt_lengths: jax.Array, config
+) -> PagePool:
+    """`pool` with each held key rotated from its position to the one just before the next
+    token's: head slot s (after `compact`, the token's rank in position order among the head's
+    n kept) goes to position T - n + s, T the row's prompt length.
+
+    page_table: int32 [L, B, K, M]; lengths: int32 [L, B, K] (n); prompt_lengths: int32 [B]."""
     if pool.k_scales is not None or pool.int8 is not None:
         raise ValueError("policy 'key_rerotation' cannot rotate int8 keys (int8 storage is on)")
-    first = page_first_slots(page_table, pool.num_pages, pool.page_size)[:, None]
-    slots = first + jnp.arange(pool.page_size, dtype=jnp.int32)
-    held = (pool.token_positions >= 0) & (first >= 0)  # [P, p]: this state's held tokens
-    delta = jnp.where(held, slots - pool.token_positions, 0)
+    first_slot = jnp.arange(page_table.shape[-1], dtype=jnp.int32) * pool.page_size
+    named = per_page(page_table, jnp.zeros((), jnp.int32), pool.num_pages)[:, None] >= 0
+    offset = prompt_lengths[None, :, None] - lengths  # [L, B, K]: T - n
+    first = per_page(page_table, first_slot + offset[..., None], pool.num_pages)[:, None]
+    targets = first + jnp.arange(pool.page_size, dtype=jnp.int32)
+    held = (pool.token_positions >= 0) & named  # [P, p]: this state's held tokens
+    delta = jnp.where(held, targets - pool.token_positions, 0)
     cos, sin = layers.rope_cos_sin(config, delta)  # [P, p, H]
     keys = layers.apply_rope(pool.k_pages[:, None], cos, sin)[:, 0]
     rotated = {"k_pages": keys.astype(pool.k_pages.dtype)}
     if pool.key_min is not None:  # Quest's page bounds, of the rotated keys
         f32 = keys.astype(jnp.float32)
-        named = first >= 0
         low = jnp.min(jnp.where(held[..., None], f32, jnp.inf), axis=1)
         high = jnp.max(jnp.where(held[..., None], f32, -jnp.inf), axis=1)
         rotated["key_min"] = jnp.where(named, low, pool.key_min)
@@ -64,18 +74,21 @@ def rerotate_pool(pool: PagePool, page_table: jax.Array, config) -> PagePool:
 
 @dataclasses.dataclass(frozen=True)
 class RerotatedCompression(InnerScoredCompression):
-    """An inner `ScoredCompression`, then every kept key rotated to its rank's position."""
+    """An inner `ScoredCompression`, then every head's kept keys rotated to the consecutive
+    positions that end just before the next token's."""
 
     def compress(self, kv: KVState, obs: PrefillObservations, model) -> KVState:
         kv = self.inner.compress(kv, obs, model)
-        return dataclasses.replace(kv, pool=rerotate_pool(kv.pool, kv.page_table, model.config))
+        pool = rerotate_pool(kv.pool, kv.page_table, kv.lengths, obs.prompt_lengths, model.config)
+        return dataclasses.replace(kv, pool=pool)
 
 
 @base.register
 @dataclasses.dataclass(frozen=True)
 class KeyRerotation(base.Policy):
     """KeyRerotationPress: an inner scoring policy's compression with each head's kept keys
-    rotated to consecutive positions from 0 (module docstring).
+    rotated to consecutive positions, the last just before the next token's (module
+    docstring).
 
     Attributes:
       budget: tokens kept per head: a ratio of the prompt or a token count.

@@ -713,13 +713,19 @@ class PositionTracker:
 
 def decoded(model, ids: torch.Tensor, press, steps: int):
     """kvpress's pipeline's greedy loop (explicit position ids): the prompt prefilled, then
-    `steps` decode forwards. Returns (the steps + 1 generated tokens, the cache)."""
+    `steps` decode forwards from the prompt's length, or, after a press that rerotates its
+    kept keys to 0..n-1, from n (the pipeline's `cache.get_seq_length()`). Returns (the
+    steps + 1 generated tokens, the cache)."""
     cache = DynamicCache()
     with torch.no_grad(), press(model):
         logits = model(ids, past_key_values=cache).logits
         tokens = [int(logits[0, -1].argmax())]
+        rerotated = isinstance(press, kvpress.KeyRerotationPress) or (
+            isinstance(press, kvpress.FinchPress) and press.rerotate_keys
+        )
+        start = cache.get_seq_length() if rerotated else ids.shape[1]
         for step in range(steps):
-            position = torch.tensor([[ids.shape[1] + step]])
+            position = torch.tensor([[start + step]])
             logits = model(
                 torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=position
             ).logits
