@@ -60,6 +60,14 @@ def provenance_line(provenance: dict) -> str:
     )
 
 
+def commands_so_far(run_path: Path, command: str) -> list[str]:
+    """The distinct commands a resumable run's `run_path` (JSON) lists under `commands`, in
+    the order they first ran, with `command` last unless listed already."""
+    previous = json.loads(run_path.read_text()) if run_path.exists() else {}
+    listed = list(dict.fromkeys(previous.get("commands", [])))
+    return listed if command in listed else [*listed, command]
+
+
 def save(
     out: Path, stem: str, report: dict | list, markdown: str | None = None, indent: int | None = 2
 ) -> None:

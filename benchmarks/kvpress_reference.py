@@ -428,7 +428,7 @@ def ruler_cells(args: argparse.Namespace):
 
 def run_ruler(args: argparse.Namespace, argv: list[str]) -> dict:
     """--ruler: every exported sample through kvpress's presses; records appended as they end,
-    OUT/run.json the provenance of the latest (resumed) run."""
+    OUT/run.json the provenance of the latest (resumed) run and every distinct command run."""
     lines = args.ruler.read_text().splitlines()
     samples = [sample_from_json(json.loads(line)) for line in lines]
     samples = [
@@ -437,8 +437,10 @@ def run_ruler(args: argparse.Namespace, argv: list[str]) -> dict:
     path = downloads.model_path(args.model)
     (model, stop), tokenizer = load_model(path), gguf_tokenizer(path)
     args.out.mkdir(parents=True, exist_ok=True)
-    provenance = {"provenance": reference_provenance(argv), "model": args.model}
-    (args.out / "run.json").write_text(json.dumps(provenance, indent=1, default=str) + "\n")
+    provenance = reference_provenance(argv)
+    commands = harness.commands_so_far(args.out / "run.json", provenance["command"])
+    run = {"provenance": provenance, "commands": commands, "model": args.model}
+    (args.out / "run.json").write_text(json.dumps(run, indent=1, default=str) + "\n")
     records = args.out / "records.jsonl"
     done = {record_key(r) for r in load_records(records)}
     jobs = [

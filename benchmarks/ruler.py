@@ -453,12 +453,11 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     samples = load_samples(tokenizer, args.tasks, args.length, args.samples, args.seed, args.out)
-    run_path = args.out / "run.json"
-    previous = json.loads(run_path.read_text()) if run_path.exists() else {}
+    command = "jaxkv bench ruler " + " ".join(argv)
     run = {
         "title": f"RULER (synthetic) on {Path(args.model).stem} at {args.length} tokens",
         "provenance": harness.provenance("jaxkv bench ruler", argv),
-        "commands": [*previous.get("commands", []), "jaxkv bench ruler " + " ".join(argv)],
+        "commands": harness.commands_so_far(args.out / "run.json", command),
         "model": args.model,
         "model_name": Path(args.model).stem,
         "file_sha256": model_file_sha256(args.model),

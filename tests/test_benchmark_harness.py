@@ -30,6 +30,14 @@ def test_save_writes_the_json_and_the_markdown_side_by_side(tmp_path):
     assert not (tmp_path / "flat.md").exists()
 
 
+def test_commands_so_far_lists_each_resumed_command_once_in_first_run_order(tmp_path):
+    run = tmp_path / "run.json"
+    assert harness.commands_so_far(run, "a") == ["a"]
+    run.write_text(json.dumps({"commands": ["a", "b", "a", "c", "b"]}))
+    assert harness.commands_so_far(run, "b") == ["a", "b", "c"]
+    assert harness.commands_so_far(run, "d") == ["a", "b", "c", "d"]
+
+
 def test_read_bandwidth_times_a_read_of_every_byte(monkeypatch):
     seen = {}
 

@@ -157,6 +157,8 @@ def test_runner_writes_the_leaderboard_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(ruler, "answer", never)
     ruler.main(argv)  # every key is in records.jsonl: nothing runs
     assert len((out / "records.jsonl").read_text().splitlines()) == 6
+    run = json.loads((out / "run.json").read_text())  # the resumed command listed once
+    assert run["commands"] == ["jaxkv bench ruler " + " ".join(argv)]
 
     # Both ratios of both policies of a sample from one read of its context (agnostic), both
     # ratios of SnapKV (the aware policy here) from one read of the prompt (aware): SnapKV 0.5's
