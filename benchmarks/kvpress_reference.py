@@ -597,6 +597,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     provenance = reference_provenance(argv)
+    commands = harness.commands_so_far(report_path, "kvpress_reference " + " ".join(argv))
     for name, budget, length, task, setting in tqdm(cells, desc="kvpress", unit="cell"):
         episodes = [build_episode(tokenizer, task, length, i) for i in range(args.samples)]
         model.set_attn_implementation(ATTENTION.get(name, "eager"))
@@ -607,7 +608,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(rows[-1]), flush=True)
         report = {
             "provenance": provenance,
-            "commands": [*previous.get("commands", []), "kvpress_reference " + " ".join(argv)],
+            "commands": commands,
             "model": args.model,
             "file_sha256": downloads.KNOWN_MODELS[args.model].sha256,
             "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         "title": f"Shared context, {args.questions} questions, on {Path(args.model).stem} at "
         f"{args.length} tokens",
         "provenance": harness.provenance("jaxkv bench ruler_shared", argv),
-        "commands": [*previous.get("commands", []), "jaxkv bench ruler_shared " + " ".join(argv)],
+        "commands": harness.commands_so_far(run_path, "jaxkv bench ruler_shared " + " ".join(argv)),
         "model": args.model,
         "file_sha256": model_file_sha256(args.model),
         "length": args.length,

@@ -1,5 +1,6 @@
 """RULER's synthetic tasks (`benchmarks/ruler_tasks.py`), its runner (`jaxkv bench ruler`) and the
-shared-context suite's contexts, on the bundled byte-level reference model."""
+shared-context suite's contexts and runner (`jaxkv bench ruler_shared`), on the bundled
+byte-level reference model."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import re
 import pytest
 
 from jaxkv import bundled, policies
-from jaxkv.benchmarks import ruler, ruler_report, ruler_tasks, shared_context_tasks
+from jaxkv.benchmarks import (
+    ruler,
+    ruler_report,
+    ruler_shared,
+    ruler_tasks,
+    shared_context_tasks,
+)
 from jaxkv.models import load_tokenizer
 
 
@@ -113,6 +120,38 @@ def test_shared_contexts_hold_every_answer_and_rotate_the_kinds(tokenizer):
         assert len(context.context_ids) + max(map(len, context.questions)) <= 1536
     assert contexts[1].kinds == contexts[0].kinds[1:] + shared_context_tasks.QUESTION_KINDS[6:7]
     assert shared_context_tasks.build_shared_context(tokenizer, 1536, 0, 6) == contexts[0]
+
+
+def test_shared_runner_asks_each_context_once_per_cell_and_resumes(tmp_path, monkeypatch):
+    out = tmp_path / "shared"
+    argv = ["--model", str(bundled.REFERENCE_MODEL), "--length", "1536", "--contexts", "2"]
+    argv += ["--questions", "4", "--policies", "full", "snapkv", "h2o:evict_every=8"]
+    argv += ["--ratios", "0.5", "--out", str(out)]
+    ruler_shared.main(argv)
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * 4  # full and SnapKV; H2O evicts while decoding
+    assert {(r["policy"], r["ratio"]) for r in records} == {("full", 0.0), ("snapkv", 0.5)}
+    for r in records:  # a context's questions share its pages: held once, rows on top
+        assert r["kv_bytes"] < r["total_bytes"] < r["separate_bytes"]
+    run = json.loads((out / "run.json").read_text())
+    assert len(run["skipped"]) == 1 and run["skipped"][0].startswith("h2o:evict_every=8: ")
+    rows = {r["policy"]: r for r in json.loads((out / "shared.json").read_text())["rows"]}
+    assert 0.4 < rows["snapkv"]["kept_share"] < 0.6 and rows["full"]["kept_share"] == 1.0
+    assert list(rows["full"]["positions"]) == ["0", "1", "2", "3"]
+    kinds = {r["task"] for r in records}
+    assert set(rows["snapkv"]["kinds"]) == kinds <= set(shared_context_tasks.QUESTION_KINDS)
+    snap = [r["score"] for r in records if r["policy"] == "snapkv"]
+    assert rows["snapkv"]["average"] == pytest.approx(100 * sum(snap) / len(snap))
+
+    def never(*args, **kwargs):
+        raise AssertionError("a finished context was asked again")
+
+    monkeypatch.setattr(ruler_shared, "ask_context", never)
+    ruler_shared.main(
+        [*argv[: argv.index("h2o:evict_every=8")], "--ratios", "0.5", "--out", str(out)]
+    )
+    commands = json.loads((out / "run.json").read_text())["commands"]
+    assert len(commands) == 2 and len(set(commands)) == 2
 
 
 def test_runner_writes_the_leaderboard_and_resumes(tmp_path, monkeypatch):
