@@ -14,8 +14,10 @@ question or answer in its cache), so a position's score differs from another's o
 kinds asked there. Bytes: the context's pages held once (`AskOutput.shared_bytes`) and all rows
 together (`total_bytes`). WG-KV's tau per ratio comes from `--wgkv-calibration` (the file
 `jaxkv bench ruler` writes). A policy that evicts while decoding cannot share pages: `ask`
-refuses it and the cell is reported as skipped. Records: OUT/records.jsonl, one line per
-question as each context finishes; a rerun skips the contexts done.
+refuses it, and the cell is reported as skipped before anything runs. Each context is read
+once for the policies and ratios whose prefills read alike (`jaxkv.prefill_each`, as `jaxkv
+bench ruler` groups them), then compressed and asked by each. Records: OUT/records.jsonl, one
+line per question as each (cell, context) finishes; a rerun skips those done.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tqdm import tqdm
 
 import jaxkv
 from jaxkv import policies
-from jaxkv.benchmarks import harness, ruler_report
+from jaxkv.benchmarks import harness, ruler, ruler_report
 from jaxkv.benchmarks.ruler_tasks import postprocess
 from jaxkv.benchmarks.shared_context_tasks import (
     ANSWER_TOKENS,
@@ -41,23 +43,32 @@ from jaxkv.benchmarks.shared_context_tasks import (
     build_shared_context,
     score,
 )
+from jaxkv.generation.decoding import check_shared_decode
 from jaxkv.model_sources import load_model, model_file_sha256, shipped_name, stop_tokens
 from jaxkv.policies import spec
 
 
-def ask_context(model, tokenizer, policy, params, context: SharedContext, stop) -> list[dict]:
-    """One context's questions through `jaxkv.ask`: a record per question (its position)."""
+def ask_context(
+    model, tokenizer, context: SharedContext, stop, source, read_seconds: float = 0.0
+) -> list[dict]:
+    """One context's questions through `jaxkv.ask`: a record per question (its position).
+    `source`: the compressed context (a one-row `Session`) or (policy, params) to prefill it
+    with; `read_seconds` is added to the records' seconds (a share of a read done before)."""
     start = time.perf_counter()
+    if isinstance(source, jaxkv.Session):
+        prompt, policy, params = source, None, None
+    else:
+        prompt, (policy, params) = list(context.context_ids), source
     out = jaxkv.ask(
         model,
-        list(context.context_ids),
+        prompt,
         [list(q) for q in context.questions],
         policy,
         max_new_tokens=ANSWER_TOKENS,
         stop_tokens=stop,
         policy_params=params,
     )
-    seconds = round(time.perf_counter() - start, 2)
+    seconds = round(time.perf_counter() - start + read_seconds, 2)
     records = []
     for position, (row, count) in enumerate(
         zip(out.answers.tokens, out.answers.num_tokens, strict=True)
@@ -81,6 +92,27 @@ def ask_context(model, tokenizer, policy, params, context: SharedContext, stop) 
             }
         )
     return records
+
+
+def ask_each(model, tokenizer, context: SharedContext, stop, chosen) -> list[list[dict]]:
+    """`ask_context` under each of `chosen` ((policy, params) pairs whose prefills read alike),
+    the context read once (`jaxkv.prefill_each`); each cell's seconds are its own compression
+    and answers plus an equal share of the read."""
+    start = time.perf_counter()
+    sessions = jaxkv.prefill_each(
+        model,
+        [list(context.context_ids)],
+        [policy for policy, _ in chosen],
+        policy_params=[params for _, params in chosen],
+    )
+    share = (time.perf_counter() - start) / len(chosen)
+    results = []
+    for _ in chosen:
+        began = time.perf_counter()
+        session = next(sessions)  # compressed here
+        compression = time.perf_counter() - began
+        results.append(ask_context(model, tokenizer, context, stop, session, share + compression))
+    return results
 
 
 def summary(records: list[dict]) -> list[dict]:
@@ -192,33 +224,54 @@ def main(argv: list[str] | None = None) -> dict:
         "length": args.length,
         "skipped": previous.get("skipped", []),
     }
-    harness.save(args.out, "run", run)
     records_path = args.out / "records.jsonl"
     done = {
         (r["policy"], r["ratio"], r["context"]) for r in ruler_report.load_records(records_path)
     }
     cells = [(e, 0.0) for e, (n, _) in parsed.items() if n == "full"]
     cells += [(e, r) for r in args.ratios for e, (n, _) in parsed.items() if n != "full"]
-    stop = stop_tokens(tokenizer, model.config)
-    for entry, ratio in tqdm(cells, desc="ruler_shared", unit="cell"):
-        name, options = parsed[entry]
+    params = {}
+    for entry, (name, _) in parsed.items():
         part = policies.get(name).params
-        params = (
-            part.load(part.shipped_path(shipped_name(args.model)), model.config) if part else None
-        )
-        policy = _policy(name, options, ratio, taus).for_tokenizer(tokenizer)
-        for context in contexts:
-            if (entry, ratio, context.index) in done:
-                continue
-            try:
-                records = ask_context(model, tokenizer, policy, params, context, stop)
-            except ValueError as error:  # ask refuses a policy evicting during decode
-                run["skipped"] = sorted({*run["skipped"], f"{entry}: {error}"})
-                harness.save(args.out, "run", run)
-                break
+        model_name = shipped_name(args.model)
+        params[entry] = part.load(part.shipped_path(model_name), model.config) if part else None
+    chosen = {}
+    for entry, ratio in cells:
+        policy = _policy(*parsed[entry], ratio, taus).for_tokenizer(tokenizer)
+        try:  # `ask` refuses a policy evicting during decode: before any read
+            check_shared_decode(policy, ANSWER_TOKENS)
+        except ValueError as error:
+            run["skipped"] = sorted({*run["skipped"], f"{entry}: {error}"})
+            continue
+        chosen[(entry, ratio)] = (policy, params[entry])
+    harness.save(args.out, "run", run)
+    shared = {
+        entry: chosen[(entry, ratio)]
+        for entry, ratio in chosen
+        if ratio == args.ratios[0] and ruler.reads_once(*parsed[entry])
+    }
+    classes = ruler.prefill_classes(shared)
+    jobs = [
+        (entry, ratio, "shared", "context", context.index)
+        for context in contexts
+        for entry, ratio in chosen
+        if (entry, ratio, context.index) not in done
+    ]
+    stop = stop_tokens(tokenizer, model.config)
+    progress = tqdm(total=len(jobs), desc="ruler_shared", unit="cell")
+    for group in ruler.job_groups(jobs, classes):
+        context = contexts[group[0][-1]]
+        pairs = [chosen[(entry, ratio)] for entry, ratio, *_ in group]
+        if len(pairs) > 1:
+            results = ask_each(model, tokenizer, context, stop, pairs)
+        else:
+            results = [ask_context(model, tokenizer, context, stop, pairs[0])]
+        for (entry, ratio, *_), records in zip(group, results, strict=True):
             for record in records:
                 record = {**record, "policy": entry, "ratio": ratio, "setting": "shared"}
                 ruler_report.append_record(records_path, record)
+        progress.update(len(group))
+    progress.close()
     text = render(args.out)
     print(text)
     return {"report": text}
