@@ -7,6 +7,8 @@ kvpress's pipeline is reproduced step by step with its public press API:
             the press (kvpress's `KVPressTextGenerationPipeline`);
   aware     the whole prompt, question included, is prefilled under the press (kvpress's
             evaluation with `compress_questions`), then the answer decoded greedily.
+After a press that rotates its n kept keys to positions 0..n-1 (KeyRerotationPress, FinchPress)
+the rest is read from position n, as the pipeline reads on from `cache.get_seq_length()`.
 kvpress's compression_ratio is the share removed: jaxkv's budget b is kvpress's 1 - b. Scores,
 intervals and the table are `real_quality`'s, so the two files compare cell by cell.
 
