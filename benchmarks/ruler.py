@@ -27,9 +27,9 @@ only. Records carry each sample's own bytes: the leaderboard's `kept` column is 
 held across the samples.
 
 The forward pass over a 4K prompt is most of a sample's cost, so a sample's pending jobs
-(ratios and policies) whose prefills read alike (`prefill_classes`: no budget read during
-prefill, so not WG-KV's thresholds nor Fast KVzip's chunk eviction; the same forward pass) run
-together, in either setting: what the setting compresses (the context, or the context and
+(ratios and policies) whose prefills read alike (`read_groups.prefill_classes`: no budget
+read during prefill, so not WG-KV's thresholds nor Fast KVzip's chunk eviction; the same
+forward pass) run together, in either setting: what the setting compresses (the context, or the context and
 the question) read once, then compressed by each policy at each ratio (`jaxkv.prefill_each`;
 each the same kept tokens as its own prefill), and each answer decoded from its own copy.
 Decoding is then most of the
@@ -61,6 +61,7 @@ from tqdm import tqdm
 import jaxkv
 from jaxkv import policies
 from jaxkv.benchmarks import harness, ruler_report
+from jaxkv.benchmarks.read_groups import job_groups, prefill_classes, reads_once
 from jaxkv.benchmarks.ruler_tasks import (
     DEFAULT_SEED,
     TASKS,
@@ -70,7 +71,6 @@ from jaxkv.benchmarks.ruler_tasks import (
     sample_from_json,
     string_match_all,
 )
-from jaxkv.generation.budgets import budget_read_in_prefill, one_prefill_refusal
 from jaxkv.generation.joined import decode_ready, join_refusal, join_sessions
 from jaxkv.model_sources import load_model, model_file_sha256, shipped_name, stop_tokens
 from jaxkv.policies import spec
@@ -350,46 +350,6 @@ def cells(parsed, ratios, settings, aware_policies):
             for entry, (name, _) in parsed.items():
                 if name != "full" and (setting == "agnostic" or name in aware_policies):
                     yield entry, ratio, setting
-
-
-def reads_once(name: str, options: dict) -> bool:
-    """Whether policy `name` with `options` can share a read of a prompt with other ratios and
-    policies (`jaxkv.prefill_each`): its prefill reads no budget (WG-KV's ratios are
-    thresholds); the full cache runs once anyway."""
-    if name in ("full", "wgkv"):
-        return False
-    return budget_read_in_prefill(policies.get(name, **options)) is None
-
-
-def prefill_classes(chosen: dict) -> dict:
-    """{entry: class}: entries of `chosen` ({entry: (policy, params)}) in classes whose
-    members' prefills read alike (`one_prefill_refusal`), each joining the first class that
-    takes it."""
-    classes: list[list] = []
-    for entry in chosen:
-        for members in classes:
-            trial = [chosen[e] for e in (*members, entry)]
-            if one_prefill_refusal([p for p, _ in trial], [q for _, q in trial]) is None:
-                members.append(entry)
-                break
-        else:
-            classes.append([entry])
-    return {entry: index for index, members in enumerate(classes) for entry in members}
-
-
-def job_groups(jobs, classes: dict) -> list[list[tuple]]:
-    """`jobs` ((entry, ratio, setting, task, index), in run order) in groups that one prefill
-    serves: a sample's pending jobs in one setting of the entries of one class of `classes`
-    ({entry: class}, `prefill_classes`) together, in the first one's place, an entry's jobs
-    side by side; every other job alone."""
-    groups: dict[tuple, list[tuple]] = {}
-    for job in jobs:
-        entry, _, setting, task, index = job
-        key = (classes[entry], setting, task, index) if entry in classes else job
-        groups.setdefault(key, []).append(job)
-    first_place = {entry: place for place, entry in reversed(list(enumerate(j[0] for j in jobs)))}
-    # An entry's ratios side by side: `prefill_each` compresses them in one program.
-    return [sorted(group, key=lambda job: first_place[job[0]]) for group in groups.values()]
 
 
 def render(out: Path, against: Path | None = None) -> str:

@@ -34,7 +34,8 @@ from tqdm import tqdm
 
 import jaxkv
 from jaxkv import policies
-from jaxkv.benchmarks import harness, ruler, ruler_report
+from jaxkv.benchmarks import harness, ruler_report
+from jaxkv.benchmarks.read_groups import job_groups, prefill_classes, reads_once
 from jaxkv.benchmarks.ruler_tasks import postprocess
 from jaxkv.benchmarks.shared_context_tasks import (
     ANSWER_TOKENS,
@@ -248,9 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
     shared = {
         entry: chosen[(entry, ratio)]
         for entry, ratio in chosen
-        if ratio == args.ratios[0] and ruler.reads_once(*parsed[entry])
+        if ratio == args.ratios[0] and reads_once(*parsed[entry])
     }
-    classes = ruler.prefill_classes(shared)
+    classes = prefill_classes(shared)
     jobs = [
         (entry, ratio, "shared", "context", context.index)
         for context in contexts
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     stop = stop_tokens(tokenizer, model.config)
     progress = tqdm(total=len(jobs), desc="ruler_shared", unit="cell")
-    for group in ruler.job_groups(jobs, classes):
+    for group in job_groups(jobs, classes):
         context = contexts[group[0][-1]]
         pairs = [chosen[(entry, ratio)] for entry, ratio, *_ in group]
         if len(pairs) > 1:

@@ -13,6 +13,7 @@ import pytest
 
 from jaxkv import bundled, policies
 from jaxkv.benchmarks import (
+    read_groups,
     ruler,
     ruler_report,
     ruler_shared,
@@ -269,7 +270,7 @@ def test_a_sample_s_jobs_of_policies_that_read_alike_run_together_in_each_settin
         ("snapkv", 0.5, "aware", "vt", 0),
         ("snapkv", 0.75, "aware", "vt", 0),
     ]
-    groups = ruler.job_groups(jobs, {"snapkv": 0, "knorm": 0, "h2o": 1})
+    groups = read_groups.job_groups(jobs, {"snapkv": 0, "knorm": 0, "h2o": 1})
     assert groups == [
         [jobs[0], jobs[4], jobs[1], jobs[5]],  # an entry's ratios side by side
         [jobs[2]],
@@ -278,13 +279,13 @@ def test_a_sample_s_jobs_of_policies_that_read_alike_run_together_in_each_settin
         [jobs[7]],
         [jobs[8], jobs[9]],
     ]
-    assert ruler.reads_once("snapkv", {}) and ruler.reads_once("kvzip", {})
-    assert not any(ruler.reads_once(name, {}) for name in ("full", "wgkv", "fastkvzip"))
+    assert read_groups.reads_once("snapkv", {}) and read_groups.reads_once("kvzip", {})
+    assert not any(read_groups.reads_once(name, {}) for name in ("full", "wgkv", "fastkvzip"))
     chosen = {
         name: (policies.get(name, budget=0.5), None)
         for name in ("snapkv", "h2o", "knorm", "observed_attention", "expected_attention")
     }
-    assert ruler.prefill_classes(chosen) == {
+    assert read_groups.prefill_classes(chosen) == {
         "snapkv": 0,
         "h2o": 1,  # accumulates attention during prefill
         "knorm": 0,
