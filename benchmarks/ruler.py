@@ -29,9 +29,10 @@ held across the samples.
 The forward pass over a 4K prompt is most of a sample's cost, so a sample's pending jobs
 (ratios and policies) whose prefills read alike (`read_groups.prefill_classes`: no budget
 read during prefill, so not WG-KV's thresholds nor Fast KVzip's chunk eviction; the same
-forward pass) run together, in either setting: what the setting compresses (the context, or the context and
-the question) read once, then compressed by each policy at each ratio (`jaxkv.prefill_each`;
-each the same kept tokens as its own prefill), and each answer decoded from its own copy.
+forward pass) run together, in either setting: what the setting compresses (the context, or
+the context and the question) read once, then compressed by each policy at each ratio
+(`jaxkv.prefill_each`; each the same kept tokens as its own prefill), and each answer decoded
+from its own copy.
 Decoding is then most of the
 cost, and on a CPU a decode step reads every weight whatever the batch: the answers of the
 policies that do nothing while decoding (all here but StreamingLLM, which evicts every 32
