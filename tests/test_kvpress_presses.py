@@ -95,10 +95,10 @@ def test_zeroed_key_channels_equal_kvpress(model, case):
 
 @pytest.mark.parametrize("case", sorted(META["rotation_cases"]))
 def test_rerotated_keys_and_tokens_equal_kvpress(model, case):
-    """KeyRerotation: the inner press's kept positions; each head's n kept keys rotated as
-    kvpress rotates them (to 0..n-1) moved on by T - n, the prompt's length less n, since
-    kvpress's pipeline reads on from n where jaxkv reads on from T (float32 rounding apart);
-    and the same greedy tokens after the prompt as kvpress's pipeline."""
+    """KeyRerotation: the inner press's kept positions; each head's kept keys rotated as
+    kvpress rotates them (to 0, 1, ...) moved on by T - n, the prompt's length less layer 0's
+    kept count, since kvpress's pipeline reads on from n where jaxkv reads on from T (float32
+    rounding apart); and the same greedy tokens after the prompt as kvpress's pipeline."""
     name, loaded = model
     spec, kept_case, steps = META["rotation_cases"][case]
     fixture = np.load(FIXTURES / name / f"{case}.npz")
@@ -106,7 +106,7 @@ def test_rerotated_keys_and_tokens_equal_kvpress(model, case):
     policy = policies.from_spec(spec)
     state = jaxkv.compress_prompt(loaded, [META["prompt"]], policy)
     pages = np.asarray(state.pool.k_pages)
-    length = len(META["prompt"])
+    shift = len(META["prompt"]) - int((kept[0] >= 0).sum(-1).max())
     for layer, heads in enumerate(fixture["keys"]):
         positions = np.asarray(state.positions(layer))[0]
         for head, theirs in enumerate(heads):
@@ -114,9 +114,8 @@ def test_rerotated_keys_and_tokens_equal_kvpress(model, case):
             assert held.tolist() == sorted(int(p) for p in kept[layer, head] if p >= 0)
             table = np.asarray(state.page_table)[layer, 0, head]
             keys = pages[table[table >= 0]].reshape(-1, pages.shape[-1])[: len(held)]
-            shift = np.full((1, len(held)), length - len(held), np.int32)
-            cos, sin = layers.rope_cos_sin(loaded.config, shift)
-            moved = np.asarray(layers.apply_rope(theirs[None, None], cos, sin))[0, 0]
+            cos, sin = layers.rope_cos_sin(loaded.config, np.full((1, len(held)), shift))
+            moved = layers.apply_rope(theirs[None, None, : len(held)], cos, sin)[0, 0]
             np.testing.assert_allclose(keys, moved, rtol=1e-4, atol=1e-5)
     out = jaxkv.generate(loaded, [META["prompt"]], max_new_tokens=steps + 1, policy=policy)
     assert out.tokens[0][: int(out.num_tokens[0])].tolist() == fixture["tokens"].tolist()

@@ -1,16 +1,17 @@
 """KeyRerotation as NVIDIA kvpress 0.5.5 runs KeyRerotationPress: an inner scoring policy
-compresses the prompt, then each head's kept keys are rotated (RoPE) to consecutive positions,
-and what follows the prompt sees them as the run of tokens just before it. kvpress rotates the
-n kept keys to positions 0..n-1 and its pipeline reads on from position n (`cache.
-get_seq_length()`); jaxkv reads on from the prompt's length T, so it rotates the i-th kept key
-(in position order) to T - n + i. Attention depends on positions only through their
-differences, so every later query sees the kept keys at kvpress's distances. Values and the
-tokens' recorded positions are unchanged (the SinkCache and FINCH use of rerotation).
+compresses the prompt, then each head's kept keys are rotated (RoPE) to consecutive positions.
+kvpress rotates a head's kept keys to positions 0, 1, ... and its pipeline reads on from
+position n, layer 0's kept count (`cache.get_seq_length()`); jaxkv reads on from the prompt's
+length T, so it rotates the i-th kept key (in position order) of every head to T - n + i.
+Attention depends on positions only through their differences, so every later query sees the
+kept keys at kvpress's distances; with as many kept in every head (FINCH, a uniform budget)
+they are the run of tokens just before the next. Values and the tokens' recorded positions are
+unchanged (the SinkCache and FINCH use of rerotation).
 
 Keys are stored post-RoPE, so the rotation by (target - position) is exact up to float
-rounding. Int8 storage is refused (its keys are quantized after rotation). Paper
-(docs/references.md): FINCH, "Prompt-guided Key-Value Cache Compression for Large Language
-Models" (TACL 2024).
+rounding. Int8 storage starts after the compression (`start_int8`), so it quantizes the
+rotated keys; a pool already holding int8 tokens is refused. Paper (docs/references.md):
+FINCH, "Prompt-guided Key-Value Cache Compression for Large Language Models" (TACL 2024).
 """
 
 from __future__ import annotations
@@ -46,19 +47,23 @@ def per_page(page_table: jax.Array, values: jax.Array, num_pages: int) -> jax.Ar
 def rerotate_pool(
     pool: PagePool, page_table: jax.Array, lengths: jax.Array, prompt_lengths: jax.Array, config
 ) -> PagePool:
-    """`pool` with each held key rotated from its position to the one just before the next
-    token's: head slot s (after `compact`, the token's rank in position order among the head's
-    n kept) goes to position T - n + s, T the row's prompt length.
+    """`pool` with each held key rotated from its position to T - n + s: s its head slot
+    (after `compact`, the token's rank in position order among the head's kept), T its row's
+    prompt length, n its row's layer-0 kept count (the most of its heads).
 
-    page_table: int32 [L, B, K, M]; lengths: int32 [L, B, K] (n); prompt_lengths: int32 [B]."""
+    page_table: int32 [L, B, K, M]; lengths: int32 [L, B, K] kept per head; prompt_lengths:
+    int32 [B]."""
     if pool.k_scales is not None or pool.int8 is not None:
         raise ValueError("policy 'key_rerotation' cannot rotate int8 keys (int8 storage is on)")
     first_slot = jnp.arange(page_table.shape[-1], dtype=jnp.int32) * pool.page_size
+    offset = prompt_lengths - jnp.max(lengths[0], axis=-1)  # [B]: T - n
     named = per_page(page_table, jnp.zeros((), jnp.int32), pool.num_pages)[:, None] >= 0
-    offset = prompt_lengths[None, :, None] - lengths  # [L, B, K]: T - n
-    first = per_page(page_table, first_slot + offset[..., None], pool.num_pages)[:, None]
-    targets = first + jnp.arange(pool.page_size, dtype=jnp.int32)
-    held = (pool.token_positions >= 0) & named  # [P, p]: this state's held tokens
+    first = per_page(page_table, first_slot + offset[None, :, None, None], pool.num_pages)
+    # A head holds its first `lengths` slots (a page's later slots may keep stale tokens).
+    count = per_page(page_table, lengths[..., None] - first_slot, pool.num_pages)
+    slot = jnp.arange(pool.page_size, dtype=jnp.int32)
+    held = named & (slot < count[:, None])  # [P, p]: this state's held tokens
+    targets = first[:, None] + slot
     delta = jnp.where(held, targets - pool.token_positions, 0)
     cos, sin = layers.rope_cos_sin(config, delta)  # [P, p, H]
     keys = layers.apply_rope(pool.k_pages[:, None], cos, sin)[:, 0]
