@@ -29,6 +29,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -48,28 +49,20 @@ from jaxkv.generation.decoding import check_shared_decode
 from jaxkv.model_sources import load_model, model_file_sha256, shipped_name, stop_tokens
 from jaxkv.policies import spec
 
+# Seeds the compression of policies that draw random numbers, read alone or with others.
+COMPRESSION_KEY = jax.random.PRNGKey(0)
 
-def ask_context(
-    model, tokenizer, context: SharedContext, stop, source, read_seconds: float = 0.0
-) -> list[dict]:
-    """One context's questions through `jaxkv.ask`: a record per question (its position).
-    `source`: the compressed context (a one-row `Session`) or (policy, params) to prefill it
-    with; `read_seconds` is added to the records' seconds (a share of a read done before)."""
-    start = time.perf_counter()
-    if isinstance(source, jaxkv.Session):
-        prompt, policy, params = source, None, None
-    else:
-        prompt, (policy, params) = list(context.context_ids), source
+
+def ask_context(model, tokenizer, context: SharedContext, stop, session) -> list[dict]:
+    """One context's questions through `jaxkv.ask` over `session` (the context compressed): a
+    record per question (its position), without its seconds."""
     out = jaxkv.ask(
         model,
-        prompt,
+        session,
         [list(q) for q in context.questions],
-        policy,
         max_new_tokens=ANSWER_TOKENS,
         stop_tokens=stop,
-        policy_params=params,
     )
-    seconds = round(time.perf_counter() - start + read_seconds, 2)
     records = []
     for position, (row, count) in enumerate(
         zip(out.answers.tokens, out.answers.num_tokens, strict=True)
@@ -89,31 +82,33 @@ def ask_context(
                 "kv_bytes": float(out.shared_bytes),
                 "total_bytes": float(out.total_bytes),
                 "separate_bytes": float(out.separate_bytes),
-                "seconds": seconds,
             }
         )
     return records
 
 
-def ask_each(model, tokenizer, context: SharedContext, stop, chosen) -> list[list[dict]]:
-    """`ask_context` under each of `chosen` ((policy, params) pairs whose prefills read alike),
-    the context read once (`jaxkv.prefill_each`); each cell's seconds are its own compression
-    and answers plus an equal share of the read."""
+def ask_cells(model, tokenizer, context: SharedContext, stop, chosen) -> list[list[dict]]:
+    """`ask_context` under each of `chosen` ((policy, params) pairs; several only where their
+    prefills read alike: the context read once, `jaxkv.prefill_each`). Each cell's records
+    carry an equal share of the whole's seconds."""
     start = time.perf_counter()
-    sessions = jaxkv.prefill_each(
-        model,
-        [list(context.context_ids)],
-        [policy for policy, _ in chosen],
-        policy_params=[params for _, params in chosen],
-    )
-    share = (time.perf_counter() - start) / len(chosen)
-    results = []
-    for _ in chosen:
-        began = time.perf_counter()
-        session = next(sessions)  # compressed here
-        compression = time.perf_counter() - began
-        results.append(ask_context(model, tokenizer, context, stop, session, share + compression))
-    return results
+    ids = [list(context.context_ids)]
+    if len(chosen) == 1:
+        (policy, params), *_ = chosen
+        sessions = iter(
+            [jaxkv.prefill(model, ids, policy, key=COMPRESSION_KEY, policy_params=params)]
+        )
+    else:
+        sessions = jaxkv.prefill_each(
+            model,
+            ids,
+            [policy for policy, _ in chosen],
+            key=COMPRESSION_KEY,
+            policy_params=[params for _, params in chosen],
+        )
+    results = [ask_context(model, tokenizer, context, stop, next(sessions)) for _ in chosen]
+    seconds = round((time.perf_counter() - start) / len(chosen), 2)
+    return [[{**record, "seconds": seconds} for record in records] for records in results]
 
 
 def summary(records: list[dict]) -> list[dict]:
@@ -263,10 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     for group in job_groups(jobs, classes):
         context = contexts[group[0][-1]]
         pairs = [chosen[(entry, ratio)] for entry, ratio, *_ in group]
-        if len(pairs) > 1:
-            results = ask_each(model, tokenizer, context, stop, pairs)
-        else:
-            results = [ask_context(model, tokenizer, context, stop, pairs[0])]
+        results = ask_cells(model, tokenizer, context, stop, pairs)
         for (entry, ratio, *_), records in zip(group, results, strict=True):
             for record in records:
                 record = {**record, "policy": entry, "ratio": ratio, "setting": "shared"}

@@ -127,20 +127,22 @@ def test_shared_contexts_hold_every_answer_and_rotate_the_kinds(tokenizer):
 def test_shared_runner_asks_each_context_once_per_cell_and_resumes(tmp_path, monkeypatch):
     out = tmp_path / "shared"
     argv = ["--model", str(bundled.REFERENCE_MODEL), "--length", "1536", "--contexts", "1"]
-    argv += ["--questions", "4", "--policies", "full", "snapkv", "knorm", "h2o:evict_every=8"]
+    argv += ["--questions", "4", "--policies", "full", "snapkv", "knorm", "random"]
+    argv += ["h2o:evict_every=8"]
     argv += ["--ratios", "0.5", "--out", str(out)]
-    reads, ask_each = [], ruler_shared.ask_each
+    reads, ask_cells = [], ruler_shared.ask_cells
     monkeypatch.setattr(
-        ruler_shared, "ask_each", lambda *args: reads.append(len(args[-1])) or ask_each(*args)
+        ruler_shared, "ask_cells", lambda *args: reads.append(len(args[-1])) or ask_cells(*args)
     )
     ruler_shared.main(argv)
-    assert reads == [2]  # SnapKV and Knorm from one read; the full cache alone
+    assert sorted(reads) == [1, 3]  # SnapKV, Knorm and Random from one read; the full cache
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    assert len(records) == 3 * 1 * 4  # full, SnapKV, Knorm; H2O evicts while decoding
+    assert len(records) == 4 * 1 * 4  # full, SnapKV, Knorm, Random; H2O evicts while decoding
     assert {(r["policy"], r["ratio"]) for r in records} == {
         ("full", 0.0),
         ("snapkv", 0.5),
         ("knorm", 0.5),
+        ("random", 0.5),
     }
     for r in records:  # a context's questions share its pages: held once, rows on top
         assert r["kv_bytes"] < r["total_bytes"] < r["separate_bytes"]
@@ -154,29 +156,23 @@ def test_shared_runner_asks_each_context_once_per_cell_and_resumes(tmp_path, mon
     snap = [r for r in records if r["policy"] == "snapkv"]
     assert rows["snapkv"]["average"] == pytest.approx(100 * sum(r["score"] for r in snap) / 4)
 
-    # SnapKV and Knorm compressed from one read of the context: SnapKV's answers and bytes
-    # are those of the context prefilled under SnapKV alone.
+    # Compressed from one read of the context, SnapKV's and Random's answers and bytes are
+    # those of the context prefilled under each alone (Random's draws from the same key).
     model, tokenizer = load_model(str(bundled.REFERENCE_MODEL))
     context = shared_context_tasks.build_shared_context(tokenizer, 1536, 0, 4)
-    alone = ruler_shared.ask_context(
-        model,
-        tokenizer,
-        context,
-        stop_tokens(tokenizer, model.config),
-        (policies.from_spec("snapkv:0.5").for_tokenizer(tokenizer), None),
-    )
-    assert [(r["prediction"], r["kv_bytes"]) for r in alone] == [
-        (r["prediction"], r["kv_bytes"]) for r in snap
-    ]
+    stop = stop_tokens(tokenizer, model.config)
+    for name in ("snapkv", "random"):
+        policy = policies.from_spec(f"{name}:0.5").for_tokenizer(tokenizer)
+        (alone,) = ruler_shared.ask_cells(model, tokenizer, context, stop, [(policy, None)])
+        assert [(r["prediction"], r["kv_bytes"]) for r in alone] == [
+            (r["prediction"], r["kv_bytes"]) for r in records if r["policy"] == name
+        ]
 
     def never(*args, **kwargs):
         raise AssertionError("a finished context was asked again")
 
-    monkeypatch.setattr(ruler_shared, "ask_context", never)
-    monkeypatch.setattr(ruler_shared, "ask_each", never)
-    ruler_shared.main(
-        [*argv[: argv.index("h2o:evict_every=8")], "--ratios", "0.5", "--out", str(out)]
-    )
+    monkeypatch.setattr(ruler_shared, "ask_cells", never)
+    ruler_shared.main([*argv[: argv.index("random")], "--ratios", "0.5", "--out", str(out)])
     commands = json.loads((out / "run.json").read_text())["commands"]
     assert len(commands) == 2 and len(set(commands)) == 2
 
