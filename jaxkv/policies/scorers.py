@@ -142,7 +142,8 @@ class PyramidKV(SnapKV):
 
     With per-head budget b, prompt length T and window w: min = b / beta, max = 2b - min (capped
     at T - w), layer l keeps round(max - l (max - min) / (L - 1)); when T >= max >= min >= w does
-    not hold, every layer keeps b (SnapKV).
+    not hold, every layer keeps b (SnapKV). b is the budget in whole tokens, where kvpress takes
+    the unrounded T (1 - compression_ratio) (docs/ruler.md: where the two differ).
     """
 
     name: ClassVar[str] = "pyramidkv"
