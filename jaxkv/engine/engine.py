@@ -729,6 +729,7 @@ class Engine:
             request.prompts.tokens[0] if reads_prompt else np.zeros((1,), np.int32),
             request.offset + request.length,
             request.budget_tokens[0],
+            request.prompt_share[0],
             request.thresholds[0],
             request.prefill_key,
             compress=compress,
@@ -756,6 +757,7 @@ class Engine:
             request.prompts.tokens[0] if reads_prompt else np.zeros((1,), np.int32),
             request.length,
             request.budget_tokens[0],
+            request.prompt_share[0],
             request.thresholds[0],
             request.prefill_key,
         )

@@ -156,6 +156,7 @@ class Executor:
         tokens,
         length,
         budget,
+        prompt_share,
         thresholds,
         prefill_key,
         *,
@@ -165,7 +166,7 @@ class Executor:
         `compress`: a question over a cached context): (its last hidden state [1, D] on the
         host, whether any head holds fewer than the `length` tokens the row read). tokens: the
         prompt (read by a compression that replays it) or a placeholder; budget, thresholds:
-        its request's row of each."""
+        its request's row of each, and its budget's share of the prompt (`prompt_share`)."""
         lanes = self.lanes
         self.kv, last_hidden, compressed = programs.finish_row(
             self.placement,
@@ -177,6 +178,7 @@ class Executor:
             tokens=lanes.one_lane(lane, tokens, np.zeros_like(tokens)),
             length=lanes.one_lane(lane, length, 1),
             budget_tokens=lanes.one_lane(lane, budget, budget),
+            prompt_share=lanes.one_lane(lane, prompt_share, prompt_share),
             thresholds=lanes.one_lane(lane, thresholds, thresholds),
             key=prefill_key,
             policy_params=self.policy_params,

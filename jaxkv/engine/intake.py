@@ -97,6 +97,7 @@ class Intake:
             prompts,
             policy.budget_tokens(prompts.lengths),
             policy.budget_ratio(1),
+            policy.prompt_share(1),
             policy.thresholds(1),
             Pages(peak, int8),
         )
@@ -138,6 +139,7 @@ class Intake:
             prompts,
             held.budget_tokens,
             held.budget_ratio,
+            np.zeros((1,), np.float32),  # nothing compresses the question
             held.thresholds,
             self.attached_pages(length),
         )
@@ -230,6 +232,7 @@ def _request(
     prompts: Prompts,
     budget_tokens: np.ndarray,
     budget_ratio: np.ndarray,
+    prompt_share: np.ndarray,
     thresholds: np.ndarray,
     peak_pages: Pages,
 ) -> Request:
@@ -238,6 +241,7 @@ def _request(
         prompts=prompts,
         budget_tokens=budget_tokens,
         budget_ratio=budget_ratio,
+        prompt_share=prompt_share,
         thresholds=thresholds,
         peak_pages=peak_pages,
         max_new_tokens=1,

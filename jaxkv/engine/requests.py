@@ -78,6 +78,7 @@ class Request:
     prompts: Prompts  # its prompt, padded into its chunks
     budget_tokens: np.ndarray
     budget_ratio: np.ndarray
+    prompt_share: np.ndarray  # f32 [1]: `Policy.prompt_share`, what its compression reads
     thresholds: np.ndarray
     peak_pages: Pages  # the most pages it holds from its first chunk to its first decode step
     max_new_tokens: int

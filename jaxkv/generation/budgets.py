@@ -176,6 +176,7 @@ def compress_observed_at_budgets(
     tokens,
     lengths,
     budget_tokens,
+    prompt_share,
     thresholds,
     kv,
     carry: PrefillCarry,
@@ -185,15 +186,24 @@ def compress_observed_at_budgets(
     policy,
     int8_window,
 ):
-    """`compress_observed` at each of budget_tokens int32 [n, B] (or [n, B, c]), from one
-    prefilled state: what does not read the budget (KVzip's replay, a scorer's scores) runs
-    once, the choice of the kept tokens once per budget. Returns (kv, last_hidden), every leaf
-    stacked [n, ...]; does not donate `kv`."""
+    """`compress_observed` at each of budget_tokens int32 [n, B] (or [n, B, c]) and
+    prompt_share f32 [n, B], from one prefilled state: what does not read the budget (KVzip's
+    replay, a scorer's scores) runs once, the choice of the kept tokens once per budget.
+    Returns (kv, last_hidden), every leaf stacked [n, ...]; does not donate `kv`."""
 
     each = functools.partial(compress_observed, policy=policy, int8_window=int8_window)
-    budgets_only = (None, None, None, 0, None, None, None, None, None)  # budget_tokens' axis
+    budgets_only = (None, None, None, 0, 0, None, None, None, None, None)  # the budgets' axis
     return jax.vmap(each, in_axes=budgets_only)(
-        model, tokens, lengths, budget_tokens, thresholds, kv, carry, key, policy_params
+        model,
+        tokens,
+        lengths,
+        budget_tokens,
+        prompt_share,
+        thresholds,
+        kv,
+        carry,
+        key,
+        policy_params,
     )
 
 
@@ -204,6 +214,7 @@ compress_at_budgets = program(
     tokens=ROWS,
     lengths=ROWS,
     budget_tokens=SAME,
+    prompt_share=SAME,
     thresholds=ROWS,
     kv=SHARD,
     carry=SHARD,
@@ -255,6 +266,7 @@ def _at_budgets(model, run, prefill, key) -> Iterator[tuple]:
         tokens=first.prompts.tokens,
         lengths=first.prompts.lengths,
         budget_tokens=jnp.stack([jnp.asarray(r.budget_tokens) for r in run]),
+        prompt_share=jnp.stack([r.policy.prompt_share(len(r.prompts.lengths)) for r in run]),
         thresholds=first.thresholds,
         kv=prefill.kv,
         carry=prefill.carry,

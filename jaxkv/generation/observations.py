@@ -169,7 +169,15 @@ def query_moments_from(policy: Policy) -> int | None:
 
 
 def observations(
-    tokens, lengths, budget_tokens, thresholds, carry: PrefillCarry, key, compression, policy_params
+    tokens,
+    lengths,
+    budget_tokens,
+    prompt_share,
+    thresholds,
+    carry: PrefillCarry,
+    key,
+    compression,
+    policy_params,
 ):
     mean = var = None
     if carry.moments is not None:
@@ -182,6 +190,7 @@ def observations(
     return PrefillObservations(
         prompt_lengths=lengths,
         budget_tokens=budget_tokens,
+        prompt_share=prompt_share,
         thresholds=thresholds,
         queries=carry.window,
         input_mean=mean,

@@ -194,6 +194,7 @@ def compress_observed(
     tokens,
     lengths,
     budget_tokens,
+    prompt_share,
     thresholds,
     kv,
     carry: PrefillCarry,
@@ -209,7 +210,15 @@ def compress_observed(
     compression = policy.prompt_compression
     if compression is not None:
         observed = observations(
-            tokens, lengths, budget_tokens, thresholds, carry, key, compression, policy_params
+            tokens,
+            lengths,
+            budget_tokens,
+            prompt_share,
+            thresholds,
+            carry,
+            key,
+            compression,
+            policy_params,
         )
         kv = compression.compress(kv, observed, model)
     if int8_window is not None:
@@ -233,6 +242,7 @@ _SPAN_PLACEMENTS = dict(
     donate=("kv",),
     num_chunks=SAME,
     key=SAME,
+    prompt_share=ROWS,
     **_SPAN_PLACEMENTS,
 )
 def prefill_and_compress(
@@ -241,6 +251,7 @@ def prefill_and_compress(
     lengths,
     num_chunks,
     budget_tokens,
+    prompt_share,
     thresholds,
     kv,
     key,
@@ -273,6 +284,7 @@ def prefill_and_compress(
         tokens,
         lengths,
         budget_tokens,
+        prompt_share,
         thresholds,
         kv,
         carry,
@@ -300,6 +312,7 @@ compress = program(
     tokens=ROWS,
     lengths=ROWS,
     budget_tokens=ROWS,
+    prompt_share=ROWS,
     thresholds=ROWS,
     kv=SHARD,
     carry=SHARD,
@@ -404,6 +417,7 @@ def finish_chunked_prefill(
         tokens=prompts.tokens,
         lengths=prompts.lengths,
         budget_tokens=request.budget_tokens,
+        prompt_share=request.policy.prompt_share(len(prompts.lengths)),
         thresholds=request.thresholds,
         kv=prefill.kv,
         carry=prefill.carry,
@@ -512,6 +526,7 @@ def run_prefill(
             lengths=prompts.lengths,
             num_chunks=np.int32(prompts.num_chunks),
             budget_tokens=request.budget_tokens,
+            prompt_share=request.policy.prompt_share(len(prompts.lengths)),
             thresholds=request.thresholds,
             kv=request.kv,
             key=key,

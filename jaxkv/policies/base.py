@@ -306,6 +306,14 @@ class Policy:
             return np.zeros((batch,), np.float32)
         return self.budget_rule.ratio(batch)
 
+    def prompt_share(self, batch: int) -> np.ndarray:
+        """f32 [B]: a prompt budget given as a share of the prompt, unrounded (0: a token
+        budget, or a budget of another kind), what PyramidKV's layer budgets read."""
+        rule = self.budget_rule
+        if not isinstance(rule, PromptBudget) or rule.budget is None:
+            return np.zeros((batch,), np.float32)
+        return rule.budget.ratio_array(batch)
+
     def planned_tokens(
         self, budget_tokens: np.ndarray, prompt_lengths: np.ndarray
     ) -> tuple[np.ndarray, str]:

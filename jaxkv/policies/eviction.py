@@ -186,9 +186,9 @@ class Scorer(abc.ABC):
     def layer_scores(self, view: LayerView) -> jax.Array:
         """f32 [B, K, S] importance of each cached token of the view's layer."""
 
-    def layer_budgets(self, budget_tokens, prompt_lengths, num_layers: int) -> jax.Array:
+    def layer_budgets(self, obs: PrefillObservations, num_layers: int) -> jax.Array:
         """int32 [L, B] tokens per head in each layer; uniform by default."""
-        del prompt_lengths
+        budget_tokens = obs.budget_tokens
         return jnp.broadcast_to(budget_tokens, (num_layers, *budget_tokens.shape))
 
 
@@ -280,7 +280,7 @@ def scored_keep_mask(
     protected = protected_slots(compression, positions, obs.prompt_lengths)
     scorer = compression.scorer
     scores = map_layers(kv, obs, model, scorer.layer_scores, values=scorer.reads_values)
-    budgets = scorer.layer_budgets(obs.budget_tokens, obs.prompt_lengths, kv.num_layers)
+    budgets = scorer.layer_budgets(obs, kv.num_layers)
     return compression._keep(scores, budgets, positions >= 0, protected)
 
 

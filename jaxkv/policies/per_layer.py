@@ -47,10 +47,10 @@ class PerLayerScores(Scorer):
     def layer_scores(self, view: LayerView) -> jax.Array:
         return self.inner.layer_scores(view)
 
-    def layer_budgets(self, budget_tokens, prompt_lengths, num_layers: int) -> jax.Array:
-        del budget_tokens, num_layers
+    def layer_budgets(self, obs, num_layers: int) -> jax.Array:
+        del num_layers
         shares = jnp.asarray(self.shares, jnp.float32)[:, None]
-        return layer_share_of(prompt_lengths[None], shares, self.protected)
+        return layer_share_of(obs.prompt_lengths[None], shares, self.protected)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -131,8 +131,15 @@ class PyramidScores(WindowAttentionScores):
 
     beta: float
 
-    def layer_budgets(self, budget_tokens, prompt_lengths, num_layers: int) -> jax.Array:
-        return pyramid_budgets(budget_tokens, prompt_lengths, num_layers, self.window, self.beta)
+    def layer_budgets(self, obs, num_layers: int) -> jax.Array:
+        budget = jnp.where(
+            obs.prompt_share > 0,
+            obs.prompt_share * obs.prompt_lengths.astype(jnp.float32),
+            obs.budget_tokens.astype(jnp.float32),
+        )
+        return pyramid_budgets(
+            budget, obs.budget_tokens, obs.prompt_lengths, num_layers, self.window, self.beta
+        )
 
 
 @base.register
@@ -142,8 +149,8 @@ class PyramidKV(SnapKV):
 
     With per-head budget b, prompt length T and window w: min = b / beta, max = 2b - min (capped
     at T - w), layer l keeps round(max - l (max - min) / (L - 1)); when T >= max >= min >= w does
-    not hold, every layer keeps b (SnapKV). b is the budget in whole tokens, where kvpress takes
-    the unrounded T (1 - compression_ratio) (docs/ruler.md: where the two differ).
+    not hold, every layer keeps its budget in whole tokens (SnapKV). A budget given as a share
+    r of the prompt is b = r T unrounded, as kvpress takes T (1 - compression_ratio).
     """
 
     name: ClassVar[str] = "pyramidkv"
@@ -158,9 +165,12 @@ class PyramidKV(SnapKV):
         return PyramidScores(self.window, self.kernel, self.beta)
 
 
-def pyramid_budgets(budget_tokens, prompt_lengths, num_layers: int, window: int, beta: float):
-    """int32 [L, B] per-layer budgets (see PyramidKV)."""
-    b = budget_tokens.astype(jnp.float32)
+def pyramid_budgets(
+    budget, budget_tokens, prompt_lengths, num_layers: int, window: int, beta: float
+):
+    """int32 [L, B] per-layer budgets (see PyramidKV) from f32 [B] `budget` (b, unrounded);
+    each layer keeps `budget_tokens` (int32 [B]) where no pyramid fits."""
+    b = budget
     t = prompt_lengths.astype(jnp.float32)
     min_num = b / beta
     max_num = 2 * b - min_num

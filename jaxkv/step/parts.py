@@ -53,6 +53,8 @@ class PrefillObservations:
       prompt_lengths: int32 [B].
       budget_tokens: int32 [B] (or [B, n] for policies with several budgets, columns named by
         `Policy.budget_columns`: `budget_column`) tokens per head.
+      prompt_share: f32 [B] the budget as a share of the prompt, unrounded (0 for a token
+        budget): PyramidKV's layer budgets read it as kvpress does.
       queries: [L, B, N, w, H] post-RoPE queries of each prompt's last w tokens (slot i holds
         position prompt_length - w + i; slots before position 0 are zero).
       input_mean, input_var: f32 [L, B, D] per-channel mean and unbiased variance of each
@@ -70,6 +72,7 @@ class PrefillObservations:
 
     prompt_lengths: jax.Array
     budget_tokens: jax.Array
+    prompt_share: jax.Array
     queries: jax.Array | None
     input_mean: jax.Array | None
     input_var: jax.Array | None

@@ -81,6 +81,11 @@ CASES = {
         lambda: kvpress.LagKVPress(compression_ratio=0.5, lag_size=128),
         "lagkv:0.5",
     ),
+    "pyramidkv": (lambda: kvpress.PyramidKVPress(compression_ratio=0.5), "pyramidkv:0.5"),
+    "pyramidkv-beta4": (
+        lambda: kvpress.PyramidKVPress(compression_ratio=0.3, window_size=8, beta=4),
+        "pyramidkv:0.7:window=8:beta=4",
+    ),
     "cur": (lambda: kvpress.CURPress(compression_ratio=0.5), "cur:0.5"),
     "cur-key": (
         lambda: kvpress.CURPress(
