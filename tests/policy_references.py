@@ -87,22 +87,28 @@ def snapkv(fwd: Forward, budget: int, window: int = 64, kernel: int = 5):
     return out
 
 
-def pyramid_budgets(budget: int, length: int, num_layers: int, window: int, beta: float):
-    """kvpress PyramidKV's per-layer budgets for n_kept = budget."""
+def pyramid_budgets(
+    budget: float, kept: int, length: int, num_layers: int, window: int, beta: float
+):
+    """kvpress PyramidKV's per-layer budgets: `budget` q_len (1 - compression_ratio) unrounded,
+    `kept` (its tokens, int(budget)) in every layer where no pyramid fits."""
     min_num = budget / beta
     max_num = 2 * budget - min_num
     if max_num >= length - window:
         max_num = length - window
         min_num = 2 * budget - max_num
     if not (length >= max_num >= min_num >= window):
-        return [budget] * num_layers
+        return [kept] * num_layers
     steps = (max_num - min_num) / (num_layers - 1)
     return [round(max_num - layer * steps) for layer in range(num_layers)]
 
 
-def pyramidkv(fwd: Forward, budget: int, window: int, beta: float = 20.0):
+def pyramidkv(fwd: Forward, budget: int, window: int, beta: float = 20.0, share=None):
+    """`share`: the budget as a share of the prompt (kvpress's 1 - compression_ratio), whose
+    unrounded product with its length the layer budgets read; None: `budget` tokens."""
     t = fwd.attentions[0].shape[-1]
-    budgets = pyramid_budgets(budget, t, len(fwd.attentions), window, beta)
+    exact = budget if share is None else share * t
+    budgets = pyramid_budgets(exact, budget, t, len(fwd.attentions), window, beta)
     out = []
     for attn, layer_budget in zip(fwd.attentions, budgets, strict=True):
         scores = snapkv_scores(attn, fwd.num_kv_heads, window, 5)

@@ -187,6 +187,7 @@ ANSWERS = {
     "budget_columns",
     "budget_tokens",
     "budget_ratio",
+    "prompt_share",
     "planned_tokens",
     "threshold_names",
     "thresholds",

@@ -65,7 +65,7 @@ CASES = {
     "pyramidkv": (
         lambda: policies.PyramidKV(budget=0.4, window=4, beta=4.0),
         ref.pyramidkv,
-        {"window": 4, "beta": 4.0},
+        {"window": 4, "beta": 4.0, "share": 0.4},
     ),
     "tova": (lambda: policies.TOVA(budget=0.3), ref.tova, {}),
     "knorm": (lambda: policies.Knorm(budget=0.3), ref.knorm, {}),
