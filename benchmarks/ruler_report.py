@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -131,13 +132,18 @@ def markdown(rows: list[dict], tasks: list[str]) -> str:
 
 def write_cells(records: list[dict], out: Path, benchmark: str, run: dict) -> None:
     """kvpress's per-run layout: OUT/cells/NAME/predictions.csv and metrics.json per cell (its
-    task scores, and the run's provenance beside them)."""
+    task scores, and the run's provenance beside them); a cell no record holds any more (its
+    records dropped to run again) is removed."""
     length, model = run["length"], run["model_name"]
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         cells[(r["policy"], r["ratio"], r["setting"])].append(r)
+    names = {key: cell_name(benchmark, length, model, *key) for key in cells}
+    if (out / "cells").is_dir():
+        for stale in set(p.name for p in (out / "cells").iterdir()) - set(names.values()):
+            shutil.rmtree(out / "cells" / stale)
     for (policy, ratio, setting), found in cells.items():
-        directory = out / "cells" / cell_name(benchmark, length, model, policy, ratio, setting)
+        directory = out / "cells" / names[(policy, ratio, setting)]
         directory.mkdir(parents=True, exist_ok=True)
         found = sorted(found, key=lambda r: (r["task"], r["index"]))
         with (directory / "predictions.csv").open("w", newline="") as file:

@@ -58,6 +58,18 @@ def test_versus_kvpress_is_jaxkv_minus_kvpress_over_the_samples_both_ran():
     assert "Full cache: 1/1 predictions identical." in table
 
 
+def test_cells_follow_the_records_a_dropped_cell_removed(tmp_path):
+    run = {"length": 4096, "model_name": "m", "provenance": {"command": "c"}}
+    record = {"task": "vt", "index": 0, "prediction": "x", "outputs": ["x"], "score": 1.0}
+    records = [{**record, "policy": p, "ratio": 0.5, "setting": "agnostic"} for p in "ab"]
+    ruler_report.write_cells(records, tmp_path, "ruler", run)
+    assert len(list((tmp_path / "cells").iterdir())) == 2
+    ruler_report.write_cells(records[:1], tmp_path, "ruler", run)
+    (cell,) = (tmp_path / "cells").iterdir()
+    assert cell.name == ruler_report.cell_name("ruler", 4096, "m", "a", 0.5, "agnostic")
+    assert json.loads((cell / "metrics.json").read_text())["vt"] == {"string_match": 100.0}
+
+
 def test_string_match_all_is_rulers_share_of_references_found():
     refs = ["4821937", "1111111", "UUID-abc"]
     assert ruler_tasks.string_match_all("They are 4821937 and uuid-ABC.", refs) == 2 / 3
