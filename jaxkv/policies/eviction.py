@@ -191,6 +191,11 @@ class Scorer(abc.ABC):
         budget_tokens = obs.budget_tokens
         return jnp.broadcast_to(budget_tokens, (num_layers, *budget_tokens.shape))
 
+    def scores_only(self) -> Scorer:
+        """This scorer as a wrapping policy reads it: its scores, with uniform layer budgets
+        (kvpress's wrapping presses call their inner press's `score` alone)."""
+        return self
+
 
 class DecodeScorer(Scorer):
     """A scorer that also ranks the cache during decode (`ScoredDecodeEviction`)."""
@@ -294,11 +299,12 @@ def protected_slots(compression: ScoredCompression, positions, prompt_lengths) -
 def across_heads(
     compression: ScoredCompression, *, sinks: int, recent: int, safeguard: float
 ) -> ScoredCompression:
-    """AdaKV's prompt compression of a scorer's: the same scores choosing across each layer's
-    heads (each keeping at least `safeguard` of its share), protecting at least `sinks` and
-    `recent` too."""
+    """AdaKV's prompt compression of a scorer's: the same scores (`Scorer.scores_only`) choosing
+    across each layer's heads (each keeping at least `safeguard` of its share), protecting at
+    least `sinks` and `recent` too."""
     return dataclasses.replace(
         compression,
+        scorer=compression.scorer.scores_only(),
         sinks=max(compression.sinks, sinks),
         protected_recent=max(compression.protected_recent, recent),
         safeguard=safeguard,

@@ -141,6 +141,9 @@ class PyramidScores(WindowAttentionScores):
             budget, obs.budget_tokens, obs.prompt_lengths, num_layers, self.window, self.beta
         )
 
+    def scores_only(self) -> WindowAttentionScores:
+        return WindowAttentionScores(self.window, self.kernel)
+
 
 @base.register
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +295,8 @@ class AdaKV(base.Policy):
     `safeguard` of its uniform share; heads that keep fewer tokens hold fewer pages.
     `inner` is a scorer policy or its registered name (its budget is this policy's). AdaKV's
     record is the inner policy's with its prompt compression choosing across heads
-    (`across_heads`: the inner's scores, sinks, windows, per-layer budgets and score reset,
+    (`across_heads`: the inner's scores, sinks, windows and score reset, not its per-layer
+    budgets, which kvpress's AdaKVPress does not read either,
     with AdaKV's own sinks and recent window added); every other part is the inner policy's as
     it is: its attention scoring and its decode eviction (H2O's, StreamingLLM's window).
 

@@ -301,7 +301,9 @@ class BlockCompression(base.PromptCompressionPart):
 
 
 def scoring_compression(owner: str, inner: EvictionPolicy | str) -> ScoredCompression:
-    """The inner policy's `ScoredCompression` (refused for any other kind of policy)."""
+    """The inner policy's `ScoredCompression` (refused for any other kind of policy), its scorer
+    as a wrapper reads it (`Scorer.scores_only`: PyramidKV's scores without its layer budgets,
+    as kvpress's wrapping presses read their inner press)."""
     policy = base.get(inner) if isinstance(inner, str) else inner
     compression = getattr(policy, "prompt_compression", None)
     if not isinstance(policy, EvictionPolicy) or type(compression) is not ScoredCompression:
@@ -309,7 +311,7 @@ def scoring_compression(owner: str, inner: EvictionPolicy | str) -> ScoredCompre
             f"policy {owner!r}: inner={inner!r} must be a scoring eviction policy (its prompt "
             "compression a ScoredCompression: knorm, keydiff, lagkv, cur, random, snapkv, ...)"
         )
-    return compression
+    return dataclasses.replace(compression, scorer=compression.scorer.scores_only())
 
 
 def cache_only_scorer(owner: str, inner: EvictionPolicy | str) -> Scorer:

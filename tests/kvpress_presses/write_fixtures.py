@@ -81,6 +81,7 @@ CASES = {
         lambda: kvpress.LagKVPress(compression_ratio=0.5, lag_size=128),
         "lagkv:0.5",
     ),
+    "snapkv": (lambda: kvpress.SnapKVPress(compression_ratio=0.5), "snapkv:0.5"),
     "pyramidkv": (lambda: kvpress.PyramidKVPress(compression_ratio=0.5), "pyramidkv:0.5"),
     "pyramidkv-beta4": (
         lambda: kvpress.PyramidKVPress(compression_ratio=0.3, window_size=8, beta=4),
@@ -120,6 +121,10 @@ CASES = {
         "chunk:0.4:inner=cur:chunk_length=50",
     ),
     "adakv": (lambda: kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=0.5)), "adakv:0.5"),
+    "adakv-pyramidkv": (  # a wrapper reads PyramidKV's scores alone
+        lambda: kvpress.AdaKVPress(kvpress.PyramidKVPress(compression_ratio=0.5)),
+        "adakv:0.5:inner=pyramidkv",
+    ),
     "criticalkv-snapkv": (
         lambda: kvpress.CriticalKVPress(kvpress.SnapKVPress(compression_ratio=0.5)),
         "criticalkv:0.5:inner=snapkv",
@@ -266,6 +271,12 @@ ROTATION_CASES = {
         lambda: finch(compression_ratio=0.5),
         f"finch:0.5:window={QUESTION_TOKENS}",
         "finch-kept",
+        6,
+    ),
+    "key_rerotation-pyramidkv": (  # PyramidKV's scores, SnapKV's uniform budgets
+        lambda: kvpress.KeyRerotationPress(kvpress.PyramidKVPress(compression_ratio=0.5)),
+        "key_rerotation:0.5:inner=pyramidkv",
+        "snapkv",
         6,
     ),
     "key_rerotation-keydiff": (
