@@ -162,6 +162,7 @@ class _AbstractRequest:
     lengths: np.ndarray  # int32 [B], the prompts' lengths
     budget_tokens: np.ndarray
     budget: jax.ShapeDtypeStruct
+    prompt_share: jax.ShapeDtypeStruct  # f32 [B], the policy's `prompt_share`
     thresholds: jax.ShapeDtypeStruct  # f32 [B, n], the policy's
     params: object  # the policy's abstract parameters, or None
     static: object  # the policy as jit sees it
@@ -198,6 +199,7 @@ def _abstract_request(
         lengths=lengths,
         budget_tokens=budget_tokens,
         budget=abstract(jnp.asarray(budget_tokens)),
+        prompt_share=abstract(jnp.asarray(policy.prompt_share(batch))),
         thresholds=abstract(jnp.asarray(policy.thresholds(batch))),
         params=None if params is None else abstract(params),
         static=policy.static(),
@@ -216,6 +218,7 @@ def _prefill_cost(r: _AbstractRequest) -> ProgramCost:
             lengths=r.rows,
             num_chunks=jax.ShapeDtypeStruct((), jnp.int32),
             budget_tokens=r.budget,
+            prompt_share=r.prompt_share,
             thresholds=r.thresholds,
             kv=r.kv,
             key=r.key,
