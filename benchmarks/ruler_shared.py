@@ -226,10 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     cells = [(e, 0.0) for e, (n, _) in parsed.items() if n == "full"]
     cells += [(e, r) for r in args.ratios for e, (n, _) in parsed.items() if n != "full"]
-    params = {}
+    params, model_name = {}, shipped_name(args.model)
     for entry, (name, _) in parsed.items():
         part = policies.get(name).params
-        model_name = shipped_name(args.model)
         params[entry] = part.load(part.shipped_path(model_name), model.config) if part else None
     chosen = {}
     for entry, ratio in cells:

@@ -17,7 +17,6 @@ policy's budgets side by side compress in one program vmapped over the budgets
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import operator
 from collections.abc import Iterator, Sequence
@@ -191,20 +190,23 @@ def compress_observed_at_budgets(
     replay, a scorer's scores) runs once, the choice of the kept tokens once per budget.
     Returns (kv, last_hidden), every leaf stacked [n, ...]; does not donate `kv`."""
 
-    each = functools.partial(compress_observed, policy=policy, int8_window=int8_window)
-    budgets_only = (None, None, None, 0, 0, None, None, None, None, None)  # the budgets' axis
-    return jax.vmap(each, in_axes=budgets_only)(
-        model,
-        tokens,
-        lengths,
-        budget_tokens,
-        prompt_share,
-        thresholds,
-        kv,
-        carry,
-        key,
-        policy_params,
-    )
+    def at_budget(budget_tokens, prompt_share):
+        return compress_observed(
+            model,
+            tokens,
+            lengths,
+            budget_tokens,
+            prompt_share,
+            thresholds,
+            kv,
+            carry,
+            key,
+            policy_params,
+            policy=policy,
+            int8_window=int8_window,
+        )
+
+    return jax.vmap(at_budget)(budget_tokens, prompt_share)
 
 
 # One device (`jaxkv.prefill_each`): the budgets' axis is not the rows'.
