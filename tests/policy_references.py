@@ -91,7 +91,7 @@ def pyramid_budgets(
     budget: float, kept: int, length: int, num_layers: int, window: int, beta: float
 ):
     """kvpress PyramidKV's per-layer budgets: `budget` q_len (1 - compression_ratio) unrounded,
-    `kept` (its tokens, int(budget)) in every layer where no pyramid fits."""
+    `kept` in every layer where no pyramid fits."""
     min_num = budget / beta
     max_num = 2 * budget - min_num
     if max_num >= length - window:
@@ -108,7 +108,8 @@ def pyramidkv(fwd: Forward, budget: int, window: int, beta: float = 20.0, share=
     unrounded product with its length the layer budgets read; None: `budget` tokens."""
     t = fwd.attentions[0].shape[-1]
     exact = budget if share is None else share * t
-    budgets = pyramid_budgets(exact, budget, t, len(fwd.attentions), window, beta)
+    kept = budget if share is None else max(1, round(exact))
+    budgets = pyramid_budgets(exact, kept, t, len(fwd.attentions), window, beta)
     out = []
     for attn, layer_budget in zip(fwd.attentions, budgets, strict=True):
         scores = snapkv_scores(attn, fwd.num_kv_heads, window, 5)

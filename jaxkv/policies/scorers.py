@@ -132,14 +132,13 @@ class PyramidScores(WindowAttentionScores):
     beta: float
 
     def layer_budgets(self, obs, num_layers: int) -> jax.Array:
-        budget = jnp.where(
-            obs.prompt_share > 0,
-            obs.prompt_share * obs.prompt_lengths.astype(jnp.float32),
-            obs.budget_tokens.astype(jnp.float32),
-        )
-        return pyramid_budgets(
-            budget, obs.budget_tokens, obs.prompt_lengths, num_layers, self.window, self.beta
-        )
+        # b: a share's unrounded r T (its budget_tokens are its floor, or the whole of a prompt
+        # too short to compress), else the token budget. Where no pyramid fits, kvpress keeps
+        # round(b), not the floor.
+        tokens = obs.budget_tokens
+        b = jnp.maximum(obs.prompt_share * obs.prompt_lengths, tokens.astype(jnp.float32))
+        uniform = jnp.maximum(tokens, jnp.round(b).astype(jnp.int32))
+        return pyramid_budgets(b, uniform, obs.prompt_lengths, num_layers, self.window, self.beta)
 
     def scores_only(self) -> WindowAttentionScores:
         return WindowAttentionScores(self.window, self.kernel)
@@ -152,8 +151,9 @@ class PyramidKV(SnapKV):
 
     With per-head budget b, prompt length T and window w: min = b / beta, max = 2b - min (capped
     at T - w), layer l keeps round(max - l (max - min) / (L - 1)); when T >= max >= min >= w does
-    not hold, every layer keeps its budget in whole tokens (SnapKV). A budget given as a share
-    r of the prompt is b = r T unrounded, as kvpress takes T (1 - compression_ratio).
+    not hold, every layer keeps b (SnapKV). A budget given as a share r of the prompt is
+    b = r T unrounded, as kvpress takes T (1 - compression_ratio), and rounded where every
+    layer keeps it.
     """
 
     name: ClassVar[str] = "pyramidkv"
@@ -168,12 +168,9 @@ class PyramidKV(SnapKV):
         return PyramidScores(self.window, self.kernel, self.beta)
 
 
-def pyramid_budgets(
-    budget, budget_tokens, prompt_lengths, num_layers: int, window: int, beta: float
-):
-    """int32 [L, B] per-layer budgets (see PyramidKV) from f32 [B] `budget` (b, unrounded);
-    each layer keeps `budget_tokens` (int32 [B]) where no pyramid fits."""
-    b = budget
+def pyramid_budgets(b, uniform, prompt_lengths, num_layers: int, window: int, beta: float):
+    """int32 [L, B] per-layer budgets (see PyramidKV) from f32 [B] `b` (the budget, unrounded);
+    every layer keeps `uniform` (int32 [B]) where no pyramid fits."""
     t = prompt_lengths.astype(jnp.float32)
     min_num = b / beta
     max_num = 2 * b - min_num
@@ -184,7 +181,7 @@ def pyramid_budgets(
     steps = (max_num - min_num) / max(num_layers - 1, 1)
     layer = jnp.arange(num_layers, dtype=jnp.float32)[:, None]
     pyramid = jnp.round(max_num - layer * steps).astype(jnp.int32)
-    return jnp.where(valid, pyramid, budget_tokens[None]).astype(jnp.int32)
+    return jnp.where(valid, pyramid, uniform[None]).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

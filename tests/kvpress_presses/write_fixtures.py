@@ -83,6 +83,10 @@ CASES = {
     ),
     "snapkv": (lambda: kvpress.SnapKVPress(compression_ratio=0.5), "snapkv:0.5"),
     "pyramidkv": (lambda: kvpress.PyramidKVPress(compression_ratio=0.5), "pyramidkv:0.5"),
+    "pyramidkv-0.33": (  # no pyramid fits: every layer keeps round(0.33 T) = 67, not 66
+        lambda: kvpress.PyramidKVPress(compression_ratio=0.67),
+        "pyramidkv:0.33",
+    ),
     "pyramidkv-beta4": (
         lambda: kvpress.PyramidKVPress(compression_ratio=0.3, window_size=8, beta=4),
         "pyramidkv:0.7:window=8:beta=4",
