@@ -181,26 +181,53 @@ def write_leaderboard(rows: list[dict], tasks: list[str], out: Path, run: dict) 
     return text
 
 
+def expected_samples(rows: list[dict]) -> dict[str, int]:
+    """Per task, the most samples any cell has: a cell with fewer is still running."""
+    expected: dict[str, int] = {}
+    for row in rows:
+        for task, count in row["samples"].items():
+            expected[task] = max(expected.get(task, 0), count)
+    return expected
+
+
 def plot(rows: list[dict], out: Path, title: str) -> Path:
-    """Average score against compression ratio, one line per policy, a panel per setting."""
+    """Average score against compression ratio, one line per policy (the same colour and marker
+    in every panel), a panel per setting; a hollow marker is a cell still running (fewer
+    samples than `expected_samples`)."""
     plt = harness.pyplot()
     settings = sorted({r["setting"] for r in rows if r["policy"] != "full"}) or ["agnostic"]
-    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False, sharex=True
+    )
     full = [r["average"] for r in rows if r["policy"] == "full"]
+    expected = expected_samples(rows)
+    names = sorted({r["policy"] for r in rows if r["policy"] != "full"})
+    colours, markers = plt.get_cmap("tab10").colors, "osD^v<>phX*P"
+    styles = {n: (colours[i % 10], markers[i % len(markers)]) for i, n in enumerate(names)}
     for axis, setting in zip(axes[0], settings, strict=True):
         lines = defaultdict(list)
         for r in rows:
             if r["policy"] != "full" and r["setting"] == setting:
-                lines[r["policy"]].append((r["compression_ratio"], r["average"]))
+                done = r["samples"] == expected
+                lines[r["policy"]].append((r["compression_ratio"], r["average"], done))
         for policy, points in sorted(lines.items()):
-            points.sort()
-            axis.plot(*zip(*points, strict=True), marker="o", label=policy)
+            colour, marker = styles[policy]
+            ratios, averages, done = zip(*sorted(points), strict=True)
+            axis.plot(ratios, averages, color=colour, marker=marker, label=policy)
+            running = [(x, y) for x, y, d in zip(ratios, averages, done, strict=True) if not d]
+            if running:
+                xs, ys = zip(*running, strict=True)
+                axis.scatter(xs, ys, marker=marker, facecolors="white", edgecolors=colour, zorder=3)
         if full:
             axis.axhline(full[0], color="black", linestyle="--", label="full")
         axis.set(xlabel="compression ratio (share evicted)", ylabel="RULER average", title=setting)
-        axis.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
+    legend = {}
+    for axis in axes[0]:
+        legend.update(zip(*reversed(axis.get_legend_handles_labels()), strict=True))
+    labels = sorted(legend, key=lambda label: (label == "full", label))
+    fig.legend([legend[label] for label in labels], labels, loc="center right", fontsize=8)
+    fig.suptitle(f"{title}\n(hollow: a cell still running, fewer samples than the others)")
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     path = out / "ruler.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)

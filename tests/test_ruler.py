@@ -70,6 +70,21 @@ def test_cells_follow_the_records_a_dropped_cell_removed(tmp_path):
     assert json.loads((cell / "metrics.json").read_text())["vt"] == {"string_match": 100.0}
 
 
+def test_a_cell_with_fewer_samples_of_a_task_than_another_cell_is_still_running():
+    def record(policy, task, index):
+        return {"task": task, "index": index, "policy": policy, "ratio": 0.5} | {
+            "setting": "agnostic",
+            "score": 1.0,
+            "kv_bytes": 1.0,
+        }
+
+    records = [record(p, t, i) for p in ("full", "a") for t in ("vt", "cwe") for i in (0, 1)]
+    rows = ruler_report.leaderboard(records[:-1], ["vt", "cwe"])  # a lacks cwe's sample 1
+    expected = ruler_report.expected_samples(rows)
+    assert expected == {"vt": 2, "cwe": 2}
+    assert [r["samples"] == expected for r in rows] == [True, False]
+
+
 def test_string_match_all_is_rulers_share_of_references_found():
     refs = ["4821937", "1111111", "UUID-abc"]
     assert ruler_tasks.string_match_all("They are 4821937 and uuid-ABC.", refs) == 2 / 3
