@@ -74,7 +74,7 @@ from jaxkv.benchmarks.ruler_tasks import (
 )
 from jaxkv.generation.joined import decode_ready, join_refusal, join_sessions
 from jaxkv.model_sources import load_model, model_file_sha256, shipped_name, stop_tokens
-from jaxkv.policies import spec
+from jaxkv.policies import Policy, spec
 
 RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard
 SETTINGS = ("agnostic", "aware")
@@ -414,33 +414,11 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     samples = load_samples(tokenizer, args.tasks, args.length, args.samples, args.seed, args.out)
-    command = "jaxkv bench ruler " + " ".join(argv)
-    run = {
-        "title": f"RULER (synthetic) on {Path(args.model).stem} at {args.length} tokens",
-        "provenance": harness.provenance("jaxkv bench ruler", argv),
-        "commands": harness.commands_so_far(args.out / "run.json", command),
-        "model": args.model,
-        "model_name": Path(args.model).stem,
-        "file_sha256": model_file_sha256(args.model),
-        "length": args.length,
-        "seed": args.seed,
-        "max_new_tokens": args.max_new_tokens,
-    }
-    harness.save(args.out, "run", run)
+    run = start_run(args, argv)
     if args.export_only:
         return {"samples": len(samples)}
     params = {e: shipped_params(n, o, args.model, model.config) for e, (n, o) in parsed.items()}
-    stop = stop_tokens(tokenizer, model.config)
-    done = {
-        ruler_report.record_key(r) for r in ruler_report.load_records(args.out / "records.jsonl")
-    }
-    jobs = [
-        (entry, ratio, setting, task, index)
-        for entry, ratio, setting in cells(parsed, args.ratios, args.settings, args.aware_policies)
-        for index in range(args.samples)
-        for task in args.tasks
-        if (task, index, entry, ratio, setting) not in done
-    ]
+    jobs = pending_jobs(args, parsed)
     taus = {  # WG-KV's, calibrated on the first sample of the first task
         entry: calibrate_wgkv(
             model,
@@ -453,57 +431,24 @@ def main(argv: list[str] | None = None) -> dict:
         )
         for entry in {job[0] for job in jobs if parsed[job[0]][0] == "wgkv"}
     }
-    for entry, entry_taus in taus.items():
-        for ratio, larger in superseded_ratios(entry_taus).items():
-            print(
-                f"{entry}: ratio {ratio} (keep {1 - ratio:.0%}) gets ratio {larger}'s tau "
-                f"({entry_taus[ratio]:.3g}), no tau keeping a share between "
-                f"(wgkv-calibration.json): run at {larger} only",
-                file=sys.stderr,
-            )
-            jobs = [job for job in jobs if job[:2] != (entry, ratio)]
-    built = {}
-
-    def policy_at(entry, ratio, sample):
-        name, options = parsed[entry]
-        options = sample_options(name, options, sample)
-        key = (entry, ratio, options.get("window"))
-        if key not in built:
-            if name == "wgkv":
-                policy = policies.get("wgkv", tau=taus[entry][ratio], **options)
-            else:
-                budget = None if name == "full" else 1.0 - ratio
-                policy = harness.build_policy(name, budget, **options)
-            built[key] = policy.for_tokenizer(tokenizer)
-        return built[key]
-
+    jobs = without_superseded(jobs, taus)
+    policy_at = PolicyBuilder(parsed, taus, tokenizer)
     shared = [entry for entry, (name, options) in parsed.items() if reads_once(name, options)]
     first = (args.ratios[0], samples[(args.tasks[0], 0)])
     classes = prefill_classes({e: (policy_at(e, *first), params[e]) for e in shared})
+    stop = stop_tokens(tokenizer, model.config)
     progress = tqdm(total=len(jobs), desc="ruler", unit="sample")
     for group in job_groups(jobs, classes):
         _, _, setting, task, index = group[0]
         sample = samples[(task, index)]
+        chosen = [(policy_at(entry, ratio, sample), params[entry]) for entry, ratio, *_ in group]
         if len(group) > 1:
-            chosen = [
-                (policy_at(entry, ratio, sample), params[entry]) for entry, ratio, *_ in group
-            ]
             results = answers_each(
                 model, tokenizer, chosen, sample, setting, stop, args.max_new_tokens
             )
         else:
-            entry, ratio, *_ = group[0]
             results = [
-                answer(
-                    model,
-                    tokenizer,
-                    policy_at(entry, ratio, sample),
-                    params[entry],
-                    sample,
-                    setting,
-                    stop,
-                    args.max_new_tokens,
-                )
+                answer(model, tokenizer, *chosen[0], sample, setting, stop, args.max_new_tokens)
             ]
         for (entry, ratio, *_), result in zip(group, results, strict=True):
             record = {"task": task, "index": index, "policy": entry, "ratio": ratio}
@@ -517,6 +462,78 @@ def main(argv: list[str] | None = None) -> dict:
     text = render(args.out)
     print(text)
     return {"report": text}
+
+
+def start_run(args: argparse.Namespace, argv: list[str]) -> dict:
+    """OUT/run.json for this command: the title, provenance, every command run into OUT so
+    far, the model (and its file's hash), length, seed and answer cap."""
+    run = {
+        "title": f"RULER (synthetic) on {Path(args.model).stem} at {args.length} tokens",
+        "provenance": harness.provenance("jaxkv bench ruler", argv),
+        "commands": harness.commands_so_far(
+            args.out / "run.json", "jaxkv bench ruler " + " ".join(argv)
+        ),
+        "model": args.model,
+        "model_name": Path(args.model).stem,
+        "file_sha256": model_file_sha256(args.model),
+        "length": args.length,
+        "seed": args.seed,
+        "max_new_tokens": args.max_new_tokens,
+    }
+    harness.save(args.out, "run", run)
+    return run
+
+
+def pending_jobs(args: argparse.Namespace, parsed: dict) -> list[tuple]:
+    """(entry, ratio, setting, task, index) of every cell's samples that OUT/records.jsonl
+    lacks, in run order (`cells`, then sample, then task)."""
+    records = ruler_report.load_records(args.out / "records.jsonl")
+    done = {ruler_report.record_key(r) for r in records}
+    return [
+        (entry, ratio, setting, task, index)
+        for entry, ratio, setting in cells(parsed, args.ratios, args.settings, args.aware_policies)
+        for index in range(args.samples)
+        for task in args.tasks
+        if (task, index, entry, ratio, setting) not in done
+    ]
+
+
+def without_superseded(jobs: list[tuple], taus: dict) -> list[tuple]:
+    """`jobs` less WG-KV's at a ratio whose calibrated tau is a larger ratio's
+    (`superseded_ratios`: run at the larger one only), said on stderr."""
+    for entry, entry_taus in taus.items():
+        for ratio, larger in superseded_ratios(entry_taus).items():
+            print(
+                f"{entry}: ratio {ratio} (keep {1 - ratio:.0%}) gets ratio {larger}'s tau "
+                f"({entry_taus[ratio]:.3g}), no tau keeping a share between "
+                f"(wgkv-calibration.json): run at {larger} only",
+                file=sys.stderr,
+            )
+            jobs = [job for job in jobs if job[:2] != (entry, ratio)]
+    return jobs
+
+
+class PolicyBuilder:
+    """`builder(entry, ratio, sample)`: the policy of `--policies` entry at `ratio` for
+    `sample` (WG-KV at its calibrated tau, the others at budget 1 - ratio, FINCH's window the
+    sample's question), for the tokenizer; each built once."""
+
+    def __init__(self, parsed: dict, taus: dict, tokenizer):
+        self.parsed, self.taus, self.tokenizer = parsed, taus, tokenizer
+        self.built: dict[tuple, Policy] = {}
+
+    def __call__(self, entry: str, ratio: float, sample: Sample) -> Policy:
+        name, options = self.parsed[entry]
+        options = sample_options(name, options, sample)
+        key = (entry, ratio, options.get("window"))
+        if key not in self.built:
+            if name == "wgkv":
+                policy = policies.get("wgkv", tau=self.taus[entry][ratio], **options)
+            else:
+                budget = None if name == "full" else 1.0 - ratio
+                policy = harness.build_policy(name, budget, **options)
+            self.built[key] = policy.for_tokenizer(self.tokenizer)
+        return self.built[key]
 
 
 if __name__ == "__main__":
