@@ -32,6 +32,7 @@ import numpy as np
 import jaxkv
 from jaxkv import policies
 from jaxkv.model_sources import shipped_name
+from jaxkv.policies import spec
 from jaxkv.provenance import provenance as provenance
 
 # The line a child process prints its result on: this marker, then the result as JSON.
@@ -180,6 +181,21 @@ def build_policy(name: str, budget: float | None, **options):
         if budget is None
         else policies.get(name, budget=budget, **options)
     )
+
+
+def parse_ratio_policies(entries: list[str]) -> dict[str, tuple[str, dict]]:
+    """A sweep over compression ratios' --policies entries `NAME[:KEY=VALUE...]` -> {entry:
+    (name, options)}, the budget from --ratios; SystemExit for a name not registered, or one
+    that takes no budget (but the full cache, and WG-KV, whose ratios are thresholds)."""
+    parsed = {}
+    for entry in entries:
+        name, *pairs = entry.split(":")
+        if name not in policies.registered():
+            raise SystemExit(f"--policies {entry}: registered are {policies.registered()}")
+        if not spec.takes_budget(name) and name not in ("full", "wgkv"):
+            raise SystemExit(f"--policies {entry}: takes no budget, so no compression ratio")
+        parsed[entry] = (name, spec.policy_kwargs(name, pairs, None, pair_option=entry))
+    return parsed
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:

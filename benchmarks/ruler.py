@@ -73,8 +73,8 @@ from jaxkv.benchmarks.ruler_tasks import (
     string_match_all,
 )
 from jaxkv.generation.joined import decode_ready, join_refusal, join_sessions
-from jaxkv.model_sources import load_model, model_file_sha256, shipped_name, stop_tokens
-from jaxkv.policies import Policy, spec
+from jaxkv.model_sources import load_model, model_file_sha256, stop_tokens
+from jaxkv.policies import Policy
 
 RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard
 SETTINGS = ("agnostic", "aware")
@@ -204,19 +204,6 @@ def scored(tokenizer, sample: Sample, out, held: float, stop, start: float, row:
     }
 
 
-def parse_policies(entries: list[str]) -> dict[str, tuple[str, dict]]:
-    """`NAME[:KEY=VALUE...]` -> (name, options); the budget comes from --ratios."""
-    parsed = {}
-    for entry in entries:
-        name, *pairs = entry.split(":")
-        if name not in policies.registered():
-            raise SystemExit(f"--policies {entry}: registered are {policies.registered()}")
-        if not spec.takes_budget(name) and name not in ("full", "wgkv"):
-            raise SystemExit(f"--policies {entry}: takes no budget, so no compression ratio")
-        parsed[entry] = (name, spec.policy_kwargs(name, pairs, None, pair_option=entry))
-    return parsed
-
-
 def sample_options(name: str, options: dict, sample: Sample) -> dict:
     """`options` with what policy `name` takes from the sample: FINCH's question window (the
     question's tokens, where kvpress puts its delimiter) unless the entry gives one."""
@@ -234,18 +221,6 @@ def check_settings(parsed: dict, settings) -> None:
                 f"--policies {entry}: FINCH scores with the question, which the agnostic setting "
                 "reads after compressing: give --settings aware, or finch:window=N"
             )
-
-
-def shipped_params(name: str, options: dict, model_arg: str, config):
-    """The learned parameters jaxkv ships for policy `name` with `options` (KVzap's surrogate
-    picks its file) and this model (None without)."""
-    part = policies.get(name, **options).params
-    if part is None:
-        return None
-    path = part.shipped_path(shipped_name(model_arg))
-    if path is None:
-        raise SystemExit(f"--policies {name}: jaxkv ships no parameters of it for {model_arg}")
-    return part.load(path, config)
 
 
 def tau_for_kept_share(measure, measured: dict, target: float) -> float:
@@ -409,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
         text = render(args.out, args.against)
         print(text)
         return {"report": text}
-    parsed = parse_policies(args.policies)
+    parsed = harness.parse_ratio_policies(args.policies)
     check_settings(parsed, args.settings)
     model, tokenizer = load_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -417,7 +392,10 @@ def main(argv: list[str] | None = None) -> dict:
     run = start_run(args, argv)
     if args.export_only:
         return {"samples": len(samples)}
-    params = {e: shipped_params(n, o, args.model, model.config) for e, (n, o) in parsed.items()}
+    params = {
+        entry: harness.learned_params(policies.get(name, **options), model, args.model, {})
+        for entry, (name, options) in parsed.items()
+    }
     jobs = pending_jobs(args, parsed)
     taus = {  # WG-KV's, calibrated on the first sample of the first task
         entry: calibrate_wgkv(

@@ -46,8 +46,7 @@ from jaxkv.benchmarks.shared_context_tasks import (
     score,
 )
 from jaxkv.generation.decoding import check_shared_decode
-from jaxkv.model_sources import load_model, model_file_sha256, shipped_name, stop_tokens
-from jaxkv.policies import spec
+from jaxkv.model_sources import load_model, model_file_sha256, stop_tokens
 
 # Seeds the compression of policies that draw random numbers, read alone or with others.
 COMPRESSION_KEY = jax.random.PRNGKey(0)
@@ -195,10 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.out = Path("results/ruler-shared") / f"{Path(args.model).stem}-{args.length // 1024}k"
     if args.render:
         return {"report": render(args.out)}
-    parsed = {}
-    for entry in args.policies:
-        name, *pairs = entry.split(":")
-        parsed[entry] = (name, spec.policy_kwargs(name, pairs, None, pair_option=entry))
+    parsed = harness.parse_ratio_policies(args.policies)
     taus = {}
     if args.wgkv_calibration is not None:
         taus = json.loads(args.wgkv_calibration.read_text())["tau_per_ratio"]
@@ -226,10 +222,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     cells = [(e, 0.0) for e, (n, _) in parsed.items() if n == "full"]
     cells += [(e, r) for r in args.ratios for e, (n, _) in parsed.items() if n != "full"]
-    params, model_name = {}, shipped_name(args.model)
-    for entry, (name, _) in parsed.items():
-        part = policies.get(name).params
-        params[entry] = part.load(part.shipped_path(model_name), model.config) if part else None
+    params = {
+        entry: harness.learned_params(policies.get(name, **options), model, args.model, {})
+        for entry, (name, options) in parsed.items()
+    }
     chosen = {}
     for entry, ratio in cells:
         policy = _policy(*parsed[entry], ratio, taus).for_tokenizer(tokenizer)

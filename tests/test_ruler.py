@@ -13,6 +13,7 @@ import pytest
 
 from jaxkv import bundled, policies
 from jaxkv.benchmarks import (
+    harness,
     read_groups,
     ruler,
     ruler_report,
@@ -83,6 +84,22 @@ def test_a_cell_with_fewer_samples_of_a_task_than_another_cell_is_still_running(
     expected = ruler_report.expected_samples(rows)
     assert expected == {"vt": 2, "cwe": 2}
     assert [r["samples"] == expected for r in rows] == [True, False]
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("snapkv:window=8", None),
+        ("nonesuch", "--policies nonesuch: registered are"),
+        ("gvote", "--policies gvote: takes no budget, so no compression ratio"),
+    ],
+)
+def test_ratio_sweeps_take_registered_policies_with_a_budget(entry, message):
+    if message is None:
+        assert harness.parse_ratio_policies([entry]) == {entry: ("snapkv", {"window": 8})}
+        return
+    with pytest.raises(SystemExit, match=message):
+        harness.parse_ratio_policies([entry])
 
 
 def test_string_match_all_is_rulers_share_of_references_found():
@@ -323,11 +340,11 @@ def test_finch_reads_the_question_as_its_window_and_runs_agnostic_only_when_give
     assert options == {"window": sample.question_turn_tokens} and sample.question_turn_tokens > 8
     assert ruler.sample_options("finch", {"window": 32}, sample) == {"window": 32}
     assert ruler.sample_options("snapkv", {}, sample) == {}
-    parsed = ruler.parse_policies(["finch", "snapkv"])
+    parsed = harness.parse_ratio_policies(["finch", "snapkv"])
     ruler.check_settings(parsed, ["aware"])
     with pytest.raises(SystemExit, match="finch:window=N"):
         ruler.check_settings(parsed, ["agnostic", "aware"])
-    ruler.check_settings(ruler.parse_policies(["finch:window=32"]), ["agnostic"])
+    ruler.check_settings(harness.parse_ratio_policies(["finch:window=32"]), ["agnostic"])
     with pytest.raises(ValueError, match="older export"):
         record = sample.to_json()
         del record["question_turn_tokens"]
