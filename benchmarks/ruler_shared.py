@@ -177,13 +177,14 @@ def _policy(name: str, options: dict, ratio: float, taus: dict):
     return harness.build_policy(name, 1.0 - ratio, **options)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jaxkv bench ruler_shared", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--contexts", type=int, default=len(QUESTION_KINDS))
-    parser.add_argument("--questions", type=int, default=6, help="questions a context, 4-8")
+    parser.add_argument(
+        "--questions", type=int, default=6, help="questions a context, 1-8 (SCBench asks 4-8)"
+    )
     parser.add_argument("--policies", nargs="+", default=["full", "snapkv"])
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5])
     parser.add_argument("--wgkv-calibration", type=Path, help="`jaxkv bench ruler`'s file")
@@ -192,6 +193,47 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = Path("results/ruler-shared") / f"{Path(args.model).stem}-{args.length // 1024}k"
+    return args
+
+
+def start_run(args: argparse.Namespace, argv: list[str]) -> dict:
+    """OUT/run.json's content for this command (saved with the policies `ask` refuses): the
+    title, provenance, every command run into OUT so far, the model (and its file's hash),
+    the length and the policies skipped so far."""
+    run_path = args.out / "run.json"
+    previous = json.loads(run_path.read_text()) if run_path.exists() else {}
+    return {
+        "title": f"Shared context, {args.questions} questions, on {Path(args.model).stem} at "
+        f"{args.length} tokens",
+        "provenance": harness.provenance("jaxkv bench ruler_shared", argv),
+        "commands": harness.commands_so_far(run_path, "jaxkv bench ruler_shared " + " ".join(argv)),
+        "model": args.model,
+        "file_sha256": model_file_sha256(args.model),
+        "length": args.length,
+        "skipped": previous.get("skipped", []),
+    }
+
+
+def chosen_cells(parsed: dict, ratios, taus: dict, tokenizer, params: dict):
+    """({(entry, ratio): (policy, params)} of the cells `ask` can run (the full cache once),
+    ["entry: why"] of the policies it refuses (evicting while decoding)), before any read."""
+    cells = [(e, 0.0) for e, (n, _) in parsed.items() if n == "full"]
+    cells += [(e, r) for r in ratios for e, (n, _) in parsed.items() if n != "full"]
+    chosen, refused = {}, []
+    for entry, ratio in cells:
+        policy = _policy(*parsed[entry], ratio, taus).for_tokenizer(tokenizer)
+        try:
+            check_shared_decode(policy, ANSWER_TOKENS)
+        except ValueError as error:
+            refused.append(f"{entry}: {error}")
+            continue
+        chosen[(entry, ratio)] = (policy, params[entry])
+    return chosen, refused
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_arguments(argv)
     if args.render:
         return {"report": render(args.out)}
     parsed = harness.parse_ratio_policies(args.policies)
@@ -204,38 +246,17 @@ def main(argv: list[str] | None = None) -> dict:
         for c in range(args.contexts)
     ]
     args.out.mkdir(parents=True, exist_ok=True)
-    run_path = args.out / "run.json"
-    previous = json.loads(run_path.read_text()) if run_path.exists() else {}
-    run = {
-        "title": f"Shared context, {args.questions} questions, on {Path(args.model).stem} at "
-        f"{args.length} tokens",
-        "provenance": harness.provenance("jaxkv bench ruler_shared", argv),
-        "commands": harness.commands_so_far(run_path, "jaxkv bench ruler_shared " + " ".join(argv)),
-        "model": args.model,
-        "file_sha256": model_file_sha256(args.model),
-        "length": args.length,
-        "skipped": previous.get("skipped", []),
-    }
+    run = start_run(args, argv)
     records_path = args.out / "records.jsonl"
     done = {
         (r["policy"], r["ratio"], r["context"]) for r in ruler_report.load_records(records_path)
     }
-    cells = [(e, 0.0) for e, (n, _) in parsed.items() if n == "full"]
-    cells += [(e, r) for r in args.ratios for e, (n, _) in parsed.items() if n != "full"]
     params = {
         entry: harness.learned_params(policies.get(name, **options), model, args.model, {})
         for entry, (name, options) in parsed.items()
     }
-    chosen = {}
-    for entry, ratio in cells:
-        policy = _policy(*parsed[entry], ratio, taus).for_tokenizer(tokenizer)
-        try:  # `ask` refuses a policy evicting during decode: before any read
-            check_shared_decode(policy, ANSWER_TOKENS)
-        except ValueError as error:
-            run["skipped"] = sorted({*run["skipped"], f"{entry}: {error}"})
-            continue
-        chosen[(entry, ratio)] = (policy, params[entry])
-    harness.save(args.out, "run", run)
+    chosen, refused = chosen_cells(parsed, args.ratios, taus, tokenizer, params)
+    harness.save(args.out, "run", {**run, "skipped": sorted({*run["skipped"], *refused})})
     shared = {
         entry: chosen[(entry, ratio)]
         for entry, ratio in chosen

@@ -98,8 +98,9 @@ def _facts(rng: np.random.Generator):
 def build_shared_context(
     tokenizer: Tokenizer, length: int, index: int, questions: int = 6, seed: int = SEED
 ) -> SharedContext:
-    """Context `index` with `questions` questions (4-8): the most prose such that the context,
-    its longest question and ANSWER_TOKENS fit `length` tokens (deterministic)."""
+    """Context `index` with `questions` questions (1-8; SCBench asks 4-8): the most prose such
+    that the context, its longest question and ANSWER_TOKENS fit `length` tokens
+    (deterministic)."""
     if not 1 <= questions <= len(QUESTION_KINDS):
         raise ValueError(f"questions={questions}: 1 to {len(QUESTION_KINDS)}")
     before, after = prompt_halves(tokenizer)
