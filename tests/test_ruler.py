@@ -7,13 +7,17 @@ from __future__ import annotations
 import collections
 import csv
 import json
+import os
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from jaxkv import bundled, policies
 from jaxkv.benchmarks import (
     harness,
+    kvpress_reference,
     read_groups,
     ruler,
     ruler_report,
@@ -100,6 +104,35 @@ def test_ratio_sweeps_take_registered_policies_with_a_budget(entry, message):
         return
     with pytest.raises(SystemExit, match=message):
         harness.parse_ratio_policies([entry])
+
+
+def test_the_committed_sweep_script_runs_the_issues_cells_with_valid_commands():
+    env = {**os.environ, "KVPRESS_PYTHON": "kvpress-python"}
+    script = Path(ruler.__file__).resolve().parent / "ruler_sweeps.sh"
+    shown = subprocess.run(
+        ["bash", str(script), "--dry-run"], env=env, capture_output=True, text=True, check=True
+    )
+    ran = collections.defaultdict(set)  # (setting, ratio) -> policies
+    for line in shown.stdout.splitlines():
+        module, argv = line.split(" -m jaxkv.benchmarks.")[1].split(" ", 1)
+        argv = argv.split()
+        if module == "ruler":
+            args = ruler.parse_arguments(argv)
+            names = [name for name, _ in harness.parse_ratio_policies(args.policies).values()]
+        else:
+            assert module == "kvpress_reference"
+            args = kvpress_reference.parse_arguments(argv)
+            names = [f"kvpress:{name}" for name in args.presses]
+        for setting in args.settings:
+            for ratio in args.ratios:
+                ran[(setting, ratio)].update(names)
+    issue = {"full", "kvzip", "fastkvzip", "wgkv", "snapkv", "pyramidkv", "expected_attention"}
+    issue |= {"tova", "streaming_llm", "knorm", "adakv"}
+    for ratio in (0.25, 0.5, 0.75, 0.875):
+        assert issue <= ran[("agnostic", ratio)]
+        assert {"snapkv", "adakv", "finch", "chunkkv"} <= ran[("aware", ratio)]
+    assert {"kvpress:finch", "kvpress:adakv", "kvpress:chunkkv"} <= ran[("aware", 0.5)]
+    assert {"kvpress:kvzip", "kvpress:pyramidkv"} <= ran[("agnostic", 0.5)]
 
 
 def test_string_match_all_is_rulers_share_of_references_found():

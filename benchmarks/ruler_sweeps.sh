@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The RULER-at-4K sweeps of docs/ruler.md on SmolLM2-135M-Instruct, started (or resumed: each
+# command skips what its records.jsonl holds) as background lanes, niced, each one chain of
+# the commands in docs/ruler.md, in the order they are wanted:
+#   agnostic   the policies whose prefills read alike, at the four ratios (one read a sample)
+#   aware      SnapKV, AdaKV, FINCH, ChunkKV aware; then Fast KVzip and WG-KV (a prefill each
+#              ratio); then KVzap's two surrogates
+#   kvpress-a  kvpress 0.5.5 (its own env) at 0.5, aware: FINCH, SnapKV, then AdaKV, ChunkKV
+#   kvpress-b  kvpress at 0.5, agnostic: ExpectedAttention, PyramidKV, AdaKV, then KVzip
+#
+#   bash benchmarks/ruler_sweeps.sh [--dry-run] [LANE...]   (all four when none are named;
+#                                   --dry-run prints each lane's commands, one a line)
+#
+# From the checkout whose code runs (a worktree of its own, so that edits elsewhere leave the
+# running code alone). Environment: PYTHON (default .venv/bin/python; `pip install -e
+# '.[dev]'`, and `jaxkv fetch smollm2-135m-instruct` first), KVPRESS_PYTHON (a venv with
+# `pip install -e '.[kvpress]'`; the kvpress lanes need it), RESULTS (default results: where
+# the records live), LOGS (default /tmp). Memory: the four lanes together peak near 16 GB of
+# this 24 GB machine; run nothing else of the model's size beside them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+RESULTS=${RESULTS:-results}
+LOGS=${LOGS:-/tmp}
+OUT=$RESULTS/ruler/smollm2-135m-instruct-4k
+RATIOS="--ratios 0.5 0.25 0.75 0.875"
+RULER="nice -n 19 $PYTHON -m jaxkv.benchmarks.ruler --model smollm2-135m-instruct --length 4096"
+RULER="$RULER --samples 20 --out $OUT"
+KVPRESS="OMP_NUM_THREADS=1 nice -n 19 ${KVPRESS_PYTHON:-} -m jaxkv.benchmarks.kvpress_reference"
+KVPRESS="$KVPRESS --ruler $OUT/samples.jsonl --ratios 0.5 --samples 5 --out $OUT/kvpress"
+
+declare -A LANES=(
+  [agnostic]="$RULER --policies full kvzip snapkv streaming_llm tova knorm expected_attention \
+pyramidkv adakv $RATIOS --settings agnostic"
+  [aware]="$RULER --policies snapkv adakv finch chunkkv $RATIOS --settings aware \
+&& $RULER --policies fastkvzip wgkv $RATIOS --settings agnostic \
+&& $RULER --policies kvzap kvzap:surrogate=linear $RATIOS --settings agnostic"
+  [kvpress-a]="$KVPRESS --presses finch snapkv --settings aware \
+&& $KVPRESS --presses adakv chunkkv --settings aware"
+  [kvpress-b]="$KVPRESS --presses expected_attention pyramidkv adakv --settings agnostic \
+&& $KVPRESS --presses kvzip --settings agnostic"
+)
+ORDER=(agnostic aware kvpress-a kvpress-b)
+
+DRY_RUN=0
+if [[ ${1:-} == --dry-run ]]; then
+  DRY_RUN=1
+  shift
+fi
+CHOSEN=("$@")
+if [[ ${#CHOSEN[@]} -eq 0 ]]; then
+  CHOSEN=("${ORDER[@]}")
+fi
+for lane in "${CHOSEN[@]}"; do
+  if [[ -z ${LANES[$lane]+set} ]]; then
+    echo "lane $lane: one of ${ORDER[*]}" >&2
+    exit 2
+  fi
+  if [[ $lane == kvpress-* && -z ${KVPRESS_PYTHON:-} ]]; then
+    echo "lane $lane: set KVPRESS_PYTHON to kvpress's env's python" >&2
+    exit 2
+  fi
+done
+for lane in "${CHOSEN[@]}"; do
+  if ((DRY_RUN)); then
+    echo "${LANES[$lane]}" | sed 's/ && /\n/g'
+    continue
+  fi
+  # the kvpress lanes read the samples the jaxkv runner exports
+  if [[ $lane == kvpress-* && ! -f $OUT/samples.jsonl ]]; then
+    $RULER --export-only > /dev/null
+  fi
+  PYTHONPATH=$PWD nohup bash -c "${LANES[$lane]}" > "$LOGS/ruler-$lane.log" 2>&1 &
+  echo "lane $lane: pid $!, log $LOGS/ruler-$lane.log"
+  sleep 2  # one run.json writer at a time
+done
