@@ -67,6 +67,7 @@ from jaxkv.benchmarks.ruler_tasks import (
     DEFAULT_SEED,
     TASKS,
     Sample,
+    answer_token_span,
     build_sample,
     postprocess,
     sample_from_json,
@@ -366,7 +367,18 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--export-only", action="store_true", help="write samples.jsonl only")
     parser.add_argument("--render", action="store_true", help="rewrite the reports, run nothing")
     parser.add_argument("--against", type=Path, help="kvpress's records.jsonl to compare with")
+    parser.add_argument(
+        "--kept",
+        metavar="TASK:INDEX",
+        help="run nothing else: where each cell's policy leaves that sample's answer tokens "
+        "(OUT/kept-TASK-INDEX.md, .json)",
+    )
     args = parser.parse_args(argv)
+    if args.kept is not None:
+        task, _, index = args.kept.partition(":")
+        if task not in TASKS or not index.isdigit():
+            raise SystemExit(f"--kept {args.kept}: TASK:INDEX, TASK one of {', '.join(TASKS)}")
+        args.kept = (task, int(index))
     for ratio in args.ratios:
         if not 0 < ratio < 1:
             raise SystemExit(f"--ratios {ratio}: the share evicted, in (0, 1)")
@@ -388,6 +400,8 @@ def main(argv: list[str] | None = None) -> dict:
     check_settings(parsed, args.settings)
     model, tokenizer = load_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.kept is not None:
+        return {"report": kept_report(args, argv, parsed, model, tokenizer)}
     samples = load_samples(tokenizer, args.tasks, args.length, args.samples, args.seed, args.out)
     run = start_run(args, argv)
     if args.export_only:
@@ -440,6 +454,82 @@ def main(argv: list[str] | None = None) -> dict:
     text = render(args.out)
     print(text)
     return {"report": text}
+
+
+def kept_answer(model, tokenizer, policy, params, sample: Sample, setting: str) -> dict:
+    """Where `policy` leaves `sample`'s answers once what `setting` compresses is compressed:
+    per answer (`answer_token_span`), its tokens and how many of the (layer, KV head) pairs
+    keep each, and the layers in which every head keeps all of them."""
+    compressed, _ = split(sample, setting)
+    session = jaxkv.prefill(model, [compressed], policy, policy_params=params)
+    positions = np.asarray(session.kv.positions())[:, 0]  # [L, K, S], -1 padded
+    answers = []
+    for output in sample.outputs:
+        span = answer_token_span(tokenizer, sample, output)
+        kept = np.stack([(positions == p).any(-1) for p in span], -1)  # [L, K, tokens]
+        answers.append(
+            {
+                "answer": output,
+                "positions": list(span),
+                "tokens": [tokenizer.decode([sample.context_ids[p]]) for p in span],
+                "kept_by": kept.sum((0, 1)).tolist(),
+                "whole_in_layers": [int(i) for i in np.flatnonzero(kept.all((1, 2)))],
+            }
+        )
+    pairs = positions.shape[0] * positions.shape[1]
+    return {"pairs": pairs, "kv_bytes": float(session.memory_bytes()), "answers": answers}
+
+
+def kept_report(args: argparse.Namespace, argv: list[str], parsed, model, tokenizer) -> str:
+    """--kept TASK:INDEX: `kept_answer` for every cell of the command (WG-KV at the taus of
+    OUT/wgkv-calibration.json), as OUT/kept-TASK-INDEX.json (with provenance) and .md."""
+    task, index = args.kept
+    sample = build_sample(tokenizer, task, args.length, index, args.seed)
+    calibration = args.out / "wgkv-calibration.json"
+    taus = {}
+    if any(name == "wgkv" for name, _ in parsed.values()):
+        if not calibration.exists():
+            raise SystemExit(f"--kept with wgkv: its taus come from {calibration}; run the sweep")
+        per_ratio = json.loads(calibration.read_text())["tau_per_ratio"]
+        taus = {
+            entry: {float(r): tau for r, tau in per_ratio.items()}
+            for entry, (name, _) in parsed.items()
+            if name == "wgkv"
+        }
+    policy_at = PolicyBuilder(parsed, taus, tokenizer)
+    rows = []
+    for entry, ratio, setting in cells(parsed, args.ratios, args.settings, args.aware_policies):
+        name, options = parsed[entry]
+        params = harness.learned_params(policies.get(name, **options), model, args.model, {})
+        found = kept_answer(
+            model, tokenizer, policy_at(entry, ratio, sample), params, sample, setting
+        )
+        rows.append({"policy": entry, "ratio": ratio, "setting": setting, **found})
+    lines = [
+        f"# Where each policy leaves {task} #{index}'s answer ({args.length} tokens)",
+        "",
+        "Each answer token: how many of the (layer, KV head) pairs keep it.",
+        "",
+        "| policy | ratio | setting | MB held | answer | tokens: kept by | whole in layers |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        for found in row["answers"]:
+            kept = ", ".join(
+                f"{token!r} {count}/{row['pairs']}"
+                for token, count in zip(found["tokens"], found["kept_by"], strict=True)
+            )
+            layers = found["whole_in_layers"]
+            lines.append(
+                f"| {row['policy']} | {row['ratio']:.3g} | {row['setting']} | "
+                f"{row['kv_bytes'] / 1e6:.1f} | {found['answer']} | {kept} | "
+                f"{len(layers)}: {layers} |"
+            )
+    text = "\n".join(lines) + "\n"
+    report = {"provenance": harness.provenance("jaxkv bench ruler", argv), "rows": rows}
+    harness.save(args.out, f"kept-{task}-{index}", report, text)
+    print(text)
+    return text
 
 
 def start_run(args: argparse.Namespace, argv: list[str]) -> dict:

@@ -185,6 +185,32 @@ def string_match_part(prediction: str, references) -> float:
     return float(max(r.lower() in text for r in references))
 
 
+def answer_token_span(tokenizer: Tokenizer, sample: Sample, output: str) -> range:
+    """The indices into `sample.context_ids` of the tokens that spell `output` (one of its
+    answers), which the context must hold exactly once (a needle's value); ValueError
+    otherwise. Found by characters: binary searches over the decoded prefixes' lengths."""
+    ids = list(sample.context_ids)
+    text = tokenizer.decode(ids)
+    if text.count(output) != 1:
+        raise ValueError(
+            f"{sample.task} #{sample.index}: its answer {output!r} is in the context "
+            f"{text.count(output)} times, not once (the niah tasks' needles are)"
+        )
+    start = text.index(output)
+
+    def tokens_reaching(chars: int) -> int:  # the fewest tokens whose text has `chars` chars
+        low, high = 0, len(ids)
+        while low < high:
+            middle = (low + high) // 2
+            if len(tokenizer.decode(ids[:middle])) >= chars:
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    return range(tokens_reaching(start + 1) - 1, tokens_reaching(start + len(output)))
+
+
 # ------------------------------------------------------------------------------ haystacks
 
 

@@ -330,6 +330,42 @@ def test_runner_writes_the_leaderboard_and_resumes(tmp_path, monkeypatch):
         assert held[0.75] < held[0.5]
 
 
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_multikey_3", "niah_multivalue"])
+def test_an_answer_s_token_span_spells_it_and_nothing_more(tokenizer, task):
+    sample = ruler_tasks.build_sample(tokenizer, task, 768, 0)
+    ids = list(sample.context_ids)
+    for output in sample.outputs:
+        span = ruler_tasks.answer_token_span(tokenizer, sample, output)
+        assert tokenizer.decode(ids[span.start : span.stop]) == output
+        assert output not in tokenizer.decode(ids[span.start + 1 : span.stop])
+        assert output not in tokenizer.decode(ids[span.start : span.stop - 1])
+
+
+def test_an_answer_held_more_than_once_has_no_span(tokenizer):
+    sample = ruler_tasks.build_sample(tokenizer, "fwe", 768, 0)  # its words recur
+    with pytest.raises(ValueError, match="not once"):
+        ruler_tasks.answer_token_span(tokenizer, sample, sample.outputs[0])
+
+
+def test_kept_says_which_pairs_keep_each_answer_token(tmp_path):
+    argv = ["--model", str(bundled.REFERENCE_MODEL), "--length", "768", "--out", str(tmp_path)]
+    argv += ["--policies", "full", "snapkv", "--ratios", "0.5", "--settings", "agnostic"]
+    with pytest.raises(SystemExit, match="--kept niah_single_1: TASK:INDEX"):
+        ruler.main([*argv, "--kept", "niah_single_1"])
+    ruler.main([*argv, "--kept", "niah_single_1:0"])
+    report = json.loads((tmp_path / "kept-niah_single_1-0.json").read_text())
+    full, snapkv = report["rows"]
+    model = load_model(str(bundled.REFERENCE_MODEL))[0]
+    layers = model.config.num_layers
+    assert full["pairs"] == snapkv["pairs"] == layers * model.config.num_kv_heads
+    (answer,) = full["answers"]
+    assert answer["kept_by"] == [full["pairs"]] * len(answer["positions"])
+    assert answer["whole_in_layers"] == list(range(layers))
+    assert snapkv["kv_bytes"] < full["kv_bytes"]
+    assert "| snapkv | 0.5 | agnostic |" in (tmp_path / "kept-niah_single_1-0.md").read_text()
+    assert not (tmp_path / "records.jsonl").exists()  # it runs nothing else
+
+
 def test_a_sample_s_jobs_of_policies_that_read_alike_run_together_in_each_setting():
     jobs = [  # run order: setting, ratio, policy
         ("snapkv", 0.5, "agnostic", "vt", 0),
