@@ -73,6 +73,7 @@ from jaxkv.benchmarks.ruler_tasks import (
     sample_from_json,
     string_match_all,
 )
+from jaxkv.generation import extend_with_logits
 from jaxkv.generation.joined import decode_ready, join_refusal, join_sessions
 from jaxkv.model_sources import load_model, model_file_sha256, stop_tokens
 from jaxkv.policies import Policy
@@ -456,12 +457,18 @@ def main(argv: list[str] | None = None) -> dict:
     return {"report": text}
 
 
-def kept_answer(model, tokenizer, policy, params, sample: Sample, setting: str) -> dict:
+def kept_answer(
+    model, tokenizer, policy, params, sample: Sample, setting: str, stop, steps: int
+) -> dict:
     """Where `policy` leaves `sample`'s answers once what `setting` compresses is compressed:
     per answer (`answer_token_span`), its tokens and how many of the (layer, KV head) pairs
-    keep each, and the layers in which every head keeps all of them."""
-    compressed, _ = split(sample, setting)
-    session = jaxkv.prefill(model, [compressed], policy, policy_params=params)
+    keep each, and the layers in which every head keeps all of them; then the first `steps`
+    greedy answer tokens (read on by `extend_with_logits`, the prefill path), each with its
+    logit and the runner-up's."""
+    compressed, after = split(sample, setting)
+    session = jaxkv.prefill(
+        model, [compressed], policy, reserve_tokens=len(after) + steps, policy_params=params
+    )
     positions = np.asarray(session.kv.positions())[:, 0]  # [L, K, S], -1 padded
     answers = []
     for output in sample.outputs:
@@ -476,13 +483,41 @@ def kept_answer(model, tokenizer, policy, params, sample: Sample, setting: str) 
                 "whole_in_layers": [int(i) for i in np.flatnonzero(kept.all((1, 2)))],
             }
         )
+    held = float(session.memory_bytes())
+    greedy, read = [], list(after)
+    for _ in range(steps):
+        session, logits = extend_with_logits(session, [read])
+        logits = np.asarray(logits[0, len(read) - 1])
+        first, second = (int(t) for t in np.argsort(logits)[::-1][:2])
+        greedy.append(
+            {
+                "token": tokenizer.decode([first]),
+                "logit": float(logits[first]),
+                "runner_up": tokenizer.decode([second]),
+                "runner_up_logit": float(logits[second]),
+            }
+        )
+        if first in stop:
+            break
+        read = [first]
     pairs = positions.shape[0] * positions.shape[1]
-    return {"pairs": pairs, "kv_bytes": float(session.memory_bytes()), "answers": answers}
+    return {"pairs": pairs, "kv_bytes": held, "answers": answers, "greedy": greedy}
+
+
+def closest_call(greedy: list[dict]) -> str:
+    """The greedy step whose top two logits are nearest, as text."""
+    step = min(range(len(greedy)), key=lambda i: greedy[i]["logit"] - greedy[i]["runner_up_logit"])
+    call = greedy[step]
+    return (
+        f"step {step + 1}: {call['token']!r} {call['logit']:.6f} vs {call['runner_up']!r} "
+        f"{call['runner_up_logit']:.6f}"
+    )
 
 
 def kept_report(args: argparse.Namespace, argv: list[str], parsed, model, tokenizer) -> str:
     """--kept TASK:INDEX: `kept_answer` for every cell of the command (WG-KV at the taus of
-    OUT/wgkv-calibration.json), as OUT/kept-TASK-INDEX.json (with provenance) and .md."""
+    OUT/wgkv-calibration.json; the task's answer tokens, at most --max-new-tokens), as
+    OUT/kept-TASK-INDEX.json (with provenance) and .md."""
     task, index = args.kept
     sample = build_sample(tokenizer, task, args.length, index, args.seed)
     calibration = args.out / "wgkv-calibration.json"
@@ -497,23 +532,28 @@ def kept_report(args: argparse.Namespace, argv: list[str], parsed, model, tokeni
             if name == "wgkv"
         }
     policy_at = PolicyBuilder(parsed, taus, tokenizer)
+    stop = stop_tokens(tokenizer, model.config)
+    steps = capped(sample, args.max_new_tokens).max_new_tokens
     rows = []
     for entry, ratio, setting in cells(parsed, args.ratios, args.settings, args.aware_policies):
         name, options = parsed[entry]
         params = harness.learned_params(policies.get(name, **options), model, args.model, {})
-        found = kept_answer(
-            model, tokenizer, policy_at(entry, ratio, sample), params, sample, setting
-        )
+        policy = policy_at(entry, ratio, sample)
+        found = kept_answer(model, tokenizer, policy, params, sample, setting, stop, steps)
         rows.append({"policy": entry, "ratio": ratio, "setting": setting, **found})
     lines = [
         f"# Where each policy leaves {task} #{index}'s answer ({args.length} tokens)",
         "",
-        "Each answer token: how many of the (layer, KV head) pairs keep it.",
+        "Each answer token: how many of the (layer, KV head) pairs keep it. The greedy answer "
+        "(read on by `extend_with_logits`) and its closest call: the step whose top two "
+        "logits are nearest.",
         "",
-        "| policy | ratio | setting | MB held | answer | tokens: kept by | whole in layers |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| policy | ratio | setting | MB held | answer | tokens: kept by | whole in layers "
+        "| greedy answer | closest call |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
+        answer_text = "".join(step["token"] for step in row["greedy"])
         for found in row["answers"]:
             kept = ", ".join(
                 f"{token!r} {count}/{row['pairs']}"
@@ -523,7 +563,7 @@ def kept_report(args: argparse.Namespace, argv: list[str], parsed, model, tokeni
             lines.append(
                 f"| {row['policy']} | {row['ratio']:.3g} | {row['setting']} | "
                 f"{row['kv_bytes'] / 1e6:.1f} | {found['answer']} | {kept} | "
-                f"{len(layers)}: {layers} |"
+                f"{len(layers)}: {layers} | {answer_text!r} | {closest_call(row['greedy'])} |"
             )
     text = "\n".join(lines) + "\n"
     report = {"provenance": harness.provenance("jaxkv bench ruler", argv), "rows": rows}

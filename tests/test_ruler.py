@@ -350,6 +350,7 @@ def test_an_answer_held_more_than_once_has_no_span(tokenizer):
 def test_kept_says_which_pairs_keep_each_answer_token(tmp_path):
     argv = ["--model", str(bundled.REFERENCE_MODEL), "--length", "768", "--out", str(tmp_path)]
     argv += ["--policies", "full", "snapkv", "--ratios", "0.5", "--settings", "agnostic"]
+    argv += ["--max-new-tokens", "6"]
     with pytest.raises(SystemExit, match="--kept niah_single_1: TASK:INDEX"):
         ruler.main([*argv, "--kept", "niah_single_1"])
     ruler.main([*argv, "--kept", "niah_single_1:0"])
@@ -362,6 +363,9 @@ def test_kept_says_which_pairs_keep_each_answer_token(tmp_path):
     assert answer["kept_by"] == [full["pairs"]] * len(answer["positions"])
     assert answer["whole_in_layers"] == list(range(layers))
     assert snapkv["kv_bytes"] < full["kv_bytes"]
+    for row in (full, snapkv):  # greedy: each step's token the argmax, within the 6 asked
+        assert 1 <= len(row["greedy"]) <= 6
+        assert all(step["logit"] >= step["runner_up_logit"] for step in row["greedy"])
     assert "| snapkv | 0.5 | agnostic |" in (tmp_path / "kept-niah_single_1-0.md").read_text()
     assert not (tmp_path / "records.jsonl").exists()  # it runs nothing else
 
