@@ -516,8 +516,8 @@ def closest_call(greedy: list[dict]) -> str:
 
 def kept_report(args: argparse.Namespace, argv: list[str], parsed, model, tokenizer) -> str:
     """--kept TASK:INDEX: `kept_answer` for every cell of the command (WG-KV at the taus of
-    OUT/wgkv-calibration.json; the task's answer tokens, at most --max-new-tokens), as
-    OUT/kept-TASK-INDEX.json (with provenance) and .md."""
+    OUT/wgkv-calibration.json; the task's answer tokens, at most --max-new-tokens), merged
+    into OUT/kept-TASK-INDEX.json (a cell's row replaced; the commands listed) and .md."""
     task, index = args.kept
     sample = build_sample(tokenizer, task, args.length, index, args.seed)
     calibration = args.out / "wgkv-calibration.json"
@@ -541,18 +541,37 @@ def kept_report(args: argparse.Namespace, argv: list[str], parsed, model, tokeni
         policy = policy_at(entry, ratio, sample)
         found = kept_answer(model, tokenizer, policy, params, sample, setting, stop, steps)
         rows.append({"policy": entry, "ratio": ratio, "setting": setting, **found})
+    path = args.out / f"kept-{task}-{index}.json"
+    previous = json.loads(path.read_text())["rows"] if path.exists() else []
+    fresh = {(r["policy"], r["ratio"], r["setting"]) for r in rows}
+    rows = [r for r in previous if (r["policy"], r["ratio"], r["setting"]) not in fresh] + rows
+    report = {
+        "provenance": harness.provenance("jaxkv bench ruler", argv),
+        "commands": harness.commands_so_far(path, "jaxkv bench ruler " + " ".join(argv)),
+        "rows": rows,
+    }
+    text = kept_markdown(f"{task} #{index}", args.length, report)
+    harness.save(args.out, path.stem, report, text)
+    print(text)
+    return text
+
+
+def kept_markdown(sample_name: str, length: int, report: dict) -> str:
+    """`kept_report`'s rows as a markdown table, under the commands that ran them."""
     lines = [
-        f"# Where each policy leaves {task} #{index}'s answer ({args.length} tokens)",
+        f"# Where each policy leaves {sample_name}'s answer ({length} tokens)",
         "",
         "Each answer token: how many of the (layer, KV head) pairs keep it. The greedy answer "
         "(read on by `extend_with_logits`) and its closest call: the step whose top two "
-        "logits are nearest.",
+        "logits are nearest. The commands (a rerun of a cell replaces its row):",
+        "",
+        *(f"    {command}" for command in report["commands"]),
         "",
         "| policy | ratio | setting | MB held | answer | tokens: kept by | whole in layers "
         "| greedy answer | closest call |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for row in rows:
+    for row in report["rows"]:
         answer_text = "".join(step["token"] for step in row["greedy"])
         for found in row["answers"]:
             kept = ", ".join(
@@ -565,11 +584,7 @@ def kept_report(args: argparse.Namespace, argv: list[str], parsed, model, tokeni
                 f"{row['kv_bytes'] / 1e6:.1f} | {found['answer']} | {kept} | "
                 f"{len(layers)}: {layers} | {answer_text!r} | {closest_call(row['greedy'])} |"
             )
-    text = "\n".join(lines) + "\n"
-    report = {"provenance": harness.provenance("jaxkv bench ruler", argv), "rows": rows}
-    harness.save(args.out, f"kept-{task}-{index}", report, text)
-    print(text)
-    return text
+    return "\n".join(lines) + "\n"
 
 
 def start_run(args: argparse.Namespace, argv: list[str]) -> dict:

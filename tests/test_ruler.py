@@ -368,6 +368,12 @@ def test_kept_says_which_pairs_keep_each_answer_token(tmp_path):
         assert all(step["logit"] >= step["runner_up_logit"] for step in row["greedy"])
     assert "| snapkv | 0.5 | agnostic |" in (tmp_path / "kept-niah_single_1-0.md").read_text()
     assert not (tmp_path / "records.jsonl").exists()  # it runs nothing else
+    # Another command's cells join the report; a cell run again replaces its row.
+    again = [a if a != "full" else "knorm" for a in argv]
+    ruler.main([*again, "--kept", "niah_single_1:0"])
+    merged = json.loads((tmp_path / "kept-niah_single_1-0.json").read_text())
+    assert [row["policy"] for row in merged["rows"]] == ["full", "knorm", "snapkv"]
+    assert merged["rows"][0] == full and len(merged["commands"]) == 2
 
 
 def test_a_sample_s_jobs_of_policies_that_read_alike_run_together_in_each_setting():
