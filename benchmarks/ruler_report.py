@@ -266,7 +266,32 @@ def versus_kvpress(ours: list[dict], theirs: list[dict], tasks: list[str]) -> st
         )
     full = [(a, b) for a, b in shared if a["policy"] == "full"]
     same = _same_predictions(full)
-    return "\n".join(lines) + f"\n\nFull cache: {same}/{len(full)} predictions identical.\n"
+    text = "\n".join(lines) + f"\n\nFull cache: {same}/{len(full)} predictions identical.\n"
+    return text + _differing(shared)
+
+
+def _differing(shared) -> str:
+    """The (jaxkv, kvpress) record pairs whose predictions differ, a row each (predictions cut
+    at 60 characters, as JSON strings, pipes escaped), or nothing when every pair agrees."""
+    pairs = [(a, b) for a, b in shared if a["prediction"].strip() != b["prediction"].strip()]
+    if not pairs:
+        return ""
+    lines = [
+        "",
+        "Predictions that differ:",
+        "",
+        "| policy | ratio | setting | task | sample | jaxkv | kvpress | scores |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for a, b in sorted(pairs, key=lambda p: (_order(record_key(p[0])[2:]), record_key(p[0]))):
+        jaxkv, kvpress = (
+            json.dumps(r["prediction"].strip()[:60]).replace("|", "\\|") for r in (a, b)
+        )
+        lines.append(
+            f"| {a['policy']} | {a['ratio']:.3g} | {a['setting']} | {a['task']} | {a['index']} "
+            f"| {jaxkv} | {kvpress} | {a['score']:.2f} / {b['score']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _same_predictions(pairs) -> int:

@@ -56,11 +56,15 @@ def test_versus_kvpress_is_jaxkv_minus_kvpress_over_the_samples_both_ran():
         record("full", "vt", 0, 1.0, "x", ratio=0.0),
     ]
     table = ruler_report.versus_kvpress(ours, theirs, ["vt", "cwe"])
-    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()}
+    summary = table.split("Full cache:")[0]
+    rows = {line.split(" | ")[0].strip("| "): line for line in summary.splitlines()}
     # vt: (1 + 0) / 2 - 0 = +50; cwe: +0 on the one sample both ran; 2 of 3 predictions equal
     assert rows["knorm"].endswith("| +50.0 | +0.0 | +25.0 | 3 | 2 |")
     assert rows["full"].endswith("| +0.0 |  | +0.0 | 1 | 1 |")
     assert "Full cache: 1/1 predictions identical." in table
+    differing = table.split("Predictions that differ:")[1]
+    assert '| knorm | 0.5 | agnostic | vt | 0 | "a" | "z" | 1.00 / 0.00 |' in differing
+    assert differing.count("| knorm |") == 1  # "c" and "c " agree; "only jaxkv ran it" is alone
 
 
 def test_cells_follow_the_records_a_dropped_cell_removed(tmp_path):
