@@ -371,8 +371,8 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--kept",
         metavar="TASK:INDEX",
-        help="run nothing else: where each cell's policy leaves that sample's answer tokens "
-        "(OUT/kept-TASK-INDEX.md, .json)",
+        help="run nothing else: where each cell's policy leaves that sample's answer tokens, "
+        "and its greedy answer's closest call (OUT/kept-TASK-INDEX.md, .json)",
     )
     args = parser.parse_args(argv)
     if args.kept is not None:
@@ -461,8 +461,9 @@ def kept_answer(
     model, tokenizer, policy, params, sample: Sample, setting: str, stop, steps: int
 ) -> dict:
     """Where `policy` leaves `sample`'s answers once what `setting` compresses is compressed:
-    per answer (`answer_token_span`), its tokens and how many of the (layer, KV head) pairs
-    keep each, and the layers in which every head keeps all of them; then the first `steps`
+    per answer (`answer_token_span`; why not, for an answer the context holds more than once),
+    its tokens and how many of the (layer, KV head) pairs keep each, and the layers in which
+    every head keeps all of them; then the first `steps`
     greedy answer tokens (read on by `extend_with_logits`, the prefill path), each with its
     logit and the runner-up's."""
     compressed, after = split(sample, setting)
@@ -472,7 +473,11 @@ def kept_answer(
     positions = np.asarray(session.kv.positions())[:, 0]  # [L, K, S], -1 padded
     answers = []
     for output in sample.outputs:
-        span = answer_token_span(tokenizer, sample, output)
+        try:
+            span = answer_token_span(tokenizer, sample, output)
+        except ValueError as error:  # an answer the context holds more than once: no span
+            answers.append({"answer": output, "no_span": str(error)})
+            continue
         kept = np.stack([(positions == p).any(-1) for p in span], -1)  # [L, K, tokens]
         answers.append(
             {
@@ -574,15 +579,18 @@ def kept_markdown(sample_name: str, length: int, report: dict) -> str:
     for row in report["rows"]:
         answer_text = "".join(step["token"] for step in row["greedy"])
         for found in row["answers"]:
-            kept = ", ".join(
-                f"{token!r} {count}/{row['pairs']}"
-                for token, count in zip(found["tokens"], found["kept_by"], strict=True)
-            )
-            layers = found["whole_in_layers"]
+            if "no_span" in found:
+                kept, layers = "(not held once)", ""
+            else:
+                kept = ", ".join(
+                    f"{token!r} {count}/{row['pairs']}"
+                    for token, count in zip(found["tokens"], found["kept_by"], strict=True)
+                )
+                layers = f"{len(found['whole_in_layers'])}: {found['whole_in_layers']}"
             lines.append(
                 f"| {row['policy']} | {row['ratio']:.3g} | {row['setting']} | "
-                f"{row['kv_bytes'] / 1e6:.1f} | {found['answer']} | {kept} | "
-                f"{len(layers)}: {layers} | {answer_text!r} | {closest_call(row['greedy'])} |"
+                f"{row['kv_bytes'] / 1e6:.1f} | {found['answer']} | {kept} | {layers} | "
+                f"{answer_text!r} | {closest_call(row['greedy'])} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -378,6 +378,11 @@ def test_kept_says_which_pairs_keep_each_answer_token(tmp_path):
     merged = json.loads((tmp_path / "kept-niah_single_1-0.json").read_text())
     assert [row["policy"] for row in merged["rows"]] == ["full", "knorm", "snapkv"]
     assert merged["rows"][0] == full and len(merged["commands"]) == 2
+    # fwe's answers recur in its context: no span, the greedy answer all the same
+    ruler.main([*argv[:6], "--policies", "full", "--max-new-tokens", "6", "--kept", "fwe:0"])
+    (row,) = json.loads((tmp_path / "kept-fwe-0.json").read_text())["rows"]
+    assert all("not once" in answer["no_span"] for answer in row["answers"])
+    assert row["greedy"] and "(not held once)" in (tmp_path / "kept-fwe-0.md").read_text()
 
 
 def test_a_sample_s_jobs_of_policies_that_read_alike_run_together_in_each_setting():
