@@ -198,6 +198,15 @@ def parse_ratio_policies(entries: list[str]) -> dict[str, tuple[str, dict]]:
     return parsed
 
 
+def shipped_params_of(parsed: dict, model, model_arg: str) -> dict:
+    """{entry: its learned parameters (`learned_params`: the ones jaxkv ships for
+    `model_arg`), or None} for `parse_ratio_policies`'s {entry: (name, options)}."""
+    return {
+        entry: learned_params(policies.get(name, **options), model, model_arg, {})
+        for entry, (name, options) in parsed.items()
+    }
+
+
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     """The 95% Wilson score interval of a binomial proportion."""
     if trials == 0:

@@ -407,10 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = start_run(args, argv)
     if args.export_only:
         return {"samples": len(samples)}
-    params = {
-        entry: harness.learned_params(policies.get(name, **options), model, args.model, {})
-        for entry, (name, options) in parsed.items()
-    }
+    params = harness.shipped_params_of(parsed, model, args.model)
     jobs = pending_jobs(args, parsed)
     taus = {  # WG-KV's, calibrated on the first sample of the first task
         entry: calibrate_wgkv(
@@ -463,9 +460,8 @@ def kept_answer(
     """Where `policy` leaves `sample`'s answers once what `setting` compresses is compressed:
     per answer (`answer_token_span`; why not, for an answer the context holds more than once),
     its tokens and how many of the (layer, KV head) pairs keep each, and the layers in which
-    every head keeps all of them; then the first `steps`
-    greedy answer tokens (read on by `extend_with_logits`, the prefill path), each with its
-    logit and the runner-up's."""
+    every head keeps all of them; then the first `steps` greedy answer tokens (read on by
+    `extend_with_logits`, the prefill path), each with its logit and the runner-up's."""
     compressed, after = split(sample, setting)
     session = jaxkv.prefill(
         model, [compressed], policy, reserve_tokens=len(after) + steps, policy_params=params
@@ -539,12 +535,11 @@ def kept_report(args: argparse.Namespace, argv: list[str], parsed, model, tokeni
     policy_at = PolicyBuilder(parsed, taus, tokenizer)
     stop = stop_tokens(tokenizer, model.config)
     steps = capped(sample, args.max_new_tokens).max_new_tokens
+    params = harness.shipped_params_of(parsed, model, args.model)
     rows = []
     for entry, ratio, setting in cells(parsed, args.ratios, args.settings, args.aware_policies):
-        name, options = parsed[entry]
-        params = harness.learned_params(policies.get(name, **options), model, args.model, {})
         policy = policy_at(entry, ratio, sample)
-        found = kept_answer(model, tokenizer, policy, params, sample, setting, stop, steps)
+        found = kept_answer(model, tokenizer, policy, params[entry], sample, setting, stop, steps)
         rows.append({"policy": entry, "ratio": ratio, "setting": setting, **found})
     path = args.out / f"kept-{task}-{index}.json"
     previous = json.loads(path.read_text())["rows"] if path.exists() else []

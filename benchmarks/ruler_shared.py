@@ -251,10 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     done = {
         (r["policy"], r["ratio"], r["context"]) for r in ruler_report.load_records(records_path)
     }
-    params = {
-        entry: harness.learned_params(policies.get(name, **options), model, args.model, {})
-        for entry, (name, options) in parsed.items()
-    }
+    params = harness.shipped_params_of(parsed, model, args.model)
     chosen, refused = chosen_cells(parsed, args.ratios, taus, tokenizer, params)
     harness.save(args.out, "run", {**run, "skipped": sorted({*run["skipped"], *refused})})
     shared = {
