@@ -17,6 +17,7 @@ policy's budgets side by side compress in one program vmapped over the budgets
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 from collections.abc import Iterator, Sequence
@@ -190,22 +191,19 @@ def compress_observed_at_budgets(
     replay, a scorer's scores) runs once, the choice of the kept tokens once per budget.
     Returns (kv, last_hidden), every leaf stacked [n, ...]; does not donate `kv`."""
 
-    def at_budget(budget_tokens, prompt_share):
-        return compress_observed(
-            model,
-            tokens,
-            lengths,
-            budget_tokens,
-            prompt_share,
-            thresholds,
-            kv,
-            carry,
-            key,
-            policy_params,
-            policy=policy,
-            int8_window=int8_window,
-        )
-
+    at_budget = functools.partial(  # the budgets positional, everything else bound
+        compress_observed,
+        model,
+        tokens,
+        lengths,
+        thresholds=thresholds,
+        kv=kv,
+        carry=carry,
+        key=key,
+        policy_params=policy_params,
+        policy=policy,
+        int8_window=int8_window,
+    )
     return jax.vmap(at_budget)(budget_tokens, prompt_share)
 
 
