@@ -56,6 +56,11 @@ for lane in "${CHOSEN[@]}"; do
     echo "lane $lane: one of ${ORDER[*]}" >&2
     exit 2
   fi
+  if [[ $lane != kvpress-* ]] && ((!DRY_RUN)) && [[ ! -x $PYTHON ]]; then
+    echo "lane $lane: PYTHON=$PYTHON is no executable here (a worktree has no .venv:" \
+      "set PYTHON to the python of a venv with jaxkv installed)" >&2
+    exit 2
+  fi
   if [[ $lane == kvpress-* && -z ${KVPRESS_PYTHON:-} ]]; then
     echo "lane $lane: set KVPRESS_PYTHON to kvpress's env's python" >&2
     exit 2
