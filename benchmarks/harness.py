@@ -69,6 +69,19 @@ def commands_so_far(run_path: Path, command: str) -> list[str]:
     return listed if command in listed else [*listed, command]
 
 
+def check_same_run(run_path: Path, run: dict, identity: dict[str, str]) -> None:
+    """SystemExit when the resumable run at `run_path` (JSON) has, under a key of `identity`
+    ({key: the option that sets it}), another value than `run`: its records would be taken
+    as this command's and skipped. A key the file lacks (written before it was kept) passes."""
+    previous = json.loads(run_path.read_text()) if run_path.exists() else {}
+    for key, option in identity.items():
+        if key in previous and previous[key] != run[key]:
+            raise SystemExit(
+                f"{option}: {run_path.parent} holds a run with {key} {previous[key]!r}, this "
+                f"command {run[key]!r}; give another --out"
+            )
+
+
 def save(
     out: Path, stem: str, report: dict | list, markdown: str | None = None, indent: int | None = 2
 ) -> None:
@@ -196,6 +209,27 @@ def parse_ratio_policies(entries: list[str]) -> dict[str, tuple[str, dict]]:
             raise SystemExit(f"--policies {entry}: takes no budget, so no compression ratio")
         parsed[entry] = (name, spec.policy_kwargs(name, pairs, None, pair_option=entry))
     return parsed
+
+
+def check_ratios(ratios) -> None:
+    """SystemExit for a --ratios value outside (0, 1): kvpress's compression ratio, the share
+    of the prompt evicted."""
+    for ratio in ratios:
+        if not 0 < ratio < 1:
+            raise SystemExit(f"--ratios {ratio}: the share evicted, in (0, 1)")
+
+
+def policy_at_ratio(name: str, options: dict, ratio: float, tau: float | None = None):
+    """Policy `name` (with `options`) at kvpress's compression `ratio`: budget 1 - ratio; the
+    full cache whatever the ratio; WG-KV, whose knob is a threshold, at `tau` (the one
+    calibrated for the ratio)."""
+    if name == "full":
+        return policies.get("full")
+    if name == "wgkv":
+        if tau is None:
+            raise ValueError(f"wgkv at ratio {ratio}: its tau is calibrated, not a budget")
+        return policies.get("wgkv", tau=tau, **options)
+    return build_policy(name, 1.0 - ratio, **options)
 
 
 def shipped_params_of(parsed: dict, model, model_arg: str) -> dict:

@@ -34,9 +34,10 @@ magic number for NAME is"). Writes OUT/MODEL/reuse-kvpress.json (and .md):
 --ruler SAMPLES.jsonl is the kvpress side of `jaxkv bench ruler`: the samples it exported (their
 token ids) through each press at kvpress's compression ratios (`--ratios`, the share evicted),
 agnostic (the context prefilled under the press, then the question) and, for the presses of
-`RULER_AWARE`, aware (the context and the question under the press, then the end of the user
-turn, the assistant header and the answer prefix, as kvpress's pipeline splits them); each
-answer decoded greedily for the task's answer tokens and scored by RULER's rule. Records as
+`ruler_tasks.AWARE_POLICIES`, aware (the context and the question under the press, then the end
+of the user turn, the assistant header and the answer prefix, as kvpress's pipeline splits
+them); each answer decoded greedily for the task's answer tokens and scored by RULER's rule
+(`ruler_tasks.prediction`, `string_match_all`). Records as
 `jaxkv bench ruler` writes them (OUT/records.jsonl, resumable), so `jaxkv bench ruler --render
 --against OUT/records.jsonl` tables jaxkv minus kvpress:
 
@@ -60,7 +61,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxkv import downloads
-from jaxkv.benchmarks import harness
+from jaxkv.benchmarks import harness, ruler_tasks
 from jaxkv.benchmarks.needles import (
     ANSWER_TOKENS,
     SETTINGS,
@@ -71,8 +72,8 @@ from jaxkv.benchmarks.needles import (
     score,
 )
 from jaxkv.benchmarks.real_quality_report import cell_key, markdown_table
-from jaxkv.benchmarks.ruler_report import append_record, load_records, record_key
-from jaxkv.benchmarks.ruler_tasks import postprocess, sample_from_json, string_match_all
+from jaxkv.benchmarks.ruler_report import append_record, load_records, read_jsonl, record_key
+from jaxkv.benchmarks.ruler_tasks import prediction, sample_from_json, string_match_all
 from jaxkv.models import gguf_tokenizer
 
 # jaxkv's policy name -> kvpress 0.5.5's press class.
@@ -121,9 +122,6 @@ REUSE_PRESSES = ("full", "kvzip", "kvzip_scored_prefix", "snapkv", "tova", "stre
 # Options of one mode only: (option, its mode).
 _QUALITY_ONLY = ("tasks", "settings", "samples", "replace")
 _REUSE_ONLY = ("questions",)
-# --ruler: kvpress's leaderboard ratios, and the presses it runs query-aware.
-RULER_RATIOS = (0.25, 0.5, 0.75, 0.875)
-RULER_AWARE = ("snapkv", "adakv", "finch", "chunkkv")  # kvpress's leaderboard.sh
 # Presses that score with the question (FinchPress): --ruler's aware setting only.
 QUESTION_PRESSES = ("finch",)
 
@@ -415,27 +413,22 @@ def reference_provenance(argv: list[str]) -> dict:
     }
 
 
-def ruler_cells(args: argparse.Namespace):
-    """(press, ratio, setting) in run order; the full cache once, at ratio 0."""
-    if "full" in args.presses:
-        yield "full", 0.0, "agnostic"
-    for setting in args.settings:
-        for ratio in args.ratios:
-            for name in args.presses:
-                if name == "full" or (setting == "agnostic" and name in QUESTION_PRESSES):
-                    continue
-                if setting == "agnostic" or name in RULER_AWARE:
-                    yield name, ratio, setting
+def ruler_samples(path: Path, count: int, tasks) -> list:
+    """The samples of `jaxkv bench ruler`'s export `path` with index below `count`, of `tasks`
+    (all when empty); SystemExit when the file holds samples of more than one (length,
+    seed): which to compare would be a guess."""
+    records = read_jsonl(path)
+    runs = sorted({(r.get("length"), r.get("seed")) for r in records}, key=str)
+    if len(runs) > 1:
+        raise SystemExit(f"--ruler {path}: samples of several (length, seed) runs {runs}")
+    samples = [sample_from_json(r) for r in records]
+    return [s for s in samples if s.index < count and (s.task in tasks or not tasks)]
 
 
 def run_ruler(args: argparse.Namespace, argv: list[str]) -> dict:
     """--ruler: every exported sample through kvpress's presses; records appended as they end,
     OUT/run.json the provenance of the latest (resumed) run and every distinct command run."""
-    lines = args.ruler.read_text().splitlines()
-    samples = [sample_from_json(json.loads(line)) for line in lines]
-    samples = [
-        s for s in samples if s.index < args.samples and (s.task in args.tasks or not args.tasks)
-    ]
+    samples = ruler_samples(args.ruler, args.samples, args.tasks)
     path = downloads.model_path(args.model)
     (model, stop), tokenizer = load_model(path), gguf_tokenizer(path)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -445,9 +438,11 @@ def run_ruler(args: argparse.Namespace, argv: list[str]) -> dict:
     (args.out / "run.json").write_text(json.dumps(run, indent=1, default=str) + "\n")
     records = args.out / "records.jsonl"
     done = {record_key(r) for r in load_records(records)}
+    presses = {name: name for name in args.presses}
+    cells = ruler_tasks.cells(presses, args.ratios, args.settings, ruler_tasks.AWARE_POLICIES)
     jobs = [
         (name, ratio, setting, sample)
-        for name, ratio, setting in ruler_cells(args)
+        for name, ratio, setting in cells
         for sample in sorted(samples, key=lambda s: (s.index, s.task))
         if (sample.task, sample.index, name, ratio, setting) not in done
     ]
@@ -456,28 +451,20 @@ def run_ruler(args: argparse.Namespace, argv: list[str]) -> dict:
         press = make_press(
             name, None if name == "full" else 1.0 - ratio, sample.question_turn_tokens
         )
-        prompt, cut = sample.context_ids + sample.question_ids, len(sample.context_ids)
-        if setting == "aware":
-            cut += sample.question_turn_tokens
-        context, question = list(prompt[:cut]), list(prompt[cut:])
+        context, question = sample.split(setting)
         start = time.perf_counter()
         tokens, held = answer(model, press, context, question, sample.max_new_tokens, stop)
-        generated = []
-        for token in tokens.tolist():
-            if token in stop:
-                break
-            generated.append(token)
-        prediction = postprocess(tokenizer.decode(generated))
+        predicted = prediction(tokenizer, tokens.tolist(), stop)
         record = {"task": sample.task, "index": sample.index, "policy": name, "ratio": ratio}
         record |= {
             "setting": setting,
-            "prediction": prediction,
-            "score": string_match_all(prediction, sample.outputs),
+            "prediction": predicted,
+            "score": string_match_all(predicted, sample.outputs),
             "outputs": list(sample.outputs),
             "kv_bytes": float(held),
             "context_tokens": len(sample.context_ids),
             "prompt_tokens": len(sample.context_ids) + len(sample.question_ids),
-            "compressed_tokens": cut,
+            "compressed_tokens": len(context),
             "seconds": round(time.perf_counter() - start, 2),
         }
         append_record(records, record)
@@ -529,21 +516,27 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
             raise SystemExit(f"--presses {name}: kvpress presses here are full, {known}")
         if name in QUESTION_PRESSES and args.ruler is None:
             raise SystemExit(f"--presses {name}: --ruler only (its window is a sample's question)")
+        if name in QUESTION_PRESSES and "agnostic" in (args.settings or ["agnostic"]):
+            raise SystemExit(
+                f"--presses {name}: scores with the question, which the agnostic setting reads "
+                "after compressing: give --settings aware"
+            )
     for budget in args.budgets:
         if not 0 < budget < 1:
             raise SystemExit(f"--budgets {budget}: a share of the prompt kept, in (0, 1)")
     if args.ruler is not None:
         defaults = {
             "presses": ["full", *PRESSES],
-            "ratios": list(RULER_RATIOS),
+            "ratios": list(ruler_tasks.RATIOS),
             "tasks": [],
-            "settings": ["agnostic", "aware"],
+            "settings": list(ruler_tasks.SETTINGS),
             "samples": 1_000_000,
             "out": args.ruler.parent / "kvpress",
         }
         for option, value in defaults.items():
             if getattr(args, option) is None:
                 setattr(args, option, value)
+        _check_ruler_options(args)
         return args
     if args.ratios is not None:
         raise SystemExit("--ratios: an option of --ruler")
@@ -569,6 +562,18 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         if getattr(args, option) is None:
             setattr(args, option, value)
     return args
+
+
+def _check_ruler_options(args: argparse.Namespace) -> None:
+    """SystemExit for a --ruler run's ratio, task or setting that RULER's runner has not."""
+    harness.check_ratios(args.ratios)
+    for option, given, allowed in (
+        ("tasks", args.tasks, ruler_tasks.TASKS),
+        ("settings", args.settings, ruler_tasks.SETTINGS),
+    ):
+        for value in given:
+            if value not in allowed:
+                raise SystemExit(f"--{option} {value}: --ruler's are {', '.join(allowed)}")
 
 
 def main(argv: list[str] | None = None) -> dict:

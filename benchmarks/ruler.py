@@ -19,12 +19,10 @@ of the prompt evicted, a jaxkv budget of 1 - r. Settings (kvpress's):
             delimiter), so it runs aware only unless its entry gives one.
 The full cache answers the same in both: it runs once, as ratio 0 agnostic. WG-KV has a
 threshold, not a budget: its tau for each ratio is calibrated on the first sample of the first
-task (its kept share of the full cache's bytes measured at a grid of taus, then bisected in log
-tau until within 0.02 of 1 - ratio; `wgkv-calibration.json`). Where its share jumps past 1 -
-ratio (heads whose gates are one value switch at once), the tau past the jump: never more
-bytes than the ratio allows; a ratio that gets a larger ratio's tau is run at the larger one
-only. Records carry each sample's own bytes: the leaderboard's `kept` column is the share WG-KV
-held across the samples.
+task (`wgkv_calibration`: within 0.02 of 1 - ratio, never more bytes than the ratio allows;
+`wgkv-calibration.json`). Records carry each sample's own bytes: the leaderboard's `kept`
+column is the share WG-KV held across the samples. OUT holds one model, length, seed and
+answer cap: a command that differs in one of them from OUT/run.json's is refused.
 
 The forward pass over a 4K prompt is most of a sample's cost, so a sample's pending jobs
 (ratios and policies) whose prefills read alike (`read_groups.prefill_classes`: no budget
@@ -50,7 +48,6 @@ with --against the table of jaxkv minus kvpress.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -61,15 +58,19 @@ from tqdm import tqdm
 
 import jaxkv
 from jaxkv import policies
-from jaxkv.benchmarks import harness, ruler_report
+from jaxkv.benchmarks import harness, ruler_report, wgkv_calibration
 from jaxkv.benchmarks.read_groups import job_groups, prefill_classes, reads_once
 from jaxkv.benchmarks.ruler_tasks import (
+    AWARE_POLICIES,
     DEFAULT_SEED,
+    RATIOS,
+    SETTINGS,
     TASKS,
     Sample,
     answer_token_span,
     build_sample,
-    postprocess,
+    cells,
+    prediction,
     sample_from_json,
     string_match_all,
 )
@@ -78,13 +79,13 @@ from jaxkv.generation.joined import decode_ready, join_refusal, join_sessions
 from jaxkv.model_sources import load_model, model_file_sha256, stop_tokens
 from jaxkv.policies import Policy
 
-RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard
-SETTINGS = ("agnostic", "aware")
-AWARE_POLICIES = ("snapkv", "adakv", "finch", "chunkkv")  # kvpress's leaderboard.sh
-WGKV_TAUS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 0.6, 0.9)
-WGKV_KEPT_TOLERANCE = 0.02  # of the full cache's bytes, for a calibrated tau
-WGKV_BISECTION_STEPS = 12
-WGKV_TAU_RESOLUTION = 1e-3  # in log tau: a bracket this narrow is a jump in the kept share
+# What a run's directory holds one of (OUT/run.json's key: the option that sets it).
+RUN_IDENTITY = {
+    "file_sha256": "--model",
+    "length": "--length",
+    "seed": "--seed",
+    "max_new_tokens": "--max-new-tokens",
+}
 
 
 def load_samples(tokenizer, tasks, length: int, count: int, seed: int, out: Path) -> dict:
@@ -92,11 +93,9 @@ def load_samples(tokenizer, tasks, length: int, count: int, seed: int, out: Path
     generated and appended to it."""
     path = out / "samples.jsonl"
     found = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if (record.get("length"), record.get("seed")) == (length, seed):
-                found[(record["task"], record["index"])] = sample_from_json(record)
+    for record in ruler_report.read_jsonl(path):
+        if (record.get("length"), record.get("seed")) == (length, seed):
+            found[(record["task"], record["index"])] = sample_from_json(record)
     wanted = [(t, i) for i in range(count) for t in tasks if (t, i) not in found]
     for task, index in tqdm(wanted, desc="samples", unit="sample", disable=not wanted):
         found[(task, index)] = build_sample(tokenizer, task, length, index, seed)
@@ -110,9 +109,9 @@ def answer(
 ) -> dict:
     """One sample under one policy and setting: the prediction, its score, the bytes held
     (answer tokens: the task's, at most `cap`)."""
-    sample = capped(sample, cap)
+    sample = sample.capped(cap)
     start = time.perf_counter()
-    compressed, after = split(sample, setting)
+    compressed, after = sample.split(setting)
     session = jaxkv.prefill(
         model,
         [compressed],
@@ -125,15 +124,6 @@ def answer(
     return scored(tokenizer, sample, out, held, stop, start)
 
 
-def split(sample: Sample, setting: str) -> tuple[list[int], list[int]]:
-    """(what `setting` compresses, what is read after it): agnostic the context, then the
-    question; aware the context and the question itself, then the end of the user turn, the
-    assistant header and the answer prefix (`Sample.question_turn_tokens`)."""
-    prompt = sample.context_ids + sample.question_ids
-    cut = len(sample.context_ids) + (sample.question_turn_tokens if setting == "aware" else 0)
-    return list(prompt[:cut]), list(prompt[cut:])
-
-
 def answers_each(
     model, tokenizer, chosen, sample: Sample, setting: str, stop, cap=None
 ) -> list[dict]:
@@ -143,9 +133,9 @@ def answers_each(
     (`join_sessions`: each row's tokens its own; one per set of sessions that can join).
     Each result's seconds are its own compression and answer plus an equal share of the read
     and of the joined decode."""
-    sample = capped(sample, cap)
+    sample = sample.capped(cap)
     start = time.perf_counter()
-    compressed, after = split(sample, setting)
+    compressed, after = sample.split(setting)
     sessions = jaxkv.prefill_each(
         model,
         [compressed],
@@ -182,22 +172,13 @@ def answers_each(
     return [{**result, "prefill_shared_by": len(chosen)} for result in results]
 
 
-def capped(sample: Sample, cap: int | None) -> Sample:
-    """The sample with at most `cap` answer tokens."""
-    if cap is None:
-        return sample
-    return dataclasses.replace(sample, max_new_tokens=min(cap, sample.max_new_tokens))
-
-
 def scored(tokenizer, sample: Sample, out, held: float, stop, start: float, row: int = 0) -> dict:
     """The record of the answer in row `row` of `out`: prediction, RULER's score, bytes held,
     seconds since start."""
-    tokens = out.tokens[row][: int(out.num_tokens[row])]
-    generated = [int(t) for t in tokens if int(t) not in stop]
-    prediction = postprocess(tokenizer.decode(generated))
+    predicted = prediction(tokenizer, out.tokens[row][: int(out.num_tokens[row])], stop)
     return {
-        "prediction": prediction,
-        "score": string_match_all(prediction, sample.outputs),
+        "prediction": predicted,
+        "score": string_match_all(predicted, sample.outputs),
         "outputs": list(sample.outputs),
         "kv_bytes": held,
         "context_tokens": len(sample.context_ids),
@@ -223,111 +204,6 @@ def check_settings(parsed: dict, settings) -> None:
                 f"--policies {entry}: FINCH scores with the question, which the agnostic setting "
                 "reads after compressing: give --settings aware, or finch:window=N"
             )
-
-
-def tau_for_kept_share(measure, measured: dict, target: float) -> float:
-    """The tau whose kept share `measure(tau)` is within WGKV_KEPT_TOLERANCE of `target`:
-    bisection in log tau between the two measured taus that bracket `target` (the kept share
-    falls as tau rises; a learned gate's taus crowd into a decade, so a grid alone misses).
-    Where the share jumps past `target` (whole heads whose gates are one value switch at
-    once), the tau past the jump: the largest share below `target`, never more bytes than
-    the ratio allows. `measured` ({tau: kept share}) gains every new measurement. ValueError
-    when every share measured is above `target`."""
-    for _ in range(WGKV_BISECTION_STEPS):
-        nearest = min(measured, key=lambda tau: abs(measured[tau] - target))
-        if abs(measured[nearest] - target) <= WGKV_KEPT_TOLERANCE:
-            return nearest
-        keeps_more = [tau for tau, kept in measured.items() if kept > target]
-        keeps_less = [tau for tau, kept in measured.items() if kept < target]
-        if not keeps_more or not keeps_less:
-            break
-        low, high = max(keeps_more), min(keeps_less)
-        if np.log(high / low) < WGKV_TAU_RESOLUTION:
-            break
-        tau = float(np.exp((np.log(low) + np.log(high)) / 2))
-        measured[tau] = measure(tau)
-    below = [tau for tau, kept in measured.items() if kept <= target]
-    if not below:
-        raise ValueError(
-            f"WG-KV calibration: every tau measured keeps more than {target:.3f} of the full "
-            f"cache (the least: {min(measured.values()):.3f}): give a larger tau grid"
-        )
-    return max(below, key=lambda tau: (measured[tau], -tau))
-
-
-def calibrate_wgkv(
-    model, params, sample: Sample, ratios, out: Path, options: dict, provenance: dict
-) -> dict:
-    """{ratio: tau} for WG-KV on `sample`'s context (`tau_for_kept_share` at each ratio's kept
-    share, 1 - ratio, from WGKV_TAUS); every measurement saved to OUT/wgkv-calibration.json
-    as it comes (opening with the run's `provenance`) and reused from it."""
-    path = out / "wgkv-calibration.json"
-    record = json.loads(path.read_text()) if path.exists() else {}
-    same_sample = record.get("sample") == [sample.task, sample.index]
-    measured = dict(zip(record["taus"], record["kept"], strict=True)) if same_sample else {}
-    context = [list(sample.context_ids)]
-    full_bytes = []
-
-    def save(taus: dict) -> None:
-        order = sorted(measured)
-        harness.save(
-            out,
-            "wgkv-calibration",
-            {
-                "provenance": provenance,
-                "sample": [sample.task, sample.index],
-                "taus": order,
-                "kept": [measured[tau] for tau in order],
-                "tau_per_ratio": {str(r): tau for r, tau in taus.items()},
-                "kept_per_ratio": {str(r): measured[tau] for r, tau in taus.items()},
-            },
-        )
-
-    def measure(tau: float) -> float:
-        if not full_bytes:
-            full_bytes.append(float(jaxkv.prefill(model, context, "full").memory_bytes()))
-        policy = policies.get("wgkv", tau=tau, **options)
-        session = jaxkv.prefill(model, context, policy, policy_params=params)
-        measured[tau] = float(session.memory_bytes()) / full_bytes[0]
-        save({})
-        return measured[tau]
-
-    for tau in tqdm([t for t in WGKV_TAUS if t not in measured], desc="wgkv grid", unit="tau"):
-        measure(tau)
-    taus = taus_for_ratios(measure, measured, ratios)
-    save(taus)
-    return taus
-
-
-def taus_for_ratios(measure, measured: dict, ratios) -> dict:
-    """{ratio: tau} by `tau_for_kept_share` at each ratio's kept share (1 - ratio), chosen
-    from every measurement (a second pass measures nothing: a later ratio's bisection may
-    land nearer an earlier one's jump)."""
-    for ratio in ratios:
-        tau_for_kept_share(measure, measured, 1.0 - ratio)
-    return {float(r): tau_for_kept_share(measure, measured, 1.0 - r) for r in ratios}
-
-
-def superseded_ratios(taus: dict) -> dict:
-    """{ratio: the larger ratio with the same tau} for WG-KV's calibrated `taus` ({ratio:
-    tau}): a ratio whose share its gates cannot hold keeps what the larger one keeps, so its
-    records would be the larger one's (run once, at the larger ratio)."""
-    return {
-        ratio: max(r for r, t in taus.items() if t == tau)
-        for ratio, tau in taus.items()
-        if any(r > ratio and t == tau for r, t in taus.items())
-    }
-
-
-def cells(parsed, ratios, settings, aware_policies):
-    """(entry, ratio, setting) in run order: setting, ratio, then policy; the full cache once."""
-    if any(name == "full" for name, _ in parsed.values()):
-        yield next(e for e, (n, _) in parsed.items() if n == "full"), 0.0, "agnostic"
-    for setting in settings:
-        for ratio in ratios:
-            for entry, (name, _) in parsed.items():
-                if name != "full" and (setting == "agnostic" or name in aware_policies):
-                    yield entry, ratio, setting
 
 
 def render(out: Path, against: Path | None = None) -> str:
@@ -358,7 +234,14 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--policies", nargs="+", default=["full", "snapkv"])
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
-    parser.add_argument("--aware-policies", nargs="+", default=list(AWARE_POLICIES))
+    parser.add_argument(
+        "--aware-policies",
+        nargs="+",
+        default=list(AWARE_POLICIES),
+        choices=policies.registered(),
+        metavar="POLICY",
+        help="the policies run query-aware (kvpress's leaderboard's by default)",
+    )
     parser.add_argument(
         "--max-new-tokens",
         type=int,
@@ -380,9 +263,7 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         if task not in TASKS or not index.isdigit():
             raise SystemExit(f"--kept {args.kept}: TASK:INDEX, TASK one of {', '.join(TASKS)}")
         args.kept = (task, int(index))
-    for ratio in args.ratios:
-        if not 0 < ratio < 1:
-            raise SystemExit(f"--ratios {ratio}: the share evicted, in (0, 1)")
+    harness.check_ratios(args.ratios)
     if args.samples < 1:
         raise SystemExit(f"--samples {args.samples}: at least 1")
     if args.out is None:
@@ -403,19 +284,20 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.kept is not None:
         return {"report": kept_report(args, argv, parsed, model, tokenizer)}
-    samples = load_samples(tokenizer, args.tasks, args.length, args.samples, args.seed, args.out)
     run = start_run(args, argv)
+    samples = load_samples(tokenizer, args.tasks, args.length, args.samples, args.seed, args.out)
     if args.export_only:
         return {"samples": len(samples)}
     params = harness.shipped_params_of(parsed, model, args.model)
     jobs = pending_jobs(args, parsed)
     taus = {  # WG-KV's, calibrated on the first sample of the first task
-        entry: calibrate_wgkv(
+        entry: wgkv_calibration.calibrate(
             model,
             params[entry],
             samples[(args.tasks[0], 0)],
             args.ratios,
             args.out,
+            entry,
             parsed[entry][1],
             run["provenance"],
         )
@@ -443,13 +325,13 @@ def main(argv: list[str] | None = None) -> dict:
         for (entry, ratio, *_), result in zip(group, results, strict=True):
             record = {"task": task, "index": index, "policy": entry, "ratio": ratio}
             record = {**record, "setting": setting, **result}
-            record["compressed_tokens"] = len(split(sample, setting)[0])
+            record["compressed_tokens"] = len(sample.split(setting)[0])
             if parsed[entry][0] == "wgkv":
                 record["tau"] = taus[entry][ratio]
             ruler_report.append_record(args.out / "records.jsonl", record)
         progress.update(len(group))
     progress.close()
-    text = render(args.out)
+    text = render(args.out, args.against)
     print(text)
     return {"report": text}
 
@@ -462,7 +344,7 @@ def kept_answer(
     its tokens and how many of the (layer, KV head) pairs keep each, and the layers in which
     every head keeps all of them; then the first `steps` greedy answer tokens (read on by
     `extend_with_logits`, the prefill path), each with its logit and the runner-up's."""
-    compressed, after = split(sample, setting)
+    compressed, after = sample.split(setting)
     session = jaxkv.prefill(
         model, [compressed], policy, reserve_tokens=len(after) + steps, policy_params=params
     )
@@ -516,28 +398,25 @@ def closest_call(greedy: list[dict]) -> str:
 
 
 def kept_report(args: argparse.Namespace, argv: list[str], parsed, model, tokenizer) -> str:
-    """--kept TASK:INDEX: `kept_answer` for every cell of the command (WG-KV at the taus of
-    OUT/wgkv-calibration.json; the task's answer tokens, at most --max-new-tokens), merged
-    into OUT/kept-TASK-INDEX.json (a cell's row replaced; the commands listed) and .md."""
+    """--kept TASK:INDEX: `kept_answer` for every cell of the command (WG-KV at the taus the
+    sweep calibrated; the task's answer tokens, at most --max-new-tokens), merged into
+    OUT/kept-TASK-INDEX.json (a cell's row replaced; the commands listed) and .md."""
     task, index = args.kept
     sample = build_sample(tokenizer, task, args.length, index, args.seed)
-    calibration = args.out / "wgkv-calibration.json"
-    taus = {}
-    if any(name == "wgkv" for name, _ in parsed.values()):
-        if not calibration.exists():
-            raise SystemExit(f"--kept with wgkv: its taus come from {calibration}; run the sweep")
-        per_ratio = json.loads(calibration.read_text())["tau_per_ratio"]
-        taus = {
-            entry: {float(r): tau for r, tau in per_ratio.items()}
-            for entry, (name, _) in parsed.items()
-            if name == "wgkv"
-        }
+    taus = {
+        entry: wgkv_calibration.saved_taus(
+            wgkv_calibration.calibration_path(args.out, entry), args.ratios
+        )
+        for entry, (name, _) in parsed.items()
+        if name == "wgkv"
+    }
     policy_at = PolicyBuilder(parsed, taus, tokenizer)
     stop = stop_tokens(tokenizer, model.config)
-    steps = capped(sample, args.max_new_tokens).max_new_tokens
+    steps = sample.capped(args.max_new_tokens).max_new_tokens
     params = harness.shipped_params_of(parsed, model, args.model)
     rows = []
-    for entry, ratio, setting in cells(parsed, args.ratios, args.settings, args.aware_policies):
+    entries = {entry: name for entry, (name, _) in parsed.items()}
+    for entry, ratio, setting in cells(entries, args.ratios, args.settings, args.aware_policies):
         policy = policy_at(entry, ratio, sample)
         found = kept_answer(model, tokenizer, policy, params[entry], sample, setting, stop, steps)
         rows.append({"policy": entry, "ratio": ratio, "setting": setting, **found})
@@ -592,13 +471,14 @@ def kept_markdown(sample_name: str, length: int, report: dict) -> str:
 
 def start_run(args: argparse.Namespace, argv: list[str]) -> dict:
     """OUT/run.json for this command: the title, provenance, every command run into OUT so
-    far, the model (and its file's hash), length, seed and answer cap."""
+    far, the model (and its file's hash), length, seed and answer cap. SystemExit when OUT's
+    run.json has another model, length, seed or cap (`RUN_IDENTITY`): its records would be
+    skipped as done."""
+    run_path = args.out / "run.json"
     run = {
         "title": f"RULER (synthetic) on {Path(args.model).stem} at {args.length} tokens",
         "provenance": harness.provenance("jaxkv bench ruler", argv),
-        "commands": harness.commands_so_far(
-            args.out / "run.json", "jaxkv bench ruler " + " ".join(argv)
-        ),
+        "commands": harness.commands_so_far(run_path, "jaxkv bench ruler " + " ".join(argv)),
         "model": args.model,
         "model_name": Path(args.model).stem,
         "file_sha256": model_file_sha256(args.model),
@@ -606,6 +486,7 @@ def start_run(args: argparse.Namespace, argv: list[str]) -> dict:
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,
     }
+    harness.check_same_run(run_path, run, RUN_IDENTITY)
     harness.save(args.out, "run", run)
     return run
 
@@ -615,9 +496,10 @@ def pending_jobs(args: argparse.Namespace, parsed: dict) -> list[tuple]:
     lacks, in run order (`cells`, then sample, then task)."""
     records = ruler_report.load_records(args.out / "records.jsonl")
     done = {ruler_report.record_key(r) for r in records}
+    entries = {entry: name for entry, (name, _) in parsed.items()}
     return [
         (entry, ratio, setting, task, index)
-        for entry, ratio, setting in cells(parsed, args.ratios, args.settings, args.aware_policies)
+        for entry, ratio, setting in cells(entries, args.ratios, args.settings, args.aware_policies)
         for index in range(args.samples)
         for task in args.tasks
         if (task, index, entry, ratio, setting) not in done
@@ -628,11 +510,11 @@ def without_superseded(jobs: list[tuple], taus: dict) -> list[tuple]:
     """`jobs` less WG-KV's at a ratio whose calibrated tau is a larger ratio's
     (`superseded_ratios`: run at the larger one only), said on stderr."""
     for entry, entry_taus in taus.items():
-        for ratio, larger in superseded_ratios(entry_taus).items():
+        for ratio, larger in wgkv_calibration.superseded_ratios(entry_taus).items():
             print(
                 f"{entry}: ratio {ratio} (keep {1 - ratio:.0%}) gets ratio {larger}'s tau "
-                f"({entry_taus[ratio]:.3g}), no tau keeping a share between "
-                f"(wgkv-calibration.json): run at {larger} only",
+                f"({entry_taus[ratio]:.3g}), no tau keeping a share between: run at {larger} "
+                "only",
                 file=sys.stderr,
             )
             jobs = [job for job in jobs if job[:2] != (entry, ratio)]
@@ -653,11 +535,8 @@ class PolicyBuilder:
         options = sample_options(name, options, sample)
         key = (entry, ratio, options.get("window"))
         if key not in self.built:
-            if name == "wgkv":
-                policy = policies.get("wgkv", tau=self.taus[entry][ratio], **options)
-            else:
-                budget = None if name == "full" else 1.0 - ratio
-                policy = harness.build_policy(name, budget, **options)
+            tau = self.taus[entry][ratio] if name == "wgkv" else None
+            policy = harness.policy_at_ratio(name, options, ratio, tau)
             self.built[key] = policy.for_tokenizer(self.tokenizer)
         return self.built[key]
 

@@ -31,25 +31,38 @@ def record_key(record: dict) -> tuple:
     return tuple(record[k] for k in RECORD_KEY)
 
 
-def load_records(path: Path) -> list[dict]:
-    """The records of a JSONL file, the last one of each key kept (a cut line is dropped)."""
+def read_jsonl(path: Path) -> list[dict]:
+    """The objects of a JSONL file in order, a cut line (a run killed while writing it) dropped;
+    [] when there is no file."""
     if not path.exists():
         return []
-    found: dict[tuple, dict] = {}
+    found = []
     for line in path.read_text().splitlines():
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a run killed while writing its last line
+            found.append(json.loads(line))
+        except json.JSONDecodeError:
             continue
-        found[record_key(record)] = record
-    return list(found.values())
+    return found
+
+
+def load_records(path: Path) -> list[dict]:
+    """The records of a JSONL file, the last one of each key kept (a cut line is dropped)."""
+    return list({record_key(record): record for record in read_jsonl(path)}.values())
 
 
 def append_record(path: Path, record: dict) -> None:
-    """One record, on a line of its own, flushed: a run cut after it resumes past it."""
+    """One record, on a line of its own (after a cut last line, a new one), flushed: a run cut
+    after it resumes past it."""
+    cut = path.exists() and path.stat().st_size > 0 and not _ends_with_newline(path)
     with path.open("a") as file:
-        file.write(json.dumps(record) + "\n")
+        file.write(("\n" if cut else "") + json.dumps(record) + "\n")
         file.flush()
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as file:
+        file.seek(-1, 2)
+        return file.read(1) == b"\n"
 
 
 def cell_name(benchmark: str, length: int, model: str, policy: str, ratio: float, setting: str):

@@ -9,15 +9,17 @@ position, and the bytes held, per policy and compression ratio.
 
 Contexts: `shared_context_tasks` (prose with four needles, a four-hop variable chain and a word
 list; question q of context c asks kind (q + c) mod 8 of its rota, so positions see every kind
-alike). `jaxkv.ask` answers each question alone over the one compressed copy (no earlier
-question or answer in its cache), so a position's score differs from another's only through the
-kinds asked there. Bytes: the context's pages held once (`AskOutput.shared_bytes`) and all rows
-together (`total_bytes`). WG-KV's tau per ratio comes from `--wgkv-calibration` (the file
-`jaxkv bench ruler` writes). A policy that evicts while decoding cannot share pages: `ask`
-refuses it, and the cell is reported as skipped before anything runs. Each context is read
-once for the policies and ratios whose prefills read alike (`jaxkv.prefill_each`, as `jaxkv
-bench ruler` groups them), then compressed and asked by each. Records: OUT/records.jsonl, one
-line per question as each (cell, context) finishes; a rerun skips those done.
+alike). `jaxkv.ask` answers each question alone over the one compressed copy (no earlier question
+or answer in its cache), so a position's score differs from another's only through the kinds asked
+there. Bytes: the context's pages held once (`AskOutput.shared_bytes`) and all rows together
+(`total_bytes`). WG-KV's tau per ratio comes from `--wgkv-calibration` (the file `jaxkv bench
+ruler` writes, `wgkv_calibration`). A policy that evicts while decoding cannot share pages: `ask`
+refuses it, and the cell is reported as skipped before anything runs. Each context is read once for
+the policies and ratios whose prefills read alike (`jaxkv.prefill_each`, as `jaxkv bench ruler`
+groups them), then compressed and asked by each. Records: OUT/records.jsonl, one line per question
+as each (cell, context) finishes; a rerun skips the (cell, context) pairs with every question's
+record (OUT holds one model, length and question count: a command that differs in one of them is
+refused).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import jax
@@ -34,10 +36,9 @@ import numpy as np
 from tqdm import tqdm
 
 import jaxkv
-from jaxkv import policies
-from jaxkv.benchmarks import harness, ruler_report
+from jaxkv.benchmarks import harness, ruler_report, wgkv_calibration
 from jaxkv.benchmarks.read_groups import job_groups, prefill_classes, reads_once
-from jaxkv.benchmarks.ruler_tasks import postprocess
+from jaxkv.benchmarks.ruler_tasks import prediction
 from jaxkv.benchmarks.shared_context_tasks import (
     ANSWER_TOKENS,
     QUESTION_KINDS,
@@ -50,6 +51,8 @@ from jaxkv.model_sources import load_model, model_file_sha256, stop_tokens
 
 # Seeds the compression of policies that draw random numbers, read alone or with others.
 COMPRESSION_KEY = jax.random.PRNGKey(0)
+# What a run's directory holds one of (OUT/run.json's key: the option that sets it).
+RUN_IDENTITY = {"file_sha256": "--model", "length": "--length", "questions": "--questions"}
 
 
 def ask_context(model, tokenizer, context: SharedContext, stop, session) -> list[dict]:
@@ -66,8 +69,7 @@ def ask_context(model, tokenizer, context: SharedContext, stop, session) -> list
     for position, (row, count) in enumerate(
         zip(out.answers.tokens, out.answers.num_tokens, strict=True)
     ):
-        generated = [int(t) for t in row[: int(count)] if int(t) not in stop]
-        prediction = postprocess(tokenizer.decode(generated))
+        predicted = prediction(tokenizer, row[: int(count)], stop)
         outputs = context.outputs[position]
         records.append(
             {
@@ -75,9 +77,9 @@ def ask_context(model, tokenizer, context: SharedContext, stop, session) -> list
                 "index": context.index * 16 + position,
                 "context": context.index,
                 "position": position,
-                "prediction": prediction,
+                "prediction": predicted,
                 "outputs": list(outputs),
-                "score": score(prediction, outputs),
+                "score": score(predicted, outputs),
                 "kv_bytes": float(out.shared_bytes),
                 "total_bytes": float(out.total_bytes),
                 "separate_bytes": float(out.separate_bytes),
@@ -167,16 +169,6 @@ def render(out: Path) -> str:
     return text
 
 
-def _policy(name: str, options: dict, ratio: float, taus: dict):
-    if name == "full":
-        return policies.get("full")
-    if name == "wgkv":
-        if str(ratio) not in taus:
-            raise SystemExit(f"wgkv at ratio {ratio}: give --wgkv-calibration with its tau")
-        return policies.get("wgkv", tau=taus[str(ratio)], **options)
-    return harness.build_policy(name, 1.0 - ratio, **options)
-
-
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jaxkv bench ruler_shared", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -191,6 +183,9 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--render", action="store_true", help="rewrite the report only")
     args = parser.parse_args(argv)
+    harness.check_ratios(args.ratios)
+    if not 1 <= args.questions <= len(QUESTION_KINDS):
+        raise SystemExit(f"--questions {args.questions}: 1 to {len(QUESTION_KINDS)}")
     if args.out is None:
         args.out = Path("results/ruler-shared") / f"{Path(args.model).stem}-{args.length // 1024}k"
     return args
@@ -199,10 +194,11 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
 def start_run(args: argparse.Namespace, argv: list[str]) -> dict:
     """OUT/run.json's content for this command (saved with the policies `ask` refuses): the
     title, provenance, every command run into OUT so far, the model (and its file's hash),
-    the length and the policies skipped so far."""
+    the length, the questions a context and the policies skipped so far. SystemExit when
+    OUT's run.json has another model, length or question count (`RUN_IDENTITY`)."""
     run_path = args.out / "run.json"
     previous = json.loads(run_path.read_text()) if run_path.exists() else {}
-    return {
+    run = {
         "title": f"Shared context, {args.questions} questions, on {Path(args.model).stem} at "
         f"{args.length} tokens",
         "provenance": harness.provenance("jaxkv bench ruler_shared", argv),
@@ -210,8 +206,11 @@ def start_run(args: argparse.Namespace, argv: list[str]) -> dict:
         "model": args.model,
         "file_sha256": model_file_sha256(args.model),
         "length": args.length,
+        "questions": args.questions,
         "skipped": previous.get("skipped", []),
     }
+    harness.check_same_run(run_path, run, RUN_IDENTITY)
+    return run
 
 
 def chosen_cells(parsed: dict, ratios, taus: dict, tokenizer, params: dict):
@@ -221,7 +220,9 @@ def chosen_cells(parsed: dict, ratios, taus: dict, tokenizer, params: dict):
     cells += [(e, r) for r in ratios for e, (n, _) in parsed.items() if n != "full"]
     chosen, refused = {}, []
     for entry, ratio in cells:
-        policy = _policy(*parsed[entry], ratio, taus).for_tokenizer(tokenizer)
+        name, options = parsed[entry]
+        tau = taus[entry][ratio] if name == "wgkv" else None
+        policy = harness.policy_at_ratio(name, options, ratio, tau).for_tokenizer(tokenizer)
         try:
             check_shared_decode(policy, ANSWER_TOKENS)
         except ValueError as error:
@@ -237,20 +238,25 @@ def main(argv: list[str] | None = None) -> dict:
     if args.render:
         return {"report": render(args.out)}
     parsed = harness.parse_ratio_policies(args.policies)
-    taus = {}
-    if args.wgkv_calibration is not None:
-        taus = json.loads(args.wgkv_calibration.read_text())["tau_per_ratio"]
+    wgkv_entries = [entry for entry, (name, _) in parsed.items() if name == "wgkv"]
+    if wgkv_entries and args.wgkv_calibration is None:
+        raise SystemExit(f"--policies {wgkv_entries[0]}: give --wgkv-calibration with its taus")
+    taus = {
+        entry: wgkv_calibration.saved_taus(args.wgkv_calibration, args.ratios)
+        for entry in wgkv_entries
+    }
+    run = start_run(args, argv)
     model, tokenizer = load_model(args.model)
     contexts = [
         build_shared_context(tokenizer, args.length, c, args.questions)
         for c in range(args.contexts)
     ]
     args.out.mkdir(parents=True, exist_ok=True)
-    run = start_run(args, argv)
     records_path = args.out / "records.jsonl"
-    done = {
+    answered = Counter(
         (r["policy"], r["ratio"], r["context"]) for r in ruler_report.load_records(records_path)
-    }
+    )
+    done = {cell for cell, count in answered.items() if count >= args.questions}
     params = harness.shipped_params_of(parsed, model, args.model)
     chosen, refused = chosen_cells(parsed, args.ratios, taus, tokenizer, params)
     harness.save(args.out, "run", {**run, "skipped": sorted({*run["skipped"], *refused})})

@@ -27,7 +27,8 @@ documentation (1.5K of them). Sizes are fitted as RULER fits them: the largest h
 prompt, with the task's answer tokens, fits the context length in the model's tokenizer.
 
 Scores (RULER's `string_match_all`): the share of the references found in the prediction,
-case-insensitive; `string_match_part` (the QA tasks' rule) is the best reference's 0/1.
+case-insensitive. The runs' shape, shared by every side: kvpress's compression ratios, the two
+settings and the presses its leaderboard runs query-aware (`cells`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ TASKS = (*NIAH_TASKS, "vt", "cwe", "fwe")
 # RULER's tokens_to_generate per task family.
 ANSWER_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50}
 DEFAULT_SEED = 42
+RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard: the share of the prompt evicted
+SETTINGS = ("agnostic", "aware")
+AWARE_POLICIES = ("snapkv", "adakv", "finch", "chunkkv")  # kvpress's leaderboard.sh
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 # RULER's needle depths: 40 evenly spaced percentages, drawn without replacement.
 DEPTHS = tuple(int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True)))
@@ -163,6 +167,34 @@ class Sample:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    def split(self, setting: str) -> tuple[list[int], list[int]]:
+        """(what `setting` compresses, what is read after it): agnostic the context, then the
+        question; aware the context and the question itself, then the end of the user turn,
+        the assistant header and the answer prefix (`question_turn_tokens`)."""
+        prompt = self.context_ids + self.question_ids
+        cut = len(self.context_ids) + (self.question_turn_tokens if setting == "aware" else 0)
+        return list(prompt[:cut]), list(prompt[cut:])
+
+    def capped(self, cap: int | None) -> Sample:
+        """The sample with at most `cap` answer tokens (None: as it is)."""
+        if cap is None:
+            return self
+        return dataclasses.replace(self, max_new_tokens=min(cap, self.max_new_tokens))
+
+
+def cells(entries: dict[str, str], ratios, settings, aware_policies):
+    """(entry, ratio, setting) in run order for `entries` ({entry: its policy's name}):
+    setting, ratio, then entry; the full cache once, as ratio 0 agnostic (it answers the same
+    in both); in the aware setting only the policies of `aware_policies`."""
+    full = [entry for entry, name in entries.items() if name == "full"]
+    if full:
+        yield full[0], 0.0, "agnostic"
+    for setting in settings:
+        for ratio in ratios:
+            for entry, name in entries.items():
+                if name != "full" and (setting == "agnostic" or name in aware_policies):
+                    yield entry, ratio, setting
+
 
 # ------------------------------------------------------------------------------ scoring
 
@@ -179,10 +211,15 @@ def string_match_all(prediction: str, references) -> float:
     return sum(r.lower() in text for r in references) / len(references)
 
 
-def string_match_part(prediction: str, references) -> float:
-    """1.0 if any reference is found in `prediction`, case-insensitive (RULER's QA score)."""
-    text = prediction.lower()
-    return float(max(r.lower() in text for r in references))
+def prediction(tokenizer: Tokenizer, tokens, stop) -> str:
+    """RULER's prediction from generated `tokens`: those before the first of `stop`, decoded,
+    `postprocess`ed."""
+    kept = []
+    for token in (int(t) for t in tokens):
+        if token in stop:
+            break
+        kept.append(token)
+    return postprocess(tokenizer.decode(kept))
 
 
 def answer_token_span(tokenizer: Tokenizer, sample: Sample, output: str) -> range:

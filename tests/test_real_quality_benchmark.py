@@ -319,15 +319,21 @@ def test_kvpress_reference_reuse_arguments():
             parse_arguments(argv)
 
 
-def test_kvpress_reference_runs_finch_aware_only_on_ruler_samples(tmp_path):
-    """FINCH scores with the question: the kvpress side runs it in the aware setting only."""
-    from jaxkv.benchmarks.kvpress_reference import parse_arguments, ruler_cells
+def test_kvpress_reference_checks_its_ruler_options(tmp_path):
+    """FINCH scores with the question: the kvpress side refuses it in the agnostic setting, as
+    jaxkv's runner does; a ratio, task or setting RULER's runner has not is refused by name."""
+    from jaxkv.benchmarks.kvpress_reference import parse_arguments
 
     samples = tmp_path / "samples.jsonl"
     samples.write_text("")
-    argv = ["--ruler", str(samples), "--presses", "full", "finch", "knorm", "--ratios", "0.5"]
-    assert list(ruler_cells(parse_arguments(argv))) == [
-        ("full", 0.0, "agnostic"),
-        ("knorm", 0.5, "agnostic"),
-        ("finch", 0.5, "aware"),
-    ]
+    ruler = ["--ruler", str(samples)]
+    args = parse_arguments([*ruler, "--presses", "full", "finch", "--settings", "aware"])
+    assert args.settings == ["aware"] and args.ratios == [0.25, 0.5, 0.75, 0.875]
+    for argv, message in [
+        (["--presses", "finch"], "--presses finch: scores with the question"),
+        (["--ratios", "1.0"], r"--ratios 1.0: the share evicted"),
+        (["--settings", "awre"], "--settings awre: --ruler's are agnostic, aware"),
+        (["--tasks", "qa_1"], "--tasks qa_1: --ruler's are niah_single_1"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            parse_arguments([*ruler, *argv])
