@@ -12,6 +12,7 @@ from jaxkv.engine import (
     ContextEvent,
     ContextsFullError,
     Engine,
+    QueueFullError,
     TokenEvent,
     UnknownContextError,
 )
@@ -176,6 +177,18 @@ def test_a_context_read_by_a_request_is_never_dropped(model):
     asked = jaxkv.ask(model, CONTEXT, QUESTIONS[1:2], max_new_tokens=30).answers
     assert tokens[reader] == asked.tokens[0, : int(asked.num_tokens[0])].tolist()
     assert eng.stats()["pages_in_use"] == 0 and eng.stats()["contexts"] == 0
+
+
+def test_a_full_queue_refuses_a_new_context_before_an_idle_one_is_dropped_for_it(model):
+    eng = Engine(
+        model, cache=CacheConfig(num_pages=2048), max_slots=1, max_contexts=1, max_waiting=1
+    )
+    idle = eng.add_context(CONTEXT)
+    run(eng)
+    eng.submit(PLAIN, max_new_tokens=2)  # the queue's one place
+    with pytest.raises(QueueFullError):
+        eng.add_context(OTHER_CONTEXT)
+    assert eng.contexts()[idle]["ready"]  # still held: nothing was dropped for a refused call
 
 
 def test_bad_context_requests_are_refused_before_anything_runs(model):

@@ -1,7 +1,18 @@
 """The engine's scheduling rules with page counts alone (`jaxkv.engine.scheduler`): no model
 runs, every plan is checked whole."""
 
-from jaxkv.engine.scheduler import Plan, Prefilling, Ready, Running, View, Waiting, plan_step
+import dataclasses
+
+from jaxkv.engine.scheduler import (
+    IdleContext,
+    Plan,
+    Prefilling,
+    Ready,
+    Running,
+    View,
+    Waiting,
+    plan_step,
+)
 
 
 def view(
@@ -149,3 +160,15 @@ def test_a_request_reading_a_cached_context_passes_one_whose_pages_do_not_fit():
     assert got == Plan(start=(0,), passed=(0, 1))
     fits = plan_step(view(waiting=queue, free_rows=(0, 1, 2), free=200))
     assert fits == Plan(start=(0, 1, 2))  # in order when they fit
+
+
+def test_idle_contexts_are_dropped_oldest_first_only_where_that_makes_the_room():
+    idle = (IdleContext(row=5, pages=30, last_used=2), IdleContext(row=6, pages=30, last_used=1))
+    queue = (Waiting(peak_pages=120, chunk_tokens=64),)
+    # 100 free: dropping the least recently used (row 6) makes room for the 120 pages.
+    got = plan_step(dataclasses.replace(view(waiting=queue, free_rows=(0,)), idle_contexts=idle))
+    assert got == Plan(drop_contexts=(6,), start=(0,))
+    # 170 pages: both idle contexts' 60 would not make the room: none is dropped, it waits.
+    queue = (Waiting(peak_pages=170, chunk_tokens=64),)
+    got = plan_step(dataclasses.replace(view(waiting=queue, free_rows=(0,)), idle_contexts=idle))
+    assert got == Plan()

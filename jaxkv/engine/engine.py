@@ -276,6 +276,7 @@ class Engine:
         key = jax.random.PRNGKey(0) if key is None else checked_key(key)
         policy_key, _ = jax.random.split(key)  # `ask`'s prefill key
         request = self.intake.prompt_request(rows, 1, budget)
+        self._check_queue_room()  # before an idle context is dropped for the new one
         row = self._free_context_row()
         held = Context(
             id=self._next_context,
@@ -428,12 +429,16 @@ class Engine:
             )
         return held
 
-    def _queue(self, request: Request) -> None:
+    def _check_queue_room(self) -> None:
+        """QueueFullError when the waiting queue is at its bound (`max_waiting`)."""
         if len(self.ledger.waiting) >= self.limits.max_waiting:
             raise QueueFullError(
                 f"the engine's queue holds max_waiting={self.limits.max_waiting} requests: "
                 "retry later"
             )
+
+    def _queue(self, request: Request) -> None:
+        self._check_queue_room()
         self._next_id += 1
         self.ledger.waiting.append(request)
 

@@ -175,9 +175,12 @@ def plan_step(view: View) -> Plan:
     dropped = []
 
     def room_for(pages: int) -> bool:
-        """Whether `pages` are free, once idle contexts are dropped (oldest first) for them."""
+        """Whether `pages` are free, once idle contexts are dropped (oldest first) for them;
+        none is dropped when dropping them all would not make the room."""
         nonlocal free
-        while not pages <= free and idle:
+        if not pages <= sum((context.pages for context in idle), start=free):
+            return False
+        while not pages <= free:
             context = idle.pop(0)
             dropped.append(context.row)
             free += context.pages
