@@ -13,6 +13,8 @@ import pytest
 import jaxkv
 from jaxkv import CacheConfig, bundled, prose
 from jaxkv.models import encode_chat, load_hf_checkpoint
+from jaxkv.serve.contexts import Contexts
+from jaxkv.serve.protocol import APIError
 from tests.test_serve import TIMEOUT, metrics, post, serving
 from tests.test_serve import tokenizer as tokenizer  # noqa: F401  (the module's fixture)
 
@@ -132,6 +134,22 @@ def test_a_chat_s_earlier_messages_are_a_cached_context_of_their_own(model, toke
             temperature=0,
         )
         assert metrics(url)["jaxkv_context_hits_total"] == 2
+
+
+def test_a_chat_runs_whole_when_every_context_row_is_read(model, tokenizer, monkeypatch):
+    async def rows_all_read(self, ids, messages, budget):
+        raise APIError(429, "every context row is read", None, code="contexts_full")
+
+    monkeypatch.setattr(Contexts, "automatic", rows_all_read)
+    messages = [{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "Why?"}]
+    with served(model, tokenizer, auto_context_tokens=64) as url:
+        reply = openai_client(url).chat.completions.create(
+            model="reference", messages=messages, max_tokens=2, temperature=0
+        )
+        assert reply.usage.prompt_tokens == len(encode_chat(tokenizer, messages))
+        details = reply.usage.prompt_tokens_details
+        assert details is None or not details.cached_tokens  # read whole, no cached context
+        assert metrics(url)["jaxkv_context_hits_total"] == 0
 
 
 def test_a_context_dropped_for_pages_is_a_404_and_is_made_again(model, tokenizer):

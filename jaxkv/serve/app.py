@@ -332,7 +332,13 @@ async def chat_completions(body: ChatRequest, request: Request):
     server.check_budget(body.budget)
     prefix, prefix_ids, whole = split
     for attempt in (1, 2):  # the context may be dropped for its pages in between: made again
-        context = await server.contexts.automatic(prefix_ids, prefix, body.budget)
+        try:
+            context = await server.contexts.automatic(prefix_ids, prefix, body.budget)
+        except APIError as error:
+            if error.code != "contexts_full":
+                raise
+            # Every context row is read: the chat runs whole, as without the split.
+            return await server.complete(body, whole, chat=True)
         try:
             return await server.complete(
                 body.model_copy(update={"budget": None}),

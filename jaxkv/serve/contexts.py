@@ -34,7 +34,13 @@ import time
 import uuid
 from pathlib import Path
 
-from jaxkv.engine import ContextEvent, ContextsFullError, Engine, TooLargeForPoolError
+from jaxkv.engine import (
+    ContextEvent,
+    ContextsFullError,
+    Engine,
+    QueueFullError,
+    TooLargeForPoolError,
+)
 from jaxkv.generation.saved import load_session, save_session
 from jaxkv.models import Tokenizer, encode_chat
 from jaxkv.serve.protocol import APIError
@@ -51,7 +57,7 @@ class ServedContext:
 
     Attributes:
       id: its id ("ctx-...").
-      engine_id: the engine's id of it.
+      engine_id: the engine's id of it (None until the engine has queued it).
       ids: its token ids.
       messages: the chat messages it renders (None: a prompt's text).
       budget: the budget it was compressed with (None: the policy's).
@@ -61,7 +67,7 @@ class ServedContext:
     """
 
     id: str
-    engine_id: int
+    engine_id: int | None
     ids: list[int]
     messages: list[dict] | None
     budget: object
@@ -103,7 +109,6 @@ class Contexts:
         )
         self.worker: EngineWorker | None = None
         self._by_id: dict[str, ServedContext] = {}
-        self._by_engine_id: dict[int, ServedContext] = {}
         self._automatic: dict[tuple, asyncio.Future] = {}  # (budget, ids) -> its ServedContext
 
     def listed(self) -> list[dict]:
@@ -133,13 +138,27 @@ class Contexts:
             )
         loop = asyncio.get_running_loop()
         field = "messages" if messages is not None else "prompt"
+        context = ServedContext(
+            id=f"ctx-{uuid.uuid4().hex}",
+            engine_id=None,
+            ids=list(ids),
+            messages=messages,
+            budget=budget,
+            auto=auto,
+            ready=loop.create_future(),
+        )
+        # Its events go to this object: one may come before this coroutine resumes.
         future = self.worker.add_context(
-            lambda event: loop.call_soon_threadsafe(self._on_event, event), ids, budget=budget
+            lambda event: loop.call_soon_threadsafe(self._on_event, context, event),
+            ids,
+            budget=budget,
         )
         try:
-            engine_id = await asyncio.wrap_future(future)
+            context.engine_id = await asyncio.wrap_future(future)
         except ContextsFullError as error:
             raise APIError(429, str(error), None, code="contexts_full") from None
+        except QueueFullError as error:
+            raise APIError(503, str(error), None, "server_overloaded") from None
         except TooLargeForPoolError as error:
             raise APIError(400, str(error), field, code="context_length_exceeded") from None
         except EngineStoppedError as error:
@@ -147,16 +166,8 @@ class Contexts:
         except ValueError as error:
             param = "budget" if "budget" in str(error) else field
             raise APIError(400, str(error), param) from None
-        context = ServedContext(
-            id=f"ctx-{uuid.uuid4().hex}",
-            engine_id=engine_id,
-            ids=list(ids),
-            messages=messages,
-            budget=budget,
-            auto=auto,
-            ready=loop.create_future(),
-        )
-        self._by_id[context.id] = self._by_engine_id[engine_id] = context
+        if not (context.ready.done() and context.ready.exception()):  # not refused already
+            self._by_id[context.id] = context
         return context
 
     async def delete(self, context_id: str) -> dict:
@@ -165,18 +176,15 @@ class Contexts:
         await asyncio.wrap_future(self.worker.drop_context(context.engine_id))
         return {"id": context.id, "object": "context", "deleted": True}
 
-    def _on_event(self, event: ContextEvent) -> None:
-        context = self._by_engine_id.get(event.context_id)
-        if context is None:
-            return
+    def _on_event(self, context: ServedContext, event: ContextEvent) -> None:
         if event.state == "ready":
             if not context.ready.done():
                 context.ready.set_result(event)
             return
-        self.forget(context)
         if not context.ready.done():
             field = "messages" if context.messages is not None else "prompt"
-            context.ready.set_exception(
+            _fail(
+                context.ready,
                 APIError(
                     400,
                     f"the context's {len(context.ids)} tokens came out larger than the pool "
@@ -185,17 +193,20 @@ class Contexts:
                     code="context_length_exceeded",
                 )
                 if event.state == "too_large"
-                else APIError(503, f"the engine has stopped: {self.worker.failure}")
+                else APIError(503, f"the engine has stopped: {self.worker.failure}"),
             )
-            context.ready.exception()  # retrieved: nobody may await it
+        self.forget(context)
 
     def forget(self, context: ServedContext) -> None:
-        """The server no longer knows the context (deleted, dropped, or refused)."""
+        """The server no longer knows the context (deleted, dropped, or refused); one still
+        being made fails its `ready` with a 404 (its creator waits on it)."""
         self._by_id.pop(context.id, None)
-        self._by_engine_id.pop(context.engine_id, None)
-        key = (repr(context.budget), tuple(context.ids))
-        if context.auto and key in self._automatic:
-            del self._automatic[key]
+        if not context.ready.done():
+            message = f"context={context.id!r} was deleted while it was being made"
+            _fail(context.ready, APIError(404, message, "context", code="context_not_found"))
+        made = self._automatic.get((repr(context.budget), tuple(context.ids)))
+        if context.auto and made is not None and _holds(made, context):
+            del self._automatic[(repr(context.budget), tuple(context.ids))]
 
     async def automatic(self, ids: list[int], messages: list[dict], budget) -> ServedContext:
         """The automatic context of a chat's prefix `ids`: the one made before for the same
@@ -209,8 +220,12 @@ class Contexts:
                 made.set_result(await self.create(ids, messages, budget, auto=True))
             except APIError as error:
                 del self._automatic[key]
-                made.set_exception(error)
-                made.exception()  # retrieved: later awaits re-raise it
+                _fail(made, error)
+                raise
+            except BaseException:  # this request cancelled meanwhile: the others are told
+                del self._automatic[key]
+                message = "the request making this chat's context ended before it: ask again"
+                _fail(made, APIError(503, message, None, "server_overloaded"))
                 raise
         return await made
 
@@ -307,10 +322,21 @@ class Contexts:
                     compressed=bool(session.compressed()[0]),
                 )
             )
-            self._by_id[context.id] = self._by_engine_id[engine_id] = context
+            self._by_id[context.id] = context
             if context.auto:
                 self._automatic[(repr(context.budget), tuple(context.ids))] = _done(context)
         log.info("loaded %d contexts from %s", len(self._by_id), directory)
+
+
+def _fail(future: asyncio.Future, error: APIError) -> None:
+    """`future` failed with `error`, retrieved (nobody may await it: no warning)."""
+    future.set_exception(error)
+    future.exception()
+
+
+def _holds(made: asyncio.Future, context: ServedContext) -> bool:
+    """Whether the automatic split's future `made` resolved to `context`."""
+    return made.done() and made.exception() is None and made.result() is context
 
 
 def _done(context: ServedContext) -> asyncio.Future:

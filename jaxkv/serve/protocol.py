@@ -43,7 +43,7 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=1)  # not OpenAI's: vLLM's extension
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a 64-bit key's range
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
     policy: str | None = None

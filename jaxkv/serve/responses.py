@@ -110,7 +110,8 @@ async def token_deltas(
                 raise ending.error(event.reason, generated)
             delta = text.add(event.token) if event.reason == "length" else ""
             delta += text.rest()
-            yield delta, FINISH_REASONS[event.reason], event
+            # A stop string that the last allowed token completes cut the text: "stop".
+            yield delta, "stop" if text.stopped else FINISH_REASONS[event.reason], event
             return
     finally:
         if not finished:

@@ -76,7 +76,8 @@ class EngineWorker:
 
     def stats(self) -> dict:
         now = time.monotonic()
-        recent = sum(count for at, count in self._recent if now - at <= RATE_WINDOW_SECONDS)
+        # A copy made in one call (the engine's thread appends and pops meanwhile).
+        recent = sum(count for at, count in tuple(self._recent) if now - at <= RATE_WINDOW_SECONDS)
         return {
             **self._engine_stats,
             "tokens_generated": self.tokens_generated,
@@ -123,7 +124,7 @@ class EngineWorker:
             while not self._commands.empty():
                 commands.append(self._commands.get_nowait())
         for command in commands:
-            if command[0] != "cancel":
+            if command[0] in ("submit", "add_context", "drop_context"):  # those with a future
                 command[1].set_exception(EngineStoppedError(failure))
         for request_id, listener in self._listeners.items():
             listener(TokenEvent(request_id, -1, True, "error"))
