@@ -1,6 +1,7 @@
 """The server's parts without a model or an HTTP server: cached contexts against an engine
-worker stand-in whose events may come before the handler resumes, the end of a token stream,
-the worker's failure, the request fields' ranges."""
+worker stand-in whose events may come before the handler resumes, and saved when one cannot
+be; the end of a token stream, the worker's failure, the request fields' ranges, a contexts
+folder on a mesh."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
+import types
 
 import pydantic
 import pytest
@@ -15,6 +17,8 @@ import pytest
 from jaxkv import bundled
 from jaxkv.engine import ContextEvent, TokenEvent
 from jaxkv.models import load_tokenizer
+from jaxkv.serve import contexts as serve_contexts
+from jaxkv.serve import create_app
 from jaxkv.serve.contexts import Contexts
 from jaxkv.serve.protocol import APIError, CompletionRequest
 from jaxkv.serve.responses import Ending, StopText, token_deltas
@@ -164,3 +168,36 @@ def test_a_seed_beyond_a_64_bit_key_is_refused_by_name(seed):
     with pytest.raises(pydantic.ValidationError, match="seed"):
         CompletionRequest(prompt="x", seed=seed)
     assert CompletionRequest(prompt="x", seed=2**63 - 1).seed == 2**63 - 1
+
+
+def test_contexts_that_cannot_be_saved_cost_themselves_not_the_others(tmp_path, monkeypatch):
+    class Engine:
+        def context_session(self, engine_id):
+            if engine_id == 7:
+                raise ValueError("evicted in the last step")
+            return engine_id
+
+    def save_session(session, path):
+        path.mkdir(parents=True)
+        (path / "session.txt").write_text(str(session))
+
+    monkeypatch.setattr(serve_contexts, "save_session", save_session)
+    (tmp_path / "ctx-old").mkdir()  # a context the server no longer holds
+
+    async def scenario():
+        contexts = contexts_over(InstantWorker("ready"))
+        lost, kept = [await contexts.create([1, 2, n], None, None) for n in (3, 4)]
+        await asyncio.gather(lost.ready, kept.ready)
+        contexts.save_all(Engine(), tmp_path)
+        return kept
+
+    kept = asyncio.run(scenario())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [kept.id]
+    assert (tmp_path / kept.id / "session" / "session.txt").read_text() == "8"
+
+
+def test_a_contexts_folder_is_refused_for_an_engine_on_a_mesh(tmp_path):
+    with pytest.raises(ValueError, match="contexts_dir=.*: contexts on a mesh are not copied"):
+        create_app(
+            types.SimpleNamespace(placement="a mesh"), None, "m", "full", contexts_dir=tmp_path
+        )

@@ -426,6 +426,11 @@ def create_app(
     render to at least `auto_context_tokens` tokens and the engine holds contexts
     (`jaxkv.serve.contexts`); with `contexts_dir`, the contexts saved there are loaded before it
     serves and its contexts saved there when it stops."""
+    if contexts_dir is not None and engine.placement is not None:
+        raise ValueError(
+            f"contexts_dir={os.fspath(contexts_dir)!r}: contexts on a mesh are not copied out to "
+            "be saved; serve on one device, or without a contexts folder"
+        )
     stop_ids = [t for t in [tokenizer.eos_id, *engine.model.config.eos_token_ids] if t is not None]
     server = Server(
         engine,
@@ -445,7 +450,7 @@ def create_app(
         server.worker = server.contexts.worker = EngineWorker(engine)
         yield
         failure = server.worker.failure
-        server.worker.stop()
+        await asyncio.to_thread(server.worker.stop)  # the event loop serves on meanwhile
         server.worker = None
         if contexts_dir is not None and failure is None:  # a failed engine's state is not kept
             server.contexts.save_all(engine, Path(contexts_dir))

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -268,15 +269,21 @@ class Contexts:
 
     def save_all(self, engine: Engine, directory: Path) -> None:
         """Each ready context into `directory` (module docstring), the folders of contexts the
-        server no longer holds removed; run once the engine's thread has stopped."""
+        server no longer holds removed; run once the engine's thread has stopped. Written
+        beside the old ones first, which go only then: a context that cannot be copied out
+        (said in the log) costs itself, not the others."""
         directory.mkdir(parents=True, exist_ok=True)
-        for folder in directory.glob("ctx-*"):
-            shutil.rmtree(folder)
+        staging = Path(tempfile.mkdtemp(prefix=".saving-", dir=directory))
         for context in self._by_id.values():
             if not (context.ready.done() and not context.ready.exception()):
                 continue
-            folder = directory / context.id
-            save_session(engine.context_session(context.engine_id), folder / "session")
+            folder = staging / context.id
+            try:
+                save_session(engine.context_session(context.engine_id), folder / "session")
+            except (OSError, ValueError) as error:
+                log.warning("context %s not saved: %s", context.id, error)
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
             record = {
                 "ids": context.ids,
                 "messages": context.messages,
@@ -286,6 +293,11 @@ class Contexts:
                 "hits": context.hits,
             }
             (folder / SAVED).write_text(json.dumps(record) + "\n")
+        for folder in directory.glob("ctx-*"):
+            shutil.rmtree(folder)
+        for folder in staging.iterdir():
+            folder.rename(directory / folder.name)
+        staging.rmdir()
         log.info("saved %d contexts to %s", len(list(directory.glob("ctx-*"))), directory)
 
     def load_all(self, engine: Engine, directory: Path) -> None:

@@ -85,9 +85,11 @@ class EngineWorker:
         }
 
     def stop(self) -> None:
+        """Ends the engine's thread after its current step (a compile included): once this
+        returns, no other thread uses the engine."""
         self._stopped.set()
         self._commands.put(("stop",))
-        self._thread.join(timeout=30)
+        self._thread.join()
 
     def _handle(self, command) -> None:
         if command[0] in ("submit", "add_context", "drop_context"):
