@@ -14,13 +14,15 @@ import types
 import pydantic
 import pytest
 
-from jaxkv import bundled
+from jaxkv import bundled, policies
 from jaxkv.engine import ContextEvent, TokenEvent
+from jaxkv.generation.decoding import SharedDecodeError, check_shared_decode
 from jaxkv.models import load_tokenizer
+from jaxkv.serve import RequestDefaults, create_app
 from jaxkv.serve import contexts as serve_contexts
-from jaxkv.serve import create_app
+from jaxkv.serve.app import Server
 from jaxkv.serve.contexts import Contexts
-from jaxkv.serve.protocol import APIError, CompletionRequest
+from jaxkv.serve.protocol import APIError, ChatRequest, CompletionRequest
 from jaxkv.serve.responses import Ending, StopText, token_deltas
 from jaxkv.serve.worker import EngineStoppedError, EngineWorker
 
@@ -201,3 +203,23 @@ def test_a_contexts_folder_is_refused_for_an_engine_on_a_mesh(tmp_path):
         create_app(
             types.SimpleNamespace(placement="a mesh"), None, "m", "full", contexts_dir=tmp_path
         )
+
+
+def test_too_many_tokens_on_a_context_under_a_decode_evicting_policy_names_the_limit():
+    with pytest.raises(SharedDecodeError) as engine_error:  # what the engine's submit raises
+        check_shared_decode(policies.get("h2o", budget=0.3), 10_000)
+
+    class RefusingWorker:
+        def submit(self, on_event, *args, **kwargs):
+            future = concurrent.futures.Future()
+            future.set_exception(engine_error.value)
+            return future
+
+    server = Server(
+        types.SimpleNamespace(policy=None), None, "m", "h2o", RequestDefaults(), [], None
+    )
+    server.worker = RefusingWorker()
+    body = ChatRequest(messages=[{"role": "user", "content": "x"}], max_completion_tokens=64)
+    with pytest.raises(APIError) as refused:
+        asyncio.run(server.submit(body, [1, 2], True, asyncio.Queue()))
+    assert refused.value.status == 400 and refused.value.param == "max_completion_tokens"

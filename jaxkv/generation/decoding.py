@@ -85,13 +85,19 @@ def _check_shared_decode(session: Session, max_new_tokens: int) -> None:
         check_shared_decode(session.policy, max_new_tokens)
 
 
+class SharedDecodeError(ValueError):
+    """`max_new_tokens` too many for rows that share pages under a policy that evicts while
+    decoding (`check_shared_decode`)."""
+
+
 def check_shared_decode(policy: Policy, max_new_tokens: int) -> None:
-    """ValueError unless `policy` decodes `max_new_tokens` tokens of rows that share pages
-    (a forked session, `ask`) without evicting: eviction would free pages the rows share."""
+    """SharedDecodeError unless `policy` decodes `max_new_tokens` tokens of rows that share
+    pages (a forked session, `ask`) without evicting: eviction would free pages the rows
+    share."""
     eviction = policy.decode_eviction
     if eviction is None or max_new_tokens <= eviction.decode_interval:
         return
-    raise ValueError(
+    raise SharedDecodeError(
         f"policy {policy.name!r} evicts during decode every "
         f"{eviction.decode_interval} step(s), which would free pages its rows share: decode "
         f"a forked session with max_new_tokens <= {eviction.decode_interval}, or with a "

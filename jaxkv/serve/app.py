@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxkv.engine import Engine, QueueFullError, TooLargeForPoolError, UnknownContextError
-from jaxkv.generation.decoding import check_shared_decode
+from jaxkv.generation.decoding import SharedDecodeError, check_shared_decode
 from jaxkv.models import Tokenizer, encode_chat
 from jaxkv.policies import Budget
 from jaxkv.serve.contexts import Contexts, ServedContext
@@ -157,7 +157,7 @@ class Server:
         whose pages it would free, may serve it)."""
         try:
             check_shared_decode(self.engine.policy, new_tokens(body, self.defaults)[0])
-        except ValueError:
+        except SharedDecodeError:
             return True
         return False
 
@@ -197,6 +197,8 @@ class Server:
         except TooLargeForPoolError as error:
             param = prompt_field if error.field == "prompt_ids" else limit_field
             raise APIError(400, str(error), param, code="context_length_exceeded") from None
+        except SharedDecodeError as error:  # on a cached context: too many tokens to decode
+            raise APIError(400, str(error), limit_field) from None
         except ValueError as error:
             param = "budget" if "budget" in str(error) else None
             param = prompt_field if "prompt" in str(error) else param
