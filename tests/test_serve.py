@@ -293,6 +293,20 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(base_url):
     assert numbers["jaxkv_generation_tokens_total"] - generated < 250
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_has_its_request_cancelled(base_url):
+    body = {"prompt": PROMPT, "max_tokens": 500, "temperature": 0}
+    generated = metrics(base_url)["jaxkv_generation_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):  # the client closes the connection
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + TIMEOUT
+    busy = ("jaxkv_requests_waiting", "jaxkv_requests_running", "jaxkv_pages_in_use")
+    while any(metrics(base_url)[name] > 0 for name in busy):  # queued, prefilling or running
+        assert time.monotonic() < deadline, "the abandoned request is still there"
+        time.sleep(0.1)
+    # cancelled, not run out: far fewer than its 500 tokens were generated
+    assert metrics(base_url)["jaxkv_generation_tokens_total"] - generated < 250
+
+
 def test_overload_queues_then_answers_503_and_never_crashes(model, tokenizer):
     with running_server(model, tokenizer, max_slots=1, max_waiting=2) as url:
 

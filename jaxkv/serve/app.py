@@ -4,6 +4,7 @@ error handlers (OpenAI's shape) and its routes, each a function over the app's `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -16,7 +17,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxkv.engine import Engine, QueueFullError, TooLargeForPoolError, UnknownContextError
+from jaxkv.engine import (
+    Engine,
+    QueueFullError,
+    TokenEvent,
+    TooLargeForPoolError,
+    UnknownContextError,
+)
 from jaxkv.generation.decoding import SharedDecodeError, check_shared_decode
 from jaxkv.models import Tokenizer, encode_chat
 from jaxkv.policies import Budget
@@ -44,6 +51,8 @@ from jaxkv.serve.worker import RATE_WINDOW_SECONDS, EngineStoppedError, EngineWo
 
 log = logging.getLogger(__name__)
 
+# How often a request whose whole answer is being made checks that its client is still there.
+DISCONNECT_POLL_SECONDS = 0.25
 # (name, type, help, the worker's stats key) of each /metrics sample; counters, and only they,
 # end in _total (Prometheus' naming).
 METRICS = (
@@ -213,9 +222,12 @@ class Server:
         prompt_ids: list[int],
         chat: bool,
         context: ServedContext | None = None,
+        disconnected=None,
     ):
         """A completion of `prompt_ids` (read after `context`, if given): streamed as
-        server-sent events, or whole."""
+        server-sent events, or whole. `disconnected`: an async check that the client has gone,
+        polled while a whole answer is made (a gone client's request is cancelled; a stream's
+        ends when its response can no longer be sent)."""
         events: asyncio.Queue = asyncio.Queue()
         request_id, prompt_field, limit_field = await self.submit(
             body, prompt_ids, chat, events, context
@@ -229,11 +241,15 @@ class Server:
         if body.stream:
             sse = server_sent_events(stream, name, self.model_name, chat)
             return StreamingResponse(sse, media_type="text/event-stream")
-        pieces, reason, count, last = [], "length", 0, None
-        async for delta, finish, event in stream:
-            pieces.append(delta)
-            count += event.token >= 0
-            reason, last = finish or reason, event
+        collecting = asyncio.ensure_future(_collected(stream))
+        while disconnected is not None and not collecting.done():
+            await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_SECONDS)
+            if not collecting.done() and await disconnected():
+                collecting.cancel()  # closes the token stream, which cancels the request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collecting
+                raise APIError(400, "the client went away before the answer was made")
+        pieces, reason, count, last = await collecting
         if context is None:
             usage = usage_of(len(prompt_ids), count, last)
         else:
@@ -267,6 +283,16 @@ class Server:
                 f"{'larger one' if same_kind else _kind(asked)}",
                 "budget",
             )
+
+
+async def _collected(stream) -> tuple[list[str], str, int, TokenEvent | None]:
+    """(text pieces, finish reason, tokens generated, the last event) of a whole answer."""
+    pieces, reason, count, last = [], "length", 0, None
+    async for delta, finish, event in stream:
+        pieces.append(delta)
+        count += event.token >= 0
+        reason, last = finish or reason, event
+    return pieces, reason, count, last
 
 
 def _kind(budget: Budget) -> str:
@@ -310,8 +336,11 @@ async def completions(body: CompletionRequest, request: Request):
     if body.context is not None:
         context = server.contexts.named(body.context)
         ids = server.contexts.question_ids(context, body.prompt, None)
-        return await server.complete(body, ids, chat=False, context=context)
-    return await server.complete(body, server.tokenizer.encode(body.prompt), chat=False)
+        return await server.complete(
+            body, ids, chat=False, context=context, disconnected=request.is_disconnected
+        )
+    ids = server.tokenizer.encode(body.prompt)
+    return await server.complete(body, ids, chat=False, disconnected=request.is_disconnected)
 
 
 @routes.post("/v1/chat/completions")
@@ -329,7 +358,9 @@ async def chat_completions(body: ChatRequest, request: Request):
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
     if split is None:
-        return await server.complete(body, ids, chat=True, context=context)
+        return await server.complete(
+            body, ids, chat=True, context=context, disconnected=request.is_disconnected
+        )
     server.check_names(body)
     server.check_budget(body.budget)
     prefix, prefix_ids, whole = split
@@ -340,13 +371,16 @@ async def chat_completions(body: ChatRequest, request: Request):
             if error.code != "contexts_full":
                 raise
             # Every context row is read: the chat runs whole, as without the split.
-            return await server.complete(body, whole, chat=True)
+            return await server.complete(
+                body, whole, chat=True, disconnected=request.is_disconnected
+            )
         try:
             return await server.complete(
                 body.model_copy(update={"budget": None}),
                 whole[len(prefix_ids) :],
                 chat=True,
                 context=context,
+                disconnected=request.is_disconnected,
             )
         except APIError as error:
             if error.code != "context_not_found" or attempt == 2:
