@@ -111,7 +111,7 @@ def test_a_context_made_once_answers_concurrent_requests_as_ask(model, tokenizer
         assert client.with_options(max_retries=0).models.list().data[0].id == "reference"
 
 
-def test_a_chat_s_earlier_messages_are_a_cached_context_of_their_own(model, tokenizer):
+def test_a_chat_s_earlier_messages_are_a_cached_context_of_their_own(model, tokenizer, monkeypatch):
     system = {"role": "system", "content": DOCUMENT}
     with served(model, tokenizer, auto_context_tokens=64) as url:
         client = openai_client(url)
@@ -135,21 +135,19 @@ def test_a_chat_s_earlier_messages_are_a_cached_context_of_their_own(model, toke
         )
         assert metrics(url)["jaxkv_context_hits_total"] == 2
 
+        # Every context row read: a chat whose split finds them so runs whole instead.
+        async def rows_all_read(self, ids, messages, budget):
+            raise APIError(429, "every context row is read", None, code="contexts_full")
 
-def test_a_chat_runs_whole_when_every_context_row_is_read(model, tokenizer, monkeypatch):
-    async def rows_all_read(self, ids, messages, budget):
-        raise APIError(429, "every context row is read", None, code="contexts_full")
-
-    monkeypatch.setattr(Contexts, "automatic", rows_all_read)
-    messages = [{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "Why?"}]
-    with served(model, tokenizer, auto_context_tokens=64) as url:
-        reply = openai_client(url).chat.completions.create(
+        monkeypatch.setattr(Contexts, "automatic", rows_all_read)
+        messages = [{"role": "system", "content": DOCUMENT[::-1]}, messages[-1]]
+        reply = client.chat.completions.create(
             model="reference", messages=messages, max_tokens=2, temperature=0
         )
         assert reply.usage.prompt_tokens == len(encode_chat(tokenizer, messages))
         details = reply.usage.prompt_tokens_details
         assert details is None or not details.cached_tokens  # read whole, no cached context
-        assert metrics(url)["jaxkv_context_hits_total"] == 0
+        assert metrics(url)["jaxkv_context_hits_total"] == 2
 
 
 def test_a_context_dropped_for_pages_is_a_404_and_is_made_again(model, tokenizer):
