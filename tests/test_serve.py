@@ -119,6 +119,25 @@ def test_a_completion_is_generate_s_answer_streamed_or_not(client, model, tokeni
     )
     pieces = [chunk.choices[0].text for chunk in chunks]
     assert "".join(pieces) == expected and len(pieces) >= 12
+    # stream_options.include_usage: every chunk says usage null, a last one without choices
+    # the whole answer's usage.
+    chunks = list(
+        client.chat.completions.create(
+            model="reference",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(chunk.usage is None and chunk.choices for chunk in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 5
+    with pytest.raises(openai.BadRequestError, match="stream_options: only with stream=true"):
+        client.completions.create(
+            model="reference", prompt=PROMPT, max_tokens=2, stream_options={"include_usage": True}
+        )
 
 
 def test_a_request_may_ask_for_a_smaller_budget_and_gets_generate_s_answer_at_it(

@@ -183,6 +183,8 @@ class Server:
         what the engine refuses."""
         self.check_names(body)
         self.check_budget(body.budget)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options: only with stream=true", "stream_options")
         max_new_tokens, limit_field = new_tokens(body, self.defaults)
         prompt_field = "messages" if chat else "prompt"
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -238,8 +240,18 @@ class Server:
         ending = Ending(self.worker, prompt_field, limit_field)
         text = StopText(self.tokenizer, body.stop)
         stream = token_deltas(self.worker, request_id, events, text, ending)
+
+        def usage(count: int, last: TokenEvent | None) -> dict:
+            if context is None:
+                return usage_of(len(prompt_ids), count, last)
+            cached = len(context.ids)
+            return usage_of(cached + len(prompt_ids), count, last, context.id, cached)
+
         if body.stream:
-            sse = server_sent_events(stream, name, self.model_name, chat)
+            wants_usage = body.stream_options is not None and body.stream_options.include_usage
+            sse = server_sent_events(
+                stream, name, self.model_name, chat, usage if wants_usage else None
+            )
             return StreamingResponse(sse, media_type="text/event-stream")
         collecting = asyncio.ensure_future(_collected(stream))
         while disconnected is not None and not collecting.done():
@@ -250,12 +262,8 @@ class Server:
                     await collecting
                 raise APIError(400, "the client went away before the answer was made")
         pieces, reason, count, last = await collecting
-        if context is None:
-            usage = usage_of(len(prompt_ids), count, last)
-        else:
-            cached = len(context.ids)
-            usage = usage_of(cached + len(prompt_ids), count, last, context.id, cached)
-        return completion_body(name, self.model_name, chat, "".join(pieces), reason, usage)
+        text = "".join(pieces)
+        return completion_body(name, self.model_name, chat, text, reason, usage(count, last))
 
     def check_budget(self, budget) -> None:
         """A request's own budget: of the server's policy's kind, at most its budget (an

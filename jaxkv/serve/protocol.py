@@ -31,6 +31,14 @@ class RequestDefaults:
         Sampler(temperature=self.temperature or 1.0, top_k=self.top_k, top_p=self.top_p)
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`: `include_usage` adds a last chunk with the usage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
 class SamplingFields(BaseModel):
     """The fields both endpoints take; None (left out) gets the server's `RequestDefaults`."""
 
@@ -45,6 +53,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a 64-bit key's range
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     policy: str | None = None
     # Not OpenAI's: a smaller budget of the server's policy, a ratio or a token count (checked by

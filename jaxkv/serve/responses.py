@@ -118,28 +118,39 @@ async def token_deltas(
             worker.cancel(request_id)
 
 
-async def server_sent_events(stream, name: str, model: str, chat: bool) -> AsyncIterator[str]:
+async def server_sent_events(
+    stream, name: str, model: str, chat: bool, usage=None
+) -> AsyncIterator[str]:
     """The stream's chunks as server-sent events; an error mid-stream as OpenAI sends it (a
-    `data: {"error": ...}` event, which its client raises as an APIError)."""
+    `data: {"error": ...}` event, which its client raises as an APIError). With `usage` (a
+    function of the tokens generated and the last event, `stream_options.include_usage`),
+    every chunk says `"usage": null` and a last one, without choices, the usage."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
+    usage_field = {} if usage is None else {"usage": None}
+
+    def event(choices: list) -> str:
+        chunk = {"id": name, "object": kind, "created": created, "model": model}
+        return f"data: {json.dumps(chunk | {'choices': choices} | usage_field)}\n\n"
+
     if chat:
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        yield _event(name, kind, created, model, first)
+        yield event(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+        )
+    count, last = 0, None
     try:
-        async for delta, finish, _ in stream:
+        async for delta, finish, token_event in stream:
             choice = {"index": 0, "finish_reason": finish}
             choice |= {"delta": {"content": delta}} if chat else {"text": delta, "logprobs": None}
-            yield _event(name, kind, created, model, choice)
+            count, last = count + (token_event.token >= 0), token_event
+            yield event([choice])
     except APIError as error:
         yield f"data: {json.dumps(error.body())}\n\n"
         return
+    if usage is not None:
+        usage_field = {"usage": usage(count, last)}
+        yield event([])
     yield "data: [DONE]\n\n"
-
-
-def _event(name, kind, created, model, choice) -> str:
-    chunk = {"id": name, "object": kind, "created": created, "model": model, "choices": [choice]}
-    return f"data: {json.dumps(chunk)}\n\n"
 
 
 def completion_body(name, model, chat, text, reason, usage: dict) -> dict:
