@@ -191,6 +191,15 @@ def test_a_full_queue_refuses_a_new_context_before_an_idle_one_is_dropped_for_it
     assert eng.contexts()[idle]["ready"]  # still held: nothing was dropped for a refused call
 
 
+def test_a_context_added_to_go_first_gives_its_row_before_an_older_one(model):
+    eng = Engine(model, cache=CacheConfig(num_pages=2048), max_slots=1, max_contexts=2)
+    older = eng.add_context(CONTEXT)
+    automatic = eng.add_context(OTHER_CONTEXT, evict_first=True)
+    run(eng)
+    newest = eng.add_context(PLAIN)  # no free row: an idle one is dropped for it
+    assert set(eng.contexts()) == {older, newest} and automatic not in eng.contexts()
+
+
 def test_bad_context_requests_are_refused_before_anything_runs(model):
     with pytest.raises(ValueError, match="max_contexts >= 1"):
         Engine(model, cache=CacheConfig(num_pages=64), max_slots=1).add_context(CONTEXT)

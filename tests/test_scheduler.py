@@ -172,3 +172,13 @@ def test_idle_contexts_are_dropped_oldest_first_only_where_that_makes_the_room()
     queue = (Waiting(peak_pages=170, chunk_tokens=64),)
     got = plan_step(dataclasses.replace(view(waiting=queue, free_rows=(0,)), idle_contexts=idle))
     assert got == Plan()
+
+
+def test_idle_contexts_added_to_go_first_are_dropped_before_the_least_recently_used():
+    idle = (
+        IdleContext(row=5, pages=30, last_used=1),
+        IdleContext(row=6, pages=30, last_used=9, evict_first=True),
+    )
+    queue = (Waiting(peak_pages=120, chunk_tokens=64),)
+    got = plan_step(dataclasses.replace(view(waiting=queue, free_rows=(0,)), idle_contexts=idle))
+    assert got == Plan(drop_contexts=(6,), start=(0,))

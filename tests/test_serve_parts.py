@@ -34,8 +34,10 @@ class InstantWorker:
 
     def __init__(self, *events: str):
         self.events, self.failure, self.dropped, self.next_id = events, None, [], 7
+        self.evict_first = []  # each context's, as added
 
-    def add_context(self, on_event, ids, budget=None):
+    def add_context(self, on_event, ids, budget=None, evict_first=False):
+        self.evict_first.append(evict_first)
         engine_id, self.next_id = self.next_id, self.next_id + 1
         for state in self.events:
             on_event(ContextEvent(engine_id, state, len(ids), kv_bytes=10, full_kv_bytes=20))
@@ -101,7 +103,7 @@ def test_a_context_deleted_while_being_made_answers_its_creator_404():
 
 def test_an_automatic_context_whose_maker_is_cancelled_tells_the_requests_waiting_on_it():
     class SlowWorker(InstantWorker):
-        def add_context(self, on_event, ids, budget=None):
+        def add_context(self, on_event, ids, budget=None, evict_first=False):
             return concurrent.futures.Future()  # never answered
 
     async def scenario():
@@ -120,9 +122,12 @@ def test_an_automatic_context_whose_maker_is_cancelled_tells_the_requests_waitin
     assert contexts._automatic == {}  # the next chat with that prefix makes it anew
 
 
-def test_forgetting_an_automatic_context_keeps_the_newer_one_of_its_prefix():
+def test_automatic_contexts_go_first_and_forgetting_an_old_one_keeps_the_newer():
+    worker = InstantWorker("ready")
+
     async def scenario():
-        contexts = contexts_over(InstantWorker("ready"))
+        contexts = contexts_over(worker)
+        await contexts.create([3], None, None)  # a client's: dropped after the automatic ones
         old = await contexts.automatic([1, 2], [], None)
         contexts.forget(old)
         new = await contexts.automatic([1, 2], [], None)
@@ -131,6 +136,7 @@ def test_forgetting_an_automatic_context_keeps_the_newer_one_of_its_prefix():
 
     new, again = asyncio.run(scenario())
     assert again is new
+    assert worker.evict_first == [False, True, True]
 
 
 def test_a_stop_string_the_last_allowed_token_completes_finishes_with_stop():

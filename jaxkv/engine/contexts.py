@@ -67,6 +67,7 @@ class Context:
       pages: the pages its row holds (every device's; and its int8 pages), recorded when it is
         ready.
       hits: the requests that have read it.
+      evict_first: dropped, idle, before the contexts without it (`Engine.add_context`).
       dropping: deleted while requests read it: dropped when the last one ends.
       last_hidden: [1, D] (host) the hidden state after its last token, once it is ready (what
         a `Session` of it holds).
@@ -84,6 +85,7 @@ class Context:
     last_used: int = 0
     pages: Pages = Pages(0)
     hits: int = 0
+    evict_first: bool = False
     dropping: bool = False
     last_hidden: np.ndarray | None = None
 

@@ -52,6 +52,7 @@ from jaxkv.engine.ledger import Ledger
 from jaxkv.engine.limits import check_limits
 from jaxkv.engine.pages import Pages
 from jaxkv.engine.requests import QueueFullError, Request, TokenEvent, TooLargeForPoolError
+from jaxkv.engine.scheduler import drop_order
 from jaxkv.generation.request import (
     checked_key,
     checked_stop_tokens,
@@ -254,13 +255,16 @@ class Engine:
         *,
         budget: float | int | None = None,
         key: jax.Array | None = None,
+        evict_first: bool = False,
     ) -> int:
         """Queues a context (token ids) to prefill and compress once with the engine's policy
         into a context row of the pool; returns its id at once. Requests name it from now on
         (`submit(..., context=id)`: they wait for it) and a step's events hold
         `ContextEvent(id, "ready")` when it is. It stays until `drop_context`, or until the
-        scheduler drops it, idle (no request reads or waits for it), least recently used first,
-        for pages that requests need (`ContextEvent(id, "evicted")`).
+        scheduler drops it, idle (no request reads or waits for it), for pages that requests
+        need or a row a new context needs (`ContextEvent(id, "evicted")`): those added with
+        `evict_first` first (the server's automatic contexts, a chat's earlier turns), then the
+        least recently used.
 
         Checked here: max_contexts >= 1; the ids, the policy's budget (`budget`: as `submit`'s),
         the context and one more token within max_context, its chunk, the pages it may hold
@@ -287,6 +291,7 @@ class Engine:
             thresholds=request.thresholds,
             request=None,
             last_used=self._uses,
+            evict_first=evict_first,
         )
         request = dataclasses.replace(
             request,
@@ -361,14 +366,14 @@ class Engine:
             backend=self.executor.backend,
         )
 
-    def add_session(self, session: Session) -> int:
+    def add_session(self, session: Session, *, evict_first: bool = False) -> int:
         """A one-row session made with this engine's model and policy (`jaxkv.prefill`,
         `jaxkv.load_session`, `context_session`) as a cached context, ready at once: its held
-        pages copied into a context row (idle contexts dropped, least recently used first, for
-        them). Refused, named: no context rows, a mesh, a session of several rows or forked,
-        another policy or model configuration, another page geometry or storage (int8 with
-        another window), more tokens a head than max_context, more pages than the pools can free
-        (`TooLargeForPoolError`)."""
+        pages copied into a context row (idle contexts dropped for them, as `add_context`
+        says; `evict_first` as there). Refused, named: no context rows, a mesh, a session of
+        several rows or forked, another policy or model configuration, another page geometry or
+        storage (int8 with another window), more tokens a head than max_context, more pages
+        than the pools can free (`TooLargeForPoolError`)."""
         if not self.limits.max_contexts:
             raise ValueError("the engine holds no contexts: give Engine(..., max_contexts >= 1)")
         if self.placement is not None:
@@ -393,6 +398,7 @@ class Engine:
             ready=True,
             last_used=self._uses,
             pages=pages,
+            evict_first=evict_first,
             last_hidden=np.asarray(session.last_hidden),
         )
         with compiling_as("the engine's preemption"):
@@ -406,7 +412,7 @@ class Engine:
         return Pages.of(self.executor.row_pages()[3][lane].min(axis=0))
 
     def _make_room(self, lane: int, pages: Pages) -> None:
-        """Drops idle contexts of `lane`, least recently used first, until `pages` are free
+        """Drops idle contexts of `lane` (`drop_order`) until `pages` are free
         (TooLargeForPoolError if they cannot be)."""
         while not pages <= (free := self._free_pages(lane)):
             idle = self.ledger.idle_contexts(self.lanes, lane)
@@ -418,7 +424,7 @@ class Engine:
                     num_pages=self.pool_pages.total,
                     field="session",
                 )
-            self._drop(min(idle, key=lambda c: c.last_used), reason="evicted")
+            self._drop(min(idle, key=drop_order), reason="evicted")
 
     def _named_context(self, context_id) -> Context:
         held = self.ledger.contexts.get(context_id) if isinstance(context_id, int) else None

@@ -22,6 +22,7 @@ from jaxkv.engine.scheduler import (
     Running,
     View,
     Waiting,
+    drop_order,
     plan_step,
 )
 
@@ -159,7 +160,7 @@ class Ledger:
         )
         head = queue if free_rows else []  # requests reading a context may pass the first
         idle = tuple(
-            IdleContext(row, c.last_used, of(held, lanes.context_kv_row(row)))
+            IdleContext(row, c.last_used, of(held, lanes.context_kv_row(row)), c.evict_first)
             for row in lanes.lane_contexts(lane)
             if (c := self.context_rows[row]) is not None and c.idle
         )
@@ -187,7 +188,7 @@ class Ledger:
 
     def row_for_new_context(self, lanes: Lanes) -> tuple[int, Context | None]:
         """A context row for a new context: a free one (in the lane holding the fewest
-        contexts; None to drop), else that of the least recently used idle context (to drop);
+        contexts; None to drop), else that of the first idle context in `drop_order` (to drop);
         ContextsFullError when every row holds a context that requests read or wait for."""
         free = [row for row, held in enumerate(self.context_rows) if held is None]
         if free:
@@ -200,8 +201,8 @@ class Ledger:
                 f"every one of the engine's max_contexts={len(self.context_rows)} context rows "
                 "holds a context that requests read or wait for: retry later, or drop one"
             )
-        oldest = min(idle, key=lambda held: held.last_used)
-        return oldest.row, oldest
+        first = min(idle, key=drop_order)
+        return first.row, first
 
     def holds_no_question(self, row: int) -> bool:
         request = self.prefill_rows[row]

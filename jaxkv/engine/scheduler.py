@@ -27,8 +27,9 @@ token sampled; in its prefill row, or swapped out to the host after a preemption
    other); in queue order, except that a request reading a cached context may start past one
    that does not fit.
 Cached contexts (`Engine.add_context`) hold pages too: one that no request reads or waits for
-is idle, and idle contexts are dropped, least recently used first, whenever steps 1, 2 or 4
-need their pages, before any request is preempted (`drop_contexts`).
+is idle, and idle contexts are dropped (`drop_order`: `evict_first` ones, then the least
+recently used) whenever steps 1, 2 or 4 need their pages, only where that makes the room,
+before any request is preempted (`drop_contexts`).
 
 Page counts are read through +, - and <= alone: ints for an engine of one pool, or
 `jaxkv.engine.pages.Pages` for one with int8 storage (its model-dtype pool and its int8 tier's:
@@ -95,11 +96,19 @@ class Waiting:
 @dataclasses.dataclass(frozen=True)
 class IdleContext:
     """A cached context no request reads or waits for: its context row, when it was last used
-    (a count that grows), and the pages dropping it frees."""
+    (a count that grows), the pages dropping it frees, and whether it goes before the others
+    (`Engine.add_context`'s `evict_first`)."""
 
     row: int
     last_used: int
     pages: int
+    evict_first: bool = False
+
+
+def drop_order(context) -> tuple[bool, int]:
+    """The key idle contexts (an `IdleContext` or the engine's `Context`) are dropped by,
+    smallest first: those added to be dropped first, then the least recently used."""
+    return not context.evict_first, context.last_used
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,11 +180,11 @@ def plan_step(view: View) -> Plan:
     running = list(view.running)
     ready = sorted(view.ready, key=lambda r: r.order)
     prefilling = list(view.prefilling)
-    idle = sorted(view.idle_contexts, key=lambda c: c.last_used)
+    idle = sorted(view.idle_contexts, key=drop_order)
     dropped = []
 
     def room_for(pages: int) -> bool:
-        """Whether `pages` are free, once idle contexts are dropped (oldest first) for them;
+        """Whether `pages` are free, once idle contexts are dropped (`drop_order`) for them;
         none is dropped when dropping them all would not make the room."""
         nonlocal free
         if not pages <= sum((context.pages for context in idle), start=free):

@@ -14,8 +14,9 @@ Two ways in:
   prefix renders to at least `auto_min_tokens` tokens that begin the whole conversation's and
   the policy evicts nothing during the request's decode; the same prefix (and budget) reuses
   its context.
-The engine drops an idle context, least recently used first, when requests need its pages: a
-request naming it then gets a 404 (add it again); an automatic one is made again.
+The engine drops an idle context when requests need its pages or a new context its row,
+automatic ones first, then the least recently used: a request naming it then gets a 404 (add it
+again); an automatic one is made again.
 
 With a directory (`jaxkv serve --contexts-dir`), the server saves its ready contexts there when
 it stops (each a folder named by its id: the context copied out of the pool as a `Session` in
@@ -153,6 +154,7 @@ class Contexts:
             lambda event: loop.call_soon_threadsafe(self._on_event, context, event),
             ids,
             budget=budget,
+            evict_first=auto,  # a chat's earlier turns go before the contexts clients made
         )
         try:
             context.engine_id = await asyncio.wrap_future(future)
@@ -309,7 +311,7 @@ class Contexts:
             try:
                 record = json.loads((folder / SAVED).read_text())
                 session = load_session(folder / "session", engine.model, engine.policy)
-                engine_id = engine.add_session(session)
+                engine_id = engine.add_session(session, evict_first=record["auto"])
             except (OSError, ValueError) as error:
                 log.warning("context %s not loaded: %s", folder.name, error)
                 continue
