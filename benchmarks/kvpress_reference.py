@@ -466,6 +466,7 @@ def run_ruler(args: argparse.Namespace, argv: list[str]) -> dict:
             "prompt_tokens": len(sample.context_ids) + len(sample.question_ids),
             "compressed_tokens": len(context),
             "seconds": round(time.perf_counter() - start, 2),
+            "transformers": provenance["transformers"],  # the lanes may run two versions
         }
         append_record(records, record)
     return {"records": len(load_records(records))}

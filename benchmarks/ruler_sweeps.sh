@@ -6,7 +6,11 @@
 #   aware      SnapKV, AdaKV, FINCH, ChunkKV aware; then Fast KVzip and WG-KV (a prefill each
 #              ratio); then KVzap's two surrogates
 #   kvpress-a  kvpress 0.5.5 (its own env) at 0.5, aware: FINCH, SnapKV, then AdaKV, ChunkKV
-#   kvpress-b  kvpress at 0.5, agnostic: ExpectedAttention, PyramidKV, AdaKV, then KVzip
+#   kvpress-b  kvpress at 0.5, agnostic: ExpectedAttention, AdaKV, then KVzip, then PyramidKV
+#              through KVPRESS_PYRAMIDKV_PYTHON (default KVPRESS_PYTHON): kvpress's PyramidKV
+#              fails under transformers 5.2 when the question is read after the compression
+#              (its layers' caches of different lengths against one mask) and runs under 4.56
+#              (a venv of the kvpress extra with 'transformers==4.56.2' 'datasets<4.2')
 #
 #   bash benchmarks/ruler_sweeps.sh [--dry-run] [LANE...]   (all four when none are named;
 #                                   --dry-run prints each lane's commands, one a line)
@@ -28,6 +32,7 @@ RULER="nice -n 19 $PYTHON -m jaxkv.benchmarks.ruler --model smollm2-135m-instruc
 RULER="$RULER --samples 20 --out $OUT"
 KVPRESS="OMP_NUM_THREADS=1 nice -n 19 ${KVPRESS_PYTHON:-} -m jaxkv.benchmarks.kvpress_reference"
 KVPRESS="$KVPRESS --ruler $OUT/samples.jsonl --ratios 0.5 --samples 5 --out $OUT/kvpress"
+PYRAMIDKV="${KVPRESS/${KVPRESS_PYTHON:-} -m/${KVPRESS_PYRAMIDKV_PYTHON:-${KVPRESS_PYTHON:-}} -m}"
 
 declare -A LANES=(
   [agnostic]="$RULER --policies full kvzip snapkv streaming_llm tova knorm expected_attention \
@@ -37,8 +42,9 @@ pyramidkv adakv $RATIOS --settings agnostic"
 && $RULER --policies kvzap kvzap:surrogate=linear $RATIOS --settings agnostic"
   [kvpress-a]="$KVPRESS --presses finch snapkv --settings aware \
 && $KVPRESS --presses adakv chunkkv --settings aware"
-  [kvpress-b]="$KVPRESS --presses expected_attention pyramidkv adakv --settings agnostic \
-&& $KVPRESS --presses kvzip --settings agnostic"
+  [kvpress-b]="$KVPRESS --presses expected_attention adakv --settings agnostic \
+&& $KVPRESS --presses kvzip --settings agnostic \
+&& $PYRAMIDKV --presses pyramidkv --settings agnostic"
 )
 ORDER=(agnostic aware kvpress-a kvpress-b)
 
