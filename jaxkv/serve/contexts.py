@@ -207,9 +207,10 @@ class Contexts:
         if not context.ready.done():
             message = f"context={context.id!r} was deleted while it was being made"
             _fail(context.ready, APIError(404, message, "context", code="context_not_found"))
-        made = self._automatic.get((repr(context.budget), tuple(context.ids)))
+        key = (repr(context.budget), tuple(context.ids))
+        made = self._automatic.get(key)
         if context.auto and made is not None and _holds(made, context):
-            del self._automatic[(repr(context.budget), tuple(context.ids))]
+            del self._automatic[key]
 
     async def automatic(self, ids: list[int], messages: list[dict], budget) -> ServedContext:
         """The automatic context of a chat's prefix `ids`: the one made before for the same
