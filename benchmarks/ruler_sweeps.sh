@@ -81,7 +81,8 @@ for lane in "${CHOSEN[@]}"; do
   if [[ $lane == kvpress-* && ! -f $OUT/samples.jsonl ]]; then
     $RULER --export-only > /dev/null
   fi
-  PYTHONPATH=$PWD nohup bash -c "${LANES[$lane]}" > "$LOGS/ruler-$lane.log" 2>&1 &
+  # its own session: a lane outlives the shell (and the terminal) that started it
+  PYTHONPATH=$PWD setsid nohup bash -c "${LANES[$lane]}" > "$LOGS/ruler-$lane.log" 2>&1 < /dev/null &
   echo "lane $lane: pid $!, log $LOGS/ruler-$lane.log"
   sleep 2  # one run.json writer at a time
 done
