@@ -81,8 +81,11 @@ for lane in "${CHOSEN[@]}"; do
   if [[ $lane == kvpress-* && ! -f $OUT/samples.jsonl ]]; then
     $RULER --export-only > /dev/null
   fi
-  # its own session: a lane outlives the shell (and the terminal) that started it
-  PYTHONPATH=$PWD setsid nohup bash -c "${LANES[$lane]}" > "$LOGS/ruler-$lane.log" 2>&1 < /dev/null &
+  # Its own session, so a lane outlives the shell (and the terminal) that started it; the
+  # session's autogroup niced too, since the kernel shares the CPU between autogroups first
+  # (a process's nice counts only within its own).
+  PYTHONPATH=$PWD setsid nohup bash -c "{ echo 19 > /proc/self/autogroup; } 2> /dev/null; ${LANES[$lane]}" \
+    > "$LOGS/ruler-$lane.log" 2>&1 < /dev/null &
   echo "lane $lane: pid $!, log $LOGS/ruler-$lane.log"
   sleep 2  # one run.json writer at a time
 done
