@@ -72,7 +72,13 @@ from jaxkv.benchmarks.needles import (
     score,
 )
 from jaxkv.benchmarks.real_quality_report import cell_key, markdown_table
-from jaxkv.benchmarks.ruler_report import append_record, load_records, read_jsonl, record_key
+from jaxkv.benchmarks.ruler_report import (
+    KVPRESS_VARIANTS,
+    append_record,
+    load_records,
+    read_jsonl,
+    record_key,
+)
 from jaxkv.benchmarks.ruler_tasks import prediction, sample_from_json, string_match_all
 from jaxkv.models import gguf_tokenizer
 
@@ -112,7 +118,8 @@ WRAPPERS = {
 #                        prefix (SmolLM2's system turn and user header, 24 tokens): past the 4
 #                        sinks it keeps score 0, so the global threshold evicts it first, and
 #                        the replay's softmax leaves it out. jaxkv's KVzip scores every token.
-VARIANTS = ("kvzip_scored_prefix",)
+# (`ruler_report.KVPRESS_VARIANTS`: the jaxkv policy each is set against.)
+VARIANTS = tuple(KVPRESS_VARIANTS)
 # The attention each press runs under: eager (which every press but KVzip supports, and
 # ObservedAttention needs for its attention weights) unless named here.
 # KVzipPress refuses eager, and the wrappers refuse attention weights.

@@ -24,6 +24,9 @@ import numpy as np
 from jaxkv.benchmarks import harness
 
 RECORD_KEY = ("task", "index", "policy", "ratio", "setting")
+# kvpress presses changed to test one difference from the jaxkv policy they are set against
+# (`benchmarks/kvpress_reference.py` says what each changes).
+KVPRESS_VARIANTS = {"kvzip_scored_prefix": "kvzip"}
 
 
 def record_key(record: dict) -> tuple:
@@ -250,12 +253,17 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
 def versus_kvpress(ours: list[dict], theirs: list[dict], tasks: list[str]) -> str:
     """jaxkv minus kvpress per task and on average, for every (press, ratio, setting) both ran,
     over the samples both answered, with how many of its predictions are equal; and the full
-    cache's count again below the table."""
+    cache's count again below the table. A kvpress variant (`KVPRESS_VARIANTS`) is set against
+    its jaxkv policy, its row named "policy vs variant"."""
     mine = {record_key(r): r for r in ours}
-    shared = [(mine[record_key(r)], r) for r in theirs if record_key(r) in mine]
+    shared = []
+    for r in theirs:
+        key = record_key({**r, "policy": KVPRESS_VARIANTS.get(r["policy"], r["policy"])})
+        if key in mine:
+            shared.append((mine[key], r))
     cells = defaultdict(list)
     for a, b in shared:
-        cells[(a["policy"], a["ratio"], a["setting"])].append((a, b))
+        cells[_pair_cell(a, b)].append((a, b))
     lines = [
         "| policy | ratio | setting | "
         + " | ".join(tasks)
@@ -283,6 +291,15 @@ def versus_kvpress(ours: list[dict], theirs: list[dict], tasks: list[str]) -> st
     return text + _differing(shared)
 
 
+def _pair_cell(ours: dict, theirs: dict) -> tuple:
+    """The (policy, ratio, setting) of a (jaxkv, kvpress) record pair, the policy named
+    "policy vs variant" when kvpress ran a variant of it."""
+    name = ours["policy"]
+    if theirs["policy"] != name:
+        name = f"{name} vs {theirs['policy']}"
+    return name, ours["ratio"], ours["setting"]
+
+
 def _differing(shared) -> str:
     """The (jaxkv, kvpress) record pairs whose predictions differ, a row each (predictions cut
     at 60 characters, as JSON strings, pipes escaped), or nothing when every pair agrees."""
@@ -296,13 +313,13 @@ def _differing(shared) -> str:
         "| policy | ratio | setting | task | sample | jaxkv | kvpress | scores |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for a, b in sorted(pairs, key=lambda p: (_order(record_key(p[0])[2:]), record_key(p[0]))):
+    for a, b in sorted(pairs, key=lambda p: (_order(_pair_cell(*p)), record_key(p[0]))):
         jaxkv, kvpress = (
             json.dumps(r["prediction"].strip()[:60]).replace("|", "\\|") for r in (a, b)
         )
         lines.append(
-            f"| {a['policy']} | {a['ratio']:.3g} | {a['setting']} | {a['task']} | {a['index']} "
-            f"| {jaxkv} | {kvpress} | {a['score']:.2f} / {b['score']:.2f} |"
+            f"| {_pair_cell(a, b)[0]} | {a['ratio']:.3g} | {a['setting']} | {a['task']} "
+            f"| {a['index']} | {jaxkv} | {kvpress} | {a['score']:.2f} / {b['score']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

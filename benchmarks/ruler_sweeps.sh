@@ -10,7 +10,8 @@
 #              through KVPRESS_PYRAMIDKV_PYTHON (default KVPRESS_PYTHON): kvpress's PyramidKV
 #              fails under transformers 5.2 when the question is read after the compression
 #              (its layers' caches of different lengths against one mask) and runs under 4.56
-#              (a venv of the kvpress extra with 'transformers==4.56.2' 'datasets<4.2')
+#              (a venv of the kvpress extra with 'transformers==4.56.2' 'datasets<4.2'); then
+#              KVzip scoring the chat template's prefix as jaxkv's does (kvzip_scored_prefix)
 #
 #   bash benchmarks/ruler_sweeps.sh [--dry-run] [LANE...]   (all four when none are named;
 #                                   --dry-run prints each lane's commands, one a line)
@@ -44,7 +45,8 @@ pyramidkv adakv $RATIOS --settings agnostic"
 && $KVPRESS --presses adakv chunkkv --settings aware"
   [kvpress-b]="$KVPRESS --presses expected_attention adakv --settings agnostic \
 && $KVPRESS --presses kvzip --settings agnostic \
-&& $PYRAMIDKV --presses pyramidkv --settings agnostic"
+&& $PYRAMIDKV --presses pyramidkv --settings agnostic \
+&& $KVPRESS --presses kvzip_scored_prefix --settings agnostic"
 )
 ORDER=(agnostic aware kvpress-a kvpress-b)
 

@@ -49,12 +49,16 @@ def test_versus_kvpress_is_jaxkv_minus_kvpress_over_the_samples_both_ran():
         record("knorm", "cwe", 0, 0.5, "c"),
         record("knorm", "cwe", 1, 1.0, "only jaxkv ran it"),
         record("full", "vt", 0, 1.0, "x", ratio=0.0),
+        record("kvzip", "vt", 0, 0.0, "k"),
     ]
     theirs = [
         record("knorm", "vt", 0, 0.0, "z"),
         record("knorm", "vt", 1, 0.0, "b"),
         record("knorm", "cwe", 0, 0.5, "c "),
         record("full", "vt", 0, 1.0, "x", ratio=0.0),
+        record("kvzip", "vt", 0, 0.0, "k"),
+        record("kvzip_scored_prefix", "vt", 0, 1.0, "kv"),  # set against jaxkv's kvzip
+        record("kvzip_scored_prefix", "vt", 1, 1.0, "no jaxkv record"),
     ]
     table = ruler_report.versus_kvpress(ours, theirs, ["vt", "cwe"])
     summary = table.split("Full cache:")[0]
@@ -62,10 +66,13 @@ def test_versus_kvpress_is_jaxkv_minus_kvpress_over_the_samples_both_ran():
     # vt: (1 + 0) / 2 - 0 = +50; cwe: +0 on the one sample both ran; 2 of 3 predictions equal
     assert rows["knorm"].endswith("| +50.0 | +0.0 | +25.0 | 3 | 2 |")
     assert rows["full"].endswith("| +0.0 |  | +0.0 | 1 | 1 |")
+    assert rows["kvzip"].endswith("| +0.0 |  | +0.0 | 1 | 1 |")
+    assert rows["kvzip vs kvzip_scored_prefix"].endswith("| -100.0 |  | -100.0 | 1 | 0 |")
     assert "Full cache: 1/1 predictions identical." in table
     differing = table.split("Predictions that differ:")[1]
     assert '| knorm | 0.5 | agnostic | vt | 0 | "a" | "z" | 1.00 / 0.00 |' in differing
     assert differing.count("| knorm |") == 1  # "c" and "c " agree; "only jaxkv ran it" is alone
+    assert '| kvzip vs kvzip_scored_prefix | 0.5 | agnostic | vt | 0 | "k" | "kv" |' in differing
 
 
 def test_cells_follow_the_records_a_dropped_cell_removed(tmp_path):
@@ -137,7 +144,9 @@ def test_the_committed_sweep_script_runs_the_issues_cells_with_valid_commands():
         assert issue <= ran[("agnostic", ratio)]
         assert {"snapkv", "adakv", "finch", "chunkkv"} <= ran[("aware", ratio)]
     assert {"kvpress:finch", "kvpress:adakv", "kvpress:chunkkv"} <= ran[("aware", 0.5)]
-    assert {"kvpress:kvzip", "kvpress:pyramidkv"} <= ran[("agnostic", 0.5)]
+    assert {"kvpress:kvzip", "kvpress:pyramidkv", "kvpress:kvzip_scored_prefix"} <= ran[
+        ("agnostic", 0.5)
+    ]
 
 
 def test_string_match_all_is_rulers_share_of_references_found():
