@@ -31,12 +31,17 @@ PACKAGE = "jaxkv"
 # Imports each module named on stdin first among the project's modules: before each, every
 # project module already imported is dropped from sys.modules (third-party ones stay cached, so
 # the loop costs one jax import), so an import cycle or a missing import shows up as the
-# ImportError of the module that starts it.
+# ImportError of the module that starts it. Importing a module runs its package's __init__
+# first, so a module that __init__ imports, imported alone, is the package's own import: the
+# package is named first, and those modules are not imported again.
 _IMPORT_EACH = """
 import importlib, sys, traceback
 packages = set(sys.argv[1:])
 failed = []
+with_the_package = set()
 for name in sys.stdin.read().split():
+    if name in with_the_package:
+        continue
     for loaded in [m for m in sys.modules if m.split(".")[0] in packages]:
         del sys.modules[loaded]
     try:
@@ -44,6 +49,8 @@ for name in sys.stdin.read().split():
     except Exception:
         failed.append(name)
         print(f"--- import {name} failed:\\n{traceback.format_exc()}")
+    if name in packages:
+        with_the_package |= {m for m in sys.modules if m.split(".")[0] in packages}
 print("FAILED:", " ".join(failed))
 sys.exit(1 if failed else 0)
 """
