@@ -118,7 +118,7 @@ WRAPPERS = {
 #                        prefix (SmolLM2's system turn and user header, 24 tokens): past the 4
 #                        sinks it keeps score 0, so the global threshold evicts it first, and
 #                        the replay's softmax leaves it out. jaxkv's KVzip scores every token.
-# (`ruler_report.KVPRESS_VARIANTS`: the jaxkv policy each is set against.)
+# (`ruler_report.KVPRESS_VARIANTS`: the jaxkv policy entry each is set against.)
 VARIANTS = tuple(KVPRESS_VARIANTS)
 # The attention each press runs under: eager (which every press but KVzip supports, and
 # ObservedAttention needs for its attention weights) unless named here.

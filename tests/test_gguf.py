@@ -31,7 +31,7 @@ from jaxkv.models import (
 )
 from jaxkv.models.gguf_loading import GGUFFile, config_from_gguf
 from jaxkv.models.hf_loading import _to_hf_tensors
-from jaxkv.policies import kvgrad, kvzip
+from jaxkv.policies import kvzip
 from tests import gguf_files
 
 F32_ULP = np.finfo(np.float32).eps
@@ -265,12 +265,18 @@ def test_kvgrad_replays_kvpress_s_prompts_in_the_model_tokenizer(files):
     """KVgrad's replay as kvpress lays it out: the request inside the context's user turn, then
     the turn's end and the assistant's header; the byte-level defaults without a template."""
     tokenizer = gguf_tokenizer(_write(files, "qwen2-bias", "Q8_0"))
-    ids = kvgrad.replay_prompt_ids(tokenizer)
+    ids = kvzip.in_context_prompt_ids(tokenizer)
+    assert policies.get("kvgrad").for_tokenizer(tokenizer).repeat_ids == ids["repeat_ids"]
+    assert (
+        policies.get("kvzip", prompt_turn="context").for_tokenizer(tokenizer).suffix_ids
+        == (ids["suffix_ids"])
+    )
     suffix = "<|im_end|>\n<|im_start|>assistant\n"
     decoded = tokenizer.decode(ids["repeat_ids"], skip_special_tokens=False)
-    assert decoded == kvgrad.REPEAT_PROMPT + suffix
+    assert decoded == "\n\nRepeat the previous context exactly." + suffix
     assert tokenizer.decode(ids["suffix_ids"], skip_special_tokens=False) == suffix
-    assert ids["continue_ids"] == tuple(tokenizer.encode(kvgrad.CONTINUE_PROMPT, add_bos=False))
+    part = "\n\nRepeat the part of the previous context exactly, starting with"
+    assert ids["continue_ids"] == tuple(tokenizer.encode(part, add_bos=False))
     plain = policies.get("kvgrad").for_tokenizer(byte_tokenizer())
     assert plain == policies.get("kvgrad")  # "\n" closes the request without a template
 

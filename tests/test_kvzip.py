@@ -42,7 +42,29 @@ def dense_targets(hf, context):
     return best
 
 
-def full_cache_scores(model, contexts) -> np.ndarray:
+def dense_window_targets(hf, context, sinks, suffix):
+    """[L, K, T]: the paper's code's scores (`KVzip.sinks`): each chunk's replay probabilities
+    renormalised over the first `sinks` tokens, the chunk's own and the replay tokens (a softmax
+    over a subset of the full softmax's entries), the forward itself over the whole context."""
+    t = len(context)
+    best = None
+    for start in range(0, t, CHUNK):
+        prompt = list(REPEAT) if start == 0 else [*CONTINUE, *context[start - 8 : start], *suffix]
+        replay = prompt + context[start : start + CHUNK]
+        fwd = ref.run(hf, context + replay)
+        scored = np.zeros(t + len(replay), bool)
+        scored[:sinks] = scored[start : start + CHUNK] = scored[t:] = True
+        per_layer = []
+        for probs in fwd.attentions:  # [N, Q, keys]
+            rows = probs[:, t:, :] * scored
+            rows = rows / rows.sum(axis=-1, keepdims=True)
+            per_layer.append(rows[..., :t].reshape(fwd.num_kv_heads, -1, t).max(axis=1))
+        per_layer = np.stack(per_layer)
+        best = per_layer if best is None else np.maximum(best, per_layer)
+    return best
+
+
+def full_cache_scores(model, contexts, **options) -> np.ndarray:
     """f32 [L, B, K, S]: `reconstruction_scores` of the contexts' full cache."""
     state = jaxkv.compress_prompt(
         model, contexts, cache=jaxkv.CacheConfig(page_size=8), prefill_chunk=CHUNK
@@ -58,6 +80,7 @@ def full_cache_scores(model, contexts) -> np.ndarray:
         chunk=CHUNK,
         repeat_ids=REPEAT,
         continue_ids=CONTINUE,
+        **options,
     )
     return np.asarray(scores)
 
@@ -73,6 +96,35 @@ def test_reconstruction_scores_match_dense_attention(setup, monkeypatch, prefix_
         got = scores[:, row, :, : len(context)]
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
         assert np.all(scores[:, row, :, len(context) :] == 0)
+
+
+def test_scores_with_sinks_renormalise_each_chunk_over_sinks_chunk_and_replay(setup):
+    hf, model, contexts = setup
+    suffix = (11, 12)
+    scores = full_cache_scores(model, contexts, sinks=3, suffix_ids=suffix)
+    for row, context in enumerate(contexts):
+        expected = dense_window_targets(hf, context, 3, suffix)
+        np.testing.assert_allclose(
+            scores[:, row, :, : len(context)], expected, rtol=1e-4, atol=1e-6
+        )
+    # the window changes the scores: without it each softmax runs over the whole context
+    whole = full_cache_scores(model, contexts, suffix_ids=suffix)
+    assert np.abs(whole - scores).max() > 1e-2
+
+
+def test_kvzip_sinks_are_kept_in_every_head(setup):
+    _, model, contexts = setup
+    policy = policies.get(
+        "kvzip", ratio=0.3, chunk=CHUNK, repeat_ids=REPEAT, continue_ids=CONTINUE, sinks=4
+    )
+    cache = jaxkv.CacheConfig(page_size=8)
+    state = jaxkv.compress_prompt(model, contexts, policy, cache=cache, prefill_chunk=CHUNK)
+    positions = np.asarray(state.positions())  # [L, B, K, S]
+    for first in range(4):
+        assert np.all(np.any(positions == first, axis=-1))
+    for bad in ({"sinks": -1}, {"sinks": True}, {"prompt_turn": "user"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            policies.KVzip(ratio=0.3, **bad)
 
 
 def test_global_selection_keeps_the_top_entries_with_protected_forced():

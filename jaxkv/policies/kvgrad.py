@@ -49,37 +49,22 @@ from jaxkv.models.decoder import (
 from jaxkv.policies import base
 from jaxkv.policies.kvzip import (
     OVERLAP,
+    PART_PROMPT,
+    PLAIN_SUFFIX,
+    REPEAT_PROMPT,
     byte_ids,
     check_byte_level_prompts,
     check_replay_ids,
     compact_top_globally,
+    in_context_prompt_ids,
     replay_chunks,
     replay_inputs,
     replay_output,
-    text_after_context,
 )
 from jaxkv.policies.structure import SpreadShareBudget
 from jaxkv.step.parts import PrefillObservations
 
-REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
-CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
-PLAIN_SUFFIX = "\n"  # kvpress's turn end for a model without a chat template
 DEFAULT_CHUNK = 512
-
-
-def replay_prompt_ids(tokenizer) -> dict[str, tuple[int, ...]]:
-    """kvpress's replay prompts in a model's own ids: {"repeat_ids", "continue_ids",
-    "suffix_ids"}; the suffix is the chat template's text after a user message's content (the
-    turn end and the assistant's header), or "\\n" without a template."""
-    if tokenizer.chat_template is None:
-        suffix = PLAIN_SUFFIX
-    else:
-        suffix = text_after_context(tokenizer, [])
-    request, continue_, suffix_ids = (
-        tuple(tokenizer.encode(text, add_bos=False))
-        for text in (REPEAT_PROMPT, CONTINUE_PROMPT, suffix)
-    )
-    return {"repeat_ids": request + suffix_ids, "continue_ids": continue_, "suffix_ids": suffix_ids}
 
 
 def _chunk_attribution(q, k, positions, prefix_k, prefix_v, prefix_held, start, chunk, sinks, wo):
@@ -263,7 +248,7 @@ class KVgrad(base.Policy):
     chunk: int = DEFAULT_CHUNK
     sinks: int = 4
     repeat_ids: tuple[int, ...] = byte_ids(REPEAT_PROMPT + PLAIN_SUFFIX)
-    continue_ids: tuple[int, ...] = byte_ids(CONTINUE_PROMPT)
+    continue_ids: tuple[int, ...] = byte_ids(PART_PROMPT)
     suffix_ids: tuple[int, ...] = byte_ids(PLAIN_SUFFIX)
 
     def _check(self) -> None:
@@ -298,7 +283,7 @@ class KVgrad(base.Policy):
         }
 
     def for_tokenizer(self, tokenizer) -> KVgrad:
-        return dataclasses.replace(self, **replay_prompt_ids(tokenizer))
+        return dataclasses.replace(self, **in_context_prompt_ids(tokenizer))
 
     def check_model(self, model_config) -> None:
         defaults = KVgrad()

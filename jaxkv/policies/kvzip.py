@@ -14,6 +14,15 @@ model's context: 512 by default here (the reference model is trained to 4K, its 
 padded length (prefill pads a prompt to a power of two), so the replay costs about what the
 prompt's prefill does, never a 512-token forward pass.
 
+Two choices follow the paper's code (and kvpress's KVzipPress) only when asked, since the
+committed results and the gates trained on KVzip's scores were made without them:
+`sinks=N` scores each chunk with a softmax over the first N tokens, the chunk's own tokens and
+the replay tokens only (the replay's forward still attends to the whole context; the N tokens
+are always kept), and `prompt_turn="context"` writes the repeat request into the context's own
+user turn ("\n\nRepeat ..." then the template's end of turn and assistant header, a later
+chunk's 8 overlap tokens inside the request) instead of a user turn of its own. With
+`chunk=2048` they make kvpress's KVzip scoring the whole context (its `kvzip_scored_prefix`).
+
 `KVzip(ratio)` (the oracle Fast KVzip's gates imitate) keeps the best `ratio` of all KV pairs of
 a sequence with one threshold over layers x heads x tokens: head budgets come out non-uniform
 and `compact` frees the pages of the heads that keep little. `KVzip(ratio, recent=R)` first keeps
@@ -57,6 +66,11 @@ from jaxkv.step.parts import PrefillObservations
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the previous context exactly, starting with"
+# The paper's code's (and kvpress's) later-chunk request, with `prompt_turn="context"`.
+PART_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+PLAIN_SUFFIX = "\n"  # kvpress's turn end for a model without a chat template
+# Where the repeat request goes: a user turn of its own, or the context's own turn.
+PROMPT_TURNS = ("own", "context")
 OVERLAP = 8
 DEFAULT_REPLAY_CHUNK = 512
 # Prefix slots a replay layer reads at once (`replay_attention`): a chunk's scores are
@@ -108,6 +122,23 @@ def repeat_prompt_ids(tokenizer) -> dict[str, tuple[int, ...]]:
         )
     repeat, continue_ = (tuple(tokenizer.encode(text, add_bos=False)) for text in texts)
     return {"repeat_ids": repeat, "continue_ids": continue_}
+
+
+def in_context_prompt_ids(tokenizer) -> dict[str, tuple[int, ...]]:
+    """KVzip's repeat prompts written into the context's own user turn, as the paper's code and
+    kvpress write them (KVgrad's too): {"repeat_ids", "continue_ids", "suffix_ids"}; the
+    suffix is the chat template's text after a user message's content (the turn end and the
+    assistant's header), or "\\n" without a template; each text encoded alone
+    (`replay_inputs` joins them)."""
+    if tokenizer.chat_template is None:
+        suffix = PLAIN_SUFFIX
+    else:
+        suffix = text_after_context(tokenizer, [])
+    request, continue_, suffix_ids = (
+        tuple(tokenizer.encode(text, add_bos=False))
+        for text in (REPEAT_PROMPT, PART_PROMPT, suffix)
+    )
+    return {"repeat_ids": request + suffix_ids, "continue_ids": continue_, "suffix_ids": suffix_ids}
 
 
 def replay_inputs(
@@ -199,16 +230,32 @@ def replay_output(q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale)
 
 
 def replay_attention(
-    q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale, received=largest_received
+    q,
+    k,
+    v,
+    positions,
+    prefix_k,
+    prefix_v,
+    prefix_held,
+    sm_scale,
+    received=largest_received,
+    scored=None,
 ):
     """`replay_output`, and what each prefix slot received: the prefix read a second time,
     each block's probabilities [B, K, G, C, block] (0 for invalid queries) reduced by
     `received(probs, query_valid)` to [B, K, block]. Returns attn f32 [B, N, C, H] and f32
     [B, K, S] (by default the largest probability from any valid query of its group).
+
+    scored: bool [B, K, S] or None: the prefix slots the probabilities' softmax runs over
+    (with the replay tokens); the others receive 0. None: every held slot. The attention
+    output reads every held slot either way.
     """
     b, n, c, _ = q.shape
     num_kv, s = prefix_k.shape[1], prefix_k.shape[2]
     out, lse = replay_output(q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale)
+    if scored is not None:
+        prefix_held = prefix_held & scored
+        _, lse = replay_output(q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale)
     grouped_lse = lse.reshape(b, num_kv, n // num_kv, c)[..., None]
     query_valid = (positions >= 0)[:, None, None, :, None]
     blocks, prefix_block = _prefix_blocks(q, positions, prefix_k, prefix_v, prefix_held, sm_scale)
@@ -222,39 +269,59 @@ def replay_attention(
     return out, jnp.moveaxis(per_block, 0, 2).reshape(b, num_kv, -1)[..., :s]
 
 
-def _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, prefix_held, received):
+def _replay_layer(
+    lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, prefix_held, received, scored
+):
     """One layer on the replay tokens over the cached prefix and themselves.
 
     Returns the next residual stream and f32 [B, K, S] what each prefix slot received from the
-    replay queries (`replay_attention`).
+    replay queries (`replay_attention`, `scored` its slots scored or None).
     """
     h = attention_input(lp, cfg, x)
     q = project_queries(lp, cfg, h, cos, sin)
     k, v = project_keys_values(lp, cfg, h, cos, sin)
+    sm_scale = cfg.head_dim**-0.5
     attn, slot_scores = replay_attention(
-        q, k, v, positions, prefix_k, prefix_v, prefix_held, cfg.head_dim**-0.5, received
+        q, k, v, positions, prefix_k, prefix_v, prefix_held, sm_scale, received, scored
     )
     return attention_output_and_mlp(lp, cfg, x, attn, collectives.reduce_partial_sums), slot_scores
 
 
-def replay_scores(model, kv: KVState, ids, positions, received=largest_received) -> jax.Array:
+def replay_scores(
+    model, kv: KVState, ids, positions, received=largest_received, window=None
+) -> jax.Array:
     """f32 [L, B, K, S]: one replay pass of ids int32 [B, C] at positions int32 [B, C] (-1:
     padding) through every layer, over what `kv` holds and causally over themselves; what each
-    cached slot received from the replay queries (`replay_attention`'s `received`)."""
+    cached slot received from the replay queries (`replay_attention`'s `received`).
+
+    window: None (the probabilities' softmax over every cached slot) or (start, stop, sinks):
+    over the cached tokens at positions [start, stop) and below `sinks` only (the paper's
+    code's chunk scoring; `KVzip.sinks`)."""
     cfg, params = model.config, model.params
     cos, sin = layers.rope_cos_sin(cfg, jnp.maximum(positions, 0))
     slots = jnp.arange(kv.max_tokens_per_head)
 
     def layer(x, lp, xs):
-        page_table, layer_lengths = xs
+        page_table, layer_lengths, slot_positions = xs
         prefix_k = attention_ops.gather_pages(kv.pool.k_pages, page_table)
         prefix_v = attention_ops.gather_pages(kv.pool.v_pages, page_table)
         held = slots < layer_lengths[..., None]
-        return _replay_layer(lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, held, received)
+        scored = None if window is None else in_window(slot_positions, *window)
+        return _replay_layer(
+            lp, cfg, x, cos, sin, positions, prefix_k, prefix_v, held, received, scored
+        )
 
-    xs = (kv.page_table, kv.lengths)
+    xs = (kv.page_table, kv.lengths, kv.positions())
     _, slot_scores = scan_layers(layer, embed(params, ids), params["layers"], xs)
     return slot_scores
+
+
+def in_window(token_positions, start, stop, sinks) -> jax.Array:
+    """bool like token_positions: the tokens at positions [start, stop) or below `sinks`."""
+    held = token_positions >= 0
+    return held & (
+        (token_positions < sinks) | ((token_positions >= start) & (token_positions < stop))
+    )
 
 
 def reconstruction_scores(
@@ -266,12 +333,15 @@ def reconstruction_scores(
     chunk: int = DEFAULT_REPLAY_CHUNK,
     repeat_ids: tuple[int, ...] = byte_ids(REPEAT_PROMPT),
     continue_ids: tuple[int, ...] = byte_ids(CONTINUE_PROMPT),
+    suffix_ids: tuple[int, ...] = (),
+    sinks: int | None = None,
 ) -> jax.Array:
     """f32 [L, B, K, S]: KVzip's importance of every cached slot (0 for empty slots).
 
     kv: the state after prefilling the contexts (any policy; the replay reads what it holds);
     tokens: int32 [B, T_pad] the right-padded contexts, T_pad a multiple of `chunk`;
-    lengths: int32 [B].
+    lengths: int32 [B]; suffix_ids: `replay_inputs`'; sinks: None (each chunk's softmax over
+    the whole context) or N (over the first N tokens and the chunk's own: `KVzip.sinks`).
     """
     cfg = model.config
     if tokens.shape[1] % chunk:
@@ -279,8 +349,12 @@ def reconstruction_scores(
     check_replay_ids(cfg.vocab_size, repeat_ids, continue_ids)
 
     def one_chunk(best, index):
-        ids, positions = replay_inputs(tokens, lengths, index, chunk, repeat_ids, continue_ids)
-        return jnp.maximum(best, replay_scores(model, kv, ids, positions)), None
+        ids, positions = replay_inputs(
+            tokens, lengths, index, chunk, repeat_ids, continue_ids, suffix_ids
+        )
+        window = None if sinks is None else (index * chunk, (index + 1) * chunk, sinks)
+        scores = replay_scores(model, kv, ids, positions, window=window)
+        return jnp.maximum(best, scores), None
 
     best = jnp.zeros(kv.lengths.shape + (kv.max_tokens_per_head,), jnp.float32)
     best = collectives.varying_like(best, kv.lengths)
@@ -315,6 +389,8 @@ class ReplayCompression(PromptCompressionPart):
     repeat_ids: tuple[int, ...]
     continue_ids: tuple[int, ...]
     recent: int = 0
+    suffix_ids: tuple[int, ...] = ()
+    sinks: int | None = None
 
     needs_prompt_tokens: ClassVar[bool] = True
 
@@ -328,9 +404,13 @@ class ReplayCompression(PromptCompressionPart):
             chunk=chunk,
             repeat_ids=self.repeat_ids,
             continue_ids=self.continue_ids,
+            suffix_ids=self.suffix_ids,
+            sinks=self.sinks,
         )
         positions = kv.positions()
         protected = positions >= obs.prompt_lengths[:, None, None] - self.recent
+        if self.sinks is not None:
+            protected |= (positions >= 0) & (positions < self.sinks)
         total = obs.budget_tokens * kv.num_layers * kv.lengths.shape[2] * collectives.head_shards()
         return compact_top_globally(kv, scores, total, protected)
 
@@ -412,6 +492,13 @@ class KVzip(Policy):
         tokenizer's ids of REPEAT_PROMPT / CONTINUE_PROMPT for other models).
       recent: every head's newest `recent` prompt positions are kept whatever their score,
         inside the ratio (0: none, the paper's); a prompt whose ratio keeps fewer is kept whole.
+      sinks: None (each replay chunk's softmax over the whole context) or N >= 0: over the
+        first N tokens, the chunk's own and the replay tokens, the N kept whatever their
+        score, inside the ratio (kvpress's 4; module docstring).
+      prompt_turn: "own" (the repeat request a user turn of its own) or "context" (written
+        into the context's turn, the paper's code's): which ids `for_tokenizer` gives.
+      suffix_ids: ids after a later chunk's overlap (`replay_inputs`; `for_tokenizer` sets
+        them for prompt_turn="context").
     """
 
     name: ClassVar[str] = "kvzip"
@@ -423,6 +510,9 @@ class KVzip(Policy):
     repeat_ids: tuple[int, ...] = byte_ids(REPEAT_PROMPT)
     continue_ids: tuple[int, ...] = byte_ids(CONTINUE_PROMPT)
     recent: int = 0
+    sinks: int | None = None
+    prompt_turn: str = "own"
+    suffix_ids: tuple[int, ...] = ()
 
     def _check(self) -> None:
         super()._check()
@@ -430,27 +520,39 @@ class KVzip(Policy):
             Budget(ratio=self.ratio)  # validates (0, 1]
         if self.chunk < 1:
             raise ValueError(f"chunk={self.chunk} must be >= 1")
-        if (
-            isinstance(self.recent, bool)
-            or not isinstance(self.recent, int | np.integer)
-            or self.recent < 0
-        ):
-            raise ValueError(f"recent={self.recent!r} must be an integer >= 0")
-        if not self.repeat_ids or len(self.repeat_ids) > len(self.continue_ids) + OVERLAP:
+        for field in ("recent", "sinks"):
+            value = getattr(self, field)
+            if field == "sinks" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+                raise ValueError(f"{field}={value!r} must be an integer >= 0")
+        if self.prompt_turn not in PROMPT_TURNS:
+            raise ValueError(f"prompt_turn={self.prompt_turn!r} must be one of {PROMPT_TURNS}")
+        later = len(self.continue_ids) + OVERLAP + len(self.suffix_ids)
+        if not self.repeat_ids or len(self.repeat_ids) > later:
             raise ValueError(
-                "repeat_ids must be non-empty and at most len(continue_ids) + 8 tokens long"
+                "repeat_ids must be non-empty and at most len(continue_ids) + 8 + "
+                "len(suffix_ids) tokens long"
             )
 
     def _parts(self) -> dict:
         return {
             "prompt_compression": ReplayCompression(
-                self.chunk, self.repeat_ids, self.continue_ids, self.recent
+                self.chunk,
+                self.repeat_ids,
+                self.continue_ids,
+                self.recent,
+                self.suffix_ids,
+                self.sinks,
             ),
-            "budget_rule": RatioBudget(self.name, self.ratio, self.recent),
+            # the protected tokens need room: a prompt whose ratio keeps fewer is kept whole
+            "budget_rule": RatioBudget(self.name, self.ratio, self.recent + (self.sinks or 0)),
         }
 
     def for_tokenizer(self, tokenizer) -> KVzip:
-        return dataclasses.replace(self, **repeat_prompt_ids(tokenizer))
+        if self.prompt_turn == "context":
+            return dataclasses.replace(self, **in_context_prompt_ids(tokenizer))
+        return dataclasses.replace(self, **repeat_prompt_ids(tokenizer), suffix_ids=())
 
     def check_model(self, model_config) -> None:
         defaults = (byte_ids(REPEAT_PROMPT), byte_ids(CONTINUE_PROMPT))
