@@ -67,6 +67,15 @@ def finch(**kwargs):
 # name: (kvpress press, the jaxkv spec that should keep the same positions)
 CASES = {
     "knorm": (lambda: kvpress.KnormPress(compression_ratio=0.5), "knorm:0.5"),
+    # the query statistics read from the prompt itself (ExpectedAttentionStats is given them)
+    "expected_attention": (
+        lambda: kvpress.ExpectedAttentionPress(compression_ratio=0.5),
+        "expected_attention:0.5",
+    ),
+    "expected_attention-0.25": (
+        lambda: kvpress.ExpectedAttentionPress(compression_ratio=0.75),
+        "expected_attention:0.25",
+    ),
     "keydiff": (lambda: kvpress.KeyDiffPress(compression_ratio=0.5), "keydiff:0.5"),
     "keydiff-0.25": (lambda: kvpress.KeyDiffPress(compression_ratio=0.75), "keydiff:0.25"),
     "lagkv": (
