@@ -58,7 +58,7 @@ from tqdm import tqdm
 
 import jaxkv
 from jaxkv import policies
-from jaxkv.benchmarks import harness, ruler_report, wgkv_calibration
+from jaxkv.benchmarks import harness, ruler_report, score_ties, wgkv_calibration
 from jaxkv.benchmarks.read_groups import job_groups, prefill_classes, reads_once
 from jaxkv.benchmarks.ruler_tasks import (
     AWARE_POLICIES,
@@ -343,7 +343,9 @@ def kept_answer(
     per answer (`answer_token_span`; why not, for an answer the context holds more than once),
     its tokens and how many of the (layer, KV head) pairs keep each, and the layers in which
     every head keeps all of them; then the first `steps` greedy answer tokens (read on by
-    `extend_with_logits`, the prefill path), each with its logit and the runner-up's."""
+    `extend_with_logits`, the prefill path), each with its logit and the runner-up's; and the
+    heads whose cut falls among tied scores (`score_ties.ties_at_cut`; None for a policy
+    that ranks no scores)."""
     compressed, after = sample.split(setting)
     session = jaxkv.prefill(
         model, [compressed], policy, reserve_tokens=len(after) + steps, policy_params=params
@@ -384,7 +386,24 @@ def kept_answer(
             break
         read = [first]
     pairs = positions.shape[0] * positions.shape[1]
-    return {"pairs": pairs, "kv_bytes": held, "answers": answers, "greedy": greedy}
+    ties = score_ties.ties_at_cut(model, policy, params, compressed)
+    return {"pairs": pairs, "kv_bytes": held, "answers": answers, "greedy": greedy, "ties": ties}
+
+
+def ties_text(ties: list[dict] | None) -> str:
+    """`kept_answer`'s ties in a few words: how many heads cut among ties, the tokens tied
+    and kept there, and the head with the most tied tokens left out."""
+    if ties is None:
+        return ""
+    if not ties:
+        return "none"
+    most = max(ties, key=lambda t: t["tied"] - t["tied_kept"])
+    tied, kept = (sum(t[key] for t in ties) for key in ("tied", "tied_kept"))
+    return (
+        f"{len(ties)} heads, {kept} of {tied} tied tokens kept; most: layer {most['layer']} "
+        f"head {most['head']}, {most['tied_kept']} of {most['tied']} at {most['cut']:.6g} "
+        f"({most['zeros']} of its {most['ranked']} ranked tokens score 0)"
+    )
 
 
 def closest_call(greedy: list[dict]) -> str:
@@ -442,13 +461,17 @@ def kept_markdown(sample_name: str, length: int, report: dict) -> str:
         "",
         "Each answer token: how many of the (layer, KV head) pairs keep it. The greedy answer "
         "(read on by `extend_with_logits`) and its closest call: the step whose top two "
-        "logits are nearest. The commands (a rerun of a cell replaces its row):",
+        "logits are nearest. Ties at the cut: the heads whose lowest kept score is shared "
+        f"(to a relative {score_ties.TIE_TOLERANCE:g}) with tokens they leave out, which the "
+        "sort's tie-break chose "
+        "(`benchmarks/score_ties.py`; blank: not examined, or a policy ranking no scores). "
+        "The commands (a rerun of a cell replaces its row):",
         "",
         *(f"    {command}" for command in report["commands"]),
         "",
         "| policy | ratio | setting | MB held | answer | tokens: kept by | whole in layers "
-        "| greedy answer | closest call |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| greedy answer | closest call | ties at the cut |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in report["rows"]:
         answer_text = "".join(step["token"] for step in row["greedy"])
@@ -464,7 +487,8 @@ def kept_markdown(sample_name: str, length: int, report: dict) -> str:
             lines.append(
                 f"| {row['policy']} | {row['ratio']:.3g} | {row['setting']} | "
                 f"{row['kv_bytes'] / 1e6:.1f} | {found['answer']} | {kept} | {layers} | "
-                f"{answer_text!r} | {closest_call(row['greedy'])} |"
+                f"{answer_text!r} | {closest_call(row['greedy'])} | "
+                f"{ties_text(row.get('ties'))} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -12,6 +12,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxkv import bundled, policies
@@ -23,11 +24,13 @@ from jaxkv.benchmarks import (
     ruler_report,
     ruler_shared,
     ruler_tasks,
+    score_ties,
     shared_context_tasks,
     wgkv_calibration,
 )
 from jaxkv.model_sources import load_model, stop_tokens
-from jaxkv.models import load_tokenizer
+from jaxkv.models import Family, init_model, load_tokenizer
+from tests.tiny_models import tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -410,6 +413,7 @@ def test_kept_says_which_pairs_keep_each_answer_token(tmp_path):
     assert answer["kept_by"] == [full["pairs"]] * len(answer["positions"])
     assert answer["whole_in_layers"] == list(range(layers))
     assert snapkv["kv_bytes"] < full["kv_bytes"]
+    assert full["ties"] is None and isinstance(snapkv["ties"], list)  # the full cache ranks none
     for row in (full, snapkv):  # greedy: each step's token the argmax, within the 6 asked
         assert 1 <= len(row["greedy"]) <= 6
         assert all(step["logit"] >= step["runner_up_logit"] for step in row["greedy"])
@@ -538,3 +542,28 @@ def test_wgkv_takes_the_tau_past_a_jump_and_runs_a_ratio_it_cannot_hold_at_the_l
     assert again == taus and not calls
     with pytest.raises(ValueError, match=r"every tau measured keeps more than 0.010"):
         wgkv_calibration.tau_for_kept_share(jump, measured, 0.01)
+
+
+def test_a_head_s_tie_is_its_ranked_tokens_sharing_the_lowest_kept_score():
+    # sink (inf), five ranked, the newest protected; the head keeps the sink, 1, 2 and 6
+    scores = np.array([np.inf, 3.0, 2.0, 2.0, 2.0 * (1 + 1e-7), 1.0, 0.5], np.float32)
+    positions = np.arange(7)
+    kept = np.array([0, 1, 2, 6, -1, -1, -1])
+    tie = score_ties.head_ties(scores, positions, kept, sinks=1, newest=6)
+    assert tie == {"cut": 2.0, "tied": 3, "tied_kept": 1, "zeros": 0, "ranked": 5}
+    apart = np.array([np.inf, 3.0, 2.0, 1.9, 1.8, 1.0, 0.5], np.float32)
+    assert score_ties.head_ties(apart, positions, kept, sinks=1, newest=6) is None
+
+
+def test_knorm_ties_at_its_cut_on_a_repeated_token_in_the_first_layer():
+    """A token's keys in layer 0 differ only by RoPE, which keeps their norms: Knorm's cut
+    falls among them when the repeats straddle it; `ties_at_cut` finds them there and the
+    full cache, which ranks nothing, has none to find."""
+    model = init_model(tiny_config(Family.LLAMA), seed=1)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, 64, 40).tolist()
+    prompt[6:36] = [7] * 30  # one token 30 times: the cut of 20 kept falls among them
+    ties = score_ties.ties_at_cut(model, policies.from_spec("knorm:0.5"), None, prompt)
+    first = [t for t in ties if t["layer"] == 0]
+    assert first and all(t["tied_kept"] < t["tied"] <= 30 for t in first)
+    assert score_ties.ties_at_cut(model, policies.get("full"), None, prompt) is None
