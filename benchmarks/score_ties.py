@@ -17,43 +17,23 @@ import jax
 import numpy as np
 
 import jaxkv
-from jaxkv.policies.eviction import LayerView, ScoredCompression, Scorer
+from jaxkv.policies.eviction import InnerScorer, LayerView, ScoredCompression
 
 # Scores this close to the cut, relative to it, are ties (float32 sums in different orders).
 TIE_TOLERANCE = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
-class RecordingScorer(Scorer):
+class RecordingScorer(InnerScorer):
     """`inner`'s scores, each layer's also handed to `record(layer, scores [B, K, S],
     positions [B, K, S])` on the host as it is computed."""
 
-    inner: Scorer
     record: Callable = dataclasses.field(compare=False, hash=False)
-
-    @property
-    def observation_window(self) -> int:
-        return self.inner.observation_window
-
-    @property
-    def query_moments_from(self) -> int | None:
-        return self.inner.query_moments_from
-
-    @property
-    def reads_values(self) -> bool:
-        return self.inner.reads_values
-
-    @property
-    def cache_only(self) -> bool:
-        return self.inner.cache_only
 
     def layer_scores(self, view: LayerView) -> jax.Array:
         scores = self.inner.layer_scores(view)
         jax.debug.callback(self.record, view.layer, scores, view.positions, ordered=True)
         return scores
-
-    def layer_budgets(self, obs, num_layers: int) -> jax.Array:
-        return self.inner.layer_budgets(obs, num_layers)
 
 
 def recording(policy, record: Callable):

@@ -197,6 +197,41 @@ class Scorer(abc.ABC):
         return self
 
 
+class ObservesInner:
+    """Mixin of the parts built over another (`self.inner`): prefill observes what the inner
+    reads (its observation window and query moments)."""
+
+    @property
+    def observation_window(self) -> int:
+        return self.inner.observation_window
+
+    @property
+    def query_moments_from(self) -> int | None:
+        return self.inner.query_moments_from
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerScorer(ObservesInner, Scorer):
+    """Base of the scorers built over another (`inner`): prefill observes what the inner
+    reads, and its scores and layer budgets are the inner's unless a subclass changes them."""
+
+    inner: Scorer
+
+    @property
+    def reads_values(self) -> bool:
+        return self.inner.reads_values
+
+    @property
+    def cache_only(self) -> bool:
+        return self.inner.cache_only
+
+    def layer_scores(self, view: LayerView) -> jax.Array:
+        return self.inner.layer_scores(view)
+
+    def layer_budgets(self, obs: PrefillObservations, num_layers: int) -> jax.Array:
+        return self.inner.layer_budgets(obs, num_layers)
+
+
 class DecodeScorer(Scorer):
     """A scorer that also ranks the cache during decode (`ScoredDecodeEviction`)."""
 
@@ -251,20 +286,12 @@ class ScoredCompression(PromptCompressionPart):
 
 
 @dataclasses.dataclass(frozen=True)
-class InnerScoredCompression(PromptCompressionPart):
+class InnerScoredCompression(ObservesInner, PromptCompressionPart):
     """Base of the prompt compressions that run over an inner score-and-evict compression
     (ChunkKV, EntropyGatedChunkKV, CriticalKV, KeyRerotation, Merging): prefill observes what
     the inner's scorer reads."""
 
     inner: ScoredCompression
-
-    @property
-    def observation_window(self) -> int:
-        return self.inner.observation_window
-
-    @property
-    def query_moments_from(self) -> int | None:
-        return self.inner.query_moments_from
 
     def _inner_scores(self, kv: KVState, obs: PrefillObservations, model):
         """(scores f32, held bool, protected bool), each [L, B, K, S]: the inner scorer's

@@ -15,37 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.policies import base
-from jaxkv.policies.eviction import EvictionPolicy, LayerView, Scorer
+from jaxkv.policies.eviction import EvictionPolicy, InnerScorer
 from jaxkv.policies.structure import layer_share_of, scoring_compression
 
 
 @dataclasses.dataclass(frozen=True)
-class PerLayerScores(Scorer):
+class PerLayerScores(InnerScorer):
     """An inner scorer's scores with a share of the prompt of its own per layer:
     floor(shares[l] x T) tokens per head in layer l (`layer_share_of`)."""
 
-    inner: Scorer
     shares: tuple[float, ...]
     protected: int
-
-    @property
-    def observation_window(self) -> int:
-        return self.inner.observation_window
-
-    @property
-    def query_moments_from(self) -> int | None:
-        return self.inner.query_moments_from
-
-    @property
-    def reads_values(self) -> bool:
-        return self.inner.reads_values
-
-    @property
-    def cache_only(self) -> bool:
-        return self.inner.cache_only
-
-    def layer_scores(self, view: LayerView) -> jax.Array:
-        return self.inner.layer_scores(view)
 
     def layer_budgets(self, obs, num_layers: int) -> jax.Array:
         del num_layers
