@@ -229,7 +229,12 @@ def answer(model, press, prefill_ids: list[int], question_ids: list[int], steps:
     `steps` tokens (the question read first when it was not prefilled), from the prefill's
     length or, after a press that rerotates its kept keys to 0..n-1, from n, as the pipeline
     reads on from `cache.get_seq_length()`. Returns (token ids [steps], the bytes of keys and
-    values the cache held after the prefill)."""
+    values the cache held after the prefill).
+
+    A cache whose layers hold different numbers of tokens (PyramidKV's) reads the question one
+    token at a time: transformers builds one causal mask from layer 0's length, so a question
+    read at once would see its own later tokens in every shorter layer (4.56: the mask cut to
+    the layer's keys) or stop (5.2: a size mismatch). One token needs no causal structure."""
     import torch
     from transformers import DynamicCache
 
@@ -243,15 +248,16 @@ def answer(model, press, prefill_ids: list[int], question_ids: list[int], steps:
             for layer in cache.layers
         )
         position = cache.get_seq_length() if rerotates(press) else len(prefill_ids)
-        if question_ids:
-            positions = torch.arange(position, position + len(question_ids))[None]
+        uneven = len({layer.keys.shape[-2] for layer in cache.layers}) > 1
+        reads = [[t] for t in question_ids] if uneven else [question_ids]
+        for ids in reads if question_ids else []:
             out = model(
-                input_ids=torch.tensor([question_ids]),
+                input_ids=torch.tensor([ids]),
                 past_key_values=cache,
-                position_ids=positions,
+                position_ids=torch.arange(position, position + len(ids))[None],
                 num_logits_to_keep=1,
             )
-            position += len(question_ids)
+            position += len(ids)
         generated = [int(out.logits[0, -1].argmax())]
         while len(generated) < steps and generated[-1] not in stop:
             out = model(
