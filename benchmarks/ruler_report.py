@@ -24,6 +24,7 @@ import numpy as np
 from jaxkv.benchmarks import harness
 
 RECORD_KEY = ("task", "index", "policy", "ratio", "setting")
+LEGEND_COLUMNS = 4  # the plot's legend, below its panels
 # kvpress presses changed to test one difference from jaxkv's policy of the same name
 # (`benchmarks/kvpress_reference.py` says what each changes), each set against the jaxkv
 # policy entry that scores as it does: KVzip as the paper's code scores (`KVzip`'s docstring).
@@ -213,14 +214,20 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     samples than `expected_samples`)."""
     plt = harness.pyplot()
     settings = sorted({r["setting"] for r in rows if r["policy"] != "full"}) or ["agnostic"]
+    names = sorted({r["policy"] for r in rows if r["policy"] != "full"})
+    legend_rows = -(-(len(names) + 1) // LEGEND_COLUMNS)  # the policies and the full cache
+    legend_height = 0.25 * legend_rows  # inches, below the panels
     fig, axes = plt.subplots(
-        1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False, sharex=True
+        1,
+        len(settings),
+        figsize=(6 * len(settings), 4.5 + legend_height),
+        squeeze=False,
+        sharex=True,
     )
     full = [r["average"] for r in rows if r["policy"] == "full"]
     expected = expected_samples(rows)
-    names = sorted({r["policy"] for r in rows if r["policy"] != "full"})
-    colours, markers = plt.get_cmap("tab10").colors, "osD^v<>phX*P"
-    styles = {n: (colours[i % 10], markers[i % len(markers)]) for i, n in enumerate(names)}
+    colours, markers = plt.get_cmap("tab20").colors, "osD^v<>phX*P"
+    styles = {n: (colours[i % 20], markers[i % len(markers)]) for i, n in enumerate(names)}
     for axis, setting in zip(axes[0], settings, strict=True):
         lines = defaultdict(list)
         for r in rows:
@@ -242,9 +249,10 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     for axis in axes[0]:
         legend.update(zip(*reversed(axis.get_legend_handles_labels()), strict=True))
     labels = sorted(legend, key=lambda label: (label == "full", label))
-    fig.legend([legend[label] for label in labels], labels, loc="center right", fontsize=8)
+    handles = [legend[label] for label in labels]
+    fig.legend(handles, labels, loc="lower center", ncol=LEGEND_COLUMNS, fontsize=8)
     fig.suptitle(f"{title}\n(hollow: a cell still running, fewer samples than the others)")
-    fig.tight_layout(rect=(0, 0, 0.86, 1))
+    fig.tight_layout(rect=(0, (legend_height + 0.1) / fig.get_figheight(), 1, 1))
     path = out / "ruler.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
