@@ -249,8 +249,13 @@ def answer(model, press, prefill_ids: list[int], question_ids: list[int], steps:
         )
         position = cache.get_seq_length() if rerotates(press) else len(prefill_ids)
         uneven = len({layer.keys.shape[-2] for layer in cache.layers}) > 1
-        reads = [[t] for t in question_ids] if uneven else [question_ids]
-        for ids in reads if question_ids else []:
+        if not question_ids:
+            reads = []
+        elif uneven:
+            reads = [[token] for token in question_ids]
+        else:
+            reads = [question_ids]
+        for ids in reads:
             out = model(
                 input_ids=torch.tensor([ids]),
                 past_key_values=cache,

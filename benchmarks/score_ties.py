@@ -17,7 +17,12 @@ import jax
 import numpy as np
 
 import jaxkv
-from jaxkv.policies.eviction import InnerScorer, LayerView, ScoredCompression
+from jaxkv.policies.eviction import (
+    InnerScorer,
+    LayerView,
+    ScoredCompression,
+    protected_slots,
+)
 
 # Scores this close to the cut, relative to it, are ties (float32 sums in different orders).
 TIE_TOLERANCE = 1e-5
@@ -67,22 +72,22 @@ def ties_at_cut(model, policy, params, prompt: list[int]) -> list[dict] | None:
         return None
     state = jaxkv.compress_prompt(model, [prompt], recorder, policy_params=params)
     kept = np.asarray(state.positions())[:, 0]  # [L, K, S] after compression
-    compression = policy.prompt_compression
-    protected = (compression.sinks, len(prompt) - compression.protected_recent)
+    lengths = np.array([len(prompt)])
     found = []
     for layer, (scores, positions) in sorted(layers.items()):
+        protected = protected_slots(policy.prompt_compression, positions[None], lengths)[0]
         for head in range(scores.shape[0]):
-            row = head_ties(scores[head], positions[head], kept[layer, head], *protected)
+            row = head_ties(scores[head], positions[head], kept[layer, head], protected[head])
             if row is not None:
                 found.append({"layer": layer, "head": head, **row})
     return found
 
 
-def head_ties(scores, positions, kept_positions, sinks: int, newest: int) -> dict | None:
+def head_ties(scores, positions, kept_positions, protected) -> dict | None:
     """One head's tie at its cut (`ties_at_cut`), or None where the cut is no tie: scores and
-    positions [S] before compression, kept_positions [S] after (-1 padded); the positions
-    below `sinks` and from `newest` on are kept whatever their scores, so not ranked."""
-    ranked = (positions >= sinks) & (positions < newest) & np.isfinite(scores)
+    positions [S] before compression, kept_positions [S] after (-1 padded), protected bool [S]
+    the slots kept whatever their scores (`protected_slots`), so not ranked."""
+    ranked = (positions >= 0) & ~protected & np.isfinite(scores)
     kept = ranked & np.isin(positions, kept_positions[kept_positions >= 0])
     if not kept.any() or kept.sum() == ranked.sum():
         return None

@@ -549,10 +549,11 @@ def test_a_head_s_tie_is_its_ranked_tokens_sharing_the_lowest_kept_score():
     scores = np.array([np.inf, 3.0, 2.0, 2.0, 2.0 * (1 + 1e-7), 1.0, 0.5], np.float32)
     positions = np.arange(7)
     kept = np.array([0, 1, 2, 6, -1, -1, -1])
-    tie = score_ties.head_ties(scores, positions, kept, sinks=1, newest=6)
+    protected = (positions < 1) | (positions >= 6)
+    tie = score_ties.head_ties(scores, positions, kept, protected)
     assert tie == {"cut": 2.0, "tied": 3, "tied_kept": 1, "zeros": 0, "ranked": 5}
     apart = np.array([np.inf, 3.0, 2.0, 1.9, 1.8, 1.0, 0.5], np.float32)
-    assert score_ties.head_ties(apart, positions, kept, sinks=1, newest=6) is None
+    assert score_ties.head_ties(apart, positions, kept, protected) is None
 
 
 def test_knorm_ties_at_its_cut_on_a_repeated_token_in_the_first_layer():

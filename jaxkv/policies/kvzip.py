@@ -520,10 +520,10 @@ class KVzip(Policy):
             Budget(ratio=self.ratio)  # validates (0, 1]
         if self.chunk < 1:
             raise ValueError(f"chunk={self.chunk} must be >= 1")
-        for field in ("recent", "sinks"):
-            value = getattr(self, field)
-            if field == "sinks" and value is None:
-                continue
+        counts = {"recent": self.recent}
+        if self.sinks is not None:
+            counts["sinks"] = self.sinks
+        for field, value in counts.items():
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
                 raise ValueError(f"{field}={value!r} must be an integer >= 0")
         if self.prompt_turn not in PROMPT_TURNS:
