@@ -34,9 +34,10 @@ from its own copy.
 Decoding is then most of the
 cost, and on a CPU a decode step reads every weight whatever the batch: the answers of the
 policies that do nothing while decoding (all here but StreamingLLM, which evicts every 32
-steps) are decoded as the rows of one session (`jaxkv.generation.joined`), each row's tokens
-its own. A record's seconds are its own compression and answer plus an equal share of the read
-and of the joined decode (`prefill_shared_by`).
+steps) are decoded as the rows of one session per ratio (`jaxkv.generation.joined`), each
+row's tokens its own: a step reads every row as far as the longest row holds, so rows of one
+ratio join and no other. A record's seconds are its own compression and answer plus an equal
+share of the read (`prefill_shared_by` jobs) and of its decode (`decoded_with` rows).
 
 Each answered sample is a line of OUT/records.jsonl as soon as it finishes: a rerun of the
 command skips every (task, sample, policy, ratio, setting) already there. OUT/samples.jsonl is
@@ -125,14 +126,17 @@ def answer(
 
 
 def answers_each(
-    model, tokenizer, chosen, sample: Sample, setting: str, stop, cap=None
+    model, tokenizer, chosen, ratios, sample: Sample, setting: str, stop, cap=None
 ) -> list[dict]:
     """`answer` in `setting` under each of `chosen` ((policy, params) pairs whose prefills read
-    alike: `jaxkv.prefill_each`), what the setting compresses read once; the answers of the
-    policies that do nothing while decoding decoded as the rows of one session
-    (`join_sessions`: each row's tokens its own; one per set of sessions that can join).
-    Each result's seconds are its own compression and answer plus an equal share of the read
-    and of the joined decode."""
+    alike: `jaxkv.prefill_each`) at its ratio in `ratios`, what the setting compresses read
+    once; the answers of the policies that do nothing while decoding at one ratio decoded as
+    the rows of one session (`join_sessions`: each row's tokens its own; one per set of
+    sessions that can join). Only one ratio's rows join: a decode step reads every row as far
+    as its longest row holds (the XLA path), so a row of ratio 0.875 joined with one of 0.25
+    would read three quarters of a context to hold an eighth of it. Each result's seconds are
+    its own compression and answer plus an equal share of the read and of its decode;
+    `decoded_with` counts the rows of that decode."""
     sample = sample.capped(cap)
     start = time.perf_counter()
     compressed, after = sample.split(setting)
@@ -153,14 +157,14 @@ def answers_each(
         if join_refusal([session]) is None:
             ready = decode_ready(session, sample.max_new_tokens)
             waiting = (index, held, ready, time.perf_counter() - started)
-            join = next((j for j in joins if join_refusal([j[0][2], ready]) is None), None)
+            join = next((j for j in joins if joins_with(j, index, ready, ratios)), None)
             if join is None:
                 joins.append([waiting])
             else:
                 join.append(waiting)
             continue
         out = jaxkv.decode(session, sample.max_new_tokens, stop_tokens=stop)
-        results[index] = scored(tokenizer, sample, out, held, stop, started)
+        results[index] = {**scored(tokenizer, sample, out, held, stop, started), "decoded_with": 1}
     for join in joins:  # the sessions one decode can join (their budgets' and thresholds' columns)
         started = time.perf_counter()
         joined = join_sessions([ready for _, _, ready, _ in join], sample.max_new_tokens)
@@ -168,8 +172,16 @@ def answers_each(
         decode_share = (time.perf_counter() - started) / len(join)
         for row, (index, held, _, own) in enumerate(join):
             began = time.perf_counter() - own - decode_share
-            results[index] = scored(tokenizer, sample, out, held, stop, began, row=row)
+            result = scored(tokenizer, sample, out, held, stop, began, row=row)
+            results[index] = {**result, "decoded_with": len(join)}
     return [{**result, "prefill_shared_by": len(chosen)} for result in results]
+
+
+def joins_with(join: list[tuple], index: int, ready, ratios) -> bool:
+    """Whether `answers_each`'s job `index`, decode-ready as `ready`, joins `join` (waiting
+    jobs' (index, held, ready, seconds)): its ratio theirs, and `join_refusal` none."""
+    first, _, first_ready, _ = join[0]
+    return ratios[first] == ratios[index] and join_refusal([first_ready, ready]) is None
 
 
 def scored(tokenizer, sample: Sample, out, held: float, stop, start: float, row: int = 0) -> dict:
@@ -315,8 +327,9 @@ def main(argv: list[str] | None = None) -> dict:
         sample = samples[(task, index)]
         chosen = [(policy_at(entry, ratio, sample), params[entry]) for entry, ratio, *_ in group]
         if len(group) > 1:
+            ratios = [ratio for _, ratio, *_ in group]
             results = answers_each(
-                model, tokenizer, chosen, sample, setting, stop, args.max_new_tokens
+                model, tokenizer, chosen, ratios, sample, setting, stop, args.max_new_tokens
             )
         else:
             results = [

@@ -360,6 +360,8 @@ def test_runner_writes_the_leaderboard_and_resumes(tmp_path, monkeypatch):
         ("agnostic", 4),
         ("aware", 2),
     }
+    # One ratio's rows decode together: SnapKV's and Knorm's (agnostic), SnapKV's alone (aware).
+    assert {(r["setting"], r["decoded_with"]) for r in shared} == {("agnostic", 2), ("aware", 1)}
 
     def answers(rows, ratio):
         return {
