@@ -1,12 +1,14 @@
 """Sessions joined into one: one-row sessions, each over its own prompt and compressed by its own
 policy, decoded together in one loop, each row as it would decode alone.
 
-Decoding one token of a small model on a CPU reads every weight once whatever the batch, so a
-benchmark that answers many compressed copies of one context (`jaxkv bench ruler`: policies x
-ratios) decodes them as the rows of one session for about the cost of one. Only policies that
-do nothing while decoding can be joined (no decode eviction, attention scoring, page selection,
-gate or admission: `DECODE_PARTS`): what a row holds decides its tokens, whichever policy
-compressed it. Each session is first moved into a pool sized for its decode
+A decode step reads every weight once whatever the batch, so a benchmark that answers many
+compressed copies of one context (`jaxkv bench ruler`: policies x ratios) decodes them as the
+rows of one session for much less than one by one, where the rows hold about as many tokens:
+the step's attention reads every row as far as its longest row holds (the XLA path), so rows
+of very different lengths gain little (`jaxkv bench ruler` joins one ratio's rows). Only
+policies that do nothing while decoding can be joined (no decode eviction, attention scoring,
+page selection, gate or admission: `DECODE_PARTS`): what a row holds decides its tokens,
+whichever policy compressed it. Each session is first moved into a pool sized for its decode
 (`decode_ready`), then copied into its row of the joined state (`insert_row`).
 """
 
