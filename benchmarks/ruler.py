@@ -165,7 +165,7 @@ def answers_each(
             continue
         out = jaxkv.decode(session, sample.max_new_tokens, stop_tokens=stop)
         results[index] = {**scored(tokenizer, sample, out, held, stop, started), "decoded_with": 1}
-    for join in joins:  # the sessions one decode can join (their budgets' and thresholds' columns)
+    for join in joins:  # one ratio's sessions that one decode can join (`joins_with`)
         started = time.perf_counter()
         joined = join_sessions([ready for _, _, ready, _ in join], sample.max_new_tokens)
         out = jaxkv.decode(joined, sample.max_new_tokens, stop_tokens=stop)
