@@ -2,9 +2,10 @@
 # The RULER-at-4K sweeps of docs/ruler.md on SmolLM2-135M-Instruct, started (or resumed: each
 # command skips what its records.jsonl holds) as background lanes, niced, each one chain of
 # the commands in docs/ruler.md, in the order they are wanted:
-#   agnostic   the policies whose prefills read alike, at the four ratios (one read a sample)
-#   aware      SnapKV, AdaKV, FINCH, ChunkKV aware; then Fast KVzip and WG-KV (a prefill each
-#              ratio); then KVzap's two surrogates
+#   agnostic   the policies whose prefills read alike, at the four ratios (one read a sample);
+#              then WG-KV (a prefill each ratio)
+#   aware      SnapKV, AdaKV, FINCH, ChunkKV aware; then Fast KVzip (a prefill each ratio);
+#              then KVzap's two surrogates
 #   kvpress-a  kvpress 0.5.5 (its own env) at 0.5, aware: FINCH, SnapKV, then AdaKV, ChunkKV
 #   kvpress-b  kvpress at 0.5, agnostic: ExpectedAttention, AdaKV, then KVzip, then PyramidKV
 #              through KVPRESS_PYRAMIDKV_PYTHON (default KVPRESS_PYTHON): kvpress's PyramidKV
@@ -37,9 +38,10 @@ PYRAMIDKV="${KVPRESS/${KVPRESS_PYTHON:-} -m/${KVPRESS_PYRAMIDKV_PYTHON:-${KVPRES
 
 declare -A LANES=(
   [agnostic]="$RULER --policies full kvzip snapkv streaming_llm tova knorm expected_attention \
-pyramidkv adakv $RATIOS --settings agnostic"
+pyramidkv adakv $RATIOS --settings agnostic \
+&& $RULER --policies wgkv $RATIOS --settings agnostic"
   [aware]="$RULER --policies snapkv adakv finch chunkkv $RATIOS --settings aware \
-&& $RULER --policies fastkvzip wgkv $RATIOS --settings agnostic \
+&& $RULER --policies fastkvzip $RATIOS --settings agnostic \
 && $RULER --policies kvzap kvzap:surrogate=linear $RATIOS --settings agnostic"
   [kvpress-a]="$KVPRESS --presses finch snapkv --settings aware \
 && $KVPRESS --presses adakv chunkkv --settings aware"
