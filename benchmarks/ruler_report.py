@@ -208,10 +208,25 @@ def expected_samples(rows: list[dict]) -> dict[str, int]:
     return expected
 
 
+def policy_points(
+    rows: list[dict], setting: str, expected: dict[str, int]
+) -> dict[str, tuple[list[tuple[float, float]], list[tuple[float, float]]]]:
+    """Per policy of `setting` (the full cache aside), its (ratio, average) points sorted by
+    ratio, split into finished cells (the line) and cells still running (hollow markers, not
+    joined: a few samples' average is no point on the curve)."""
+    points = defaultdict(lambda: ([], []))
+    for r in sorted(rows, key=lambda r: r["compression_ratio"]):
+        if r["policy"] != "full" and r["setting"] == setting:
+            finished, running = points[r["policy"]]
+            cell = (r["compression_ratio"], r["average"])
+            (finished if r["samples"] == expected else running).append(cell)
+    return dict(points)
+
+
 def plot(rows: list[dict], out: Path, title: str) -> Path:
-    """Average score against compression ratio, one line per policy (the same colour and marker
-    in every panel), a panel per setting; a hollow marker is a cell still running (fewer
-    samples than `expected_samples`)."""
+    """Average score against compression ratio, one line per policy through its finished cells
+    (the same colour and marker in every panel), a panel per setting; a hollow, unjoined marker
+    is a cell still running (fewer samples than `expected_samples`)."""
     plt = harness.pyplot()
     settings = sorted({r["setting"] for r in rows if r["policy"] != "full"}) or ["agnostic"]
     names = sorted({r["policy"] for r in rows if r["policy"] != "full"})
@@ -229,19 +244,17 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     colours, markers = plt.get_cmap("tab20").colors, "osD^v<>phX*P"
     styles = {n: (colours[i % 20], markers[i % len(markers)]) for i, n in enumerate(names)}
     for axis, setting in zip(axes[0], settings, strict=True):
-        lines = defaultdict(list)
-        for r in rows:
-            if r["policy"] != "full" and r["setting"] == setting:
-                done = r["samples"] == expected
-                lines[r["policy"]].append((r["compression_ratio"], r["average"], done))
-        for policy, points in sorted(lines.items()):
+        for policy, (finished, running) in sorted(policy_points(rows, setting, expected).items()):
             colour, marker = styles[policy]
-            ratios, averages, done = zip(*sorted(points), strict=True)
-            axis.plot(ratios, averages, color=colour, marker=marker, label=policy)
-            running = [(x, y) for x, y, d in zip(ratios, averages, done, strict=True) if not d]
+            if finished:
+                xs, ys = zip(*finished, strict=True)
+                axis.plot(xs, ys, color=colour, marker=marker, label=policy)
             if running:
                 xs, ys = zip(*running, strict=True)
-                axis.scatter(xs, ys, marker=marker, facecolors="white", edgecolors=colour, zorder=3)
+                label = None if finished else policy
+                axis.scatter(
+                    xs, ys, marker=marker, facecolors="white", edgecolors=colour, label=label
+                )
         if full:
             axis.axhline(full[0], color="black", linestyle="--", label="full")
         axis.set(xlabel="compression ratio (share evicted)", ylabel="RULER average", title=setting)
@@ -251,7 +264,9 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     labels = sorted(legend, key=lambda label: (label == "full", label))
     handles = [legend[label] for label in labels]
     fig.legend(handles, labels, loc="lower center", ncol=LEGEND_COLUMNS, fontsize=8)
-    fig.suptitle(f"{title}\n(hollow: a cell still running, fewer samples than the others)")
+    fig.suptitle(
+        f"{title}\n(hollow, off the line: a cell still running, fewer samples than the others)"
+    )
     fig.tight_layout(rect=(0, (legend_height + 0.1) / fig.get_figheight(), 1, 1))
     path = out / "ruler.png"
     fig.savefig(path, dpi=120)

@@ -109,6 +109,24 @@ def test_a_cell_with_fewer_samples_of_a_task_than_another_cell_is_still_running(
     assert [r["samples"] == expected for r in rows] == [True, False]
 
 
+def test_the_plot_joins_only_finished_cells():
+    def row(policy, ratio, samples, average):
+        return {"policy": policy, "setting": "agnostic", "compression_ratio": ratio} | {
+            "samples": {"vt": samples},
+            "average": average,
+        }
+
+    rows = [row("full", 0.0, 2, 9.0), row("a", 0.75, 2, 3.0), row("a", 0.25, 2, 5.0)]
+    rows += [row("a", 0.5, 1, 0.0), row("b", 0.5, 1, 7.0), row("c", 0.5, 2, 1.0)]
+    rows += [row("a", 0.5, 2, 4.0) | {"setting": "aware"}]
+    points = ruler_report.policy_points(rows, "agnostic", {"vt": 2})
+    assert points == {
+        "a": ([(0.25, 5.0), (0.75, 3.0)], [(0.5, 0.0)]),
+        "b": ([], [(0.5, 7.0)]),
+        "c": ([(0.5, 1.0)], []),
+    }
+
+
 @pytest.mark.parametrize(
     "entry, message",
     [
