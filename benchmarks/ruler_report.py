@@ -253,7 +253,13 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
                 xs, ys = zip(*running, strict=True)
                 label = None if finished else policy
                 axis.scatter(
-                    xs, ys, marker=marker, facecolors="white", edgecolors=colour, label=label
+                    xs,
+                    ys,
+                    marker=marker,
+                    facecolors="white",
+                    edgecolors=colour,
+                    zorder=3,
+                    label=label,
                 )
         if full:
             axis.axhline(full[0], color="black", linestyle="--", label="full")
